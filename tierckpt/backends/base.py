@@ -1,0 +1,163 @@
+"""The storage backend contract.
+
+A *backend* is a plain storage driver: memory, a local filesystem, an S3 bucket. It knows
+nothing about checkpoints, tiers or threads; ``pipeline.py`` owns concurrency and calls
+backends from several threads at once, so **every method must be thread-safe**.
+
+Names
+    Object names are relative, ``/``-separated paths. Each component matches
+    ``[A-Za-z0-9._-]+`` and is neither ``.`` nor ``..``; no leading ``/``, no empty
+    components. :func:`validate_name` enforces this for every call, so a name read from a
+    hostile manifest can never escape the backend's root.
+
+Writing a large object (a shard file)
+    ``open_writer(name)`` returns a :class:`ObjectWriter`. Writes arrive with explicit
+    offsets and **in increasing, contiguous order** (``offset == writer.size``); a backend
+    with ``supports_random_write`` also accepts holes. Nothing is visible under ``name``
+    until ``commit()`` returns; after that the object is durable to the degree the backend's
+    ``is_durable`` says. ``abort()`` discards everything (temporary files, multipart parts)
+    and is safe to call at any time, twice, or after a failed commit.
+
+Small atomic objects (manifests, per-rank records)
+    ``put_atomic(name, data)`` makes ``data`` visible under ``name`` all at once or not at
+    all. With ``overwrite=False`` it raises ``FileExistsError`` when ``name`` exists (a
+    conditional create where the backend ``supports_conditional_put``, best effort
+    otherwise).
+
+Reading
+    ``read(name, offset, length)`` returns exactly ``length`` bytes or raises;
+    ``read_into`` fills a caller's buffer (zero-copy where possible). A missing object
+    raises :class:`~tierckpt.errors.CheckpointNotFound` (a ``FileNotFoundError``).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from tierckpt._types import BytesLike as Buffer
+
+from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
+
+__all__ = ["Backend", "ObjectWriter", "validate_name"]
+
+_COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
+MAX_NAME_LENGTH = 512
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is a safe relative object name, else raise ``FormatError``."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
+        raise FormatError(f"invalid object name {name!r}: empty, not a string or too long")
+    for part in name.split("/"):
+        if part in ("", ".", "..") or not _COMPONENT.match(part):
+            raise FormatError(
+                f"invalid object name {name!r}: components must match [A-Za-z0-9._-]+ "
+                "and may not be '.' or '..' (no absolute paths, no traversal)"
+            )
+    return name
+
+
+class ObjectWriter(ABC):
+    """Streams one large object into a backend; see the module docstring."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.size = 0
+
+    @abstractmethod
+    def write(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` at ``offset`` (``offset == self.size`` unless random writes)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the object durable and visible under its name."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard the object and anything staged for it. Idempotent, never raises."""
+
+    def _check_sequential(self, offset: int) -> None:
+        if offset != self.size:
+            raise BackendError(
+                f"{self.name}: non-sequential write at offset {offset}, expected {self.size}"
+            )
+
+
+class Backend(ABC):
+    """A storage driver. See the module docstring for the contract."""
+
+    #: a short human label used in logs and errors, e.g. ``"local:/nvme/run1"``
+    url: str = ""
+
+    # -- capabilities (ask these, never isinstance) ---------------------------------
+    @property
+    def supports_ranged_read(self) -> bool:
+        return True
+
+    @property
+    def supports_random_write(self) -> bool:
+        return False
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        return False
+
+    @property
+    def is_durable(self) -> bool:
+        """True when committed objects survive the death of this process."""
+        return False
+
+    @property
+    def is_remote(self) -> bool:
+        """True when bytes cross a network link (compression usually pays)."""
+        return False
+
+    # -- writing -------------------------------------------------------------------
+    @abstractmethod
+    def open_writer(self, name: str) -> ObjectWriter: ...
+
+    @abstractmethod
+    def put_atomic(self, name: str, data: Buffer, *, overwrite: bool = False) -> None: ...
+
+    # -- reading -------------------------------------------------------------------
+    @abstractmethod
+    def read(self, name: str, offset: int, length: int) -> Buffer: ...
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        data = memoryview(self.read(name, offset, len(out))).cast("B")
+        if len(data) != len(out):
+            raise FormatError(f"{self.url}/{name}: short read at {offset}")
+        out[:] = data
+
+    def get(self, name: str) -> bytes:
+        """The whole object (for small objects: manifests, records)."""
+        return bytes(self.read(name, 0, self.size(name)))
+
+    @abstractmethod
+    def size(self, name: str) -> int: ...
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+        except CheckpointNotFound:
+            return False
+        return True
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Names of committed objects starting with ``prefix``, sorted."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Delete ``name``; a missing object is not an error."""
+
+    def cleanup_incomplete(self, prefix: str = "") -> int:
+        """Discard leftovers of writers that never committed (a killed process).
+
+        Returns how many leftovers were removed. Only call it when no writer of this
+        prefix is active.
+        """
+        return 0
+
+    def close(self) -> None:
+        """Release connections and handles."""

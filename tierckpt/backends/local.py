@@ -1,0 +1,240 @@
+"""Local filesystem backend (NVMe, a shared filesystem).
+
+Large objects are written with ``os.pwrite`` into ``<name>.<random>.tmp``, fsynced, renamed
+into place and the directory fsynced: an object is either absent or whole. Small atomic
+objects follow the same path; ``overwrite=False`` uses ``os.link`` so an existing name is
+never replaced (a create-only put).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import threading
+
+from tierckpt._types import BytesLike
+from tierckpt.backends.base import Backend, ObjectWriter, validate_name
+from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
+
+__all__ = ["LocalBackend"]
+
+TMP_SUFFIX = ".tmp"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(url: str, name: str, what: str, exc: OSError) -> BackendError:
+    hint = ""
+    if exc.errno == errno.ENOSPC:
+        hint = " (disk full: free space or lower keep_last)"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        hint = " (permission denied: check the folder's owner and mode)"
+    err = BackendError(exc.errno or 0, f"{url}/{name}: {what} failed: {exc.strerror}{hint}")
+    return err
+
+
+class _LocalWriter(ObjectWriter):
+    def __init__(self, backend: LocalBackend, name: str) -> None:
+        super().__init__(name)
+        self._backend = backend
+        self._final = backend._path(name)
+        os.makedirs(os.path.dirname(self._final), exist_ok=True)
+        self._tmp = f"{self._final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        try:
+            self._fd: int | None = os.open(
+                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
+        except OSError as exc:
+            raise _os_error(backend.url, name, "create", exc) from exc
+
+    def write(self, offset: int, data: BytesLike) -> None:
+        if self._fd is None:
+            raise FormatError(f"{self._backend.url}/{self.name}: write after commit/abort")
+        view = memoryview(data).cast("B")
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError as exc:
+            raise _os_error(self._backend.url, self.name, "write", exc) from exc
+        self.size = max(self.size, offset + len(view))
+
+    def commit(self) -> None:
+        if self._fd is None:
+            raise FormatError(f"{self._backend.url}/{self.name}: commit after commit/abort")
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(self._tmp, self._final)
+            _fsync_dir(os.path.dirname(self._final))
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            self._unlink_tmp()
+            raise _os_error(self._backend.url, self.name, "commit", exc) from exc
+
+    def _unlink_tmp(self) -> None:
+        try:
+            os.unlink(self._tmp)
+        except OSError:
+            pass
+
+    def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            self._unlink_tmp()
+
+
+class LocalBackend(Backend):
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        os.makedirs(self.root, exist_ok=True)
+        self._lock = threading.Lock()
+
+    @property
+    def supports_random_write(self) -> bool:
+        return True
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        return True
+
+    @property
+    def is_durable(self) -> bool:
+        return True
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, *validate_name(name).split("/"))
+
+    def open_writer(self, name: str) -> ObjectWriter:
+        return _LocalWriter(self, name)
+
+    def put_atomic(self, name: str, data: BytesLike, *, overwrite: bool = False) -> None:
+        final = self._path(name)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = f"{final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data).cast("B")
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if overwrite:
+                os.replace(tmp, final)
+            else:
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    raise FileExistsError(f"{self.url}/{name} already exists") from None
+                finally:
+                    os.unlink(tmp)
+            _fsync_dir(os.path.dirname(final))
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _os_error(self.url, name, "put", exc) from exc
+
+    def read(self, name: str, offset: int, length: int) -> BytesLike:
+        buf = bytearray(length)
+        self.read_into(name, offset, memoryview(buf))
+        return buf
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{self.url}/{name} does not exist") from None
+        except OSError as exc:
+            raise _os_error(self.url, name, "open", exc) from exc
+        try:
+            out = out.cast("B") if out.format != "B" else out
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    raise FormatError(
+                        f"{self.url}/{name}: file ends at {offset + done}, "
+                        f"expected {len(out) - done} more bytes (truncated?)"
+                    )
+                done += n
+        except OSError as exc:
+            raise _os_error(self.url, name, "read", exc) from exc
+        finally:
+            os.close(fd)
+
+    def size(self, name: str) -> int:
+        try:
+            return os.stat(self._path(name)).st_size
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{self.url}/{name} does not exist") from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        # walk only the deepest folder named by the prefix
+        base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = os.path.join(self.root, *base_rel.split("/")) if base_rel else self.root
+        if not os.path.isdir(base):
+            return []
+        for dirpath, _dirs, files in os.walk(base):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for f in files:
+                if f.endswith(TMP_SUFFIX):
+                    continue
+                rel = f if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{f}"
+                if rel.startswith(prefix):
+                    out.append(rel)
+        return sorted(out)
+
+    def delete(self, name: str) -> None:
+        path = self._path(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _os_error(self.url, name, "delete", exc) from exc
+        # remove folders left empty, up to the root
+        parent = os.path.dirname(path)
+        while parent != self.root and parent.startswith(self.root):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+
+    def cleanup_incomplete(self, prefix: str = "") -> int:
+        removed = 0
+        for dirpath, _dirs, files in os.walk(self.root):
+            for f in files:
+                if f.endswith(TMP_SUFFIX):
+                    rel = os.path.relpath(os.path.join(dirpath, f), self.root)
+                    if rel.replace(os.sep, "/").startswith(prefix):
+                        try:
+                            os.unlink(os.path.join(dirpath, f))
+                            removed += 1
+                        except OSError:
+                            pass
+        return removed

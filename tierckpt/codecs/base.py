@@ -1,0 +1,161 @@
+"""The codec contract and the codec registry.
+
+A codec turns one chunk's raw bytes into stored bytes and back. **A codec is its config**:
+``get_config()`` returns a JSON dict whose ``"id"`` names the codec in the registry, and
+``codec_from_config(codec.get_config()) == codec``. The config is written into the shard
+file's index, so a reader needs nothing else to decode.
+
+Contract
+    * ``encode(data)`` takes a contiguous byte buffer and returns a bytes-like object. It
+      must not modify ``data``. It may be called from several threads at once.
+    * ``decode(data, out)`` fills ``out`` (a writable buffer of exactly the raw size) and
+      must raise :class:`~tierckpt.errors.CorruptChunk` when ``data`` is malformed or
+      decodes to any other size. It must never allocate more than ``len(out)`` plus a small
+      constant for its output (no decompression bombs).
+    * ``for_dtype(dtype_name)`` returns the codec to use for a chunk whose values have that
+      dtype (e.g. a float-aware codec picks its element size); the default is ``self``.
+    * Codecs are immutable values; equality and hashing follow the config.
+
+Registry
+    Codec classes register under their ``codec_id``; ids must be unique (no silent
+    overwrite). Optional codecs whose package may be missing are registered lazily by dotted
+    path with the name of the package that provides them, so the error says what to install.
+    Unknown ids raise :class:`~tierckpt.errors.UnknownCodec`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from tierckpt._types import JSON, BytesLike
+from tierckpt.errors import UnknownCodec
+
+__all__ = [
+    "Codec",
+    "codec_from_config",
+    "codec_ids",
+    "get_codec",
+    "register_codec",
+    "register_lazy_codec",
+]
+
+
+class Codec(ABC):
+    """Base class of every codec; see the module docstring."""
+
+    codec_id: ClassVar[str]
+
+    @abstractmethod
+    def encode(self, data: BytesLike) -> BytesLike: ...
+
+    @abstractmethod
+    def decode(self, data: BytesLike, out: memoryview) -> None: ...
+
+    def get_config(self) -> dict[str, JSON]:
+        return {"id": self.codec_id}
+
+    @classmethod
+    def from_config(cls, config: dict[str, JSON]) -> Codec:
+        params = {k: v for k, v in config.items() if k != "id"}
+        try:
+            return cls(**params)
+        except TypeError as exc:
+            raise UnknownCodec(f"bad config for codec {cls.codec_id!r}: {config!r} ({exc})") from exc
+
+    def for_dtype(self, dtype_name: str) -> Codec:
+        return self
+
+    @property
+    def is_passthrough(self) -> bool:
+        """True when stored bytes equal raw bytes (no work to do)."""
+        return False
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.get_config(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{type(self).__name__}({params})"
+
+
+_lock = threading.Lock()
+_registry: dict[str, type[Codec]] = {}
+_lazy: dict[str, tuple[str, str]] = {}
+
+
+def register_codec(cls: type[Codec], *, replace: bool = False) -> type[Codec]:
+    """Register ``cls`` under ``cls.codec_id``; refuses to overwrite unless ``replace``."""
+    with _lock:
+        existing = _registry.get(cls.codec_id)
+        if existing is not None and existing is not cls and not replace:
+            raise ValueError(
+                f"codec id {cls.codec_id!r} is already registered by {existing.__qualname__}"
+            )
+        _registry[cls.codec_id] = cls
+        _lazy.pop(cls.codec_id, None)
+    return cls
+
+
+def register_lazy_codec(codec_id: str, target: str, package: str) -> None:
+    """Register ``module:Class`` to be imported on first use; ``package`` provides it."""
+    with _lock:
+        if codec_id not in _registry:
+            _lazy[codec_id] = (target, package)
+
+
+def _load_entry_points() -> None:
+    try:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group="tierckpt.codecs"):
+            if ep.name not in _registry and ep.name not in _lazy:
+                _lazy[ep.name] = (ep.value, ep.dist.name if ep.dist else ep.value)
+    except Exception:  # pragma: no cover - broken third-party metadata must not break us
+        pass
+
+
+def get_codec(codec_id: str) -> type[Codec]:
+    """The codec class for ``codec_id``, importing optional codecs on demand."""
+    with _lock:
+        cls = _registry.get(codec_id)
+        lazy = _lazy.get(codec_id)
+    if cls is not None:
+        return cls
+    if lazy is None:
+        _load_entry_points()
+        lazy = _lazy.get(codec_id)
+    if lazy is None:
+        raise UnknownCodec(
+            f"unknown codec id {codec_id!r}; known codecs: {', '.join(codec_ids())}. "
+            "A checkpoint written by a newer tierckpt or with a plugin codec needs that "
+            "codec installed."
+        )
+    target, package = lazy
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        loaded: Any = getattr(module, attr)
+    except ImportError as exc:
+        raise UnknownCodec(
+            f"codec {codec_id!r} needs the package {package!r}: pip install {package} ({exc})"
+        ) from exc
+    return register_codec(loaded)
+
+
+def codec_ids() -> list[str]:
+    with _lock:
+        return sorted(set(_registry) | set(_lazy))
+
+
+def codec_from_config(config: dict[str, JSON]) -> Codec:
+    """Build a codec from its config (as stored in an index); refuses unknown ids."""
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise UnknownCodec(f"codec config must be a dict with a string 'id', got {config!r}")
+    return get_codec(config["id"]).from_config(config)

@@ -1,0 +1,72 @@
+"""One error family.
+
+Every error tierckpt raises derives from :class:`TierCkptError` and also from the
+built-in exception a caller would naturally catch (``FileNotFoundError``,
+``ValueError``, ``TypeError``, ``OSError``), so ``except FileNotFoundError`` keeps
+working for code that does not know about tierckpt.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "CheckpointFailed",
+    "CheckpointNotFound",
+    "CorruptCheckpoint",
+    "CorruptChunk",
+    "FormatError",
+    "StateMismatch",
+    "TierCkptError",
+    "UnknownCodec",
+    "UnsupportedObject",
+]
+
+
+class TierCkptError(Exception):
+    """Root of every tierckpt error."""
+
+
+class CheckpointNotFound(TierCkptError, FileNotFoundError):
+    """No committed checkpoint matches the request (step, tier or URL)."""
+
+
+class FormatError(TierCkptError, ValueError):
+    """A shard file, index or manifest does not follow the format, or is hostile."""
+
+
+class CorruptCheckpoint(FormatError):
+    """A stored object failed its integrity check (checksum, size, footer)."""
+
+
+class CorruptChunk(CorruptCheckpoint):
+    """One chunk's stored bytes do not match their checksum or fail to decode."""
+
+    def __init__(self, message: str, *, tier: str = "", file: str = "", chunk: int = -1):
+        super().__init__(message)
+        self.tier = tier
+        self.file = file
+        self.chunk = chunk
+
+
+class UnknownCodec(TierCkptError, ValueError):
+    """A codec id that is not in the registry (or whose package is not installed)."""
+
+
+class UnsupportedObject(TierCkptError, TypeError):
+    """The state holds an object the format cannot store without pickle."""
+
+
+class StateMismatch(TierCkptError, ValueError):
+    """``load(into=...)`` found a key, shape or dtype that differs from the checkpoint."""
+
+
+class BackendError(TierCkptError, OSError):
+    """A storage backend failed (disk full, permission, S3 error after retries)."""
+
+
+class CheckpointFailed(TierCkptError, RuntimeError):
+    """A save did not commit on one or more tiers; ``errors`` maps tier name to cause."""
+
+    def __init__(self, message: str, errors: dict[str, BaseException] | None = None):
+        super().__init__(message)
+        self.errors = dict(errors or {})
