@@ -1,0 +1,378 @@
+"""On-disk format v1: shard files, their index and footer, manifests, object names.
+
+See ``docs/format.md`` for the specification; this module is its executable form. The
+serialized bytes, not these classes, are the compatibility contract: golden files of every
+version live in ``tests/fixtures/``.
+
+Shard file (one per rank per checkpoint per tier)::
+
+    [chunk 0][pad to 4 KiB][chunk 1][pad] ... [index: UTF-8 JSON][footer: 64 bytes]
+
+Footer (little-endian)::
+
+    0  8s  magic  b"TIERCKPT"
+    8  I   format version (1)
+    12 I   flags (0)
+    16 Q   index offset
+    24 Q   index length
+    32 Q   xxh3-64 of the index bytes
+    40 Q   total file size (including this footer)
+    48 Q   xxh3-64 of bytes 0..47 of the footer
+    56 8s  end magic  b"TCKPTEND"
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from tierckpt._types import JSON, BytesLike
+from tierckpt.backends.base import validate_name
+from tierckpt.errors import CorruptCheckpoint, FormatError
+
+__all__ = [
+    "ALIGNMENT",
+    "FOOTER_SIZE",
+    "FORMAT_VERSION",
+    "ChunkRecord",
+    "Footer",
+    "Manifest",
+    "ShardRef",
+    "checksum",
+    "decode_index",
+    "decode_manifest",
+    "encode_index",
+    "encode_manifest",
+    "manifest_name",
+    "parse_manifest_name",
+    "shard_name",
+    "step_prefix",
+]
+
+FORMAT_VERSION = 1
+ALIGNMENT = 4096
+FOOTER_SIZE = 64
+MAGIC = b"TIERCKPT"
+END_MAGIC = b"TCKPTEND"
+_FOOTER = struct.Struct("<8sIIQQQQQ8s")
+assert _FOOTER.size == FOOTER_SIZE
+
+MAX_STEP = 10**12 - 1
+MAX_INDEX_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_WORLD_SIZE = 1 << 20
+CHECKSUM_ALGO = "xxh3_64"
+
+MANIFEST_DIR = "manifests"
+DATA_DIR = "steps"
+_MANIFEST_RE = re.compile(r"^manifests/step-(\d{12})\.json$")
+
+
+def checksum(data: BytesLike) -> str:
+    """xxh3-64 of ``data`` as 16 hex digits."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+# -- names ----------------------------------------------------------------------------
+
+
+def _check_step(step: object) -> int:
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise FormatError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
+    return step
+
+
+def manifest_name(step: int) -> str:
+    return f"{MANIFEST_DIR}/step-{_check_step(step):012d}.json"
+
+
+def parse_manifest_name(name: str) -> int | None:
+    m = _MANIFEST_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def step_prefix(step: int) -> str:
+    return f"{DATA_DIR}/{_check_step(step):012d}/"
+
+
+def shard_name(step: int, rank: int) -> str:
+    return f"{step_prefix(step)}rank-{rank:06d}.tck"
+
+
+def rank_record_name(step: int, rank: int) -> str:
+    return f"{step_prefix(step)}rank-{rank:06d}.done.json"
+
+
+# -- footer ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Footer:
+    index_offset: int
+    index_length: int
+    index_checksum: str
+    file_size: int
+    version: int = FORMAT_VERSION
+
+    def encode(self) -> bytes:
+        head = struct.pack(
+            "<8sIIQQQQ",
+            MAGIC,
+            self.version,
+            0,
+            self.index_offset,
+            self.index_length,
+            int(self.index_checksum, 16),
+            self.file_size,
+        )
+        return head + struct.pack("<Q8s", xxhash.xxh3_64_intdigest(head), END_MAGIC)
+
+    @classmethod
+    def decode(cls, data: BytesLike, *, file_size: int, where: str) -> Footer:
+        raw = bytes(data)
+        if len(raw) != FOOTER_SIZE:
+            raise CorruptCheckpoint(f"{where}: footer is {len(raw)} bytes, expected 64")
+        magic, version, _flags, ioff, ilen, icrc, fsize, fcrc, end = _FOOTER.unpack(raw)
+        if magic != MAGIC or end != END_MAGIC:
+            raise CorruptCheckpoint(
+                f"{where}: no tierckpt footer (bad magic): the file is truncated, "
+                "still being written, or not a tierckpt shard file"
+            )
+        if xxhash.xxh3_64_intdigest(raw[:48]) != fcrc:
+            raise CorruptCheckpoint(f"{where}: footer checksum mismatch")
+        if version != FORMAT_VERSION:
+            raise FormatError(
+                f"{where}: shard format version {version}; this tierckpt reads version "
+                f"{FORMAT_VERSION} (upgrade tierckpt)"
+            )
+        if fsize != file_size:
+            raise CorruptCheckpoint(
+                f"{where}: file is {file_size} bytes but its footer says {fsize} (truncated?)"
+            )
+        if ilen > MAX_INDEX_BYTES or ioff + ilen + FOOTER_SIZE != file_size:
+            raise CorruptCheckpoint(f"{where}: index range {ioff}+{ilen} does not end at footer")
+        return cls(ioff, ilen, f"{icrc:016x}", fsize, version)
+
+
+# -- index ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """Where one chunk lives in a shard file and how to turn it back into raw bytes."""
+
+    logical_offset: int  # position in the rank's logical byte stream
+    raw_size: int
+    stored_size: int
+    file_offset: int
+    codec: int  # index into the index's codec table
+    checksum: str  # xxh3-64 of the stored bytes
+
+    def to_json(self) -> list[Any]:
+        return [
+            self.logical_offset,
+            self.raw_size,
+            self.stored_size,
+            self.file_offset,
+            self.codec,
+            self.checksum,
+        ]
+
+
+def encode_index(index: dict[str, JSON]) -> bytes:
+    return json.dumps(index, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _int(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise FormatError(f"index: {what} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, Any]:
+    """Parse and validate a shard index. Chunks are checked for bounds and overlap."""
+    try:
+        index = json.loads(bytes(data))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpoint(f"{where}: index is not valid JSON ({exc})") from None
+    if not isinstance(index, dict) or index.get("format") != "tierckpt-shard":
+        raise FormatError(f"{where}: not a tierckpt shard index")
+    if index.get("version") != FORMAT_VERSION:
+        raise FormatError(f"{where}: unsupported shard index version {index.get('version')!r}")
+    for key, typ in (
+        ("codecs", list),
+        ("chunks", list),
+        ("storages", list),
+        ("tensors", list),
+    ):
+        if not isinstance(index.get(key), typ):
+            raise FormatError(f"{where}: index field {key!r} missing or not a {typ.__name__}")
+    if index.get("checksum_algo") != CHECKSUM_ALGO:
+        raise FormatError(f"{where}: unknown checksum algorithm {index.get('checksum_algo')!r}")
+    data_bytes = _int(index.get("data_bytes"), "data_bytes")
+    n_codecs = len(index["codecs"])
+    chunks: list[ChunkRecord] = []
+    file_end = 0
+    logical_end = 0
+    for i, c in enumerate(index["chunks"]):
+        if not isinstance(c, list) or len(c) != 6:
+            raise FormatError(f"{where}: chunk {i} record malformed")
+        rec = ChunkRecord(
+            _int(c[0], f"chunk {i} logical offset"),
+            _int(c[1], f"chunk {i} raw size", 0, 1 << 40),
+            _int(c[2], f"chunk {i} stored size", 0, 1 << 40),
+            _int(c[3], f"chunk {i} file offset"),
+            _int(c[4], f"chunk {i} codec", 0, max(n_codecs - 1, 0)),
+            c[5] if isinstance(c[5], str) and re.fullmatch(r"[0-9a-f]{16}", c[5]) else "",
+        )
+        if not rec.checksum:
+            raise FormatError(f"{where}: chunk {i} has a malformed checksum")
+        if rec.file_offset < file_end or rec.file_offset + rec.stored_size > file_size:
+            raise FormatError(f"{where}: chunk {i} overlaps another or lies outside the file")
+        if rec.logical_offset < logical_end or rec.logical_offset + rec.raw_size > data_bytes:
+            raise FormatError(f"{where}: chunk {i} overlaps another in the data stream")
+        file_end = rec.file_offset + rec.stored_size
+        logical_end = rec.logical_offset + rec.raw_size
+        chunks.append(rec)
+    index["chunks"] = chunks
+    span_end = 0
+    for i, s in enumerate(index["storages"]):
+        if not isinstance(s, list) or len(s) != 2:
+            raise FormatError(f"{where}: storage {i} record malformed")
+        off = _int(s[0], f"storage {i} offset")
+        n = _int(s[1], f"storage {i} size")
+        if off < span_end or off + n > data_bytes:
+            raise FormatError(f"{where}: storage {i} overlaps another or lies outside the data")
+        span_end = off + n
+    if span_end != data_bytes:
+        raise FormatError(f"{where}: storages cover {span_end} of {data_bytes} data bytes")
+    return index
+
+
+# -- manifest -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRef:
+    rank: int
+    file: str
+    size: int
+    index_checksum: str
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "rank": self.rank,
+            "file": self.file,
+            "size": self.size,
+            "index_checksum": self.index_checksum,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    step: int
+    world_size: int
+    shards: tuple[ShardRef, ...]
+    created: float
+    library_version: str
+    tier: str = ""
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    codecs: tuple[str, ...] = ()
+    metadata: dict[str, JSON] | None = None
+
+    def shard_for(self, rank: int) -> ShardRef:
+        for s in self.shards:
+            if s.rank == rank:
+                return s
+        raise FormatError(f"manifest of step {self.step} has no shard for rank {rank}")
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    body: dict[str, JSON] = {
+        "format": "tierckpt-manifest",
+        "version": FORMAT_VERSION,
+        "step": m.step,
+        "world_size": m.world_size,
+        "created": m.created,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.created)),
+        "library_version": m.library_version,
+        "tier": m.tier,
+        "raw_bytes": m.raw_bytes,
+        "stored_bytes": m.stored_bytes,
+        "codecs": list(m.codecs),
+        "shards": [s.to_json() for s in m.shards],
+        "metadata": m.metadata or {},
+    }
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    body["checksum"] = checksum(canon.encode("utf-8"))
+    return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode("utf-8")
+
+
+def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
+    raw = bytes(data)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpoint(f"{where}: manifest is not valid JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != "tierckpt-manifest":
+        raise FormatError(f"{where}: not a tierckpt manifest")
+    stored = body.pop("checksum", None)
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    if stored != checksum(canon.encode("utf-8")):
+        raise CorruptCheckpoint(f"{where}: manifest checksum mismatch")
+    if body.get("version") != FORMAT_VERSION:
+        raise FormatError(f"{where}: unsupported manifest version {body.get('version')!r}")
+    step = _check_step(body.get("step"))
+    world = body.get("world_size")
+    if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
+        raise FormatError(f"{where}: bad world_size {world!r}")
+    shards_json = body.get("shards")
+    if not isinstance(shards_json, list) or len(shards_json) != world:
+        raise FormatError(f"{where}: manifest must list exactly {world} shards")
+    shards = []
+    seen = set()
+    for s in shards_json:
+        if not isinstance(s, dict):
+            raise FormatError(f"{where}: malformed shard entry")
+        rank = s.get("rank")
+        if type(rank) is not int or not 0 <= rank < world or rank in seen:
+            raise FormatError(f"{where}: bad or duplicate shard rank {rank!r}")
+        seen.add(rank)
+        file = validate_name(s.get("file"))  # type: ignore[arg-type]
+        if not file.startswith(step_prefix(step)):
+            raise FormatError(f"{where}: shard file {file!r} is outside step {step}'s folder")
+        size = s.get("size")
+        if type(size) is not int or not FOOTER_SIZE <= size <= 1 << 50:
+            raise FormatError(f"{where}: bad shard size {size!r}")
+        crc = s.get("index_checksum")
+        if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{16}", crc):
+            raise FormatError(f"{where}: bad index checksum {crc!r}")
+        shards.append(ShardRef(rank, file, size, crc))
+    created = body.get("created")
+    codecs = body.get("codecs", [])
+    metadata = body.get("metadata", {})
+    return Manifest(
+        step=step,
+        world_size=world,
+        shards=tuple(sorted(shards, key=lambda s: s.rank)),
+        created=float(created) if isinstance(created, (int, float)) else 0.0,
+        library_version=str(body.get("library_version", "")),
+        tier=str(body.get("tier", "")),
+        raw_bytes=body.get("raw_bytes", 0) if type(body.get("raw_bytes")) is int else 0,
+        stored_bytes=body.get("stored_bytes", 0) if type(body.get("stored_bytes")) is int else 0,
+        codecs=tuple(str(c) for c in codecs) if isinstance(codecs, list) else (),
+        metadata=metadata if isinstance(metadata, dict) else {},
+    )

@@ -1,0 +1,134 @@
+"""The handle ``Checkpointer.save()`` returns: capture and per-tier completion of one save."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from tierckpt.errors import CheckpointFailed
+
+__all__ = ["SaveHandle", "TierResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierResult:
+    """What one tier did with one checkpoint."""
+
+    tier: str
+    step: int
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float  # from save() to committed on this tier
+    codec: str
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    @property
+    def gbps(self) -> float:
+        return self.raw_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class SaveHandle:
+    """Tracks one ``save()``: ``captured``, ``done(tier)``, ``wait(tier)``, ``result()``."""
+
+    def __init__(self, step: int, tiers: tuple[str, ...], *, skipped: bool = False) -> None:
+        self.step = step
+        self.tiers = tiers
+        self.skipped = skipped
+        self.started = time.perf_counter()
+        self.captured_at: float | None = None
+        self._captured = threading.Event()
+        self._capture_error: BaseException | None = None
+        self._tier_events = {t: threading.Event() for t in tiers}
+        self._results: dict[str, TierResult] = {}
+        self._errors: dict[str, BaseException] = {}
+        self._lock = threading.Lock()
+        if skipped or not tiers:
+            self._captured.set()
+            for e in self._tier_events.values():
+                e.set()
+
+    # -- set by the pipeline ---------------------------------------------------------
+    def _set_captured(self, error: BaseException | None = None) -> None:
+        self._capture_error = error
+        self.captured_at = time.perf_counter()
+        self._captured.set()
+
+    def _set_tier(self, tier: str, result: TierResult | None, error: BaseException | None) -> None:
+        with self._lock:
+            if result is not None:
+                self._results[tier] = result
+            if error is not None:
+                self._errors[tier] = error
+        self._tier_events[tier].set()
+
+    # -- for users -----------------------------------------------------------------
+    @property
+    def captured(self) -> bool:
+        """True once the state's bytes are in host memory (it may change from now on)."""
+        return self._captured.is_set()
+
+    def wait_captured(self, timeout: float | None = None) -> None:
+        if not self._captured.wait(timeout):
+            raise TimeoutError(f"step {self.step}: capture not finished after {timeout} s")
+        if self._capture_error is not None:
+            raise CheckpointFailed(
+                f"step {self.step}: capture failed: {self._capture_error}",
+                {t: self._capture_error for t in self.tiers},
+            ) from self._capture_error
+
+    def done(self, tier: str | None = None) -> bool:
+        """True when ``tier`` (every tier if None) has finished: committed or failed."""
+        return all(self._tier_events[t].is_set() for t in self._tiers(tier))
+
+    def committed(self, tier: str) -> bool:
+        return self.done(tier) and tier in self._results
+
+    def _tiers(self, tier: str | None) -> tuple[str, ...]:
+        if tier is None:
+            return self.tiers
+        if tier not in self._tier_events:
+            raise KeyError(
+                f"step {self.step} was not sent to tier {tier!r} (it went to {list(self.tiers)})"
+            )
+        return (tier,)
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> SaveHandle:
+        """Wait until committed on ``tier`` (all tiers if None); raise if it failed there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._tiers(tier):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._tier_events[t].wait(remaining):
+                raise TimeoutError(f"step {self.step}: tier {t!r} not done after {timeout} s")
+        errors = {t: e for t, e in self.errors.items() if tier is None or t == tier}
+        if errors:
+            first = next(iter(errors.values()))
+            raise CheckpointFailed(
+                f"step {self.step} failed on tier(s) {', '.join(errors)}: {first}", errors
+            ) from first
+        return self
+
+    def result(self, timeout: float | None = None) -> dict[str, TierResult]:
+        """Wait for every tier; the per-tier results, or the first error raised."""
+        self.wait(None, timeout)
+        with self._lock:
+            return dict(self._results)
+
+    @property
+    def errors(self) -> dict[str, BaseException]:
+        with self._lock:
+            return dict(self._errors)
+
+    @property
+    def results(self) -> dict[str, TierResult]:
+        with self._lock:
+            return dict(self._results)
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else (
+            "done" if self.done() else ("captured" if self.captured else "capturing")
+        )
+        return f"<SaveHandle step={self.step} {state} tiers={list(self.tiers)}>"

@@ -1,0 +1,374 @@
+"""Background stages: capture → encode → write per tier → commit. All threads live here.
+
+One capture thread copies chunks into the host arena (waiting for free slots: backpressure).
+As soon as a chunk is in the arena it is encoded on a small pool (once per distinct codec
+among the tiers; the raw codec costs only a checksum) and handed to every tier's writer
+thread, in tier order. A tier thread writes its chunks in sequence, so S3 multipart parts go
+out in order while the local tier pwrites at its own pace; a chunk's arena slot is released
+once every tier has written it. After the last chunk each tier writes the index and footer,
+makes the file durable and commits (manifest last), then applies retention. A failure on one
+tier fails that tier's copy of that checkpoint only; it is reported on the handle and in the
+log, and the next save starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierckpt._types import BytesLike
+from tierckpt.arena import HostArena
+from tierckpt.backends.base import Backend, ObjectWriter
+from tierckpt.capture import CaptureStreams, copy_chunk
+from tierckpt.codecs import Codec
+from tierckpt.errors import BackendError, FormatError
+from tierckpt.format import (
+    CHECKSUM_ALGO,
+    FOOTER_SIZE,
+    FORMAT_VERSION,
+    ChunkRecord,
+    Footer,
+    ShardRef,
+    align_up,
+    checksum,
+    encode_index,
+    manifest_name,
+    shard_name,
+)
+from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.plan import ChunkPlan, SavePlan
+from tierckpt.policy import TierSpec
+from tierckpt.retention import gc_tier
+
+__all__ = ["Pipeline", "SaveJob", "TierRuntime"]
+
+log = logging.getLogger("tierckpt")
+_ZEROS = bytes(4096)
+
+
+@dataclass
+class TierRuntime:
+    spec: TierSpec
+    backend: Backend
+    codec: Codec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    data: BytesLike
+    checksum: str
+    codec_config: dict[str, Any]
+
+
+@dataclass
+class _ChunkState:
+    plan: ChunkPlan
+    slot: int
+    remaining: int
+    encoded: dict[Codec, Future[Encoded]] = field(default_factory=dict)
+
+
+@dataclass
+class SaveJob:
+    step: int
+    plan: SavePlan
+    tiers: list[TierRuntime]
+    handle: SaveHandle
+    rank: int
+    world_size: int
+    ready_events: dict[torch.device, Any]
+    metadata: dict[str, Any]
+    capture_error: BaseException | None = None
+
+
+@dataclass
+class _TierWrite:
+    """One tier's progress on one job."""
+
+    writer: ObjectWriter | None = None
+    offset: int = 0
+    records: list[list[Any]] = field(default_factory=list)
+    codecs: list[dict[str, Any]] = field(default_factory=list)
+    stored: int = 0
+    error: BaseException | None = None
+
+
+CommitFn = Callable[[TierRuntime, SaveJob, ShardRef, int, int], None]
+
+
+class Pipeline:
+    def __init__(
+        self,
+        tiers: list[TierRuntime],
+        *,
+        chunk_bytes: int,
+        host_buffer_bytes: int,
+        io_threads: int,
+        commit: CommitFn,
+    ) -> None:
+        self.tiers = tiers
+        self.chunk_bytes = chunk_bytes
+        self.host_buffer_bytes = host_buffer_bytes
+        self.commit = commit
+        self.arena: HostArena | None = None
+        self._streams = CaptureStreams()
+        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tierckpt-encode")
+        self._capture_q: queue.Queue[SaveJob | None] = queue.Queue()
+        self._tier_q: dict[str, queue.Queue[tuple[str, SaveJob, Any] | None]] = {
+            t.name: queue.Queue() for t in tiers
+        }
+        self._lock = threading.Lock()
+        self._in_flight: list[SaveJob] = []
+        self._closed = False
+        self._threads = [threading.Thread(target=self._capture_loop, name="tierckpt-capture",
+                                          daemon=True)]
+        for t in tiers:
+            self._threads.append(
+                threading.Thread(target=self._tier_loop, args=(t,), name=f"tierckpt-{t.name}",
+                                 daemon=True)
+            )
+        for th in self._threads:
+            th.start()
+
+    # -- public ----------------------------------------------------------------------
+    def submit(self, job: SaveJob) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the checkpointer is closed")
+            self._in_flight.append(job)
+        self._capture_q.put(job)
+
+    def in_flight(self) -> list[SaveJob]:
+        with self._lock:
+            return list(self._in_flight)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._capture_q.put(None)
+        for th in self._threads:
+            th.join()
+        self._pool.shutdown(wait=True)
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    # -- capture ---------------------------------------------------------------------
+    def _ensure_arena(self, plan: SavePlan) -> HostArena:
+        """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
+        biggest = max((c.raw_size for c in plan.chunks), default=0)
+        slot = align_up(max(biggest, 4096))
+        a = self.arena
+        if a is not None:
+            slot = max(slot, a.slot_bytes)
+        cap = max(2, self.host_buffer_bytes // slot)
+        want = min(max(2, len(plan.chunks), a.n_slots if a else 0), cap)
+        if a is not None and a.slot_bytes >= slot and a.n_slots >= want:
+            return a
+        if a is not None:
+            self._wait_arena_idle()
+            a.close()
+        self.arena = HostArena(want, slot)
+        log.debug("host arena: %d slots x %d bytes (%.2f s to allocate)", want, slot,
+                  self.arena.alloc_seconds)
+        return self.arena
+
+    def _wait_arena_idle(self) -> None:
+        a = self.arena
+        if a is None:
+            return
+        while a.free_slots < a.n_slots:
+            time.sleep(0.001)
+
+    def _capture_loop(self) -> None:
+        while True:
+            job = self._capture_q.get()
+            if job is None:
+                for q in self._tier_q.values():
+                    q.put(None)
+                return
+            try:
+                self._capture(job)
+            except BaseException as exc:  # noqa: BLE001 - reported on the handle
+                job.capture_error = exc
+                log.error("step %d: capture failed: %s", job.step, exc)
+                job.handle._set_captured(exc)
+            for t in job.tiers:
+                self._tier_q[t.name].put(("end", job, None))
+
+    def _capture(self, job: SaveJob) -> None:
+        plan = job.plan
+        a = self._ensure_arena(plan)
+        for t in job.tiers:
+            self._tier_q[t.name].put(("start", job, None))
+        codecs = {t.codec for t in job.tiers}
+        events = []
+        for chunk in plan.chunks:
+            slot = a.acquire()
+            try:
+                slot_t = a.slot(slot)
+                event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
+            except BaseException:
+                a.release(slot)
+                raise
+            if event is not None:
+                events.append(event)
+            state = _ChunkState(chunk, slot, remaining=len(job.tiers))
+            view = memoryview(slot_t[: chunk.raw_size].numpy())
+            for codec in codecs:
+                state.encoded[codec] = self._pool.submit(
+                    _encode, codec.for_dtype(chunk.dtype), view, event
+                )
+            for t in job.tiers:
+                self._tier_q[t.name].put(("chunk", job, state))
+        for ev in events:
+            ev.synchronize()
+        job.handle._set_captured()
+
+    # -- tiers -----------------------------------------------------------------------
+    def _release(self, state: _ChunkState) -> None:
+        with self._lock:
+            state.remaining -= 1
+            last = state.remaining == 0
+        if last:
+            state.encoded.clear()
+            assert self.arena is not None
+            self.arena.release(state.slot)
+
+    def _tier_loop(self, tier: TierRuntime) -> None:
+        q = self._tier_q[tier.name]
+        progress: dict[int, _TierWrite] = {}
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            kind, job, payload = item
+            tw = progress.setdefault(id(job), _TierWrite())
+            try:
+                if kind == "start":
+                    self._tier_start(tier, job, tw)
+                elif kind == "chunk":
+                    try:
+                        if tw.error is None:
+                            self._tier_chunk(tier, job, tw, payload)
+                    finally:
+                        self._release(payload)
+                elif kind == "end":
+                    del progress[id(job)]
+                    self._tier_end(tier, job, tw)
+            except BaseException as exc:  # noqa: BLE001 - reported on the handle
+                tw.error = exc
+                if tw.writer is not None:
+                    tw.writer.abort()
+                    tw.writer = None
+                if kind == "end":
+                    self._finish(tier, job, None, exc)
+
+    def _tier_start(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+        if tier.backend.exists(manifest_name(job.step)):
+            raise FileExistsError(
+                f"step {job.step} is already committed on tier {tier.name!r} "
+                f"({tier.backend.url}); refusing to overwrite it — save under another step or "
+                "delete the old one first (tierckpt gc)"
+            )
+        tw.writer = tier.backend.open_writer(shard_name(job.step, job.rank))
+
+    def _tier_chunk(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
+        enc = state.encoded[tier.codec].result()
+        assert tw.writer is not None
+        start = align_up(tw.offset)
+        if start > tw.offset and not tier.backend.supports_random_write:
+            tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
+        tw.writer.write(start, enc.data)
+        n = len(memoryview(enc.data).cast("B"))
+        try:
+            codec_idx = tw.codecs.index(enc.codec_config)
+        except ValueError:
+            tw.codecs.append(enc.codec_config)
+            codec_idx = len(tw.codecs) - 1
+        rec = ChunkRecord(state.plan.logical_offset, state.plan.raw_size, n, start, codec_idx,
+                          enc.checksum)
+        tw.records.append(rec.to_json())
+        tw.offset = start + n
+        tw.stored += n
+
+    def _tier_end(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+        if job.capture_error is not None:
+            raise job.capture_error
+        if tw.error is not None:
+            raise tw.error
+        assert tw.writer is not None
+        index = {
+            "format": "tierckpt-shard",
+            "version": FORMAT_VERSION,
+            "step": job.step,
+            "rank": job.rank,
+            "world_size": job.world_size,
+            "checksum_algo": CHECKSUM_ALGO,
+            "codecs": tw.codecs,
+            "chunks": tw.records,
+            **job.plan.index_skeleton(),
+        }
+        blob = encode_index(index)
+        index_offset = tw.offset
+        tw.writer.write(index_offset, blob)
+        size = index_offset + len(blob) + FOOTER_SIZE
+        footer = Footer(index_offset, len(blob), checksum(blob), size)
+        tw.writer.write(index_offset + len(blob), footer.encode())
+        if tw.writer.size != size:
+            raise FormatError(f"shard size {tw.writer.size} != expected {size}")
+        tw.writer.commit()
+        tw.writer = None
+        ref = ShardRef(job.rank, shard_name(job.step, job.rank), size, footer.index_checksum)
+        self.commit(tier, job, ref, job.plan.data_bytes, tw.stored)
+        seconds = time.perf_counter() - job.handle.started
+        codec_desc = ",".join(sorted({c["id"] for c in tw.codecs})) or "raw"
+        result = TierResult(tier.name, job.step, job.plan.data_bytes, tw.stored, seconds, codec_desc)
+        log.info(
+            "committed step %d on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
+            job.step, tier.name, result.raw_bytes, seconds, result.gbps, codec_desc, result.ratio,
+        )
+        if job.rank == 0:
+            try:
+                protect = {j.step for j in self.in_flight() if j is not job}
+                gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
+            except (BackendError, OSError) as exc:
+                log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+        self._finish(tier, job, result, None)
+
+    def _finish(self, tier: TierRuntime, job: SaveJob, result: TierResult | None,
+                error: BaseException | None) -> None:
+        if error is not None:
+            log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
+        job.handle._set_tier(tier.name, result, error)
+        if job.handle.done():
+            with self._lock:
+                if job in self._in_flight:
+                    self._in_flight.remove(job)
+            job.plan.sources.clear()
+
+
+def _encode(codec: Codec, view: memoryview, event: Any) -> Encoded:
+    if event is not None:
+        event.synchronize()
+    if codec.is_passthrough:
+        return Encoded(view, checksum(view), codec.get_config())
+    out = codec.encode(view)
+    if len(memoryview(out).cast("B")) >= len(view):
+        # incompressible: store raw bytes, never more than raw
+        return Encoded(view, checksum(view), {"id": "raw"})
+    return Encoded(out, checksum(out), codec.get_config())

@@ -1,0 +1,207 @@
+"""Flatten a state dict into a tensor table and a byte layout, then cut it into chunks.
+
+A rank's tensors are stored as *storage spans*: for every storage the state references, the
+smallest byte range covering all tensors that view it. A span is copied as plain bytes, so
+non-contiguous tensors (transposed, strided slices) need no temporary on the device, and two
+views of one storage stay views of one storage after loading. Spans are laid end to end in a
+logical byte stream, grouped by dtype, and the stream is cut into chunks of about
+``chunk_bytes``: many small tensors share a chunk (one copy), a large one spans several.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierckpt._types import JSON
+from tierckpt.errors import UnsupportedObject
+from tierckpt.objects import dtype_name, encode_tree
+
+__all__ = ["ChunkPlan", "Piece", "SavePlan", "SpanPlan", "TensorEntry", "build_plan"]
+
+#: start of a span is aligned down to this when tensors of different dtypes share a storage
+_MIXED_ALIGN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    storage: int  # index into the span table, -1 for tensors with no elements
+    offset: int  # byte offset of element 0 within the span
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: str
+
+    def to_json(self) -> list[JSON]:
+        return [self.storage, self.offset, self.dtype, list(self.shape), list(self.stride), self.device]
+
+
+@dataclass(frozen=True, slots=True)
+class SpanPlan:
+    logical_offset: int
+    nbytes: int
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    span: int
+    src_offset: int  # within the span
+    length: int
+    dst_offset: int  # within the chunk
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    seq: int
+    logical_offset: int
+    raw_size: int
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(slots=True)
+class SavePlan:
+    tree: JSON
+    tensors: list[TensorEntry]
+    spans: list[SpanPlan]
+    sources: list[torch.Tensor]  # uint8 views of each span's bytes, on the tensor's device
+    chunks: list[ChunkPlan]
+    data_bytes: int
+    devices: set[str]
+
+    def index_skeleton(self) -> dict[str, JSON]:
+        return {
+            "tree": self.tree,
+            "tensors": [t.to_json() for t in self.tensors],
+            "storages": [[s.logical_offset, s.nbytes] for s in self.spans],
+            "data_bytes": self.data_bytes,
+        }
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, end) of ``t`` within its storage."""
+    item = t.element_size()
+    first = t.storage_offset()
+    last = first + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return first * item, (last + 1) * item
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise UnsupportedObject(
+            f"tensor at {path} has layout {t.layout}; only dense (strided) tensors are stored "
+            "(convert with .to_dense())"
+        )
+    if t.is_meta:
+        raise UnsupportedObject(f"tensor at {path} is on the meta device and holds no data")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not isinstance(
+        t, torch.nn.Parameter
+    ):
+        raise UnsupportedObject(
+            f"tensor at {path} is a {type(t).__qualname__}; distributed (DTensor/sharded) "
+            "state goes through tierckpt.dcp (torch.distributed.checkpoint), plain tensors here"
+        )
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.detach()
+
+
+def build_plan(state: Any, chunk_bytes: int) -> SavePlan:
+    if chunk_bytes < 4096 or chunk_bytes % 4096:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+    tensors: list[torch.Tensor] = []
+    entries: list[TensorEntry | None] = []
+
+    def on_tensor(t: torch.Tensor, path: str) -> int:
+        tensors.append(_check_tensor(t, path))
+        entries.append(None)
+        return len(tensors) - 1
+
+    tree = encode_tree(state, on_tensor)
+
+    # group tensors by the storage they view
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            entries[i] = TensorEntry(
+                -1, 0, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), str(t.device)
+            )
+            continue
+        st = t.untyped_storage()
+        groups.setdefault((str(st.device), st.data_ptr()), []).append(i)
+
+    spans: list[SpanPlan] = []
+    sources: list[torch.Tensor] = []
+    # order spans by dtype (first appearance) so chunks hold one dtype each
+    order = sorted(groups.values(), key=lambda g: str(tensors[g[0]].dtype))
+    first_seen: dict[str, int] = {}
+    for g in groups.values():
+        first_seen.setdefault(str(tensors[g[0]].dtype), len(first_seen))
+    order.sort(key=lambda g: first_seen[str(tensors[g[0]].dtype)])
+    logical = 0
+    for members in order:
+        ranges = [_extent(tensors[i]) for i in members]
+        start = min(r[0] for r in ranges)
+        end = max(r[1] for r in ranges)
+        if any((r[0] - start) % tensors[i].element_size() for i, r in zip(members, ranges, strict=True)):
+            start -= start % _MIXED_ALIGN
+        span_idx = len(spans)
+        lead = tensors[members[0]]
+        spans.append(SpanPlan(logical, end - start, dtype_name(lead.dtype)))
+        st = lead.untyped_storage()
+        src = torch.empty(0, dtype=torch.uint8, device=st.device)
+        src.set_(st, start, (end - start,), (1,))
+        sources.append(src)
+        for i, r in zip(members, ranges, strict=True):
+            t = tensors[i]
+            entries[i] = TensorEntry(
+                span_idx, r[0] - start, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()),
+                str(t.device),
+            )
+        logical += end - start
+
+    chunks = _cut_chunks(spans, chunk_bytes)
+    return SavePlan(
+        tree=tree,
+        tensors=[e for e in entries if e is not None],
+        spans=spans,
+        sources=sources,
+        chunks=chunks,
+        data_bytes=logical,
+        devices={str(t.device) for t in tensors},
+    )
+
+
+def _cut_chunks(spans: list[SpanPlan], chunk_bytes: int) -> list[ChunkPlan]:
+    chunks: list[ChunkPlan] = []
+    pieces: list[Piece] = []
+    start = 0
+    size = 0
+    dtype = ""
+
+    def close() -> None:
+        nonlocal pieces, size
+        if pieces:
+            chunks.append(ChunkPlan(len(chunks), start, size, dtype, tuple(pieces)))
+        pieces = []
+        size = 0
+
+    for si, span in enumerate(spans):
+        if pieces and span.dtype != dtype:
+            close()
+        done = 0
+        while done < span.nbytes:
+            if not pieces:
+                start = span.logical_offset + done
+                dtype = span.dtype
+            take = min(span.nbytes - done, chunk_bytes - size)
+            pieces.append(Piece(si, done, take, size))
+            size += take
+            done += take
+            if size == chunk_bytes:
+                close()
+    close()
+    return chunks

@@ -1,0 +1,182 @@
+"""Tier specs and the tier policy: which tiers, in which order, what each keeps and encodes.
+
+A *tier* is a backend placed in the hierarchy with a policy. Tiers are listed fastest first
+(RAM, then local NVMe, then S3); every chunk is handed to the tiers in that order, and
+``load()`` reads from the fastest tier that holds the wanted checkpoint.
+
+Per tier:
+
+``keep_last``
+    keep this many newest committed checkpoints (``None`` keeps all). Older ones are
+    deleted after a newer one commits: manifest first, then data. The newest committed
+    checkpoint is never deleted.
+``every``
+    this tier receives every n-th checkpoint (by save call count): e.g. RAM and NVMe every
+    checkpoint, S3 every 10th.
+``codec``
+    ``"auto"`` (default: raw to RAM and local disk, compressed to remote tiers when that is
+    faster), ``"raw"``, ``"zstd"``, any registered codec id, or a :class:`Codec` instance.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierckpt.backends.base import Backend
+from tierckpt.backends.local import LocalBackend
+from tierckpt.backends.memory import MemoryBackend
+from tierckpt.codecs import Codec, codec_from_config
+
+__all__ = ["LocalTier", "MemoryTier", "S3Tier", "TierPolicy", "TierSpec", "resolve_codec"]
+
+CodecSpec = str | Codec | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """Common fields of every tier; use :class:`MemoryTier`, :class:`LocalTier`, :class:`S3Tier`."""
+
+    name: str
+    keep_last: int | None = None
+    every: int = 1
+    codec: CodecSpec = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"tier name must be a non-empty string without '/', got {self.name!r}")
+        if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):
+            raise ValueError(f"tier {self.name!r}: keep_last must be an int >= 1 or None")
+        if type(self.every) is not int or self.every < 1:
+            raise ValueError(f"tier {self.name!r}: every must be an int >= 1")
+
+    def make_backend(self) -> Backend:
+        raise NotImplementedError
+
+    def receives(self, save_index: int) -> bool:
+        """Whether the ``save_index``-th save (0-based) goes to this tier."""
+        return save_index % self.every == 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTier(TierSpec):
+    """Host RAM. Fast, not durable: it survives a new Checkpointer in the same process."""
+
+    name: str = "memory"
+    keep_last: int | None = 1
+    namespace: str = "default"
+
+    def make_backend(self) -> Backend:
+        return MemoryBackend(self.namespace)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class LocalTier(TierSpec):
+    """A local folder (NVMe, or any POSIX filesystem)."""
+
+    path: str = ""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        every: int = 1,
+        codec: CodecSpec = "auto",
+        name: str = "local",
+    ) -> None:
+        object.__setattr__(self, "path", os.fspath(path))
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "keep_last", keep_last)
+        object.__setattr__(self, "every", every)
+        object.__setattr__(self, "codec", codec)
+        TierSpec.__post_init__(self)
+        if not self.path:
+            raise ValueError("LocalTier needs a folder path")
+
+    def make_backend(self) -> Backend:
+        return LocalBackend(self.path)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class S3Tier(TierSpec):
+    """An S3-compatible bucket: ``S3Tier("s3://bucket/prefix", endpoint_url=...)``."""
+
+    url: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep_last: int | None = None,
+        every: int = 1,
+        codec: CodecSpec = "auto",
+        name: str = "s3",
+        **options: Any,
+    ) -> None:
+        object.__setattr__(self, "url", url)
+        object.__setattr__(self, "options", dict(options))
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "keep_last", keep_last)
+        object.__setattr__(self, "every", every)
+        object.__setattr__(self, "codec", codec)
+        TierSpec.__post_init__(self)
+        if not url.startswith("s3://"):
+            raise ValueError(f"S3Tier needs an s3://bucket/prefix URL, got {url!r}")
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.url))
+
+    def make_backend(self) -> Backend:
+        try:
+            from tierckpt.backends.s3 import S3Backend
+        except ImportError as exc:  # pragma: no cover - boto3 is a dependency
+            raise ImportError(f"the S3 tier needs boto3: pip install boto3 ({exc})") from exc
+        return S3Backend(self.url, **self.options)
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """An ordered list of tiers, fastest first."""
+
+    tiers: tuple[TierSpec, ...]
+
+    def __init__(self, tiers: Sequence[TierSpec]) -> None:
+        tiers = tuple(tiers)
+        if not tiers:
+            raise ValueError("a tier policy needs at least one tier")
+        for t in tiers:
+            if not isinstance(t, TierSpec):
+                raise TypeError(f"tiers must be MemoryTier/LocalTier/S3Tier, got {t!r}")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"tier names must be unique, got {names}; pass name=... to tell tiers apart"
+            )
+        object.__setattr__(self, "tiers", tiers)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.tiers)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+
+def resolve_codec(spec: CodecSpec, backend: Backend) -> Codec:
+    """The codec a tier uses. ``"auto"``: raw unless the link is remote."""
+    if isinstance(spec, Codec):
+        return spec
+    if isinstance(spec, dict):
+        return codec_from_config(spec)
+    if spec == "auto":
+        if not backend.is_remote:
+            return codec_from_config({"id": "raw"})
+        try:
+            from tierckpt.codecs.auto import auto_codec_for  # type: ignore[attr-defined]
+        except ImportError:
+            return codec_from_config({"id": "zstd", "level": 1})
+        return auto_codec_for(backend)  # type: ignore[no-any-return]
+    return codec_from_config({"id": spec})

@@ -1,0 +1,280 @@
+"""The load path: choose tier and step, read ranges in parallel, verify, decode, rebuild.
+
+For the wanted step, tiers are tried fastest first. Each chunk's stored bytes are checked
+against the checksum in the index before decoding; a failure names the tier, file and chunk
+and the reader moves on to the next tier holding the same step. Everything is decoded into
+fresh buffers and verified before a single byte is copied into the caller's tensors, so a
+failed load never leaves ``into=`` half overwritten.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierckpt.backends.base import Backend, ObjectWriter
+from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.errors import (
+    BackendError,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    CorruptChunk,
+    FormatError,
+    StateMismatch,
+    TierCkptError,
+    UnknownCodec,
+)
+from tierckpt.format import (
+    FOOTER_SIZE,
+    ChunkRecord,
+    Footer,
+    Manifest,
+    ShardRef,
+    checksum,
+    decode_index,
+    decode_manifest,
+    encode_manifest,
+    manifest_name,
+)
+from tierckpt.objects import decode_tree, dtype_from_name
+
+__all__ = ["LoadedShard", "read_manifest", "read_shard", "restore_into"]
+
+log = logging.getLogger("tierckpt")
+MAX_DIMS = 64
+#: errors that make the reader try the next tier (or step)
+RECOVERABLE = (CorruptCheckpoint, FormatError, BackendError, CheckpointNotFound, UnknownCodec)
+
+
+@dataclass
+class LoadedShard:
+    state: Any
+    manifest: Manifest
+    tier: str
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+
+
+def read_manifest(backend: Backend, step: int, tier: str) -> Manifest:
+    name = manifest_name(step)
+    data = backend.get(name)
+    return decode_manifest(data, where=f"tier {tier!r} {backend.url}/{name}")
+
+
+def read_index(backend: Backend, ref: ShardRef, tier: str) -> tuple[dict[str, Any], bytes, bytes]:
+    where = f"tier {tier!r} {backend.url}/{ref.file}"
+    size = backend.size(ref.file)
+    if size != ref.size:
+        raise CorruptCheckpoint(
+            f"{where}: file is {size} bytes, the manifest says {ref.size} (truncated or replaced)"
+        )
+    footer_bytes = bytes(backend.read(ref.file, size - FOOTER_SIZE, FOOTER_SIZE))
+    footer = Footer.decode(footer_bytes, file_size=size, where=where)
+    if footer.index_checksum != ref.index_checksum:
+        raise CorruptCheckpoint(f"{where}: index checksum differs from the manifest's")
+    blob = bytes(backend.read(ref.file, footer.index_offset, footer.index_length))
+    if checksum(blob) != footer.index_checksum:
+        raise CorruptCheckpoint(f"{where}: index bytes do not match their checksum")
+    return decode_index(blob, file_size=size, where=where), blob, footer_bytes
+
+
+def _span_buffers(index: dict[str, Any], where: str) -> list[torch.Tensor]:
+    spans = index["storages"]
+    return [torch.empty(int(n), dtype=torch.uint8) for _off, n in spans]
+
+
+def _rebuild_tensor(entry: Any, spans: list[torch.Tensor], i: int, where: str) -> torch.Tensor:
+    if not isinstance(entry, list) or len(entry) != 6:
+        raise FormatError(f"{where}: tensor {i} record malformed")
+    sid, off, dtype_s, shape, stride, _device = entry
+    dtype = dtype_from_name(dtype_s)
+    if (
+        not isinstance(shape, list)
+        or not isinstance(stride, list)
+        or len(shape) != len(stride)
+        or len(shape) > MAX_DIMS
+        or not all(type(v) is int and 0 <= v < 1 << 48 for v in shape + stride)
+    ):
+        raise FormatError(f"{where}: tensor {i} has a malformed shape/stride")
+    numel = math.prod(shape)
+    if sid == -1:
+        if numel != 0:
+            raise FormatError(f"{where}: tensor {i} has elements but no storage")
+        return torch.empty_strided(shape, stride, dtype=dtype)
+    if type(sid) is not int or not 0 <= sid < len(spans) or type(off) is not int or off < 0:
+        raise FormatError(f"{where}: tensor {i} points outside the storage table")
+    item = torch.empty((), dtype=dtype).element_size()
+    span = spans[sid]
+    extent = off + (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
+    if numel == 0 or off % item or extent > span.numel():
+        raise FormatError(f"{where}: tensor {i} does not fit its storage")
+    t = torch.empty(0, dtype=dtype)
+    t.set_(span.untyped_storage(), off // item, shape, stride)
+    return t
+
+
+def read_shard(
+    backend: Backend,
+    tier: str,
+    manifest: Manifest,
+    rank: int,
+    pool: ThreadPoolExecutor,
+    *,
+    repopulate: Sequence[Backend] = (),
+) -> LoadedShard:
+    """Read, verify and decode one rank's shard from one tier."""
+    t0 = time.perf_counter()
+    ref = manifest.shard_for(rank)
+    where = f"tier {tier!r} {backend.url}/{ref.file}"
+    index, index_blob, footer_blob = read_index(backend, ref, tier)
+    codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
+    spans = _span_buffers(index, where)
+    span_offsets = [int(s[0]) for s in index["storages"]]
+    chunks: list[ChunkRecord] = index["chunks"]
+    writers: list[ObjectWriter] = [b.open_writer(ref.file) for b in repopulate]
+
+    def one(ci: int) -> int:
+        rec = chunks[ci]
+        codec = codecs[rec.codec]
+        lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
+        # a chunk inside one span decodes straight into it; otherwise via a scratch buffer
+        first = max(bisect.bisect_right(span_offsets, lo) - 1, 0)
+        inside = bool(spans) and span_offsets[first] <= lo and hi <= (
+            span_offsets[first] + spans[first].numel()
+        )
+        if inside:
+            si = first
+            dest = spans[si][lo - span_offsets[si] : hi - span_offsets[si]]
+        else:
+            dest = torch.empty(rec.raw_size, dtype=torch.uint8)
+        dest_view = memoryview(dest.numpy())
+        if codec.is_passthrough and rec.stored_size == rec.raw_size:
+            backend.read_into(ref.file, rec.file_offset, dest_view)
+            stored: Any = dest_view
+        else:
+            stored = backend.read(ref.file, rec.file_offset, rec.stored_size)
+        if checksum(stored) != rec.checksum:
+            raise CorruptChunk(
+                f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "
+                "match its checksum", tier=tier, file=ref.file, chunk=ci,
+            )
+        for w in writers:
+            w.write(rec.file_offset, stored)
+        if stored is not dest_view:
+            try:
+                codec.decode(stored, dest_view)
+            except CorruptChunk as exc:
+                raise CorruptChunk(f"{where}: chunk {ci}: {exc}", tier=tier, file=ref.file,
+                                   chunk=ci) from exc
+        if not inside:
+            for si in range(first, len(spans)):
+                off = span_offsets[si]
+                if off >= hi:
+                    break
+                a, b = max(lo, off), min(hi, off + spans[si].numel())
+                if a < b:
+                    spans[si][a - off : b - off].copy_(dest[a - lo : b - lo])
+        return rec.stored_size
+
+    try:
+        stored_total = sum(pool.map(one, range(len(chunks))))
+        # cover every span byte: the chunks must tile the data stream
+        covered = sum(c.raw_size for c in chunks)
+        if covered != int(index["data_bytes"]):
+            raise FormatError(f"{where}: chunks cover {covered} of {index['data_bytes']} bytes")
+        tensors = [_rebuild_tensor(e, spans, i, where) for i, e in enumerate(index["tensors"])]
+        state = decode_tree(index.get("tree"), tensors)
+        for w in writers:
+            io = ref.size - FOOTER_SIZE - len(index_blob)
+            w.write(io, index_blob)
+            w.write(io + len(index_blob), footer_blob)
+            w.commit()
+        writers_done = True
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    if writers_done:
+        for b in repopulate:
+            try:
+                b.put_atomic(manifest_name(manifest.step), encode_manifest(manifest))
+            except FileExistsError:
+                pass
+    return LoadedShard(state, manifest, tier, int(index["data_bytes"]), stored_total,
+                       time.perf_counter() - t0)
+
+
+def restore_into(target: Any, loaded: Any, path: str = "<root>") -> Any:
+    """Copy ``loaded`` into ``target`` in place (tensors keep their storage); returns target."""
+    _check_into(target, loaded, path)
+    return _copy_into(target, loaded)
+
+
+def _check_into(target: Any, loaded: Any, path: str) -> None:
+    if isinstance(target, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise StateMismatch(f"{path}: the checkpoint holds a {type(loaded).__name__}, "
+                                "the target a tensor")
+        if target.shape != loaded.shape or target.dtype != loaded.dtype:
+            raise StateMismatch(
+                f"{path}: checkpoint has {loaded.dtype} {tuple(loaded.shape)}, target has "
+                f"{target.dtype} {tuple(target.shape)}"
+            )
+        return
+    if isinstance(target, dict):
+        if not isinstance(loaded, dict):
+            raise StateMismatch(f"{path}: target is a dict, checkpoint a {type(loaded).__name__}")
+        missing = [k for k in target if k not in loaded]
+        extra = [k for k in loaded if k not in target]
+        if missing or extra:
+            raise StateMismatch(
+                f"{path}: keys differ — missing from checkpoint: {missing[:10]}, "
+                f"not in target: {extra[:10]}"
+            )
+        for k in target:
+            _check_into(target[k], loaded[k], f"{path}[{k!r}]")
+        return
+    if isinstance(target, (list, tuple)):
+        if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
+            raise StateMismatch(f"{path}: sequence length or type differs")
+        for i, (a, b) in enumerate(zip(target, loaded, strict=True)):
+            _check_into(a, b, f"{path}[{i}]")
+
+
+def _copy_into(target: Any, loaded: Any) -> Any:
+    if isinstance(target, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(loaded)
+        return target
+    if isinstance(target, dict):
+        for k in target:
+            new = _copy_into(target[k], loaded[k])
+            if new is not target[k]:
+                target[k] = new
+        return target
+    if isinstance(target, list):
+        for i in range(len(target)):
+            new = _copy_into(target[i], loaded[i])
+            if new is not target[i]:
+                target[i] = new
+        return target
+    if isinstance(target, tuple):
+        for a, b in zip(target, loaded, strict=True):
+            _copy_into(a, b)
+        return target
+    return loaded
+
+
+def is_recoverable(exc: BaseException) -> bool:
+    return isinstance(exc, RECOVERABLE) or (
+        isinstance(exc, TierCkptError) and not isinstance(exc, StateMismatch)
+    )
