@@ -282,6 +282,11 @@ class Checkpointer:
                     f"no committed checkpoint on any tier ({', '.join(t.name for t in tiers)})"
                 )
             candidates = all_steps if fallback == "previous" else all_steps[:1]
+        if self.world_size > 1:
+            # every rank must load the same step: agree on the newest one all ranks can read
+            from tierckpt.distributed import agree_on_step
+
+            candidates = agree_on_step(self, candidates)
         errors: list[str] = []
         first_exc: BaseException | None = None
         for s in candidates:
