@@ -227,14 +227,21 @@ class LocalBackend(Backend):
 
     def cleanup_incomplete(self, prefix: str = "") -> int:
         removed = 0
-        for dirpath, _dirs, files in os.walk(self.root):
+        for dirpath, _dirs, files in os.walk(self.root, topdown=False):
+            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             for f in files:
                 if f.endswith(TMP_SUFFIX):
-                    rel = os.path.relpath(os.path.join(dirpath, f), self.root)
-                    if rel.replace(os.sep, "/").startswith(prefix):
+                    rel = f if rel_dir == "." else f"{rel_dir}/{f}"
+                    if rel.startswith(prefix):
                         try:
                             os.unlink(os.path.join(dirpath, f))
                             removed += 1
                         except OSError:
                             pass
+            # folders emptied by deletions go too (never the root)
+            if dirpath != self.root and f"{rel_dir}/".startswith(prefix):
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    pass
         return removed

@@ -1,0 +1,173 @@
+"""Issue 2: bad input gives a specific error from one family, naming file/chunk/key."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierckpt import (
+    CheckpointNotFound,
+    Checkpointer,
+    CorruptCheckpoint,
+    CorruptChunk,
+    FormatError,
+    LocalTier,
+    TierCkptError,
+    UnknownCodec,
+    UnsupportedObject,
+)
+from tierckpt.format import manifest_name, shard_name
+
+
+def _save(root: Path, step: int = 7, **kw: object) -> dict:
+    state = {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(10), "meta": {"k": 1}}
+    with Checkpointer([LocalTier(root)], chunk_bytes=64 << 10, **kw) as ck:  # type: ignore[arg-type]
+        ck.save(state, step=step).wait()
+    return state
+
+
+def _load(root: Path, **kw: object):
+    with Checkpointer([LocalTier(root)]) as ck:
+        return ck.load(**kw)  # type: ignore[arg-type]
+
+
+def test_truncated_shard_file(tmp_path: Path) -> None:
+    _save(tmp_path)
+    f = tmp_path / shard_name(7, 0)
+    os.truncate(f, f.stat().st_size - 100)
+    with pytest.raises(CorruptCheckpoint, match=r"rank-000000\.tck.*truncated"):
+        _load(tmp_path)
+
+
+def test_flipped_byte_in_a_chunk_names_tier_file_chunk(tmp_path: Path) -> None:
+    _save(tmp_path)
+    f = tmp_path / shard_name(7, 0)
+    data = bytearray(f.read_bytes())
+    data[4096 * 17 + 5] ^= 0x40  # inside the second 64 KiB chunk
+    f.write_bytes(data)
+    with pytest.raises(CorruptCheckpoint, match=r"tier 'local'.*rank-000000\.tck.*chunk 1 ") as ei:
+        _load(tmp_path)
+    assert isinstance(ei.value.__cause__, CorruptChunk)
+    assert ei.value.__cause__.chunk == 1 and ei.value.__cause__.tier == "local"
+
+
+def test_flipped_byte_in_index_and_footer(tmp_path: Path) -> None:
+    _save(tmp_path)
+    f = tmp_path / shard_name(7, 0)
+    good = f.read_bytes()
+    for pos in (len(good) - 64 - 10, len(good) - 30, len(good) - 3):
+        bad = bytearray(good)
+        bad[pos] ^= 0x01
+        f.write_bytes(bad)
+        with pytest.raises(CorruptCheckpoint):
+            _load(tmp_path)
+    f.write_bytes(good)
+    assert torch.equal(_load(tmp_path)["b"], torch.ones(10))
+
+
+def test_manifest_naming_a_missing_file(tmp_path: Path) -> None:
+    _save(tmp_path)
+    os.unlink(tmp_path / shard_name(7, 0))
+    with pytest.raises(CheckpointNotFound, match=r"rank-000000\.tck does not exist"):
+        _load(tmp_path)
+
+
+def test_corrupt_manifest(tmp_path: Path) -> None:
+    _save(tmp_path)
+    m = tmp_path / manifest_name(7)
+    body = json.loads(m.read_text())
+    body["world_size"] = 1
+    body["shards"][0]["size"] += 1  # checksum no longer matches
+    m.write_text(json.dumps(body))
+    with pytest.raises(CorruptCheckpoint, match="manifest checksum"):
+        _load(tmp_path)
+    m.write_text("{not json")
+    with pytest.raises(CorruptCheckpoint, match="not valid JSON"):
+        _load(tmp_path)
+
+
+def test_unknown_codec_id_refused_on_read(tmp_path: Path) -> None:
+    _save(tmp_path)
+    f = tmp_path / shard_name(7, 0)
+    data = f.read_bytes()
+    patched = data.replace(b'"codecs":[{"id":"raw"}]', b'"codecs":[{"id":"ro0"}]')
+    assert patched != data
+    # re-seal index + footer so only the codec id is wrong
+    from tierckpt.format import FOOTER_SIZE, Footer, checksum
+
+    footer = Footer.decode(data[-FOOTER_SIZE:], file_size=len(data), where="x")
+    index = patched[footer.index_offset : -FOOTER_SIZE]
+    new_footer = Footer(footer.index_offset, len(index), checksum(index), len(patched))
+    f.write_bytes(patched[: footer.index_offset] + index + new_footer.encode())
+    m = tmp_path / manifest_name(7)
+    body = json.loads(m.read_text())
+    body.pop("checksum")
+    body["shards"][0]["index_checksum"] = checksum(index)
+    from tierckpt.format import checksum as ck_sum
+
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    body["checksum"] = ck_sum(canon.encode())
+    m.write_text(json.dumps(body))
+    with pytest.raises(UnknownCodec, match="unknown codec id 'ro0'.*known codecs"):
+        _load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("state", "where"),
+    [
+        ({"a": {"b": [1, object()]}}, r"builtins\.object at \['a'\]\['b'\]\[1\]"),
+        ({"f": lambda: 0}, r"function at \['f'\]"),
+        ({"s": {1, 2}}, r"builtins\.set at \['s'\]"),
+        ({"sparse": torch.eye(3).to_sparse()}, r"\['sparse'\].*layout"),
+    ],
+)
+def test_unsupported_object_refused_at_save(tmp_path: Path, state: object, where: str) -> None:
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        with pytest.raises(UnsupportedObject, match=where):
+            ck.save(state, step=1)
+        assert ck.steps() == []
+        assert not (tmp_path / "steps").exists()
+
+
+def test_missing_step_and_empty_tier(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFound, match="no committed checkpoint"):
+        _load(tmp_path)
+    _save(tmp_path)
+    with pytest.raises(CheckpointNotFound, match=r"step 8 is not committed.*\[7\]"):
+        _load(tmp_path, step=8)
+    assert isinstance(CheckpointNotFound("x"), FileNotFoundError)
+
+
+def test_bad_step_values(tmp_path: Path) -> None:
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        for bad in (-1, 1.5, "3", 10**13):
+            with pytest.raises((ValueError, FormatError)):
+                ck.save({}, step=bad)  # type: ignore[arg-type]
+
+
+def test_interrupted_save_is_invisible(tmp_path: Path) -> None:
+    """A save whose manifest was never written: data present, no manifest."""
+    _save(tmp_path, step=7)
+    _save(tmp_path / "other", step=9)
+    # simulate a crash after the shard file landed but before the manifest
+    os.makedirs(tmp_path / "steps" / "000000000009")
+    os.replace(tmp_path / "other" / shard_name(9, 0), tmp_path / shard_name(9, 0))
+    (tmp_path / "steps" / "000000000009" / "rank-000000.tck.abcdef.tmp").write_bytes(b"x" * 100)
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        assert ck.steps() == [7]
+        assert torch.equal(ck.load()["b"], torch.ones(10))
+        # the next committed save cleans the leftovers
+        ck.save({"x": torch.zeros(1)}, step=10).wait()
+    assert not (tmp_path / "steps" / "000000000009").exists()
+
+
+def test_every_error_is_in_the_family() -> None:
+    for cls in (CheckpointNotFound, CorruptCheckpoint, CorruptChunk, FormatError, UnknownCodec,
+                UnsupportedObject):
+        assert issubclass(cls, TierCkptError)
+    assert issubclass(UnsupportedObject, TypeError)
+    assert issubclass(CorruptChunk, ValueError)
