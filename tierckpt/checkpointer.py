@@ -14,7 +14,7 @@ import torch
 
 from tierckpt import __version__
 from tierckpt.arena import default_host_buffer_bytes
-from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
+from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import Manifest, ShardRef, encode_manifest, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline import Pipeline, SaveJob, TierRuntime
@@ -195,13 +195,17 @@ class Checkpointer:
     def wait_captured(self, timeout: float | None = None) -> None:
         """Block until every pending save's bytes are in host memory.
 
-        Call it before anything modifies the saved state (the optimizer step). Raises
-        ``CheckpointFailed`` if the capture failed (training may go on; nothing committed).
+        Call it before anything modifies the saved state (the optimizer step). A failed
+        capture does not raise here — training goes on, the checkpoint is not committed, and
+        the error is logged and kept on the save's handle (``h.wait()`` raises it).
         """
         if self._pipeline is None:
             return
         for job in self._pipeline.in_flight():
-            job.handle.wait_captured(timeout)
+            try:
+                job.handle.wait_captured(timeout)
+            except CheckpointFailed:
+                pass
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait for pending captures. Returns the hook handle."""

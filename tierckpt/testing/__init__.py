@@ -1,0 +1,1 @@
+"""Shared test suites and helpers (``BackendTests``, S3 servers, a fault proxy)."""

@@ -123,6 +123,9 @@ class FaultProxy:
         self.set_faults(faults, seed=seed)
         self.requests: deque[RequestRecord] = deque(maxlen=10_000)
         self.fired: Counter[str] = Counter()
+        #: requests being handled now, and the most at once (to check client concurrency)
+        self.in_flight = 0
+        self.max_in_flight = 0
         self._closed = threading.Event()
         self._sockets: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -188,6 +191,11 @@ class FaultProxy:
                 self.fired[chosen.action] += 1
         return chosen
 
+    def _busy(self, delta: int) -> None:
+        with self._lock:
+            self.in_flight += delta
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
     def _track(self, s: socket.socket) -> None:
         with self._lock:
             self._sockets.add(s)
@@ -231,44 +239,48 @@ class FaultProxy:
                 req = self._read_request(rfile)
                 if req is None:
                     return
-                fault = self._pick(req.method, req.target)
-                action = fault.action if fault else None
-                if fault is not None and action in _ERRORS:
-                    if not req.expect_continue:
+                self._busy(+1)
+                try:
+                    fault = self._pick(req.method, req.target)
+                    action = fault.action if fault else None
+                    if fault is not None and action in _ERRORS:
+                        if not req.expect_continue:
+                            self._relay_body(rfile, req, None)
+                        client.sendall(_error_response(action))
+                        return
+                    if fault is not None and action == "reset_request":
+                        if req.expect_continue:
+                            client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                        self._relay_body(rfile, req, None, half=True)
+                        reset = True
+                        return
+                    if fault is not None and action == "stall":
+                        if req.expect_continue:
+                            client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                         self._relay_body(rfile, req, None)
-                    client.sendall(_error_response(action))
-                    return
-                if fault is not None and action == "reset_request":
+                        self._closed.wait(fault.seconds)
+                        return
+                    if fault is not None and action == "delay":
+                        self._closed.wait(fault.seconds)
+                    if upstream is None:
+                        upstream = socket.create_connection(self.upstream, timeout=self._timeout)
+                        self._track(upstream)
+                        ufile = upstream.makefile("rb")
+                    assert ufile is not None
+                    upstream.sendall(req.head)
                     if req.expect_continue:
                         client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    self._relay_body(rfile, req, None, half=True)
-                    reset = True
-                    return
-                if fault is not None and action == "stall":
-                    if req.expect_continue:
-                        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    self._relay_body(rfile, req, None)
-                    self._closed.wait(fault.seconds)
-                    return
-                if fault is not None and action == "delay":
-                    self._closed.wait(fault.seconds)
-                if upstream is None:
-                    upstream = socket.create_connection(self.upstream, timeout=self._timeout)
-                    self._track(upstream)
-                    ufile = upstream.makefile("rb")
-                assert ufile is not None
-                upstream.sendall(req.head)
-                if req.expect_continue:
-                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                self._relay_body(rfile, req, upstream.sendall)
-                keep = self._relay_response(
-                    ufile, client, req, cut=action == "reset_response" and fault is not None
-                )
-                if keep is None:  # cut mid-body
-                    reset = True
-                    return
-                if not keep or req.close:
-                    return
+                    self._relay_body(rfile, req, upstream.sendall)
+                    keep = self._relay_response(
+                        ufile, client, req, cut=action == "reset_response" and fault is not None
+                    )
+                    if keep is None:  # cut mid-body
+                        reset = True
+                        return
+                    if not keep or req.close:
+                        return
+                finally:
+                    self._busy(-1)
         except (OSError, ValueError):
             return
         finally:

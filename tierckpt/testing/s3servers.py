@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -71,6 +72,11 @@ class S3Server:
             region_name=self.region,
             config=Config(**config) if config else None,
         )
+
+    @functools.cached_property
+    def admin(self) -> Any:
+        """One shared client for setup and inspection (buckets, uploads) in tests."""
+        return self.client()
 
     def stop(self) -> None:
         stop, self._stop = self._stop, None

@@ -1,0 +1,100 @@
+"""Fixtures shared by the whole test suite, grouped by topic.
+
+S3
+    Dummy AWS credentials for the session (nothing can reach the cloud: the config and
+    credentials files are hidden, endpoints point at 127.0.0.1), one moto server and one
+    SeaweedFS server per session, each started on first use, and ``s3_bucket``: a factory that
+    creates a fresh bucket on a server for one test and empties and removes it afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tierckpt.testing.s3servers import (
+    ACCESS_KEY,
+    REGION,
+    SECRET_KEY,
+    S3Server,
+    start_moto,
+    start_seaweedfs,
+)
+
+# -- S3 -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _aws_test_credentials() -> Iterator[None]:
+    """Dummy credentials for every test; the user's AWS config never leaks in."""
+    mp = pytest.MonkeyPatch()
+    for key in list(os.environ):
+        if key.startswith("AWS_"):
+            mp.delenv(key)
+    mp.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    mp.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    mp.setenv("AWS_DEFAULT_REGION", REGION)
+    mp.setenv("AWS_CONFIG_FILE", os.devnull)
+    mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[S3Server]:
+    """moto's S3 on 127.0.0.1, in this process."""
+    server = start_moto()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """SeaweedFS (``weed mini``) on 127.0.0.1; fails with its log if it does not start."""
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_server(request: pytest.FixtureRequest) -> S3Server:
+    """Each S3 server in turn (for tests that must pass on both)."""
+    server: S3Server = request.getfixturevalue(f"{request.param}_server")
+    return server
+
+
+@pytest.fixture
+def s3_bucket() -> Iterator[Callable[[S3Server], str]]:
+    """``s3_bucket(server)`` creates a fresh bucket for this test and returns its name."""
+    made: list[tuple[S3Server, str]] = []
+
+    def make(server: S3Server) -> str:
+        name = f"tierckpt-{secrets.token_hex(6)}"
+        server.admin.create_bucket(Bucket=name)
+        made.append((server, name))
+        return name
+
+    yield make
+    for server, name in made:
+        _remove_bucket(server, name)
+
+
+def _remove_bucket(server: S3Server, bucket: str) -> None:
+    client = server.admin
+    with contextlib.suppress(Exception):
+        pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket)
+        for page in pages:
+            for up in page.get("Uploads", []):
+                client.abort_multipart_upload(
+                    Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
+                )
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        client.delete_bucket(Bucket=bucket)
