@@ -10,9 +10,27 @@ import torch
 
 def all_dtypes() -> list[torch.dtype]:
     names = [
-        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-        "float16", "bfloat16", "float32", "float64", "complex64", "complex128", "complex32",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "complex32",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
     ]
     return [getattr(torch, n) for n in names if hasattr(torch, n)]
 
@@ -76,8 +94,12 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
     """Bit-exact, type-exact equality of two state trees."""
     assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-        assert a.stride() == b.stride() or a.numel() == 0, f"{path}: strides {a.stride()} {b.stride()}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
+        assert a.stride() == b.stride() or a.numel() == 0, (
+            f"{path}: strides {a.stride()} {b.stride()}"
+        )
         if a.numel():
             ab = a.contiguous().view(-1).view(torch.uint8) if a.element_size() else a
             bb = b.contiguous().view(-1).view(torch.uint8) if b.element_size() else b

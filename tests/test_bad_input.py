@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tierckpt import (
-    CheckpointNotFound,
     Checkpointer,
+    CheckpointNotFound,
     CorruptCheckpoint,
     CorruptChunk,
     FormatError,
@@ -166,8 +166,14 @@ def test_interrupted_save_is_invisible(tmp_path: Path) -> None:
 
 
 def test_every_error_is_in_the_family() -> None:
-    for cls in (CheckpointNotFound, CorruptCheckpoint, CorruptChunk, FormatError, UnknownCodec,
-                UnsupportedObject):
+    for cls in (
+        CheckpointNotFound,
+        CorruptCheckpoint,
+        CorruptChunk,
+        FormatError,
+        UnknownCodec,
+        UnsupportedObject,
+    ):
         assert issubclass(cls, TierCkptError)
     assert issubclass(UnsupportedObject, TypeError)
     assert issubclass(CorruptChunk, ValueError)

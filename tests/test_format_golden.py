@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from golden_state import golden_state
 from helpers import assert_same
+
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.format import FOOTER_SIZE, Footer, decode_index, decode_manifest
 

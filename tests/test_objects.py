@@ -15,11 +15,20 @@ from tierckpt.errors import FormatError, UnsupportedObject
 from tierckpt.objects import decode_tree, encode_tree
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**200), max_value=2**200),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20), st.binary(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**200), max_value=2**200),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
 )
-keys = st.one_of(st.text(max_size=8), st.integers(), st.booleans(), st.none(),
-                 st.tuples(st.integers(), st.text(max_size=3)))
+keys = st.one_of(
+    st.text(max_size=8),
+    st.integers(),
+    st.booleans(),
+    st.none(),
+    st.tuples(st.integers(), st.text(max_size=3)),
+)
 trees = st.recursive(
     scalars,
     lambda inner: st.one_of(
@@ -36,7 +45,9 @@ def _same(a: object, b: object) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, float):
-        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))  # type: ignore[arg-type]
+        return (math.isnan(a) and math.isnan(b)) or (
+            a == b and math.copysign(1, a) == math.copysign(1, b)
+        )  # type: ignore[arg-type]
     if isinstance(a, dict):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)  # type: ignore[index]
     if isinstance(a, (list, tuple)):

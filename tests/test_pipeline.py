@@ -10,9 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from helpers import assert_same
-from tierckpt import CheckpointFailed, Checkpointer, LocalTier, MemoryTier
+
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, MemoryTier
 from tierckpt.backends.local import LocalBackend
 from tierckpt.policy import LocalTier as _LocalTier
 
@@ -20,12 +20,19 @@ from tierckpt.policy import LocalTier as _LocalTier
 def _state(n_big: int = 4, big: int = 1 << 18, n_small: int = 200) -> dict:
     g = torch.Generator().manual_seed(0)
     s = {f"big{i}": torch.randn(big, generator=g) for i in range(n_big)}
-    s.update({f"small{i}": torch.randn(7 + i % 13, generator=g).to(torch.bfloat16) for i in range(n_small)})
+    s.update(
+        {
+            f"small{i}": torch.randn(7 + i % 13, generator=g).to(torch.bfloat16)
+            for i in range(n_small)
+        }
+    )
     s["step"] = 3
     return s
 
 
-def test_save_returns_before_capture_and_mutation_after_wait_captured_is_not_saved(tmp_path: Path) -> None:
+def test_save_returns_before_capture_and_mutation_after_wait_captured_is_not_saved(
+    tmp_path: Path,
+) -> None:
     state = _state()
     expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
     with Checkpointer([LocalTier(tmp_path)], chunk_bytes=256 << 10) as ck:
@@ -60,8 +67,11 @@ def test_guard_makes_optimizer_step_wait_for_capture(tmp_path: Path) -> None:
 def test_state_larger_than_arena_streams_through_it(tmp_path: Path) -> None:
     state = _state(n_big=8, big=1 << 20)  # 32 MiB of fp32 + small tensors
     arena = 4 << 20
-    with Checkpointer([MemoryTier(namespace="big-arena"), LocalTier(tmp_path)],
-                      host_buffer_bytes=arena, chunk_bytes=1 << 20) as ck:
+    with Checkpointer(
+        [MemoryTier(namespace="big-arena"), LocalTier(tmp_path)],
+        host_buffer_bytes=arena,
+        chunk_bytes=1 << 20,
+    ) as ck:
         ck.save(state, step=1).wait()
         a = ck._pipeline.arena  # type: ignore[union-attr]
         assert a is not None and a.nbytes <= arena
@@ -127,8 +137,9 @@ def test_capture_failure_is_reported_and_next_save_works(
 
     monkeypatch.setattr(pipeline_mod, "copy_chunk", flaky)
     state = _state(n_big=3, big=1 << 17)
-    with Checkpointer([MemoryTier(namespace="capfail"), LocalTier(tmp_path)],
-                      chunk_bytes=128 << 10) as ck:
+    with Checkpointer(
+        [MemoryTier(namespace="capfail"), LocalTier(tmp_path)], chunk_bytes=128 << 10
+    ) as ck:
         h = ck.save(state, step=1)
         ck.wait_captured()  # training is never interrupted by a failed checkpoint
         with pytest.raises(CheckpointFailed, match="injected"):
@@ -183,8 +194,10 @@ def _fds() -> int:
 def test_200_saves_no_growth_in_rss_threads_fds(tmp_path: Path) -> None:
     state = _state(n_big=2, big=1 << 18, n_small=50)
     proc = psutil.Process()
-    with Checkpointer([MemoryTier(namespace="leak", keep_last=1), LocalTier(tmp_path, keep_last=2)],
-                      chunk_bytes=1 << 20) as ck:
+    with Checkpointer(
+        [MemoryTier(namespace="leak", keep_last=1), LocalTier(tmp_path, keep_last=2)],
+        chunk_bytes=1 << 20,
+    ) as ck:
         for s in range(20):  # warm-up
             ck.save(state, step=s).wait()
         rss0, th0, fd0 = proc.memory_info().rss, threading.active_count(), _fds()

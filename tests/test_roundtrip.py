@@ -7,14 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import assert_same, trained_state, zoo_state
+
 from tierckpt import Checkpointer, LocalTier, MemoryTier, StateMismatch
 
 
 @pytest.fixture
 def tiers(tmp_path: Path) -> list:
-    return [MemoryTier(keep_last=1, namespace=uuid.uuid4().hex), LocalTier(tmp_path / "nvme", keep_last=3)]
+    return [
+        MemoryTier(keep_last=1, namespace=uuid.uuid4().hex),
+        LocalTier(tmp_path / "nvme", keep_last=3),
+    ]
 
 
 @pytest.mark.parametrize("tier", ["memory", "local"])
@@ -35,7 +38,10 @@ def test_zoo_every_dtype_views_nesting(tmp_path: Path, chunk: int) -> None:
         loaded = ck2.load()
     assert_same(state, loaded)
     # two views of one storage stay views of one storage
-    assert loaded["view_b"].untyped_storage().data_ptr() == loaded["view_a"].untyped_storage().data_ptr()
+    assert (
+        loaded["view_b"].untyped_storage().data_ptr()
+        == loaded["view_a"].untyped_storage().data_ptr()
+    )
     loaded["view_a"][2, 0] = 42.0
     assert loaded["view_b"][0, 0].item() == 42.0
     assert loaded["transposed"].stride() == (1, 8)
@@ -75,7 +81,9 @@ def test_load_into_refuses_mismatch_and_names_key(tiers: list) -> None:
 
 def test_steps_retention_and_step_selection(tmp_path: Path) -> None:
     ns = uuid.uuid4().hex
-    with Checkpointer([MemoryTier(keep_last=1, namespace=ns), LocalTier(tmp_path, keep_last=2)]) as ck:
+    with Checkpointer(
+        [MemoryTier(keep_last=1, namespace=ns), LocalTier(tmp_path, keep_last=2)]
+    ) as ck:
         for s in (10, 20, 30, 40):
             ck.save({"x": torch.full((4,), float(s))}, step=s).wait()
         assert ck.steps() == [30, 40]
@@ -83,7 +91,10 @@ def test_steps_retention_and_step_selection(tmp_path: Path) -> None:
         assert ck.load()["x"][0].item() == 40.0
         assert ck.load(step=30)["x"][0].item() == 30.0
     # retention removed the data of deleted steps too, not only their manifests
-    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == ["000000000030", "000000000040"]
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == [
+        "000000000030",
+        "000000000040",
+    ]
 
 
 def test_refuses_to_overwrite_a_committed_step(tmp_path: Path) -> None:

@@ -45,7 +45,8 @@ class HostArena:
     def __init__(self, n_slots: int, slot_bytes: int, *, pin: bool | None = None) -> None:
         if n_slots < 1 or slot_bytes < ALIGN or slot_bytes % ALIGN:
             raise ValueError(
-                f"arena needs >= 1 slot of a multiple of {ALIGN} bytes, got {n_slots} x {slot_bytes}"
+                f"arena needs >= 1 slot of a multiple of {ALIGN} bytes, "
+                f"got {n_slots} x {slot_bytes}"
             )
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes

@@ -10,6 +10,7 @@ the GIL.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ class CaptureStreams:
         with self.lock:
             s = self.streams.get(device)
             if s is None:
-                s = torch.cuda.Stream(device=device)
+                s = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
                 self.streams[device] = s
             return s
 
@@ -54,7 +55,7 @@ def record_ready_events(plan: SavePlan) -> dict[torch.device, Any]:
     for dev in plan.devices:
         d = torch.device(dev)
         if d.type == "cuda":
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(torch.cuda.current_stream(d))
             events[d] = ev
     return events
@@ -88,20 +89,22 @@ def copy_chunk(
                 s.record_stream(stream)
             contiguous_run = all(
                 a[0].dst_offset + a[0].length == b[0].dst_offset
-                for a, b in zip(pieces, pieces[1:], strict=False)
+                for a, b in itertools.pairwise(pieces)
             )
             if len(pieces) > GATHER_MIN_PIECES and contiguous_run:
                 lo = pieces[0][0].dst_offset
                 total = sum(p.length for p, _ in pieces)
                 staging = streams.staging_buffer(dev, total)[:total]
-                torch.cat([s[p.src_offset : p.src_offset + p.length] for p, s in pieces], out=staging)
+                torch.cat(
+                    [s[p.src_offset : p.src_offset + p.length] for p, s in pieces], out=staging
+                )
                 dst[lo : lo + total].copy_(staging, non_blocking=True)
             else:
                 for p, s in pieces:
                     dst[p.dst_offset : p.dst_offset + p.length].copy_(
                         s[p.src_offset : p.src_offset + p.length], non_blocking=True
                     )
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
     # host-side pieces of a mixed chunk
     for p, src in zip(chunk.pieces, sources, strict=True):

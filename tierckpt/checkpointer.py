@@ -171,7 +171,9 @@ class Checkpointer:
         pipeline.submit(job)
         return handle
 
-    def _commit(self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int) -> None:
+    def _commit(
+        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+    ) -> None:
         """Single-rank commit: the manifest, written last and create-only."""
         if job.world_size != 1:
             from tierckpt.distributed import commit_multi_rank
@@ -278,8 +280,9 @@ class Checkpointer:
                     f"({', '.join(t.name for t in tiers)}); committed steps: "
                     f"{sorted(all_steps)[-10:] or 'none'}"
                 )
-            candidates = [step] + ([s for s in all_steps if s < step] if fallback == "previous"
-                                   else [])
+            candidates = [step] + (
+                [s for s in all_steps if s < step] if fallback == "previous" else []
+            )
         else:
             if not all_steps:
                 raise CheckpointNotFound(
@@ -303,11 +306,17 @@ class Checkpointer:
                         raise
                     first_exc = first_exc or exc
                     errors.append(f"step {s} on tier {t.name!r}: {exc}")
-                    log.warning("load of step %d from tier %s failed, trying the next: %s",
-                                s, t.name, exc)
+                    log.warning(
+                        "load of step %d from tier %s failed, trying the next: %s", s, t.name, exc
+                    )
                     continue
-                log.info("loaded step %d from tier %s: %d bytes in %.3f s", s, t.name,
-                         loaded.raw_bytes, loaded.seconds)
+                log.info(
+                    "loaded step %d from tier %s: %d bytes in %.3f s",
+                    s,
+                    t.name,
+                    loaded.raw_bytes,
+                    loaded.seconds,
+                )
                 state = loaded.state
                 if map_location is not None:
                     state = _to_device(state, torch.device(map_location))
@@ -332,15 +341,20 @@ class Checkpointer:
         repop = []
         if self.repopulate and tier.backend.is_remote and self.world_size == 1:
             for t in self._tiers:
-                if (t.backend.is_durable and not t.backend.is_remote
-                        and t.backend.supports_random_write
-                        and not t.backend.exists(manifest_name(step))):
+                if (
+                    t.backend.is_durable
+                    and not t.backend.is_remote
+                    and t.backend.supports_random_write
+                    and not t.backend.exists(manifest_name(step))
+                ):
                     repop.append(t.backend)
         if self._read_pool is None:
-            self._read_pool = ThreadPoolExecutor(max(2, self.io_threads * 2),
-                                                 thread_name_prefix="tierckpt-read")
-        return read_shard(tier.backend, tier.name, manifest, self.rank, self._read_pool,
-                          repopulate=repop)
+            self._read_pool = ThreadPoolExecutor(
+                max(2, self.io_threads * 2), thread_name_prefix="tierckpt-read"
+            )
+        return read_shard(
+            tier.backend, tier.name, manifest, self.rank, self._read_pool, repopulate=repop
+        )
 
     # -- stats / lifecycle ------------------------------------------------------------
     def stats(self) -> list[TierResult]:

@@ -128,7 +128,9 @@ class SaveHandle:
             return dict(self._results)
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else (
-            "done" if self.done() else ("captured" if self.captured else "capturing")
+        state = (
+            "skipped"
+            if self.skipped
+            else ("done" if self.done() else ("captured" if self.captured else "capturing"))
         )
         return f"<SaveHandle step={self.step} {state} tiers={list(self.tiers)}>"

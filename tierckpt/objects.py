@@ -67,37 +67,36 @@ def _path_str(path: tuple[object, ...]) -> str:
 def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, str], int]) -> JSON:
     """Encode ``obj``; each tensor is handed to ``on_tensor(t, path)`` for its table index."""
 
-    def enc(x: object, path: tuple[object, ...], depth: int) -> JSON:
+    def enc(x: Any, path: tuple[object, ...], depth: int) -> JSON:
         if depth > MAX_DEPTH:
             raise UnsupportedObject(f"state nested deeper than {MAX_DEPTH} at {_path_str(path)}")
         t = type(x)
         if x is None or t is bool or t is str:
             return x
         if t is int:
-            return x if -_INT64 <= x < _INT64 else {"$int": str(x)}  # type: ignore[operator]
+            return x if -_INT64 <= x < _INT64 else {"$int": str(x)}
         if t is float:
-            f: float = x  # type: ignore[assignment]
-            if math.isfinite(f):
-                return f
-            return {"$float": "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")}
+            if math.isfinite(x):
+                return x
+            return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
         if isinstance(x, torch.Tensor):
             return {"$tensor": on_tensor(x, _path_str(path))}
         if t is list:
-            return [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]  # type: ignore[arg-type]
+            return [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]
         if t is tuple:
-            return {"$tuple": [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]}  # type: ignore[arg-type]
+            return {"$tuple": [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]}
         if t is dict or t is OrderedDict:
             items = [
                 [enc(k, (*path, f"<key {k!r}>"), depth + 1), enc(v, (*path, k), depth + 1)]
-                for k, v in x.items()  # type: ignore[attr-defined]
+                for k, v in x.items()
             ]
             return {"$odict" if t is OrderedDict else "$dict": items}
         if t is bytes:
-            return {"$bytes": base64.b64encode(x).decode("ascii")}  # type: ignore[arg-type]
+            return {"$bytes": base64.b64encode(x).decode("ascii")}
         if t is torch.Size:
-            return {"$size": [int(v) for v in x]}  # type: ignore[attr-defined]
+            return {"$size": [int(v) for v in x]}
         if t is torch.dtype:
-            return {"$dtype": dtype_name(x)}  # type: ignore[arg-type]
+            return {"$dtype": dtype_name(x)}
         if t is torch.device:
             return {"$device": str(x)}
         raise UnsupportedObject(

@@ -132,12 +132,14 @@ class Pipeline:
         self._lock = threading.Lock()
         self._in_flight: list[SaveJob] = []
         self._closed = False
-        self._threads = [threading.Thread(target=self._capture_loop, name="tierckpt-capture",
-                                          daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
+        ]
         for t in tiers:
             self._threads.append(
-                threading.Thread(target=self._tier_loop, args=(t,), name=f"tierckpt-{t.name}",
-                                 daemon=True)
+                threading.Thread(
+                    target=self._tier_loop, args=(t,), name=f"tierckpt-{t.name}", daemon=True
+                )
             )
         for th in self._threads:
             th.start()
@@ -183,8 +185,12 @@ class Pipeline:
             self._wait_arena_idle()
             a.close()
         self.arena = HostArena(want, slot)
-        log.debug("host arena: %d slots x %d bytes (%.2f s to allocate)", want, slot,
-                  self.arena.alloc_seconds)
+        log.debug(
+            "host arena: %d slots x %d bytes (%.2f s to allocate)",
+            want,
+            slot,
+            self.arena.alloc_seconds,
+        )
         return self.arena
 
     def _wait_arena_idle(self) -> None:
@@ -203,7 +209,7 @@ class Pipeline:
                 return
             try:
                 self._capture(job)
-            except BaseException as exc:  # noqa: BLE001 - reported on the handle
+            except BaseException as exc:
                 job.capture_error = exc
                 log.error("step %d: capture failed: %s", job.step, exc)
                 job.handle._set_captured(exc)
@@ -228,7 +234,7 @@ class Pipeline:
             if event is not None:
                 events.append(event)
             state = _ChunkState(chunk, slot, remaining=len(job.tiers))
-            view = memoryview(slot_t[: chunk.raw_size].numpy())
+            view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
             for codec in codecs:
                 state.encoded[codec] = self._pool.submit(
                     _encode, codec.for_dtype(chunk.dtype), view, event
@@ -270,7 +276,7 @@ class Pipeline:
                 elif kind == "end":
                     del progress[id(job)]
                     self._tier_end(tier, job, tw)
-            except BaseException as exc:  # noqa: BLE001 - reported on the handle
+            except BaseException as exc:
                 tw.error = exc
                 if tw.writer is not None:
                     tw.writer.abort()
@@ -287,7 +293,9 @@ class Pipeline:
             )
         tw.writer = tier.backend.open_writer(shard_name(job.step, job.rank))
 
-    def _tier_chunk(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
+    def _tier_chunk(
+        self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, state: _ChunkState
+    ) -> None:
         enc = state.encoded[tier.codec].result()
         assert tw.writer is not None
         start = align_up(tw.offset)
@@ -300,8 +308,9 @@ class Pipeline:
         except ValueError:
             tw.codecs.append(enc.codec_config)
             codec_idx = len(tw.codecs) - 1
-        rec = ChunkRecord(state.plan.logical_offset, state.plan.raw_size, n, start, codec_idx,
-                          enc.checksum)
+        rec = ChunkRecord(
+            state.plan.logical_offset, state.plan.raw_size, n, start, codec_idx, enc.checksum
+        )
         tw.records.append(rec.to_json())
         tw.offset = start + n
         tw.stored += n
@@ -337,21 +346,36 @@ class Pipeline:
         self.commit(tier, job, ref, job.plan.data_bytes, tw.stored)
         seconds = time.perf_counter() - job.handle.started
         codec_desc = ",".join(sorted({c["id"] for c in tw.codecs})) or "raw"
-        result = TierResult(tier.name, job.step, job.plan.data_bytes, tw.stored, seconds, codec_desc)
+        result = TierResult(
+            tier.name, job.step, job.plan.data_bytes, tw.stored, seconds, codec_desc
+        )
         log.info(
             "committed step %d on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
-            job.step, tier.name, result.raw_bytes, seconds, result.gbps, codec_desc, result.ratio,
+            job.step,
+            tier.name,
+            result.raw_bytes,
+            seconds,
+            result.gbps,
+            codec_desc,
+            result.ratio,
         )
         if job.rank == 0:
             try:
                 protect = {j.step for j in self.in_flight() if j is not job}
                 gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
             except (BackendError, OSError) as exc:
-                log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+                log.warning(
+                    "retention on tier %s failed (will retry next save): %s", tier.name, exc
+                )
         self._finish(tier, job, result, None)
 
-    def _finish(self, tier: TierRuntime, job: SaveJob, result: TierResult | None,
-                error: BaseException | None) -> None:
+    def _finish(
+        self,
+        tier: TierRuntime,
+        job: SaveJob,
+        result: TierResult | None,
+        error: BaseException | None,
+    ) -> None:
         if error is not None:
             log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
         job.handle._set_tier(tier.name, result, error)

@@ -35,7 +35,14 @@ class TensorEntry:
     device: str
 
     def to_json(self) -> list[JSON]:
-        return [self.storage, self.offset, self.dtype, list(self.shape), list(self.stride), self.device]
+        return [
+            self.storage,
+            self.offset,
+            self.dtype,
+            list(self.shape),
+            list(self.stride),
+            self.device,
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +93,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     item = t.element_size()
     first = t.storage_offset()
     last = first + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-    return first * item, (last + 1) * item
+    return int(first * item), int((last + 1) * item)
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
@@ -146,7 +153,9 @@ def build_plan(state: Any, chunk_bytes: int) -> SavePlan:
         ranges = [_extent(tensors[i]) for i in members]
         start = min(r[0] for r in ranges)
         end = max(r[1] for r in ranges)
-        if any((r[0] - start) % tensors[i].element_size() for i, r in zip(members, ranges, strict=True)):
+        if any(
+            (r[0] - start) % tensors[i].element_size() for i, r in zip(members, ranges, strict=True)
+        ):
             start -= start % _MIXED_ALIGN
         span_idx = len(spans)
         lead = tensors[members[0]]
@@ -158,7 +167,11 @@ def build_plan(state: Any, chunk_bytes: int) -> SavePlan:
         for i, r in zip(members, ranges, strict=True):
             t = tensors[i]
             entries[i] = TensorEntry(
-                span_idx, r[0] - start, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()),
+                span_idx,
+                r[0] - start,
+                dtype_name(t.dtype),
+                tuple(t.shape),
+                tuple(t.stride()),
                 str(t.device),
             )
         logical += end - start

@@ -148,15 +148,17 @@ def read_shard(
         lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
         # a chunk inside one span decodes straight into it; otherwise via a scratch buffer
         first = max(bisect.bisect_right(span_offsets, lo) - 1, 0)
-        inside = bool(spans) and span_offsets[first] <= lo and hi <= (
-            span_offsets[first] + spans[first].numel()
+        inside = (
+            bool(spans)
+            and span_offsets[first] <= lo
+            and hi <= (span_offsets[first] + spans[first].numel())
         )
         if inside:
             si = first
             dest = spans[si][lo - span_offsets[si] : hi - span_offsets[si]]
         else:
             dest = torch.empty(rec.raw_size, dtype=torch.uint8)
-        dest_view = memoryview(dest.numpy())
+        dest_view = memoryview(dest.numpy())  # type: ignore[arg-type]
         if codec.is_passthrough and rec.stored_size == rec.raw_size:
             backend.read_into(ref.file, rec.file_offset, dest_view)
             stored: Any = dest_view
@@ -165,7 +167,10 @@ def read_shard(
         if checksum(stored) != rec.checksum:
             raise CorruptChunk(
                 f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "
-                "match its checksum", tier=tier, file=ref.file, chunk=ci,
+                "match its checksum",
+                tier=tier,
+                file=ref.file,
+                chunk=ci,
             )
         for w in writers:
             w.write(rec.file_offset, stored)
@@ -173,8 +178,9 @@ def read_shard(
             try:
                 codec.decode(stored, dest_view)
             except CorruptChunk as exc:
-                raise CorruptChunk(f"{where}: chunk {ci}: {exc}", tier=tier, file=ref.file,
-                                   chunk=ci) from exc
+                raise CorruptChunk(
+                    f"{where}: chunk {ci}: {exc}", tier=tier, file=ref.file, chunk=ci
+                ) from exc
         if not inside:
             for si in range(first, len(spans)):
                 off = span_offsets[si]
@@ -209,8 +215,9 @@ def read_shard(
                 b.put_atomic(manifest_name(manifest.step), encode_manifest(manifest))
             except FileExistsError:
                 pass
-    return LoadedShard(state, manifest, tier, int(index["data_bytes"]), stored_total,
-                       time.perf_counter() - t0)
+    return LoadedShard(
+        state, manifest, tier, int(index["data_bytes"]), stored_total, time.perf_counter() - t0
+    )
 
 
 def restore_into(target: Any, loaded: Any, path: str = "<root>") -> Any:
@@ -222,8 +229,9 @@ def restore_into(target: Any, loaded: Any, path: str = "<root>") -> Any:
 def _check_into(target: Any, loaded: Any, path: str) -> None:
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
-            raise StateMismatch(f"{path}: the checkpoint holds a {type(loaded).__name__}, "
-                                "the target a tensor")
+            raise StateMismatch(
+                f"{path}: the checkpoint holds a {type(loaded).__name__}, the target a tensor"
+            )
         if target.shape != loaded.shape or target.dtype != loaded.dtype:
             raise StateMismatch(
                 f"{path}: checkpoint has {loaded.dtype} {tuple(loaded.shape)}, target has "

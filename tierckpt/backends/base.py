@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from tierckpt._types import BytesLike as Buffer
 
+from tierckpt._types import BytesLike as Buffer
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
 __all__ = ["Backend", "ObjectWriter", "validate_name"]

@@ -689,20 +689,26 @@ class S3Backend(Backend):
             )
 
     def get(self, name: str) -> bytes:
+        """The whole object in one GET (resumed with ranged GETs if the body is cut off)."""
         key = self._key(name)
         resp = self._call("get_object", key)
+        body = resp["Body"]
+        out = bytearray(int(resp["ContentLength"]))
+        view = memoryview(out)
+        got = 0
         try:
-            data: bytes = resp["Body"].read()
+            while got < len(out):
+                n = body.readinto(view[got:])
+                if not n:
+                    break
+                got += n
         except _BODY_ERRORS as exc:
-            raise S3Error(
-                f"s3://{self.bucket}/{key}: reading the body failed: {exc}",
-                bucket=self.bucket,
-                key=key,
-                code=type(exc).__name__,
-            ) from exc
-        if len(data) != int(resp.get("ContentLength", len(data))):
-            raise FormatError(f"s3://{self.bucket}/{key}: short body")
-        return data
+            log.debug("s3://%s/%s: body cut at %d (%s); resuming", self.bucket, key, got, exc)
+        finally:
+            body.close()
+        if got < len(out):
+            self._get_range(key, got, view[got:])
+        return bytes(out)
 
     def size(self, name: str) -> int:
         return int(self._call("head_object", self._key(name))["ContentLength"])

@@ -64,7 +64,9 @@ class Codec(ABC):
         try:
             return cls(**params)
         except TypeError as exc:
-            raise UnknownCodec(f"bad config for codec {cls.codec_id!r}: {config!r} ({exc})") from exc
+            raise UnknownCodec(
+                f"bad config for codec {cls.codec_id!r}: {config!r} ({exc})"
+            ) from exc
 
     def for_dtype(self, dtype_name: str) -> Codec:
         return self

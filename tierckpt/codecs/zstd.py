@@ -34,7 +34,8 @@ class ZstdCodec(Codec):
         c = getattr(self._local, "c", None)
         if c is None:
             c = zstandard.ZstdCompressor(
-                level=self.level, threads=self.threads if self.threads > 1 else 0,
+                level=self.level,
+                threads=self.threads if self.threads > 1 else 0,
                 write_content_size=True,
             )
             self._local.c = c
@@ -55,14 +56,14 @@ def decode_zstd_into(data: BytesLike, out: memoryview) -> None:
     except zstandard.ZstdError as exc:
         raise CorruptChunk(f"not a zstd frame: {exc}") from exc
     if params.content_size not in (expected, zstandard.CONTENTSIZE_UNKNOWN):
-        raise CorruptChunk(
-            f"zstd frame declares {params.content_size} bytes, expected {expected}"
-        )
+        raise CorruptChunk(f"zstd frame declares {params.content_size} bytes, expected {expected}")
     try:
         # max_output_size bounds the allocation even if the header lies
-        result = zstandard.ZstdDecompressor().decompress(
-            data, max_output_size=expected
-        ) if expected else b""
+        result = (
+            zstandard.ZstdDecompressor().decompress(data, max_output_size=expected)
+            if expected
+            else b""
+        )
     except zstandard.ZstdError as exc:
         raise CorruptChunk(f"zstd decode failed: {exc}") from exc
     if len(result) != expected:

@@ -1,0 +1,392 @@
+"""Every backend against the shared suite, plus S3-specific behaviour under faults."""
+
+from __future__ import annotations
+
+import http.client
+import pickle
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tierckpt.backends.base import Backend
+from tierckpt.backends.local import LocalBackend
+from tierckpt.backends.memory import MemoryBackend
+from tierckpt.backends.s3 import MIN_PART_SIZE, S3Backend, S3Error
+from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
+from tierckpt.testing.backends import BackendTests, payload, write_object
+from tierckpt.testing.faultproxy import Fault, FaultProxy
+from tierckpt.testing.s3servers import S3Server
+from tierckpt.testing.stateful import run_backend_state_machine
+
+MiB = 2**20
+BucketFactory = Callable[[S3Server], str]
+
+
+def make_s3(server: S3Server, bucket: str, **kwargs: object) -> S3Backend:
+    options: dict[str, object] = {
+        "endpoint_url": server.endpoint_url,
+        "part_size": MIN_PART_SIZE,
+        "max_concurrency": 4,
+        "max_attempts": 4,
+        "read_timeout": 20,
+    }
+    options.update(kwargs)
+    return S3Backend(f"s3://{bucket}/run-1", **options)  # type: ignore[arg-type]
+
+
+def open_uploads(server: S3Server, bucket: str) -> list[str]:
+    return [u["Key"] for u in server.admin.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+# -- the shared suite on every backend ----------------------------------------------------
+class TestMemoryBackend(BackendTests):
+    @pytest.fixture
+    def backend(self) -> Iterator[Backend]:
+        namespace = f"test-{secrets.token_hex(4)}"
+        yield MemoryBackend(namespace)
+        MemoryBackend.clear_namespace(namespace)
+
+
+class TestLocalBackend(BackendTests):
+    leaves_incomplete = True
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Iterator[Backend]:
+        yield LocalBackend(tmp_path / "store")
+
+
+@pytest.mark.s3
+class TestS3BackendMoto(BackendTests):
+    leaves_incomplete = True
+
+    @pytest.fixture
+    def backend(self, moto_server: S3Server, s3_bucket: BucketFactory) -> Iterator[Backend]:
+        backend = make_s3(moto_server, s3_bucket(moto_server))
+        yield backend
+        backend.close()
+
+
+@pytest.mark.s3
+class TestS3BackendSeaweedFS(BackendTests):
+    leaves_incomplete = True
+
+    @pytest.fixture
+    def backend(self, seaweedfs_server: S3Server, s3_bucket: BucketFactory) -> Iterator[Backend]:
+        backend = make_s3(seaweedfs_server, s3_bucket(seaweedfs_server))
+        yield backend
+        backend.close()
+
+
+# -- the state machine on every backend ---------------------------------------------------
+def test_stateful_memory() -> None:
+    namespace = f"stateful-{secrets.token_hex(4)}"
+    run_backend_state_machine(lambda: MemoryBackend(namespace))
+    MemoryBackend.clear_namespace(namespace)
+
+
+def test_stateful_local(tmp_path: Path) -> None:
+    run_backend_state_machine(lambda: LocalBackend(tmp_path))
+
+
+@pytest.mark.s3
+def test_stateful_s3(s3_server: S3Server, s3_bucket: BucketFactory) -> None:
+    bucket = s3_bucket(s3_server)
+    run_backend_state_machine(lambda: make_s3(s3_server, bucket))
+
+
+# -- S3: configuration --------------------------------------------------------------------
+def test_part_size_below_5_mib_refused() -> None:
+    with pytest.raises(ValueError, match="5 MiB"):
+        S3Backend("s3://bucket", part_size=MIN_PART_SIZE - 1, endpoint_url="http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize(
+    ("url", "prefix", "bucket", "key_prefix", "label"),
+    [
+        ("s3://bkt", "", "bkt", "", "s3://bkt"),
+        ("s3://bkt/", "", "bkt", "", "s3://bkt"),
+        ("s3://bkt/a/b/", "", "bkt", "a/b", "s3://bkt/a/b"),
+        ("bkt", "runs/7", "bkt", "runs/7", "s3://bkt/runs/7"),
+        ("s3://bkt/a", "b", "bkt", "a/b", "s3://bkt/a/b"),
+    ],
+)
+def test_url_parsing(url: str, prefix: str, bucket: str, key_prefix: str, label: str) -> None:
+    b = S3Backend(url, prefix, endpoint_url="http://127.0.0.1:9")
+    assert (b.bucket, b.prefix, b.url) == (bucket, key_prefix, label)
+    assert b.is_durable and b.is_remote and b.supports_ranged_read
+    assert not b.supports_random_write
+    b.close()
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3://bkt/a/../b", "s3://bkt/a//b", "s3://b?x=1"])
+def test_bad_urls_refused(url: str) -> None:
+    with pytest.raises(FormatError):
+        S3Backend(url, endpoint_url="http://127.0.0.1:9")
+
+
+@pytest.mark.s3
+def test_endpoint_from_environment(
+    moto_server: S3Server, s3_bucket: BucketFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket = s3_bucket(moto_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint_url)
+    backend = S3Backend(f"s3://{bucket}")
+    backend.put_atomic("x", b"1")
+    assert moto_server.admin.get_object(Bucket=bucket, Key="x")["Body"].read() == b"1"
+    backend.close()
+
+
+@pytest.mark.s3
+def test_errors_name_bucket_key_and_code_never_credentials(
+    seaweedfs_server: S3Server, s3_bucket: BucketFactory
+) -> None:
+    bucket = s3_bucket(seaweedfs_server)
+    client = seaweedfs_server.client()
+    wrong_secret = "not-the-secret-" + secrets.token_hex(4)
+    bad = S3Server(
+        "seaweedfs",
+        seaweedfs_server.endpoint_url,
+        lambda: None,
+        secret_key=wrong_secret,
+    ).client(retries={"total_max_attempts": 1})
+    backend = S3Backend(f"s3://{bucket}/p", client=bad)
+    with pytest.raises(S3Error) as info:
+        backend.put_atomic("m", b"x", overwrite=True)
+    err = info.value
+    assert isinstance(err, BackendError)
+    assert (err.bucket, err.key) == (bucket, "p/m")
+    assert err.code in ("SignatureDoesNotMatch", "AccessDenied", "InvalidAccessKeyId")
+    assert bucket in str(err) and err.code in str(err)
+    assert wrong_secret not in str(err) and seaweedfs_server.secret_key not in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, S3Error) and again.code == err.code
+    backend.close()
+    bad.close()
+    client.close()
+
+
+@pytest.mark.s3
+def test_missing_bucket_is_a_backend_error(moto_server: S3Server) -> None:
+    backend = make_s3(moto_server, "no-such-bucket-" + secrets.token_hex(3))
+    with pytest.raises(BackendError, match="NoSuchBucket"):
+        backend.read("x", 0, 1)
+    backend.close()
+
+
+@pytest.mark.s3
+def test_closed_backend_refuses_work(moto_server: S3Server, s3_bucket: BucketFactory) -> None:
+    backend = make_s3(moto_server, s3_bucket(moto_server))
+    backend.close()
+    backend.close()
+    with pytest.raises(BackendError, match="closed"):
+        backend.open_writer("x")
+
+
+# -- S3: conditional puts -----------------------------------------------------------------
+@pytest.mark.s3
+def test_conditional_put_detected(s3_server: S3Server, s3_bucket: BucketFactory) -> None:
+    bucket = s3_bucket(s3_server)
+    backend = make_s3(s3_server, bucket)
+    assert backend.supports_conditional_put
+    assert s3_server.admin.list_objects_v2(Bucket=bucket).get("Contents", []) == []
+    backend.put_atomic("m", b"1")
+    with pytest.raises(FileExistsError):
+        backend.put_atomic("m", b"2")
+    backend.close()
+
+
+@pytest.mark.s3
+def test_conditional_put_fallback_when_server_ignores_it(
+    moto_server: S3Server, s3_bucket: BucketFactory
+) -> None:
+    bucket = s3_bucket(moto_server)
+    # moto checks no signatures, so a proxy may drop the header: a server that ignores it
+    with FaultProxy(moto_server.endpoint_url, drop_request_headers=["If-None-Match"]) as proxy:
+        backend = make_s3(moto_server, bucket, endpoint_url=proxy.endpoint_url)
+        assert not backend.supports_conditional_put
+        backend.put_atomic("m", b"1")
+        with pytest.raises(FileExistsError):
+            backend.put_atomic("m", b"2")
+        assert backend.get("m") == b"1"
+        assert backend.list() == ["m"]
+        backend.close()
+
+
+@pytest.mark.s3
+def test_conditional_put_configured(moto_server: S3Server, s3_bucket: BucketFactory) -> None:
+    bucket = s3_bucket(moto_server)
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        backend = make_s3(moto_server, bucket, endpoint_url=proxy.endpoint_url, conditional_put=False)
+        assert not backend.supports_conditional_put
+        backend.put_atomic("m", b"1")
+        with pytest.raises(FileExistsError):
+            backend.put_atomic("m", b"2")
+        methods = [r.method for r in proxy.requests]
+        assert methods == ["HEAD", "PUT", "HEAD"]  # no probe, HEAD-then-PUT
+        backend.close()
+
+
+# -- S3: multipart uploads under faults ---------------------------------------------------
+@pytest.fixture
+def moto_proxy(moto_server: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(moto_server.endpoint_url, seed=1234) as proxy:
+        yield proxy
+
+
+@pytest.mark.s3
+def test_proxy_forwards_chunked_bodies(moto_server: S3Server, s3_bucket: BucketFactory) -> None:
+    bucket = s3_bucket(moto_server)
+    data = payload(300_000, seed=9)
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        pieces = (data[i : i + 70_000] for i in range(0, len(data), 70_000))
+        conn.request("PUT", f"/{bucket}/chunked", body=pieces, encode_chunked=True)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200
+        conn.close()
+        assert proxy.requests[-1].method == "PUT"
+    assert moto_server.admin.get_object(Bucket=bucket, Key="chunked")["Body"].read() == data
+
+
+@pytest.mark.s3
+def test_round_trip_with_transient_faults(
+    moto_server: S3Server, s3_bucket: BucketFactory, moto_proxy: FaultProxy
+) -> None:
+    bucket = s3_bucket(moto_server)
+    backend = make_s3(moto_server, bucket, endpoint_url=moto_proxy.endpoint_url, max_attempts=6)
+    moto_proxy.set_faults(
+        [
+            Fault("slowdown", method="PUT", path_contains="partNumber=", nth={1, 4}),
+            Fault("error500", method="PUT", path_contains="partNumber=", probability=0.3),
+            Fault("reset_request", method="PUT", path_contains="partNumber=", nth={2, 6}),
+            Fault("slowdown", method="POST", path_contains="uploadId=", nth={1}),
+            Fault("reset_response", method="GET", nth={1, 3}),
+            Fault("error500", method="GET", nth={2}),
+        ]
+    )
+    data = payload(6 * MIN_PART_SIZE + 99, seed=10)
+    write_object(backend, "obj", data, [MiB] * 7)
+    assert backend.get("obj") == data
+    out = bytearray(len(data))
+    backend.read_into("obj", 0, memoryview(out))
+    assert out == data
+    for action in ("slowdown", "error500", "reset_request", "reset_response"):
+        assert moto_proxy.fired[action] >= 1, moto_proxy.fired
+    assert open_uploads(moto_server, bucket) == []
+    backend.close()
+
+
+@pytest.mark.s3
+def test_stalled_connections_time_out_and_retry(
+    moto_server: S3Server, s3_bucket: BucketFactory, moto_proxy: FaultProxy
+) -> None:
+    bucket = s3_bucket(moto_server)
+    backend = make_s3(moto_server, bucket, endpoint_url=moto_proxy.endpoint_url, read_timeout=1)
+    moto_proxy.set_faults(
+        [
+            Fault("stall", method="PUT", path_contains="partNumber=", nth={2}, seconds=5),
+            Fault("stall", method="GET", nth={1}, seconds=5),
+        ]
+    )
+    data = payload(2 * MIN_PART_SIZE + 5, seed=11)
+    start = time.monotonic()
+    write_object(backend, "obj", data)
+    assert bytes(backend.read("obj", 3, 1000)) == data[3:1003]
+    assert moto_proxy.fired["stall"] == 2
+    assert time.monotonic() - start < 30
+    backend.close()
+
+
+@pytest.mark.s3
+def test_permanent_part_failure_aborts_upload(
+    moto_server: S3Server, s3_bucket: BucketFactory, moto_proxy: FaultProxy
+) -> None:
+    bucket = s3_bucket(moto_server)
+    backend = make_s3(moto_server, bucket, endpoint_url=moto_proxy.endpoint_url, max_attempts=2)
+    moto_proxy.set_faults([Fault("error500", method="PUT", path_contains="partNumber=3")])
+    writer = backend.open_writer("doomed")
+    data = payload(MIN_PART_SIZE, seed=12)
+    with pytest.raises(BackendError) as info:
+        for i in range(8):
+            writer.write(i * len(data), data)
+        writer.commit()
+    assert isinstance(info.value, S3Error) and info.value.code == "InternalError"
+    assert "doomed" in str(info.value) and bucket in str(info.value)
+    writer.abort()  # already aborted: a no-op
+    assert open_uploads(moto_server, bucket) == []
+    assert backend.list() == []
+    backend.close()
+
+
+@pytest.mark.s3
+def test_failed_completion_aborts_upload(
+    moto_server: S3Server, s3_bucket: BucketFactory, moto_proxy: FaultProxy
+) -> None:
+    bucket = s3_bucket(moto_server)
+    backend = make_s3(moto_server, bucket, endpoint_url=moto_proxy.endpoint_url, max_attempts=2)
+    moto_proxy.set_faults([Fault("slowdown", method="POST", path_contains="uploadId=")])
+    with pytest.raises(BackendError, match="SlowDown"):
+        write_object(backend, "doomed", payload(2 * MIN_PART_SIZE, seed=13))
+    assert open_uploads(moto_server, bucket) == []
+    assert backend.list() == []
+    backend.close()
+
+
+@pytest.mark.s3
+def test_abort_leaves_no_multipart_upload(s3_server: S3Server, s3_bucket: BucketFactory) -> None:
+    bucket = s3_bucket(s3_server)
+    backend = make_s3(s3_server, bucket)
+    writer = backend.open_writer("x")
+    writer.write(0, payload(3 * MIN_PART_SIZE, seed=14))
+    assert open_uploads(s3_server, bucket) == ["run-1/x"]
+    writer.abort()
+    assert open_uploads(s3_server, bucket) == []
+    backend.close()
+
+
+@pytest.mark.s3
+def test_cleanup_incomplete_aborts_only_under_prefix(
+    moto_server: S3Server, s3_bucket: BucketFactory
+) -> None:
+    bucket = s3_bucket(moto_server)
+    backend = make_s3(moto_server, bucket)
+    for name in ("a/1", "a/2", "b/1"):
+        backend.open_writer(name).write(0, payload(MIN_PART_SIZE, seed=15))
+    assert backend.cleanup_incomplete("a/") == 2
+    assert open_uploads(moto_server, bucket) == ["run-1/b/1"]
+    assert backend.cleanup_incomplete() == 1
+    backend.close()
+
+
+@pytest.mark.s3
+def test_writes_block_at_the_concurrency_bound(
+    moto_server: S3Server, s3_bucket: BucketFactory, moto_proxy: FaultProxy
+) -> None:
+    bucket = s3_bucket(moto_server)
+    backend = make_s3(moto_server, bucket, endpoint_url=moto_proxy.endpoint_url, max_concurrency=2)
+    moto_proxy.set_faults([Fault("delay", method="PUT", path_contains="partNumber=", seconds=0.3)])
+    data = payload(6 * MIN_PART_SIZE, seed=16)
+    start = time.monotonic()
+    writer = backend.open_writer("slow")
+    writer.write(0, data)  # 6 parts, 2 at a time, 0.3 s each: write() must wait
+    elapsed = time.monotonic() - start
+    writer.commit()
+    assert elapsed >= 0.5
+    assert moto_proxy.max_in_flight <= 2
+    assert backend.get("slow") == data
+    backend.close()
+
+
+@pytest.mark.s3
+def test_missing_object_in_parallel_read(moto_server: S3Server, s3_bucket: BucketFactory) -> None:
+    backend = make_s3(moto_server, s3_bucket(moto_server))
+    with pytest.raises(CheckpointNotFound):
+        backend.read_into("missing", 0, memoryview(bytearray(3 * MIN_PART_SIZE)))
+    write_object(backend, "obj", payload(2 * MIN_PART_SIZE, seed=17))
+    with pytest.raises(FormatError):
+        backend.read_into("obj", 1, memoryview(bytearray(2 * MIN_PART_SIZE)))
+    backend.close()

@@ -1,0 +1,585 @@
+"""nvCOMP on the GPU, framed so that a machine without a GPU can still restore the checkpoint.
+
+The GPU compresses a chunk *before* the device-to-host copy, so fewer bytes cross PCIe
+(:meth:`NvcompCodec.encode_device`). nvCOMP works on many small independent pieces; each piece
+is compressed in nvCOMP's ``RAW`` bitstream mode, which for ``zstd``, ``deflate`` and ``lz4``
+is the algorithm's standard format (a zstd frame, a raw RFC 1951 deflate stream, an LZ4 block;
+NVIDIA documents GPU-compress/CPU-decompress for each). So the CPU decodes those with
+``zstandard``, ``zlib`` and ``lz4`` when CUDA (or the nvCOMP package) is absent. The other
+algorithms (``ans``, ``bitcomp``, ``gdeflate``, ``cascaded``, ``snappy``) decode only on a GPU:
+decoding them without one raises :class:`~tierckpt.errors.UnknownCodec` that says so, and
+:attr:`NvcompCodec.cpu_decodable` is False so the codec chooser leaves them out by default.
+
+With ``itemsize`` > 1 the chunk is first cut into byte planes on the GPU (as
+:mod:`tierckpt.codecs.planes` does on the CPU), so the sign/exponent plane lands in pieces of
+its own and compresses well while mantissa pieces cost nothing to decode.
+
+Framing (version 1, little-endian)::
+
+    magic b"TCNV" | version u8 | algorithm u8 | itemsize u8 | reserved u8 = 0
+    raw_len u64 | piece_bytes u32 | n_pieces u32            (24 bytes)
+    stored sizes u32[n_pieces] | zero padding to a multiple of 16
+    pieces, each starting 16-byte aligned (nvCOMP's alignment), zero padding between
+    tail: the last raw_len % itemsize bytes, raw
+
+Pieces cut the body in order: with itemsize 1 the raw bytes; otherwise plane 0, plane 1, …
+(each plane of raw_len // itemsize bytes cut separately), so every piece but the last of a
+plane holds exactly ``piece_bytes`` raw bytes. Without a GPU, :meth:`NvcompCodec.encode` uses
+the CPU library of a CPU-decodable algorithm and writes the same framing.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import zstandard
+
+from tierckpt._types import JSON, BytesLike
+from tierckpt.codecs.base import Codec, register_codec
+from tierckpt.codecs.planes import (
+    _STRICT_FRAMES,
+    FLOAT_ITEMSIZE,
+    _as_u8,
+    _merge,
+    _run_tasks,
+    _split,
+)
+from tierckpt.errors import CorruptChunk, UnknownCodec
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ALGORITHMS", "CPU_DECODABLE", "NvcompCodec"]
+
+#: algorithm names; the position is the id written into each chunk: never reorder, only append
+ALGORITHMS: tuple[str, ...] = (
+    "zstd",
+    "deflate",
+    "lz4",
+    "gdeflate",
+    "ans",
+    "bitcomp",
+    "cascaded",
+    "snappy",
+)
+#: algorithms whose RAW bitstream a standard CPU library decodes
+CPU_DECODABLE = frozenset({"zstd", "deflate", "lz4"})
+_NV_NAMES = {
+    "zstd": "Zstd",
+    "deflate": "Deflate",
+    "lz4": "LZ4",
+    "gdeflate": "GDeflate",
+    "ans": "ANS",
+    "bitcomp": "Bitcomp",
+    "cascaded": "Cascaded",
+    "snappy": "Snappy",
+}
+_PACKAGE = "nvidia-nvcomp-cu12"
+_MAGIC = b"TCNV"
+_VERSION = 1
+_HEADER = struct.Struct("<4sBBBBQII")
+_ALIGN = 16
+_MAX_PIECE = 1 << 24  # nvCOMP's largest chunk for zstd/lz4/ans; deflate needs <= 64 KiB
+_U8 = npt.NDArray[np.uint8]
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+def _nvcomp() -> Any:
+    """The ``nvidia.nvcomp`` module, or UnknownCodec naming the package to install."""
+    try:
+        import nvidia.nvcomp as nv
+    except ImportError as exc:
+        raise UnknownCodec(
+            f"the nvcomp codec needs a CUDA GPU and the package {_PACKAGE!r} for this: "
+            f"pip install {_PACKAGE} ({exc})"
+        ) from exc
+    return nv
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class _Layout:
+    """Where each piece sits in the raw chunk and in the stored chunk (from the header)."""
+
+    def __init__(self, raw_len: int, itemsize: int, piece_bytes: int) -> None:
+        self.raw_len = raw_len
+        self.itemsize = itemsize
+        self.n_elems = raw_len // itemsize if itemsize > 1 else raw_len
+        self.tail = raw_len - self.n_elems * itemsize if itemsize > 1 else 0
+        self.n_planes = itemsize if itemsize > 1 else 1
+        self.per_plane = -(-self.n_elems // piece_bytes) if self.n_elems else 0
+        self.piece_bytes = piece_bytes
+        self.n_pieces = self.per_plane * self.n_planes
+        #: stride between planes in a plane-major device buffer (keeps every piece aligned)
+        self.plane_stride = _align(self.n_elems)
+
+    def piece(self, i: int) -> tuple[int, int, int]:
+        """(plane, offset within the plane, raw length) of piece ``i``."""
+        plane, j = divmod(i, self.per_plane)
+        start = j * self.piece_bytes
+        return plane, start, min(self.piece_bytes, self.n_elems - start)
+
+    def header_len(self) -> int:
+        return _align(_HEADER.size + 4 * self.n_pieces)
+
+
+class NvcompCodec(Codec):
+    """nvCOMP compression on the GPU; CPU decode for zstd / deflate / lz4 streams.
+
+    ``algorithm`` is one of :data:`ALGORITHMS`; ``piece_bytes`` is nvCOMP's chunk size (64 KiB
+    suits every algorithm; deflate and gdeflate allow no more); ``itemsize`` > 1 splits values
+    into byte planes first (``for_dtype`` sets it for float dtypes); ``options`` are passed to
+    ``nvidia.nvcomp.Codec`` (e.g. ``{"algorithm_type": 0}`` for entropy-only deflate,
+    ``{"data_type": "<f2"}`` for ANS or Bitcomp).
+    """
+
+    codec_id = "nvcomp"
+
+    def __init__(
+        self,
+        algorithm: str = "zstd",
+        piece_bytes: int = 1 << 16,
+        itemsize: int = 1,
+        options: dict[str, JSON] | None = None,
+    ) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"nvcomp algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if (
+            not isinstance(piece_bytes, int)
+            or isinstance(piece_bytes, bool)
+            or not _ALIGN <= piece_bytes <= _MAX_PIECE
+            or piece_bytes % _ALIGN
+        ):
+            raise ValueError(
+                f"nvcomp piece_bytes must be a multiple of {_ALIGN} in [{_ALIGN}, {_MAX_PIECE}],"
+                f" got {piece_bytes!r}"
+            )
+        if algorithm in ("deflate", "gdeflate") and piece_bytes > 1 << 16:
+            raise ValueError(f"nvcomp {algorithm} pieces are at most 65536 bytes")
+        if not isinstance(itemsize, int) or isinstance(itemsize, bool) or itemsize not in (
+            1,
+            2,
+            4,
+            8,
+        ):
+            raise ValueError(f"nvcomp itemsize must be 1, 2, 4 or 8, got {itemsize!r}")
+        opts = dict(options or {})
+        if not all(isinstance(k, str) and isinstance(v, (int, str, float)) for k, v in opts.items()):
+            raise ValueError(f"nvcomp options must map names to numbers or strings: {opts!r}")
+        self.algorithm = algorithm
+        self.piece_bytes = piece_bytes
+        self.itemsize = itemsize
+        self.options = opts
+        self._local = threading.local()
+
+    def get_config(self) -> dict[str, JSON]:
+        return {
+            "id": self.codec_id,
+            "algorithm": self.algorithm,
+            "piece_bytes": self.piece_bytes,
+            "itemsize": self.itemsize,
+            "options": dict(sorted(self.options.items())),
+        }
+
+    @property
+    def cpu_decodable(self) -> bool:
+        """True when a machine without a GPU can decode this codec's chunks."""
+        return self.algorithm in CPU_DECODABLE
+
+    def for_dtype(self, dtype_name: str) -> Codec:
+        itemsize = FLOAT_ITEMSIZE.get(dtype_name.removeprefix("torch."), 1)
+        if itemsize == self.itemsize:
+            return self
+        return NvcompCodec(self.algorithm, self.piece_bytes, itemsize, self.options)
+
+    # -- framing --------------------------------------------------------------------------
+
+    def _header(self, layout: _Layout, stored: list[int]) -> bytes:
+        head = bytearray(layout.header_len())
+        _HEADER.pack_into(
+            head,
+            0,
+            _MAGIC,
+            _VERSION,
+            ALGORITHMS.index(self.algorithm),
+            self.itemsize,
+            0,
+            layout.raw_len,
+            self.piece_bytes,
+            layout.n_pieces,
+        )
+        head[_HEADER.size : _HEADER.size + 4 * layout.n_pieces] = np.asarray(
+            stored, "<u4"
+        ).tobytes()
+        return bytes(head)
+
+    def _parse(self, src: _U8, raw_len: int) -> tuple[_Layout, list[int], list[int]]:
+        """Validate the framing against ``raw_len``; (layout, piece starts, stored sizes)."""
+        if src.size < _HEADER.size:
+            raise CorruptChunk(f"nvcomp chunk of {src.size} bytes is shorter than its header")
+        magic, version, algo, itemsize, reserved, declared, piece_bytes, n_pieces = (
+            _HEADER.unpack_from(src, 0)
+        )
+        if magic != _MAGIC:
+            raise CorruptChunk(f"not an nvcomp chunk (magic {bytes(magic)!r})")
+        if version != _VERSION or reserved != 0:
+            raise CorruptChunk(f"nvcomp chunk version {version}/{reserved} is not supported")
+        if algo >= len(ALGORITHMS) or ALGORITHMS[algo] != self.algorithm:
+            raise CorruptChunk(f"nvcomp chunk algorithm id {algo} is not {self.algorithm!r}")
+        if itemsize != self.itemsize:
+            raise CorruptChunk(f"nvcomp chunk itemsize {itemsize}, codec expects {self.itemsize}")
+        if declared != raw_len:
+            raise CorruptChunk(f"nvcomp chunk declares {declared} bytes, expected {raw_len}")
+        if not _ALIGN <= piece_bytes <= _MAX_PIECE or piece_bytes % _ALIGN:
+            raise CorruptChunk(f"nvcomp chunk declares a piece size of {piece_bytes}")
+        layout = _Layout(raw_len, itemsize, piece_bytes)
+        if n_pieces != layout.n_pieces:
+            raise CorruptChunk(f"nvcomp chunk has {n_pieces} pieces, expected {layout.n_pieces}")
+        head_len = layout.header_len()
+        if src.size < head_len:
+            raise CorruptChunk(f"nvcomp chunk of {src.size} bytes is truncated")
+        stored: list[int] = np.frombuffer(src, "<u4", n_pieces, _HEADER.size).tolist()
+        starts: list[int] = []
+        pos = head_len
+        for size in stored:
+            if size == 0:
+                raise CorruptChunk("nvcomp chunk holds an empty piece")
+            pos = _align(pos)
+            starts.append(pos)
+            pos += size
+        if pos + layout.tail != src.size:
+            raise CorruptChunk(
+                f"nvcomp chunk holds {src.size} bytes, its header accounts for {pos + layout.tail}"
+            )
+        return layout, starts, stored
+
+    def _assemble(self, layout: _Layout, pieces: list[bytes], tail: _U8) -> memoryview:
+        stored = [len(p) for p in pieces]
+        head = self._header(layout, stored)
+        total = len(head)
+        for n in stored:
+            total = _align(total) + n
+        out = np.zeros(total + tail.size, np.uint8)
+        out[: len(head)] = np.frombuffer(head, np.uint8)
+        pos = len(head)
+        for p in pieces:
+            pos = _align(pos)
+            out[pos : pos + len(p)] = np.frombuffer(p, np.uint8)
+            pos += len(p)
+        out[pos:] = tail
+        return memoryview(out)
+
+    # -- host entry points ----------------------------------------------------------------
+
+    def encode(self, data: BytesLike) -> BytesLike:
+        src = _as_u8(data)
+        if _cuda_available():
+            import torch
+
+            dev = self.encode_device(torch.from_numpy(src.copy()).cuda())
+            return memoryview(dev.cpu().numpy())
+        if not self.cpu_decodable:
+            raise UnknownCodec(
+                f"nvcomp {self.algorithm!r} compresses only on a CUDA GPU (none is available)"
+            )
+        return self.encode_cpu(src)
+
+    def encode_cpu(self, data: BytesLike) -> memoryview:
+        """The same framing, compressed with the CPU library (zstd / deflate / lz4 only)."""
+        src = _as_u8(data)
+        layout = _Layout(src.size, self.itemsize, self.piece_bytes)
+        planes = self._host_planes(src, layout)
+        compress = _cpu_compressor(self.algorithm)
+        pieces: list[bytes] = [b""] * layout.n_pieces
+
+        def one(i: int) -> None:
+            plane, start, n = layout.piece(i)
+            pieces[i] = compress(planes[plane][start : start + n])
+
+        _run_tasks(layout.n_pieces, one, 2)
+        return self._assemble(layout, pieces, src[src.size - layout.tail :])
+
+    def decode(self, data: BytesLike, out: memoryview) -> None:
+        if _cuda_available() and self._have_nvcomp():
+            import torch
+
+            dest = _as_u8(out)
+            dev = torch.empty(dest.size, dtype=torch.uint8, device="cuda")
+            self.decode_device(data, dev)
+            torch.from_numpy(dest).copy_(dev.cpu())
+            return
+        self.decode_cpu(data, out)
+
+    def decode_cpu(self, data: BytesLike, out: memoryview) -> None:
+        """Decode on the CPU; UnknownCodec for algorithms only a GPU decodes."""
+        if not self.cpu_decodable:
+            raise UnknownCodec(
+                f"this checkpoint chunk was compressed with nvCOMP {self.algorithm!r}, which "
+                "only a CUDA GPU can decode; restore it on a machine with a GPU and the "
+                f"package {_PACKAGE!r}"
+            )
+        src = _as_u8(data)
+        dest = _as_u8(out)
+        layout, starts, stored = self._parse(src, dest.size)
+        decompress = _cpu_decompressor(self.algorithm)
+        if layout.n_planes == 1:
+            body = dest
+        else:  # one plane-major copy of the body, then merged into `out`
+            body = np.empty(layout.n_planes * layout.n_elems, np.uint8)
+
+        def one(i: int) -> None:
+            plane, start, n = layout.piece(i)
+            at = plane * layout.n_elems + start
+            decompress(src[starts[i] : starts[i] + stored[i]], body[at : at + n])
+
+        _run_tasks(layout.n_pieces, one, 2)
+        if layout.n_planes > 1:
+            n = layout.n_elems
+            planes = [body[k * n : (k + 1) * n] for k in range(layout.n_planes)]
+            _merge(planes, layout.itemsize, dest[: n * layout.itemsize])
+        if layout.tail:
+            dest[dest.size - layout.tail :] = src[src.size - layout.tail :]
+
+    def _host_planes(self, src: _U8, layout: _Layout) -> list[_U8]:
+        if layout.n_planes == 1:
+            return [src[: layout.n_elems]]
+        planes = [np.empty(layout.n_elems, np.uint8) for _ in range(layout.n_planes)]
+        _split(src[: layout.n_elems * layout.itemsize], layout.itemsize, planes)
+        return planes
+
+    # -- GPU entry points -----------------------------------------------------------------
+
+    def _have_nvcomp(self) -> bool:
+        try:
+            _nvcomp()
+        except UnknownCodec:
+            return False
+        return True
+
+    def _nv_codec(self, device: int, stream: int) -> Any:
+        nv = _nvcomp()
+        cache: dict[tuple[int, int], Any] = self._local.__dict__.setdefault("codecs", {})
+        codec = cache.get((device, stream))
+        if codec is None:
+            codec = nv.Codec(
+                algorithm=_NV_NAMES[self.algorithm],
+                device_id=device,
+                cuda_stream=stream,
+                uncomp_chunk_size=self.piece_bytes,
+                bitstream_kind=nv.BitstreamKind.RAW,
+                **self.options,
+            )
+            cache[(device, stream)] = codec
+        return codec
+
+    def encode_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Compress a 1-D uint8 CUDA tensor on its GPU; returns the stored chunk on that GPU.
+
+        Copy the result to the host (``.cpu()`` or into a pinned buffer) and store it as the
+        chunk's bytes: :meth:`decode` and :meth:`decode_cpu` read it back.
+        """
+        import torch
+
+        nv = _nvcomp()
+        if not tensor.is_cuda or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise ValueError("encode_device takes a 1-D torch.uint8 CUDA tensor")
+        device = tensor.device
+        stream = torch.cuda.current_stream(device)
+        t = tensor.contiguous()
+        layout = _Layout(t.numel(), self.itemsize, self.piece_bytes)
+        body = self._device_body(t, layout)
+        frames: list[torch.Tensor] = []
+        stored: list[int] = []
+        if layout.n_pieces:
+            offsets, sizes = self._piece_offsets(layout)
+            codec = self._nv_codec(device.index or 0, stream.cuda_stream)
+            batch = codec.encode(nv.as_arrays(body, offsets, sizes, stream.cuda_stream))
+            stored = list(batch.buffer_sizes)
+            frames = [
+                torch.as_tensor(batch[i], device=device).view(torch.uint8).reshape(-1)
+                for i in range(len(stored))
+            ]
+        head = torch.frombuffer(bytearray(self._header(layout, stored)), dtype=torch.uint8)
+        parts = [head.to(device)]
+        pos = head.numel()
+        zeros = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
+        for frame in frames:
+            pad = _align(pos) - pos
+            if pad:
+                parts.append(zeros[:pad])
+            parts.append(frame)
+            pos += pad + frame.numel()
+        if layout.tail:
+            parts.append(t[t.numel() - layout.tail :])
+        return torch.cat(parts)
+
+    def _device_body(self, t: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        import torch
+
+        if layout.n_planes == 1:
+            if t.data_ptr() % _ALIGN:
+                t = t.clone()
+            return t
+        n = layout.n_elems
+        body = torch.empty(layout.n_planes, layout.plane_stride, dtype=torch.uint8, device=t.device)
+        body[:, :n].copy_(t[: n * layout.itemsize].view(n, layout.itemsize).t())
+        return body.view(-1)
+
+    def _piece_offsets(self, layout: _Layout) -> tuple[list[int], list[int]]:
+        offsets, sizes = [], []
+        stride = layout.plane_stride if layout.n_planes > 1 else 0
+        for i in range(layout.n_pieces):
+            plane, start, n = layout.piece(i)
+            offsets.append(plane * stride + start)
+            sizes.append(n)
+        return offsets, sizes
+
+    def decode_device(self, data: BytesLike, out: torch.Tensor) -> None:
+        """Decode a stored chunk (host bytes) into ``out``, a 1-D uint8 CUDA tensor."""
+        import torch
+
+        nv = _nvcomp()
+        src = _as_u8(data)
+        if not out.is_cuda or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError("decode_device fills a contiguous 1-D torch.uint8 CUDA tensor")
+        layout, starts, stored = self._parse(src, out.numel())
+        device = out.device
+        stream = torch.cuda.current_stream(device)
+        if layout.n_pieces:
+            dev_in = torch.from_numpy(src.copy()).to(device)
+            if layout.n_planes == 1 and out.data_ptr() % _ALIGN == 0:
+                body = out
+            else:
+                body = torch.empty(
+                    layout.n_planes * layout.plane_stride, dtype=torch.uint8, device=device
+                )
+            offsets, sizes = self._piece_offsets(layout)
+            codec = self._nv_codec(device.index or 0, stream.cuda_stream)
+            try:
+                result = codec.decode(
+                    nv.as_arrays(dev_in, starts, stored, stream.cuda_stream),
+                    out=nv.as_arrays(body, offsets, sizes, stream.cuda_stream),
+                )
+                got = list(result.buffer_sizes)
+            except (RuntimeError, ValueError) as exc:
+                raise CorruptChunk(f"nvcomp {self.algorithm} decode failed: {exc}") from exc
+            if got != sizes:
+                raise CorruptChunk(f"nvcomp {self.algorithm} pieces decoded to wrong sizes")
+            n = layout.n_elems
+            if layout.n_planes > 1:
+                planes = body.view(layout.n_planes, layout.plane_stride)[:, :n]
+                out[: n * layout.itemsize].view(n, layout.itemsize).copy_(planes.t())
+            elif body is not out:
+                out[:n].copy_(body[:n])
+        if layout.tail:
+            tail = torch.from_numpy(src[src.size - layout.tail :].copy())
+            out[out.numel() - layout.tail :].copy_(tail)
+
+
+# -- CPU libraries for the standard bitstreams ---------------------------------------------
+
+
+def _cpu_compressor(algorithm: str) -> Any:
+    if algorithm == "zstd":
+        local = threading.local()
+
+        def zstd_compress(piece: _U8) -> bytes:
+            c = getattr(local, "c", None)
+            if c is None:
+                c = local.c = zstandard.ZstdCompressor(level=1, write_content_size=True)
+            return bytes(c.compress(piece))
+
+        return zstd_compress
+    if algorithm == "deflate":
+
+        def deflate_compress(piece: _U8) -> bytes:
+            c = zlib.compressobj(1, zlib.DEFLATED, -15)
+            return c.compress(piece) + c.flush()
+
+        return deflate_compress
+    if algorithm == "lz4":
+        block = _lz4_block()
+
+        def lz4_compress(piece: _U8) -> bytes:
+            return bytes(block.compress(piece, store_size=False))
+
+        return lz4_compress
+    raise UnknownCodec(f"nvcomp {algorithm!r} has no CPU compressor")  # pragma: no cover
+
+
+def _lz4_block() -> Any:
+    try:
+        import lz4.block
+    except ImportError as exc:
+        raise UnknownCodec(
+            f"decoding nvcomp lz4 chunks on the CPU needs the package 'lz4': pip install lz4 "
+            f"({exc})"
+        ) from exc
+    return lz4.block
+
+
+def _cpu_decompressor(algorithm: str) -> Any:
+    if algorithm == "zstd":
+        return _unzstd_into
+    if algorithm == "deflate":
+        return _inflate_into
+    block = _lz4_block()
+
+    def lz4_into(piece: _U8, dest: _U8) -> None:
+        try:
+            result = block.decompress(piece, uncompressed_size=dest.size)
+        except Exception as exc:  # lz4.block raises LZ4BlockError, a bare Exception
+            raise CorruptChunk(f"lz4 piece failed to decode: {exc}") from exc
+        if len(result) != dest.size:
+            raise CorruptChunk(f"lz4 piece decoded to {len(result)} bytes, expected {dest.size}")
+        dest[:] = np.frombuffer(result, np.uint8)
+
+    return lz4_into
+
+
+def _unzstd_into(piece: _U8, dest: _U8) -> None:
+    try:
+        params = zstandard.get_frame_parameters(piece)
+        if params.content_size not in (dest.size, zstandard.CONTENTSIZE_UNKNOWN):
+            raise CorruptChunk(
+                f"zstd piece declares {params.content_size} bytes, expected {dest.size}"
+            )
+        if _STRICT_FRAMES:
+            result = zstandard.ZstdDecompressor().decompress(
+                piece, max_output_size=dest.size, allow_extra_data=False
+            )
+        else:  # pragma: no cover - zstandard < 0.25
+            result = zstandard.ZstdDecompressor().decompress(piece, max_output_size=dest.size)
+    except zstandard.ZstdError as exc:
+        raise CorruptChunk(f"zstd piece failed to decode: {exc}") from exc
+    if len(result) != dest.size:
+        raise CorruptChunk(f"zstd piece decoded to {len(result)} bytes, expected {dest.size}")
+    dest[:] = np.frombuffer(result, np.uint8)
+
+
+def _inflate_into(piece: _U8, dest: _U8) -> None:
+    d = zlib.decompressobj(-15)
+    try:
+        result = d.decompress(piece, dest.size)
+    except zlib.error as exc:
+        raise CorruptChunk(f"deflate piece failed to decode: {exc}") from exc
+    if len(result) != dest.size or not d.eof or d.unconsumed_tail or d.unused_data:
+        raise CorruptChunk(f"deflate piece does not decode to exactly {dest.size} bytes")
+    dest[:] = np.frombuffer(result, np.uint8)
+
+
+register_codec(NvcompCodec)
