@@ -18,6 +18,7 @@ from tierckpt.errors import (
     UnsupportedObject,
 )
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.observe import CommitStats
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointNotFound",
     "Checkpointer",
+    "CommitStats",
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",

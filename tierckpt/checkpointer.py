@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -17,6 +17,7 @@ from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import Manifest, ShardRef, encode_manifest, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, SaveJob, TierRuntime
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
@@ -56,6 +57,10 @@ class Checkpointer:
         rank, world_size: default from ``torch.distributed`` when initialized, else 0 / 1.
         repopulate: when a load reads from a remote tier, also write the checkpoint to the
             local durable tiers so the next restart reads locally (default True).
+        on_commit: called with a :class:`TierResult` each time a checkpoint commits on a
+            tier (on a background thread; see :mod:`tierckpt.observe`). More with
+            :meth:`add_callback`.
+        stats_history: how many commits :meth:`stats` remembers (default 1000).
     """
 
     def __init__(
@@ -69,6 +74,8 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
         repopulate: bool = True,
+        on_commit: Callable[[TierResult], Any] | None = None,
+        stats_history: int = 1000,
     ) -> None:
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
         if on_busy not in ("block", "skip"):
@@ -96,8 +103,9 @@ class Checkpointer:
         self._save_count = 0
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
-        self._history: list[dict[str, Any]] = []
-        self._callbacks: list[Any] = []
+        self._stats = StatsRecorder(stats_history)
+        if on_commit is not None:
+            self._stats.add_callback(on_commit)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
 
@@ -125,6 +133,7 @@ class Checkpointer:
                 host_buffer_bytes=self.host_buffer_bytes,
                 io_threads=self.io_threads,
                 commit=self._commit,
+                on_result=self._stats.record,
             )
         return self._pipeline
 
@@ -136,6 +145,12 @@ class Checkpointer:
         ``guard(optimizer)`` enforces it. Unsupported objects raise ``UnsupportedObject``
         here, before anything is written.
         """
+        t0 = time.perf_counter()
+        handle = self._save(state, step, metadata)
+        handle.blocked_seconds += time.perf_counter() - t0
+        return handle
+
+    def _save(self, state: Any, step: int, metadata: dict[str, Any] | None) -> SaveHandle:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         manifest_name(step)  # validates the range
@@ -204,10 +219,13 @@ class Checkpointer:
         if self._pipeline is None:
             return
         for job in self._pipeline.in_flight():
+            t0 = time.perf_counter()
             try:
                 job.handle.wait_captured(timeout)
             except CheckpointFailed:
                 pass
+            finally:
+                job.handle.blocked_seconds += time.perf_counter() - t0
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait for pending captures. Returns the hook handle."""
@@ -357,12 +375,21 @@ class Checkpointer:
         )
 
     # -- stats / lifecycle ------------------------------------------------------------
-    def stats(self) -> list[TierResult]:
-        """Per-tier results of the saves that finished so far (most recent last)."""
-        return [r for h in self._finished_handles() for r in h.results.values()]
+    def stats(self) -> list[CommitStats]:
+        """One :class:`CommitStats` per checkpoint per tier committed so far, oldest first.
 
-    def _finished_handles(self) -> list[SaveHandle]:
-        return [self._last] if self._last is not None and self._last.done() else []
+        Step, tier, raw and stored bytes, seconds from ``save()`` to the commit, GB/s,
+        compression ratio and the seconds training was blocked by that save. The history is
+        bounded (``stats_history``, default the last 1000 commits).
+        """
+        return self._stats.stats()
+
+    def add_callback(self, fn: Callable[[TierResult], Any]) -> Callable[[TierResult], Any]:
+        """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.observe`)."""
+        return self._stats.add_callback(fn)
+
+    def remove_callback(self, fn: Callable[[TierResult], Any]) -> None:
+        self._stats.remove_callback(fn)
 
     def close(self) -> None:
         """Wait for in-flight saves to finish on every tier, then release threads and memory."""

@@ -40,6 +40,8 @@ class SaveHandle:
         self.skipped = skipped
         self.started = time.perf_counter()
         self.captured_at: float | None = None
+        #: seconds training waited for this save: in ``save()`` and in ``wait_captured()``
+        self.blocked_seconds = 0.0
         self._captured = threading.Event()
         self._capture_error: BaseException | None = None
         self._tier_events = {t: threading.Event() for t in tiers}

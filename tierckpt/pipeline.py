@@ -117,8 +117,10 @@ class Pipeline:
         host_buffer_bytes: int,
         io_threads: int,
         commit: CommitFn,
+        on_result: Callable[[TierResult, SaveHandle], None] | None = None,
     ) -> None:
         self.tiers = tiers
+        self.on_result = on_result
         self.chunk_bytes = chunk_bytes
         self.host_buffer_bytes = host_buffer_bytes
         self.commit = commit
@@ -378,6 +380,8 @@ class Pipeline:
     ) -> None:
         if error is not None:
             log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
+        if result is not None and self.on_result is not None:
+            self.on_result(result, job.handle)
         job.handle._set_tier(tier.name, result, error)
         if job.handle.done():
             with self._lock:

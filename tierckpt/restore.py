@@ -87,6 +87,12 @@ def read_index(backend: Backend, ref: ShardRef, tier: str) -> tuple[dict[str, An
     return decode_index(blob, file_size=size, where=where), blob, footer_bytes
 
 
+def _ram_bytes() -> int:
+    from tierckpt.arena import _total_ram
+
+    return _total_ram()
+
+
 def _span_buffers(index: dict[str, Any], where: str) -> list[torch.Tensor]:
     spans = index["storages"]
     return [torch.empty(int(n), dtype=torch.uint8) for _off, n in spans]
@@ -137,6 +143,18 @@ def read_shard(
     where = f"tier {tier!r} {backend.url}/{ref.file}"
     index, index_blob, footer_blob = read_index(backend, ref, tier)
     codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
+    data_bytes = int(index["data_bytes"])
+    if data_bytes > _ram_bytes():
+        raise FormatError(
+            f"{where}: declares {data_bytes} bytes of tensor data, more than this machine's "
+            "memory; refusing to allocate it"
+        )
+    for ci, rec in enumerate(index["chunks"]):
+        if codecs[rec.codec].is_passthrough and rec.stored_size != rec.raw_size:
+            raise FormatError(
+                f"{where}: raw chunk {ci} stores {rec.stored_size} bytes "
+                f"but declares {rec.raw_size}"
+            )
     spans = _span_buffers(index, where)
     span_offsets = [int(s[0]) for s in index["storages"]]
     chunks: list[ChunkRecord] = index["chunks"]
@@ -159,7 +177,7 @@ def read_shard(
         else:
             dest = torch.empty(rec.raw_size, dtype=torch.uint8)
         dest_view = memoryview(dest.numpy())  # type: ignore[arg-type]
-        if codec.is_passthrough and rec.stored_size == rec.raw_size:
+        if codec.is_passthrough:
             backend.read_into(ref.file, rec.file_offset, dest_view)
             stored: Any = dest_view
         else:

@@ -10,6 +10,7 @@ from tierckpt.codecs.base import (
     register_codec,
     register_lazy_codec,
 )
+from tierckpt.codecs.planes import PlanesCodec
 from tierckpt.codecs.raw import RawCodec
 from tierckpt.codecs.zstd import ZstdCodec
 
@@ -17,6 +18,7 @@ register_lazy_codec("nvcomp", "tierckpt.codecs.nvcomp:NvcompCodec", "nvidia-nvco
 
 __all__ = [
     "Codec",
+    "PlanesCodec",
     "RawCodec",
     "ZstdCodec",
     "codec_from_config",

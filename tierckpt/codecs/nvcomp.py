@@ -41,8 +41,8 @@ import zstandard
 
 from tierckpt._types import JSON, BytesLike
 from tierckpt.codecs.base import Codec, register_codec
+from tierckpt.codecs.zstd import STRICT_FRAMES
 from tierckpt.codecs.planes import (
-    _STRICT_FRAMES,
     FLOAT_ITEMSIZE,
     _as_u8,
     _merge,
@@ -558,7 +558,7 @@ def _unzstd_into(piece: _U8, dest: _U8) -> None:
             raise CorruptChunk(
                 f"zstd piece declares {params.content_size} bytes, expected {dest.size}"
             )
-        if _STRICT_FRAMES:
+        if STRICT_FRAMES:
             result = zstandard.ZstdDecompressor().decompress(
                 piece, max_output_size=dest.size, allow_extra_data=False
             )

@@ -39,7 +39,7 @@ import zstandard
 
 from tierckpt._types import JSON, BytesLike
 from tierckpt.codecs.base import Codec, register_codec
-from tierckpt.codecs.zstd import ZstdCodec
+from tierckpt.codecs.zstd import STRICT_FRAMES, ZstdCodec
 from tierckpt.errors import CorruptChunk
 
 __all__ = ["PlanesCodec", "FLOAT_ITEMSIZE"]
@@ -90,16 +90,6 @@ def _zstd_params(level: int | None) -> zstandard.ZstdCompressionParameters:
     )
 
 
-def _probe_allow_extra_data() -> bool:
-    frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"x")
-    try:
-        zstandard.ZstdDecompressor().decompress(frame, allow_extra_data=False)
-    except TypeError:  # zstandard < 0.25
-        return False
-    return True
-
-
-_STRICT_FRAMES = _probe_allow_extra_data()
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -431,7 +421,7 @@ def _unzstd(frame: _U8, expected: int) -> _U8:
             f"zstd frame declares {params.content_size} bytes, expected {expected}"
         )
     try:
-        if _STRICT_FRAMES:
+        if STRICT_FRAMES:
             result = _scratch.decompressor().decompress(
                 frame, max_output_size=expected, allow_extra_data=False
             )

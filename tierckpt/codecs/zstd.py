@@ -48,6 +48,20 @@ class ZstdCodec(Codec):
         decode_zstd_into(data, out)
 
 
+def _probe_allow_extra_data() -> bool:
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"x")
+    try:
+        zstandard.ZstdDecompressor().decompress(frame, allow_extra_data=False)
+    except TypeError:  # pragma: no cover - zstandard < 0.25 has no such argument
+        return False
+    return True
+
+
+#: True when zstandard can refuse bytes after the frame (a truncated or padded chunk)
+STRICT_FRAMES = _probe_allow_extra_data()
+_STRICT: dict[str, bool] = {"allow_extra_data": False} if STRICT_FRAMES else {}
+
+
 def decode_zstd_into(data: BytesLike, out: memoryview) -> None:
     """Decode one or more zstd frames into ``out``; exact size or ``CorruptChunk``."""
     expected = len(out)
@@ -60,7 +74,7 @@ def decode_zstd_into(data: BytesLike, out: memoryview) -> None:
     try:
         # max_output_size bounds the allocation even if the header lies
         result = (
-            zstandard.ZstdDecompressor().decompress(data, max_output_size=expected)
+            zstandard.ZstdDecompressor().decompress(data, max_output_size=expected, **_STRICT)
             if expected
             else b""
         )
