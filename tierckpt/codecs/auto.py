@@ -144,7 +144,7 @@ def measure_codec(
     if n == 0:
         raise ValueError("measure_codec needs a non-empty sample")
     out = np.empty(n, np.uint8)
-    view = memoryview(out)
+    view = out.data
     encoded = codec.encode(raw)
     codec.decode(encoded, view)
     if out.tobytes() != raw.tobytes():
@@ -167,6 +167,8 @@ def measure_codec(
     )
 
 
-def profiles_for(codecs: Sequence[Codec], sample: BytesLike, *, repeats: int = 3) -> list[CodecProfile]:
+def profiles_for(
+    codecs: Sequence[Codec], sample: BytesLike, *, repeats: int = 3
+) -> list[CodecProfile]:
     """:func:`measure_codec` for each codec on the same sample."""
     return [measure_codec(c, sample, repeats=repeats) for c in codecs]

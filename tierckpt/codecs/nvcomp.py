@@ -41,7 +41,6 @@ import zstandard
 
 from tierckpt._types import JSON, BytesLike
 from tierckpt.codecs.base import Codec, register_codec
-from tierckpt.codecs.zstd import STRICT_FRAMES
 from tierckpt.codecs.planes import (
     FLOAT_ITEMSIZE,
     _as_u8,
@@ -49,6 +48,7 @@ from tierckpt.codecs.planes import (
     _run_tasks,
     _split,
 )
+from tierckpt.codecs.zstd import STRICT_FRAMES
 from tierckpt.errors import CorruptChunk, UnknownCodec
 
 if TYPE_CHECKING:
@@ -170,15 +170,22 @@ class NvcompCodec(Codec):
             )
         if algorithm in ("deflate", "gdeflate") and piece_bytes > 1 << 16:
             raise ValueError(f"nvcomp {algorithm} pieces are at most 65536 bytes")
-        if not isinstance(itemsize, int) or isinstance(itemsize, bool) or itemsize not in (
-            1,
-            2,
-            4,
-            8,
+        if (
+            not isinstance(itemsize, int)
+            or isinstance(itemsize, bool)
+            or itemsize
+            not in (
+                1,
+                2,
+                4,
+                8,
+            )
         ):
             raise ValueError(f"nvcomp itemsize must be 1, 2, 4 or 8, got {itemsize!r}")
         opts = dict(options or {})
-        if not all(isinstance(k, str) and isinstance(v, (int, str, float)) for k, v in opts.items()):
+        if not all(
+            isinstance(k, str) and isinstance(v, (int, str, float)) for k, v in opts.items()
+        ):
             raise ValueError(f"nvcomp options must map names to numbers or strings: {opts!r}")
         self.algorithm = algorithm
         self.piece_bytes = piece_bytes
@@ -232,7 +239,7 @@ class NvcompCodec(Codec):
         if src.size < _HEADER.size:
             raise CorruptChunk(f"nvcomp chunk of {src.size} bytes is shorter than its header")
         magic, version, algo, itemsize, reserved, declared, piece_bytes, n_pieces = (
-            _HEADER.unpack_from(src, 0)
+            _HEADER.unpack_from(src.data, 0)
         )
         if magic != _MAGIC:
             raise CorruptChunk(f"not an nvcomp chunk (magic {bytes(magic)!r})")
@@ -281,7 +288,7 @@ class NvcompCodec(Codec):
             out[pos : pos + len(p)] = np.frombuffer(p, np.uint8)
             pos += len(p)
         out[pos:] = tail
-        return memoryview(out)
+        return out.data
 
     # -- host entry points ----------------------------------------------------------------
 
@@ -291,12 +298,12 @@ class NvcompCodec(Codec):
             import torch
 
             dev = self.encode_device(torch.from_numpy(src.copy()).cuda())
-            return memoryview(dev.cpu().numpy())
+            return memoryview(dev.cpu().numpy().tobytes())
         if not self.cpu_decodable:
             raise UnknownCodec(
                 f"nvcomp {self.algorithm!r} compresses only on a CUDA GPU (none is available)"
             )
-        return self.encode_cpu(src)
+        return self.encode_cpu(src.data)
 
     def encode_cpu(self, data: BytesLike) -> memoryview:
         """The same framing, compressed with the CPU library (zstd / deflate / lz4 only)."""
@@ -501,14 +508,14 @@ def _cpu_compressor(algorithm: str) -> Any:
             c = getattr(local, "c", None)
             if c is None:
                 c = local.c = zstandard.ZstdCompressor(level=1, write_content_size=True)
-            return bytes(c.compress(piece))
+            return bytes(c.compress(piece.data))
 
         return zstd_compress
     if algorithm == "deflate":
 
         def deflate_compress(piece: _U8) -> bytes:
             c = zlib.compressobj(1, zlib.DEFLATED, -15)
-            return c.compress(piece) + c.flush()
+            return c.compress(piece.data) + c.flush()
 
         return deflate_compress
     if algorithm == "lz4":
@@ -553,17 +560,17 @@ def _cpu_decompressor(algorithm: str) -> Any:
 
 def _unzstd_into(piece: _U8, dest: _U8) -> None:
     try:
-        params = zstandard.get_frame_parameters(piece)
+        params = zstandard.get_frame_parameters(piece.data)
         if params.content_size not in (dest.size, zstandard.CONTENTSIZE_UNKNOWN):
             raise CorruptChunk(
                 f"zstd piece declares {params.content_size} bytes, expected {dest.size}"
             )
         if STRICT_FRAMES:
             result = zstandard.ZstdDecompressor().decompress(
-                piece, max_output_size=dest.size, allow_extra_data=False
+                piece.data, max_output_size=dest.size, allow_extra_data=False
             )
         else:  # pragma: no cover - zstandard < 0.25
-            result = zstandard.ZstdDecompressor().decompress(piece, max_output_size=dest.size)
+            result = zstandard.ZstdDecompressor().decompress(piece.data, max_output_size=dest.size)
     except zstandard.ZstdError as exc:
         raise CorruptChunk(f"zstd piece failed to decode: {exc}") from exc
     if len(result) != dest.size:
@@ -574,7 +581,7 @@ def _unzstd_into(piece: _U8, dest: _U8) -> None:
 def _inflate_into(piece: _U8, dest: _U8) -> None:
     d = zlib.decompressobj(-15)
     try:
-        result = d.decompress(piece, dest.size)
+        result = d.decompress(piece.data, dest.size)
     except zlib.error as exc:
         raise CorruptChunk(f"deflate piece failed to decode: {exc}") from exc
     if len(result) != dest.size or not d.eof or d.unconsumed_tail or d.unused_data:

@@ -90,7 +90,6 @@ def _zstd_params(level: int | None) -> zstandard.ZstdCompressionParameters:
     )
 
 
-
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -165,7 +164,9 @@ class _Scratch(threading.local):
             d = self.d = zstandard.ZstdDecompressor()
         return d
 
-    def wide_buffer(self, dtype: type[np.unsignedinteger], size: int) -> npt.NDArray[np.unsignedinteger]:
+    def wide_buffer(
+        self, dtype: type[np.unsignedinteger], size: int
+    ) -> npt.NDArray[np.unsignedinteger]:
         w = self.wide
         if w is None or w.dtype != dtype or w.size < size:
             w = self.wide = np.empty(size, dtype)
@@ -227,11 +228,16 @@ class PlanesCodec(Codec):
     def __init__(
         self, itemsize: int = 4, coder: str = "zstd", level: int | None = None, threads: int = 2
     ) -> None:
-        if not isinstance(itemsize, int) or isinstance(itemsize, bool) or itemsize not in (
-            1,
-            2,
-            4,
-            8,
+        if (
+            not isinstance(itemsize, int)
+            or isinstance(itemsize, bool)
+            or itemsize
+            not in (
+                1,
+                2,
+                4,
+                8,
+            )
         ):
             raise ValueError(f"planes itemsize must be 1, 2, 4 or 8, got {itemsize!r}")
         if coder != "zstd":
@@ -301,7 +307,7 @@ class PlanesCodec(Codec):
                 _split(seg, size, planes)
             compressor = self._compressor()
             for k, plane in enumerate(planes):
-                packed = compressor.compress(plane)
+                packed = compressor.compress(plane.data)
                 if len(packed) < plane.size:
                     pieces[s * size + k] = packed
                     modes[s * size + k] = _MODE_ZSTD
@@ -318,7 +324,7 @@ class PlanesCodec(Codec):
         starts[1:] += head_len
         tail = raw_len - n_elems * size
         out = np.empty(int(starts[-1]) + tail, np.uint8)
-        _HEADER.pack_into(out, 0, _MAGIC, _VERSION, size, 0, raw_len, seg_elems, n_entries)
+        _HEADER.pack_into(out.data, 0, _MAGIC, _VERSION, size, 0, raw_len, seg_elems, n_entries)
         out[_HEADER.size : _HEADER.size + 4 * n_entries] = lengths.view(np.uint8)
         out[_HEADER.size + 4 * n_entries : head_len] = modes
         starts_l: list[int] = starts.tolist()
@@ -331,7 +337,7 @@ class PlanesCodec(Codec):
         _run_tasks(n_segs, gather_segment, self.threads)
         if tail:
             out[out.size - tail :] = src[raw_len - tail :]
-        return memoryview(out)
+        return out.data
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -345,7 +351,7 @@ class PlanesCodec(Codec):
         if src.size < _HEADER.size:
             raise CorruptChunk(f"planes chunk of {src.size} bytes is shorter than its header")
         magic, version, itemsize, reserved, declared, seg_elems, n_entries = _HEADER.unpack_from(
-            src, 0
+            src.data, 0
         )
         if magic != _MAGIC:
             raise CorruptChunk(f"not a planes chunk (magic {bytes(magic)!r})")
@@ -413,20 +419,18 @@ class PlanesCodec(Codec):
 def _unzstd(frame: _U8, expected: int) -> _U8:
     """One zstd frame that must decode to exactly ``expected`` bytes."""
     try:
-        params = zstandard.get_frame_parameters(frame)
+        params = zstandard.get_frame_parameters(frame.data)
     except zstandard.ZstdError as exc:
         raise CorruptChunk(f"planes chunk holds a bad zstd frame: {exc}") from exc
     if params.content_size != expected:
-        raise CorruptChunk(
-            f"zstd frame declares {params.content_size} bytes, expected {expected}"
-        )
+        raise CorruptChunk(f"zstd frame declares {params.content_size} bytes, expected {expected}")
     try:
         if STRICT_FRAMES:
             result = _scratch.decompressor().decompress(
-                frame, max_output_size=expected, allow_extra_data=False
+                frame.data, max_output_size=expected, allow_extra_data=False
             )
         else:  # pragma: no cover - zstandard < 0.25
-            result = _scratch.decompressor().decompress(frame, max_output_size=expected)
+            result = _scratch.decompressor().decompress(frame.data, max_output_size=expected)
     except zstandard.ZstdError as exc:
         raise CorruptChunk(f"zstd frame failed to decode: {exc}") from exc
     if len(result) != expected:

@@ -66,8 +66,21 @@ def float_specials(dtype: torch.dtype, n: int, seed: int = 0) -> bytes:
     values = torch.randn(n, generator=gen, dtype=torch.float64) * 0.02
     info = torch.finfo(dtype)
     specials = torch.tensor(
-        [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, info.tiny / 4, -info.tiny / 2,
-         info.tiny, info.max, -info.max, info.eps, 1.0, -1.0],
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            -0.0,
+            0.0,
+            info.tiny / 4,
+            -info.tiny / 2,
+            info.tiny,
+            info.max,
+            -info.max,
+            info.eps,
+            1.0,
+            -1.0,
+        ],
         dtype=torch.float64,
     )
     if n:
@@ -94,9 +107,7 @@ def golden_input() -> bytes:
     """
     ints = _lcg_bytes(8192, 1).astype(np.int64) * 37 % 2001 - 1000
     weights = (ints.astype(np.float32) / np.float32(4096.0)).astype("<f4")
-    specials = np.array(
-        [np.nan, np.inf, -np.inf, -0.0, 1e-45, -1e-40, 3.4e38, 1.0], dtype="<f4"
-    )
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-45, -1e-40, 3.4e38, 1.0], dtype="<f4")
     fp32 = np.concatenate([weights, np.tile(specials, 64)])
     bf16 = fp32.view("<u4") >> np.uint32(16)
     parts = [
@@ -187,7 +198,7 @@ class CodecTests:
     def test_accepts_buffer_kinds(self, codec: Codec) -> None:
         raw = float_specials(torch.bfloat16, 5001)
         array = np.frombuffer(raw, np.uint8)
-        for data in (raw, bytearray(raw), memoryview(raw), memoryview(array), array.data):
+        for data in (raw, bytearray(raw), memoryview(raw), array.data, memoryview(bytearray(raw))):
             assert roundtrip(codec, data) == raw
 
     def test_encoded_survives_bytes_copy(self, codec: Codec) -> None:
@@ -277,7 +288,7 @@ class CodecTests:
         reader.decode(encoded, memoryview(out))
         assert bytes(out) == raw
 
-    @pytest.mark.parametrize("dtype", PROPERTY_DTYPES + ["uint8", "int32", "complex64"])
+    @pytest.mark.parametrize("dtype", [*PROPERTY_DTYPES, "uint8", "int32", "complex64"])
     def test_for_dtype(self, codec: Codec, dtype: str) -> None:
         chosen = codec.for_dtype(dtype)
         assert isinstance(chosen, Codec)
