@@ -90,9 +90,7 @@ def _remove_bucket(server: S3Server, bucket: str) -> None:
         pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket)
         for page in pages:
             for up in page.get("Uploads", []):
-                client.abort_multipart_upload(
-                    Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
-                )
+                client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:

@@ -83,18 +83,19 @@ class TestS3BackendSeaweedFS(BackendTests):
 # -- the state machine on every backend ---------------------------------------------------
 def test_stateful_memory() -> None:
     namespace = f"stateful-{secrets.token_hex(4)}"
-    run_backend_state_machine(lambda: MemoryBackend(namespace))
+    run_backend_state_machine(MemoryBackend(namespace))
     MemoryBackend.clear_namespace(namespace)
 
 
 def test_stateful_local(tmp_path: Path) -> None:
-    run_backend_state_machine(lambda: LocalBackend(tmp_path))
+    run_backend_state_machine(LocalBackend(tmp_path))
 
 
 @pytest.mark.s3
 def test_stateful_s3(s3_server: S3Server, s3_bucket: BucketFactory) -> None:
-    bucket = s3_bucket(s3_server)
-    run_backend_state_machine(lambda: make_s3(s3_server, bucket))
+    backend = make_s3(s3_server, s3_bucket(s3_server))
+    run_backend_state_machine(backend, max_examples=10)
+    backend.close()
 
 
 # -- S3: configuration --------------------------------------------------------------------
@@ -219,7 +220,9 @@ def test_conditional_put_fallback_when_server_ignores_it(
 def test_conditional_put_configured(moto_server: S3Server, s3_bucket: BucketFactory) -> None:
     bucket = s3_bucket(moto_server)
     with FaultProxy(moto_server.endpoint_url) as proxy:
-        backend = make_s3(moto_server, bucket, endpoint_url=proxy.endpoint_url, conditional_put=False)
+        backend = make_s3(
+            moto_server, bucket, endpoint_url=proxy.endpoint_url, conditional_put=False
+        )
         assert not backend.supports_conditional_put
         backend.put_atomic("m", b"1")
         with pytest.raises(FileExistsError):
@@ -253,31 +256,28 @@ def test_proxy_forwards_chunked_bodies(moto_server: S3Server, s3_bucket: BucketF
 
 
 @pytest.mark.s3
-def test_round_trip_with_transient_faults(
-    moto_server: S3Server, s3_bucket: BucketFactory, moto_proxy: FaultProxy
-) -> None:
-    bucket = s3_bucket(moto_server)
-    backend = make_s3(moto_server, bucket, endpoint_url=moto_proxy.endpoint_url, max_attempts=6)
-    moto_proxy.set_faults(
-        [
-            Fault("slowdown", method="PUT", path_contains="partNumber=", nth={1, 4}),
-            Fault("error500", method="PUT", path_contains="partNumber=", probability=0.3),
-            Fault("reset_request", method="PUT", path_contains="partNumber=", nth={2, 6}),
-            Fault("slowdown", method="POST", path_contains="uploadId=", nth={1}),
-            Fault("reset_response", method="GET", nth={1, 3}),
-            Fault("error500", method="GET", nth={2}),
-        ]
-    )
-    data = payload(6 * MIN_PART_SIZE + 99, seed=10)
-    write_object(backend, "obj", data, [MiB] * 7)
-    assert backend.get("obj") == data
-    out = bytearray(len(data))
-    backend.read_into("obj", 0, memoryview(out))
-    assert out == data
-    for action in ("slowdown", "error500", "reset_request", "reset_response"):
-        assert moto_proxy.fired[action] >= 1, moto_proxy.fired
-    assert open_uploads(moto_server, bucket) == []
-    backend.close()
+def test_round_trip_with_transient_faults(s3_server: S3Server, s3_bucket: BucketFactory) -> None:
+    bucket = s3_bucket(s3_server)
+    faults = [
+        Fault("slowdown", method="PUT", path_contains="partNumber=", nth={1, 4}),
+        Fault("error500", method="PUT", path_contains="partNumber=", probability=0.3),
+        Fault("reset_request", method="PUT", path_contains="partNumber=", nth={2, 6}),
+        Fault("slowdown", method="POST", path_contains="uploadId=", nth={1}),
+        Fault("reset_response", method="GET", nth={1, 3}),
+        Fault("error500", method="GET", nth={2}),
+    ]
+    with FaultProxy(s3_server.endpoint_url, faults, seed=1234) as proxy:
+        backend = make_s3(s3_server, bucket, endpoint_url=proxy.endpoint_url, max_attempts=6)
+        data = payload(6 * MIN_PART_SIZE + 99, seed=10)
+        write_object(backend, "obj", data, [MiB] * 7)
+        assert backend.get("obj") == data
+        out = bytearray(len(data))
+        backend.read_into("obj", 0, memoryview(out))
+        assert out == data
+        for action in ("slowdown", "error500", "reset_request", "reset_response"):
+            assert proxy.fired[action] >= 1, proxy.fired
+        assert open_uploads(s3_server, bucket) == []
+        backend.close()
 
 
 @pytest.mark.s3
@@ -303,23 +303,24 @@ def test_stalled_connections_time_out_and_retry(
 
 @pytest.mark.s3
 def test_permanent_part_failure_aborts_upload(
-    moto_server: S3Server, s3_bucket: BucketFactory, moto_proxy: FaultProxy
+    s3_server: S3Server, s3_bucket: BucketFactory
 ) -> None:
-    bucket = s3_bucket(moto_server)
-    backend = make_s3(moto_server, bucket, endpoint_url=moto_proxy.endpoint_url, max_attempts=2)
-    moto_proxy.set_faults([Fault("error500", method="PUT", path_contains="partNumber=3")])
-    writer = backend.open_writer("doomed")
-    data = payload(MIN_PART_SIZE, seed=12)
-    with pytest.raises(BackendError) as info:
-        for i in range(8):
-            writer.write(i * len(data), data)
-        writer.commit()
-    assert isinstance(info.value, S3Error) and info.value.code == "InternalError"
-    assert "doomed" in str(info.value) and bucket in str(info.value)
-    writer.abort()  # already aborted: a no-op
-    assert open_uploads(moto_server, bucket) == []
-    assert backend.list() == []
-    backend.close()
+    bucket = s3_bucket(s3_server)
+    faults = [Fault("error500", method="PUT", path_contains="partNumber=3")]
+    with FaultProxy(s3_server.endpoint_url, faults) as proxy:
+        backend = make_s3(s3_server, bucket, endpoint_url=proxy.endpoint_url, max_attempts=2)
+        writer = backend.open_writer("doomed")
+        data = payload(MIN_PART_SIZE, seed=12)
+        with pytest.raises(BackendError) as info:
+            for i in range(8):
+                writer.write(i * len(data), data)
+            writer.commit()
+        assert isinstance(info.value, S3Error) and info.value.code == "InternalError"
+        assert "doomed" in str(info.value) and bucket in str(info.value)
+        writer.abort()  # already aborted: a no-op
+        assert open_uploads(s3_server, bucket) == []
+        assert backend.list() == []
+        backend.close()
 
 
 @pytest.mark.s3
@@ -389,4 +390,36 @@ def test_missing_object_in_parallel_read(moto_server: S3Server, s3_bucket: Bucke
     write_object(backend, "obj", payload(2 * MIN_PART_SIZE, seed=17))
     with pytest.raises(FormatError):
         backend.read_into("obj", 1, memoryview(bytearray(2 * MIN_PART_SIZE)))
+    backend.close()
+
+
+@pytest.mark.s3
+def test_listing_and_cleanup_paginate(s3_server: S3Server, s3_bucket: BucketFactory) -> None:
+    backend = make_s3(s3_server, s3_bucket(s3_server))
+    backend._page_size = 2
+    names = [f"p/{i:02d}" for i in range(7)]
+    for name in reversed(names):
+        backend.put_atomic(name, b"x")
+    assert backend.list() == names
+    assert backend.list("p/0") == names
+    for name in ("u/1", "u/2", "u/3"):
+        backend.open_writer(name).write(0, payload(MIN_PART_SIZE, seed=18))
+    assert backend.cleanup_incomplete() == 3
+    backend.close()
+
+
+def test_range_responses_checked() -> None:
+    backend = S3Backend("s3://bkt", endpoint_url="http://127.0.0.1:9")
+    check = backend._check_range
+    check("k", {"ContentLength": 10, "ContentRange": "bytes 5-14/100"}, 5, 14)
+    check("k", {"ContentLength": 10}, 0, 9)  # a 200 for the whole (10-byte) object
+    bad = [
+        ({"ContentLength": 4, "ContentRange": "bytes 5-8/9"}, "past its end"),  # short
+        ({"ContentLength": 12, "ContentRange": "bytes 5-16/100"}, "server sent 12"),  # long
+        ({"ContentLength": 10, "ContentRange": "bytes 0-9/100"}, "got bytes 0-9"),  # wrong start
+        ({"ContentLength": 100}, "ignored the Range"),  # a 200 with the whole object
+    ]
+    for resp, message in bad:
+        with pytest.raises(FormatError, match=message):
+            check("k", resp, 5, 14)
     backend.close()

@@ -198,6 +198,11 @@ class LocalBackend(Backend):
             raise _os_error(self.url, name, "open", exc) from exc
         try:
             out = out.cast("B") if out.format != "B" else out
+            if offset < 0 or offset + len(out) > os.fstat(fd).st_size:
+                raise FormatError(
+                    f"{self.url}/{name}: read of {len(out)} bytes at {offset} past its end "
+                    f"({os.fstat(fd).st_size}; truncated?)"
+                )
             done = 0
             while done < len(out):
                 n = os.preadv(fd, [out[done:]], offset + done)

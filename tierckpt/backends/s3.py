@@ -177,20 +177,24 @@ class _S3Writer(ObjectWriter):
             if self._closed:
                 raise BackendError(f"{self._where}: write after commit/abort")
             self._check_sequential(offset)
-            self._raise_if_failed()
             view = memoryview(data).cast("B")
             part_size = self._b.part_size
             pos, total = 0, len(view)
-            while pos < total:
-                if self._buf is None:
-                    self._buf = self._b._buffers.take()
-                take = min(part_size - self._fill, total - pos)
-                self._buf[self._fill : self._fill + take] = view[pos : pos + take]
-                self._fill += take
-                pos += take
-                self.size += take
-                if self._fill == part_size:
-                    self._submit_part()
+            try:
+                self._raise_if_failed()
+                while pos < total:
+                    if self._buf is None:
+                        self._buf = self._b._buffers.take()
+                    take = min(part_size - self._fill, total - pos)
+                    self._buf[self._fill : self._fill + take] = view[pos : pos + take]
+                    self._fill += take
+                    pos += take
+                    self.size += take
+                    if self._fill == part_size:
+                        self._submit_part()
+            except BaseException:
+                self.abort()  # no orphaned parts, whatever went wrong
+                raise
 
     def commit(self) -> None:
         with self._op_lock:
@@ -309,7 +313,7 @@ class _S3Writer(ObjectWriter):
             if skip:
                 return
             # a full buffer goes as is; the (short) last part is copied once
-            body: bytes | bytearray = buf if length == len(buf) else bytes(buf[:length])
+            body: bytes | bytearray = buf if length == len(buf) else bytes(memoryview(buf)[:length])
             resp = self._b._call(
                 "upload_part",
                 self._key,
@@ -397,8 +401,7 @@ class S3Backend(Backend):
         # mirror s3transfer: CRC32 part checksums when the client computes them by default
         self._checksum_args: dict[str, str] = (
             {"ChecksumAlgorithm": "CRC32"}
-            if getattr(client.meta.config, "request_checksum_calculation", None)
-            == "when_supported"
+            if getattr(client.meta.config, "request_checksum_calculation", None) == "when_supported"
             else {}
         )
         self._conditional = conditional_put
@@ -408,6 +411,7 @@ class S3Backend(Backend):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._thread_prefix = f"tierckpt-s3-{secrets.token_hex(3)}"
+        self._page_size: int | None = None  # listing page size; None: the server's (1000)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -493,8 +497,12 @@ class S3Backend(Backend):
             raise self._translate(exc, op, key) from exc
 
     def _paginate(self, op: str, prefix: str, item: str) -> Iterable[dict[str, Any]]:
+        config = {"PageSize": self._page_size} if self._page_size else {}
         try:
-            for page in self._client.get_paginator(op).paginate(Bucket=self.bucket, Prefix=prefix):
+            pages = self._client.get_paginator(op).paginate(
+                Bucket=self.bucket, Prefix=prefix, PaginationConfig=config
+            )
+            for page in pages:
                 yield from page.get(item, [])
         except (ClientError, BotoCoreError) as exc:
             raise self._translate(exc, op, prefix) from exc
@@ -621,18 +629,17 @@ class S3Backend(Backend):
             for s in range(0, length, step)
         ]
         done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in done if not f.cancelled() and f.exception() is not None]
-        if failed:
+        errors = [e for f in done if not f.cancelled() and (e := f.exception()) is not None]
+        if errors:
             for f in not_done:
                 f.cancel()
             wait(not_done)  # nothing may write into ``out`` after we return
-            errors = [f.exception() for f in failed]
             # a missing object or a read past the end says more than a transport error
             for kind in (CheckpointNotFound, FormatError):
                 for e in errors:
                     if isinstance(e, kind):
                         raise e
-            raise errors[0]  # type: ignore[misc]
+            raise errors[0]
 
     def _get_range(self, key: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``key`` from ``start``; resume a cut-off body."""

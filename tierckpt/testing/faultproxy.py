@@ -85,7 +85,12 @@ class _Request:
 
 
 _ERRORS = {
-    "error500": (500, "Internal Server Error", "InternalError", "We encountered an internal error."),
+    "error500": (
+        500,
+        "Internal Server Error",
+        "InternalError",
+        "We encountered an internal error.",
+    ),
     "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
 }
 
@@ -368,7 +373,7 @@ class FaultProxy:
             n = int(cl)
             _copy_exact(ufile, client.sendall, n // 2 if cut else n)
         else:  # delimited by close
-            while piece := ufile.read1(_PIECE):
+            while piece := ufile.read(_PIECE):
                 client.sendall(piece)
             return False
         return None if cut else conn != "close"

@@ -160,7 +160,7 @@ def _log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+def _stop_process(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -253,6 +253,7 @@ def _start_seaweedfs_once(
         "-webdav=false",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
+        "-volume.preStopSeconds=0",
         f"-master.port={master}",
         f"-master.port.grpc={master + 10000}",
         f"-volume.port={volume}",

@@ -3,15 +3,13 @@
 Every rule applies one operation (``put_atomic``, a streamed write that commits or aborts,
 ``delete``, ``read``, ``list``) to both and checks they agree; an invariant compares the full
 listing after every step. Use :func:`run_backend_state_machine` with a factory that returns the
-backend under test (the machine empties it before each example)::
+backend under test (the machine empties it before each example; the caller closes it)::
 
     def test_stateful(tmp_path):
-        run_backend_state_machine(lambda: LocalBackend(tmp_path))
+        run_backend_state_machine(LocalBackend(tmp_path))
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -34,13 +32,12 @@ PIECES = st.lists(st.binary(max_size=24), max_size=4)
 
 
 class BackendStateMachine(RuleBasedStateMachine):
-    """Compares a backend with a dict; ``make_backend`` is set by the runner."""
+    """Compares a backend with a dict; ``backend`` is set by the runner."""
 
-    make_backend: Callable[[], Backend]
+    backend: Backend
 
     def __init__(self) -> None:
         super().__init__()
-        self.backend = type(self).make_backend()
         for name in self.backend.list():
             self.backend.delete(name)
         self.backend.cleanup_incomplete()
@@ -106,20 +103,13 @@ class BackendStateMachine(RuleBasedStateMachine):
         assert self.backend.list() == sorted(self.model)
 
     def teardown(self) -> None:
-        try:
-            for name in self.model:
-                self.backend.delete(name)
-        finally:
-            self.backend.close()
+        for name in self.model:
+            self.backend.delete(name)
 
 
-def run_backend_state_machine(
-    make_backend: Callable[[], Backend], *, max_examples: int = 12, steps: int = 15
-) -> None:
-    """Run :class:`BackendStateMachine` against backends from ``make_backend`` (bounded)."""
-    machine = type(
-        "BackendStateMachineRun", (BackendStateMachine,), {"make_backend": staticmethod(make_backend)}
-    )
+def run_backend_state_machine(backend: Backend, *, max_examples: int = 12, steps: int = 15) -> None:
+    """Run :class:`BackendStateMachine` against ``backend`` (bounded: a few seconds)."""
+    machine = type("BackendStateMachineRun", (BackendStateMachine,), {"backend": backend})
     run_state_machine_as_test(
         machine,
         settings=settings(
