@@ -334,6 +334,98 @@ def test_nvcomp_decode_cpu_rejects_hostile_framing() -> None:
         NvcompCodec("deflate", piece_bytes=1 << 14).decode_cpu(good, out)
 
 
+class _FakeBatch:
+    """Stands in for ``nvidia.nvcomp.BatchArray``: pieces of one tensor at given offsets."""
+
+    def __init__(self, buffer: torch.Tensor, offsets: list[int], sizes: list[int]) -> None:
+        self.buffer, self.offsets, self.sizes = buffer, list(offsets), list(sizes)
+
+    @property
+    def buffer_sizes(self) -> list[int]:
+        return list(self.sizes)
+
+    def piece(self, i: int) -> torch.Tensor:
+        return self.buffer[self.offsets[i] : self.offsets[i] + self.sizes[i]]
+
+
+class _FakeNvCodec:
+    """A CPU imitation of ``nvidia.nvcomp.Codec`` in RAW mode (zstd level 1, like the CPU
+    encoder), so the GPU code paths' offsets, packing and framing run without a GPU."""
+
+    def __init__(self, **kwargs: object) -> None:
+        assert kwargs["algorithm"] == "Zstd" and kwargs["bitstream_kind"] == "RAW"
+        self.kwargs = kwargs
+
+    def get_max_comp_buffer_size(self, array: torch.Tensor) -> int:
+        n = array.numel()
+        return n + (n >> 8) + 1024
+
+    def encode(self, batch: _FakeBatch, out: _FakeBatch) -> _FakeBatch:
+        import zstandard
+
+        sizes = []
+        for i in range(len(batch.sizes)):
+            packed = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(
+                batch.piece(i).numpy().tobytes()
+            )
+            assert len(packed) <= out.sizes[i]
+            out.buffer[out.offsets[i] : out.offsets[i] + len(packed)] = torch.frombuffer(
+                bytearray(packed), dtype=torch.uint8
+            )
+            sizes.append(len(packed))
+        return _FakeBatch(out.buffer, out.offsets, sizes)
+
+    def decode(self, batch: _FakeBatch, out: _FakeBatch) -> _FakeBatch:
+        import zstandard
+
+        sizes = []
+        for i in range(len(batch.sizes)):
+            raw = zstandard.ZstdDecompressor().decompress(batch.piece(i).numpy().tobytes())
+            out.piece(i)[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            sizes.append(len(raw))
+        return _FakeBatch(out.buffer, out.offsets, sizes)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import tierckpt.codecs.nvcomp as nvcomp_mod
+
+    fake = SimpleNamespace(
+        Codec=_FakeNvCodec,
+        BitstreamKind=SimpleNamespace(RAW="RAW"),
+        as_array=lambda t, cuda_stream=0: t,
+        as_arrays=lambda buf, offsets, sizes, cuda_stream=0: _FakeBatch(buf, offsets, sizes),
+    )
+    monkeypatch.setattr(nvcomp_mod, "_nvcomp", lambda: fake)
+    monkeypatch.setattr(nvcomp_mod, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(nvcomp_mod, "_stream_of", lambda device: 0)
+    monkeypatch.setattr(nvcomp_mod, "_cuda_available", lambda: False)
+
+
+@pytest.mark.usefixtures("fake_gpu")
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("n", [0, 1, 5, 4096, 200_003])
+def test_nvcomp_device_paths_with_fake_nvcomp(itemsize: int, n: int) -> None:
+    """The GPU paths (imitated on the CPU) write exactly the framing the CPU encoder writes."""
+    raw = float_specials(torch.bfloat16, n // 2 + 1)[:n]
+    codec = NvcompCodec("zstd", piece_bytes=1 << 12, itemsize=itemsize)
+    stored_t = codec.encode_device(torch.from_numpy(np.frombuffer(raw, np.uint8).copy()))
+    stored = stored_t.numpy().tobytes()
+    assert stored == bytes(codec.encode_cpu(raw))
+    out = bytearray(len(raw))
+    codec.decode_cpu(stored, memoryview(out))
+    assert bytes(out) == raw
+    for source in (stored, stored_t):
+        back = torch.full((n,), 7, dtype=torch.uint8)
+        codec.decode_device(source, back)
+        assert back.numpy().tobytes() == raw
+    if stored_t.numel() > 40:
+        with pytest.raises(CorruptChunk):
+            codec.decode_device(stored_t[:-1], torch.empty(n, dtype=torch.uint8))
+
+
 @gpu
 @needs_cuda
 def test_nvcomp_encode_device_decodes_on_cpu() -> None:
@@ -376,10 +468,14 @@ def test_registry_refuses_overwrite() -> None:
     register_codec(ZstdCodec)  # re-registering the same class is harmless
 
 
-def test_registry_lazy_codec_names_missing_package() -> None:
+def test_registry_lazy_codec_names_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckpt.codecs import base
+
+    monkeypatch.setattr(base, "_lazy", dict(base._lazy))  # undone after the test
     register_lazy_codec(
         "test-missing", "tierckpt_no_such_module.codec:Missing", "tierckpt-missing-package"
     )
+    assert "test-missing" in codec_ids()
     with pytest.raises(UnknownCodec, match="pip install tierckpt-missing-package"):
         codec_from_config({"id": "test-missing"})
 

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -162,7 +162,15 @@ class Checkpointer:
             index = self._save_count
             self._save_count += 1
         tiers = [t for t in self._tiers if t.spec.receives(index)]
-        if self.on_busy == "skip" and pipeline.in_flight():
+        busy = bool(pipeline.in_flight())
+        attempt = ""
+        if self.world_size > 1:
+            # an attempt id for the completion records (one all-reduce at the first save; at
+            # every save with on_busy="skip", so that all ranks skip together)
+            from tierckpt.distributed import begin_save
+
+            attempt, busy = begin_save(self, step, busy)
+        if self.on_busy == "skip" and busy:
             log.warning("step %d skipped: the previous checkpoint is still flushing", step)
             handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True)
             return handle
@@ -181,6 +189,7 @@ class Checkpointer:
             world_size=self.world_size,
             ready_events=record_ready_events(plan),
             metadata=dict(metadata or {}),
+            attempt=attempt,
         )
         self._last = handle
         pipeline.submit(job)
@@ -188,13 +197,12 @@ class Checkpointer:
 
     def _commit(
         self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
-    ) -> None:
+    ) -> Future[None] | None:
         """Single-rank commit: the manifest, written last and create-only."""
         if job.world_size != 1:
             from tierckpt.distributed import commit_multi_rank
 
-            commit_multi_rank(self, tier, job, ref, raw, stored)
-            return
+            return commit_multi_rank(self, tier, job, ref, raw, stored)
         m = Manifest(
             step=job.step,
             world_size=1,
@@ -208,6 +216,7 @@ class Checkpointer:
             metadata=job.metadata,
         )
         tier.backend.put_atomic(manifest_name(job.step), encode_manifest(m))
+        return None
 
     def wait_captured(self, timeout: float | None = None) -> None:
         """Block until every pending save's bytes are in host memory.
@@ -292,17 +301,20 @@ class Checkpointer:
                 listing[t.name] = []
         all_steps = sorted({s for v in listing.values() for s in v}, reverse=True)
         if step is not None:
-            if step not in all_steps:
+            if step not in all_steps and self.world_size > 1:
+                candidates = [step]  # agree_on_step below raises on every rank, not just here
+            elif step not in all_steps:
                 raise CheckpointNotFound(
                     f"step {step} is not committed on any tier "
                     f"({', '.join(t.name for t in tiers)}); committed steps: "
                     f"{sorted(all_steps)[-10:] or 'none'}"
                 )
-            candidates = [step] + (
-                [s for s in all_steps if s < step] if fallback == "previous" else []
-            )
+            else:
+                candidates = [step] + (
+                    [s for s in all_steps if s < step] if fallback == "previous" else []
+                )
         else:
-            if not all_steps:
+            if not all_steps and self.world_size == 1:
                 raise CheckpointNotFound(
                     f"no committed checkpoint on any tier ({', '.join(t.name for t in tiers)})"
                 )

@@ -232,7 +232,7 @@ def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, An
             _int(c[1], f"chunk {i} raw size", 0, 1 << 40),
             _int(c[2], f"chunk {i} stored size", 0, 1 << 40),
             _int(c[3], f"chunk {i} file offset"),
-            _int(c[4], f"chunk {i} codec", 0, max(n_codecs - 1, 0)),
+            _int(c[4], f"chunk {i} codec", 0, n_codecs - 1),
             c[5] if isinstance(c[5], str) and re.fullmatch(r"[0-9a-f]{16}", c[5]) else "",
         )
         if not rec.checksum:
@@ -330,7 +330,10 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
     if not isinstance(body, dict) or body.get("format") != "tierckpt-manifest":
         raise FormatError(f"{where}: not a tierckpt manifest")
     stored = body.pop("checksum", None)
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    try:
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (ValueError, RecursionError) as exc:  # NaN / Infinity / 1e400: never written by us
+        raise FormatError(f"{where}: manifest holds values JSON cannot carry ({exc})") from None
     if stored != checksum(canon.encode("utf-8")):
         raise CorruptCheckpoint(f"{where}: manifest checksum mismatch")
     if body.get("version") != FORMAT_VERSION:
@@ -368,7 +371,9 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
         step=step,
         world_size=world,
         shards=tuple(sorted(shards, key=lambda s: s.rank)),
-        created=float(created) if isinstance(created, (int, float)) else 0.0,
+        created=float(created) if isinstance(created, float) or (
+            type(created) is int and abs(created) < 2**53
+        ) else 0.0,
         library_version=str(body.get("library_version", "")),
         tier=str(body.get("tier", "")),
         raw_bytes=body.get("raw_bytes", 0) if type(body.get("raw_bytes")) is int else 0,

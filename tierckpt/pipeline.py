@@ -91,6 +91,8 @@ class SaveJob:
     ready_events: dict[torch.device, Any]
     metadata: dict[str, Any]
     capture_error: BaseException | None = None
+    #: multi-rank saves: the id all ranks agreed on for this attempt (tierckpt.distributed)
+    attempt: str = ""
 
 
 @dataclass
@@ -105,7 +107,10 @@ class _TierWrite:
     error: BaseException | None = None
 
 
-CommitFn = Callable[[TierRuntime, SaveJob, ShardRef, int, int], None]
+#: commits one tier's copy; returns None when done, or a Future (from ``Pipeline.defer``) that
+#: completes once committed — multi-rank rank 0 waits for the other ranks that way, without
+#: holding the tier's writer thread
+CommitFn = Callable[[TierRuntime, SaveJob, ShardRef, int, int], "Future[None] | None"]
 
 
 class Pipeline:
@@ -127,6 +132,7 @@ class Pipeline:
         self.arena: HostArena | None = None
         self._streams = CaptureStreams()
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tierckpt-encode")
+        self._commit_pool: ThreadPoolExecutor | None = None  # deferred commits, made on demand
         self._capture_q: queue.Queue[SaveJob | None] = queue.Queue()
         self._tier_q: dict[str, queue.Queue[tuple[str, SaveJob, Any] | None]] = {
             t.name: queue.Queue() for t in tiers
@@ -154,6 +160,13 @@ class Pipeline:
             self._in_flight.append(job)
         self._capture_q.put(job)
 
+    def defer(self, fn: Callable[[], None]) -> Future[None]:
+        """Run a commit's waiting part (``fn``) off the tier's writer thread."""
+        with self._lock:
+            if self._commit_pool is None:
+                self._commit_pool = ThreadPoolExecutor(4, thread_name_prefix="tierckpt-commit")
+            return self._commit_pool.submit(fn)
+
     def in_flight(self) -> list[SaveJob]:
         with self._lock:
             return list(self._in_flight)
@@ -166,6 +179,10 @@ class Pipeline:
         self._capture_q.put(None)
         for th in self._threads:
             th.join()
+        with self._lock:
+            commit_pool = self._commit_pool
+        if commit_pool is not None:
+            commit_pool.shutdown(wait=True)  # each deferred commit is bounded by its timeout
         self._pool.shutdown(wait=True)
         if self.arena is not None:
             self.arena.close()
@@ -345,12 +362,42 @@ class Pipeline:
         tw.writer.commit()
         tw.writer = None
         ref = ShardRef(job.rank, shard_name(job.step, job.rank), size, footer.index_checksum)
-        self.commit(tier, job, ref, job.plan.data_bytes, tw.stored)
+        pending = self.commit(tier, job, ref, job.plan.data_bytes, tw.stored)
+        if pending is not None:
+            codecs = list(tw.codecs)
+            stored = tw.stored
+            pending.add_done_callback(lambda f: self._after_deferred(tier, job, stored, codecs, f))
+            return
+        self._after_commit(tier, job, tw.stored, tw.codecs, None)
+
+    def _after_deferred(
+        self,
+        tier: TierRuntime,
+        job: SaveJob,
+        stored: int,
+        codecs: list[dict[str, Any]],
+        done: Future[None],
+    ) -> None:
+        try:
+            self._after_commit(tier, job, stored, codecs, done.exception())
+        except BaseException as exc:  # a callback's error would otherwise be lost
+            if not job.handle.done(tier.name):
+                self._finish(tier, job, None, exc)
+
+    def _after_commit(
+        self,
+        tier: TierRuntime,
+        job: SaveJob,
+        stored: int,
+        codecs: list[dict[str, Any]],
+        error: BaseException | None,
+    ) -> None:
+        if error is not None:
+            self._finish(tier, job, None, error)
+            return
         seconds = time.perf_counter() - job.handle.started
-        codec_desc = ",".join(sorted({c["id"] for c in tw.codecs})) or "raw"
-        result = TierResult(
-            tier.name, job.step, job.plan.data_bytes, tw.stored, seconds, codec_desc
-        )
+        codec_desc = ",".join(sorted({c["id"] for c in codecs})) or "raw"
+        result = TierResult(tier.name, job.step, job.plan.data_bytes, stored, seconds, codec_desc)
         log.info(
             "committed step %d on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
             job.step,

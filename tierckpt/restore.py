@@ -34,6 +34,7 @@ from tierckpt.errors import (
 )
 from tierckpt.format import (
     FOOTER_SIZE,
+    MAX_MANIFEST_BYTES,
     ChunkRecord,
     Footer,
     Manifest,
@@ -66,8 +67,14 @@ class LoadedShard:
 
 def read_manifest(backend: Backend, step: int, tier: str) -> Manifest:
     name = manifest_name(step)
-    data = backend.get(name)
-    return decode_manifest(data, where=f"tier {tier!r} {backend.url}/{name}")
+    where = f"tier {tier!r} {backend.url}/{name}"
+    size = backend.size(name)
+    if size > MAX_MANIFEST_BYTES:  # before reading it: a hostile manifest may be huge
+        raise FormatError(f"{where}: manifest is {size} bytes, more than {MAX_MANIFEST_BYTES}")
+    manifest = decode_manifest(backend.get(name), where=where)
+    if manifest.step != step:
+        raise FormatError(f"{where}: the manifest is step {manifest.step}'s, not step {step}'s")
+    return manifest
 
 
 def read_index(backend: Backend, ref: ShardRef, tier: str) -> tuple[dict[str, Any], bytes, bytes]:
@@ -112,6 +119,8 @@ def _rebuild_tensor(entry: Any, spans: list[torch.Tensor], i: int, where: str) -
     ):
         raise FormatError(f"{where}: tensor {i} has a malformed shape/stride")
     numel = math.prod(shape)
+    if numel >= 1 << 62:  # zero strides can declare more elements than torch can count
+        raise FormatError(f"{where}: tensor {i} declares {numel} elements")
     if sid == -1:
         if numel != 0:
             raise FormatError(f"{where}: tensor {i} has elements but no storage")

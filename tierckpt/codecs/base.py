@@ -63,7 +63,7 @@ class Codec(ABC):
         params = {k: v for k, v in config.items() if k != "id"}
         try:
             return cls(**params)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # unknown parameter / out-of-range value
             raise UnknownCodec(
                 f"bad config for codec {cls.codec_id!r}: {config!r} ({exc})"
             ) from exc

@@ -104,6 +104,17 @@ def _nvcomp() -> Any:
     return nv
 
 
+def _on_gpu(t: torch.Tensor) -> bool:
+    return bool(t.is_cuda)
+
+
+def _stream_of(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as an integer, for nvCOMP to order its work on."""
+    import torch
+
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -234,10 +245,17 @@ class NvcompCodec(Codec):
         ).tobytes()
         return bytes(head)
 
-    def _parse(self, src: _U8, raw_len: int) -> tuple[_Layout, list[int], list[int]]:
-        """Validate the framing against ``raw_len``; (layout, piece starts, stored sizes)."""
-        if src.size < _HEADER.size:
-            raise CorruptChunk(f"nvcomp chunk of {src.size} bytes is shorter than its header")
+    def _parse(
+        self, src: _U8, raw_len: int, total: int | None = None
+    ) -> tuple[_Layout, list[int], list[int]]:
+        """Validate the framing against ``raw_len``; (layout, piece starts, stored sizes).
+
+        ``src`` holds at least the header; ``total`` is the stored chunk's length (default
+        ``src.size``), so a chunk that lives on the GPU is checked from its header alone.
+        """
+        total = src.size if total is None else total
+        if min(src.size, total) < _HEADER.size:
+            raise CorruptChunk(f"nvcomp chunk of {total} bytes is shorter than its header")
         magic, version, algo, itemsize, reserved, declared, piece_bytes, n_pieces = (
             _HEADER.unpack_from(src.data, 0)
         )
@@ -257,8 +275,8 @@ class NvcompCodec(Codec):
         if n_pieces != layout.n_pieces:
             raise CorruptChunk(f"nvcomp chunk has {n_pieces} pieces, expected {layout.n_pieces}")
         head_len = layout.header_len()
-        if src.size < head_len:
-            raise CorruptChunk(f"nvcomp chunk of {src.size} bytes is truncated")
+        if min(src.size, total) < head_len:
+            raise CorruptChunk(f"nvcomp chunk of {total} bytes is truncated")
         stored: list[int] = np.frombuffer(src, "<u4", n_pieces, _HEADER.size).tolist()
         starts: list[int] = []
         pos = head_len
@@ -268,9 +286,9 @@ class NvcompCodec(Codec):
             pos = _align(pos)
             starts.append(pos)
             pos += size
-        if pos + layout.tail != src.size:
+        if pos + layout.tail != total:
             raise CorruptChunk(
-                f"nvcomp chunk holds {src.size} bytes, its header accounts for {pos + layout.tail}"
+                f"nvcomp chunk holds {total} bytes, its header accounts for {pos + layout.tail}"
             )
         return layout, starts, stored
 
@@ -294,14 +312,15 @@ class NvcompCodec(Codec):
 
     def encode(self, data: BytesLike) -> BytesLike:
         src = _as_u8(data)
-        if _cuda_available():
+        if _cuda_available() and self._have_nvcomp():
             import torch
 
             dev = self.encode_device(torch.from_numpy(src.copy()).cuda())
-            return memoryview(dev.cpu().numpy().tobytes())
+            return np.ascontiguousarray(dev.cpu().numpy(), dtype=np.uint8).data
         if not self.cpu_decodable:
             raise UnknownCodec(
-                f"nvcomp {self.algorithm!r} compresses only on a CUDA GPU (none is available)"
+                f"nvcomp {self.algorithm!r} compresses only on a CUDA GPU with the package "
+                f"{_PACKAGE!r} (none is available here)"
             )
         return self.encode_cpu(src.data)
 
@@ -397,39 +416,47 @@ class NvcompCodec(Codec):
         """Compress a 1-D uint8 CUDA tensor on its GPU; returns the stored chunk on that GPU.
 
         Copy the result to the host (``.cpu()`` or into a pinned buffer) and store it as the
-        chunk's bytes: :meth:`decode` and :meth:`decode_cpu` read it back.
+        chunk's bytes: :meth:`decode`, :meth:`decode_cpu` and :meth:`decode_device` read it.
+        nvCOMP writes every piece into one preallocated buffer at a fixed stride; the pieces
+        are then packed behind the header with one ``torch.cat``, so no per-piece Python
+        object is made.
         """
         import torch
 
         nv = _nvcomp()
-        if not tensor.is_cuda or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        if not _on_gpu(tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
             raise ValueError("encode_device takes a 1-D torch.uint8 CUDA tensor")
         device = tensor.device
-        stream = torch.cuda.current_stream(device)
+        stream = _stream_of(device)
         t = tensor.contiguous()
         layout = _Layout(t.numel(), self.itemsize, self.piece_bytes)
-        body = self._device_body(t, layout)
-        frames: list[torch.Tensor] = []
         stored: list[int] = []
+        parts: list[torch.Tensor] = []
         if layout.n_pieces:
+            body = self._device_body(t, layout)
             offsets, sizes = self._piece_offsets(layout)
-            codec = self._nv_codec(device.index or 0, stream.cuda_stream)
-            batch = codec.encode(nv.as_arrays(body, offsets, sizes, stream.cuda_stream))
-            stored = list(batch.buffer_sizes)
-            frames = [
-                torch.as_tensor(batch[i], device=device).view(torch.uint8).reshape(-1)
-                for i in range(len(stored))
-            ]
+            codec = self._nv_codec(device.index or 0, stream)
+            bound = int(codec.get_max_comp_buffer_size(nv.as_array(body[: sizes[0]])))
+            stride = _align(bound)
+            packed = torch.empty(stride * layout.n_pieces, dtype=torch.uint8, device=device)
+            out_offsets = [i * stride for i in range(layout.n_pieces)]
+            result = codec.encode(
+                nv.as_arrays(body, offsets, sizes, stream),
+                out=nv.as_arrays(packed, out_offsets, [bound] * layout.n_pieces, stream),
+            )
+            stored = [int(n) for n in result.buffer_sizes]
+            if len(stored) != layout.n_pieces or not all(0 < n <= bound for n in stored):
+                raise RuntimeError(f"nvcomp {self.algorithm} returned bad piece sizes")
+            zeros = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
+            pos = layout.header_len()
+            for at, n in zip(out_offsets, stored, strict=True):
+                pad = _align(pos) - pos
+                if pad:
+                    parts.append(zeros[:pad])
+                parts.append(packed[at : at + n])
+                pos += pad + n
         head = torch.frombuffer(bytearray(self._header(layout, stored)), dtype=torch.uint8)
-        parts = [head.to(device)]
-        pos = head.numel()
-        zeros = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
-        for frame in frames:
-            pad = _align(pos) - pos
-            if pad:
-                parts.append(zeros[:pad])
-            parts.append(frame)
-            pos += pad + frame.numel()
+        parts.insert(0, head.to(device))
         if layout.tail:
             parts.append(t[t.numel() - layout.tail :])
         return torch.cat(parts)
@@ -455,19 +482,42 @@ class NvcompCodec(Codec):
             sizes.append(n)
         return offsets, sizes
 
-    def decode_device(self, data: BytesLike, out: torch.Tensor) -> None:
-        """Decode a stored chunk (host bytes) into ``out``, a 1-D uint8 CUDA tensor."""
+    def decode_device(self, data: BytesLike | torch.Tensor, out: torch.Tensor) -> None:
+        """Decode a stored chunk into ``out``, a contiguous 1-D uint8 CUDA tensor.
+
+        ``data`` is host bytes or a uint8 tensor already on the GPU (only its header is read
+        back to the host).
+        """
         import torch
 
         nv = _nvcomp()
-        src = _as_u8(data)
-        if not out.is_cuda or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        if (
+            not _on_gpu(out)
+            or out.dtype != torch.uint8
+            or out.dim() != 1
+            or not out.is_contiguous()
+        ):
             raise ValueError("decode_device fills a contiguous 1-D torch.uint8 CUDA tensor")
-        layout, starts, stored = self._parse(src, out.numel())
         device = out.device
-        stream = torch.cuda.current_stream(device)
+        dev_in: torch.Tensor | None
+        if isinstance(data, torch.Tensor):
+            dev_in = data.to(device=device, dtype=torch.uint8).contiguous().view(-1)
+            total = dev_in.numel()
+            first = dev_in[: min(total, _HEADER.size)].cpu().numpy()
+            n_pieces = _HEADER.unpack_from(first.data, 0)[-1] if first.size == _HEADER.size else 0
+            head_len = min(total, _align(_HEADER.size + 4 * n_pieces))
+            head = dev_in[:head_len].cpu().numpy()
+            layout, starts, stored = self._parse(head, out.numel(), total)
+        else:
+            src = _as_u8(data)
+            layout, starts, stored = self._parse(src, out.numel())
+            total = src.size
+            dev_in = (
+                torch.from_numpy(src.copy()).to(device) if layout.n_pieces or layout.tail else None
+            )
+        stream = _stream_of(device)
         if layout.n_pieces:
-            dev_in = torch.from_numpy(src.copy()).to(device)
+            assert dev_in is not None
             if layout.n_planes == 1 and out.data_ptr() % _ALIGN == 0:
                 body = out
             else:
@@ -475,13 +525,13 @@ class NvcompCodec(Codec):
                     layout.n_planes * layout.plane_stride, dtype=torch.uint8, device=device
                 )
             offsets, sizes = self._piece_offsets(layout)
-            codec = self._nv_codec(device.index or 0, stream.cuda_stream)
+            codec = self._nv_codec(device.index or 0, stream)
             try:
                 result = codec.decode(
-                    nv.as_arrays(dev_in, starts, stored, stream.cuda_stream),
-                    out=nv.as_arrays(body, offsets, sizes, stream.cuda_stream),
+                    nv.as_arrays(dev_in, starts, stored, stream),
+                    out=nv.as_arrays(body, offsets, sizes, stream),
                 )
-                got = list(result.buffer_sizes)
+                got = [int(n) for n in result.buffer_sizes]
             except (RuntimeError, ValueError) as exc:
                 raise CorruptChunk(f"nvcomp {self.algorithm} decode failed: {exc}") from exc
             if got != sizes:
@@ -493,8 +543,8 @@ class NvcompCodec(Codec):
             elif body is not out:
                 out[:n].copy_(body[:n])
         if layout.tail:
-            tail = torch.from_numpy(src[src.size - layout.tail :].copy())
-            out[out.numel() - layout.tail :].copy_(tail)
+            assert dev_in is not None
+            out[out.numel() - layout.tail :].copy_(dev_in[total - layout.tail :])
 
 
 # -- CPU libraries for the standard bitstreams ---------------------------------------------

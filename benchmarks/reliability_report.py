@@ -1,0 +1,281 @@
+"""Run the reliability suite and write docs/reliability.md from its results.
+
+    .venv/bin/python benchmarks/reliability_report.py            # default run (~4 min)
+    .venv/bin/python benchmarks/reliability_report.py --slow     # long variants too
+
+It runs ``pytest tests/reliability`` with a JUnit XML file and ``TIERCKPT_RELIABILITY_RECORD``
+pointing at a JSON-lines file where the tests record every case they check (category, case,
+outcome, ok). The report joins the two: a case counts as "nothing lost, clear error" only when
+its test passed *and* the case recorded ok. Known gaps (``xfail(strict=True)`` tests) are
+listed with their reasons; the bugs this suite found and fixed are listed with the regression
+tests that guard them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: bugs found by this suite and fixed in the library: (what, where, regression test ids)
+FIXED = [
+    ("A manifest holding NaN, Infinity or 1e400 raised a bare ValueError from the checksum "
+     "re-encoding, outside the error family", "tierckpt/format.py decode_manifest",
+     ["test_hostile_checkpoint_refused[manifest: NaN literal]",
+      "test_hostile_checkpoint_refused[manifest: 1e400 (infinite) number]"]),
+    ("A manifest whose `created` is a huge integer raised OverflowError",
+     "tierckpt/format.py decode_manifest",
+     ["test_hostile_checkpoint_refused[manifest: 400-digit integer timestamp (informational "
+      "field)]"]),
+    ("A manifest was read whole before its size was checked: a huge manifest file cost its "
+     "size in RAM (65 MiB file: +65 MiB RSS) before being refused",
+     "tierckpt/restore.py read_manifest",
+     ["test_hostile_checkpoint_refused[manifest: larger than 64 MiB]"]),
+    ("The manifest under step N's name was trusted to be step N's: a (valid, sealed) manifest "
+     "of step M stored there made load(step=N) return step M's state",
+     "tierckpt/restore.py read_manifest", ["test_manifest_of_another_step_is_refused"]),
+    ("A codec config with a bad parameter value (zstd level 'max') raised a bare ValueError",
+     "tierckpt/codecs/base.py Codec.from_config",
+     ["test_hostile_checkpoint_refused[index: codec with a bad parameter value]"]),
+    ("An index with an empty codec table and chunks raised IndexError (load and verify)",
+     "tierckpt/format.py decode_index",
+     ["test_hostile_checkpoint_refused[index: empty codec table]"]),
+    ("A tensor record with zero strides declaring more than 2**63 elements raised torch's "
+     "RuntimeError (numel overflow)", "tierckpt/restore.py _rebuild_tensor",
+     ["test_hostile_checkpoint_refused[tensor: 2**94 elements through zero strides]"]),
+]
+
+CATEGORIES = [
+    ("crash", "Crash consistency (SIGKILL of a training process)"),
+    ("leftovers", "Leftovers of killed saves"),
+    ("disk_full", "Disk full on the local tier"),
+    ("corruption", "Corruption (RAM, local, S3; load and `tierckpt verify`)"),
+    ("s3_faults", "Faults on S3 (fault proxy in front of moto)"),
+    ("hostile", "Hostile checkpoints"),
+    ("fuzz", "Parser fuzzing (Hypothesis)"),
+    ("soak", "Load, soak and backpressure"),
+]
+
+
+@dataclass
+class TestResult:
+    nodeid: str
+    outcome: str  # passed / failed / xfailed / skipped / error
+    seconds: float
+    message: str = ""
+
+
+@dataclass
+class Run:
+    results: dict[str, TestResult] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    returncode: int = 0
+    command: str = ""
+
+
+def run_suite(slow: bool, extra: list[str], workdir: Path) -> Run:
+    junit = workdir / "junit.xml"
+    records = workdir / "records.jsonl"
+    cmd = [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    if slow:
+        cmd += ["-m", "slow or not slow"]
+    cmd += extra
+    env = dict(os.environ, TIERCKPT_RELIABILITY_RECORD=str(records))
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env)
+    run = Run(seconds=time.monotonic() - t0, returncode=proc.returncode,
+              command=" ".join(["pytest", *cmd[3:]]).replace(str(junit), "JUNIT"))
+    run.results = parse_junit(junit)
+    if records.exists():
+        run.records = [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
+    return run
+
+
+def parse_junit(path: Path) -> dict[str, TestResult]:
+    out: dict[str, TestResult] = {}
+    if not path.exists():
+        return out
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        nodeid = f"{module}.py::{case.get('name', '')}"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome, message = ("failed" if child.tag == "failure" else "error"), \
+                    child.get("message", "")
+            elif child.tag == "skipped":
+                kind = child.get("type", "")
+                outcome = "xfailed" if "xfail" in kind else "skipped"
+                message = child.get("message", "")
+        out[nodeid] = TestResult(nodeid, outcome, float(case.get("time", 0) or 0), message)
+    return out
+
+
+def _test_of(record: dict[str, Any], run: Run) -> TestResult | None:
+    nodeid = str(record.get("test", ""))
+    if nodeid in run.results:
+        return run.results[nodeid]
+    # module-level records (fuzz): the module's tests together
+    mods = [r for k, r in run.results.items() if k.startswith(nodeid)]
+    if not mods:
+        return None
+    worst = next((r for r in mods if r.outcome in ("failed", "error")), mods[0])
+    return worst
+
+
+def _ok(record: dict[str, Any], run: Run) -> bool:
+    t = _test_of(record, run)
+    return bool(record.get("ok")) and t is not None and t.outcome == "passed"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def summary_rows(run: Run) -> list[tuple[str, str, str, str]]:
+    by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in run.records:
+        by_cat[str(r["category"])].append(r)
+    rows = []
+    for cat, title in CATEGORIES:
+        recs = by_cat.get(cat, [])
+        cases = [r for r in recs if r["case"] != "summary"]
+        bad = [r for r in recs if not _ok(r, run)]
+        what = f"{len(cases)} cases"
+        detail = ""
+        if cat == "crash":
+            stats = [r["stats"] for r in recs if r["case"] == "summary"]
+            trials = sum(s["trials"] for s in stats)
+            killed = sum(s["killed"] for s in stats)
+            points: Counter[str] = Counter()
+            for s in stats:
+                points.update(s["points"])
+            what = f"{trials} trials, {killed} SIGKILLs"
+            detail = "kill points: " + ", ".join(f"{k} {v}" for k, v in sorted(points.items()))
+        elif cat == "s3_faults":
+            stats = [r["stats"] for r in recs if r["case"] == "summary"]
+            fired: Counter[str] = Counter()
+            for s in stats:
+                fired.update(s["faults_fired"])
+            n = sum(s["checkpoints"] for s in stats)
+            what = f"{n} checkpoints, {sum(fired.values())} faults injected"
+            detail = ", ".join(f"{k} {v}" for k, v in sorted(fired.items())) + "; " + "; ".join(
+                f"{s['committed']} committed, {s['failed']} reported failed" for s in stats)
+        elif cat == "fuzz":
+            n = 0
+            for r in recs:
+                n += sum(r.get("outcomes", {}).values())
+            what = f"{n} generated inputs"
+        elif cat == "hostile":
+            what = f"{len(cases)} hostile inputs"
+        elif cat == "corruption":
+            what = f"{len(cases)} corruptions"
+        outcome = ("nothing lost, clear error" if recs and not bad else
+                   ("NOT RUN" if not recs else f"{len(bad)} NOT OK"))
+        rows.append((title, what, detail, outcome))
+    return rows
+
+
+def render(run: Run, slow: bool) -> str:
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    counts = Counter(r.outcome for r in run.results.values())
+    lines = [
+        "# Reliability report",
+        "",
+        f"Generated {now} by `benchmarks/reliability_report.py`"
+        + (" --slow" if slow else "") + f" in {run.seconds:.0f} s on "
+        f"{platform.node() or 'this machine'} ({os.cpu_count()} cores, Python "
+        f"{platform.python_version()}). Re-run it to refresh this page.",
+        "",
+        f"Command: `{run.command}` — tests: "
+        + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ".",
+        "",
+        "A case counts as **nothing lost, clear error** when its test passed and the case met "
+        "its requirement: every restore returned exactly a committed state (never a torn one, "
+        "never an error while a committed checkpoint exists), and every refusal was an error "
+        "of the tierckpt family naming the tier, file and (for a chunk) chunk.",
+        "",
+        "## Summary",
+        "",
+        "| Area | Run | Injected | Outcome |",
+        "|---|---|---|---|",
+    ]
+    for title, what, detail, outcome in summary_rows(run):
+        lines.append(f"| {title} | {what} | {_cell(detail) or '—'} | {outcome} |")
+    lines += ["", "## Bugs found and fixed", "",
+              "| Bug | Fixed in | Regression test | Now |", "|---|---|---|---|"]
+    for what, where, tests in FIXED:
+        status = []
+        for t in tests:
+            hit = [r for k, r in run.results.items() if k.endswith("::" + t)]
+            status.append(hit[0].outcome if hit else "not run")
+        short = "<br>".join(f"`{t}`" for t in tests)
+        lines.append(f"| {_cell(what)} | `{where}` | {short} | {', '.join(status)} |")
+    xfails = [r for r in run.results.values() if r.outcome == "xfailed"]
+    lines += ["", "## Known gaps (xfail, strict: they fail loudly once fixed)", ""]
+    if not xfails:
+        lines.append("None.")
+    for r in sorted(xfails, key=lambda r: r.nodeid):
+        reason = r.message.removeprefix("reason: ")
+        lines.append(f"- `{r.nodeid.split('::', 1)[1]}` — {_cell(reason)}")
+    lines += ["", "## Every case", ""]
+    by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in run.records:
+        by_cat[str(rec["category"])].append(rec)
+    for cat, title in CATEGORIES:
+        recs = by_cat.get(cat, [])
+        if not recs:
+            continue
+        lines += [f"### {title}", "", "| Case | Outcome | OK |", "|---|---|---|"]
+        for rec in recs:
+            outcome = rec["outcome"]
+            if rec.get("stats"):
+                outcome += ": " + ", ".join(f"{k} {v}" for k, v in rec["stats"].items())
+            lines.append(f"| {_cell(str(rec['case']))} | {_cell(str(outcome))} | "
+                         f"{'yes' if _ok(rec, run) else '**NO**'} |")
+        lines.append("")
+    failed = [r for r in run.results.values() if r.outcome in ("failed", "error")]
+    lines += ["## Tests", "", "| Test | Result | Seconds |", "|---|---|---|"]
+    for r in sorted(run.results.values(), key=lambda r: r.nodeid):
+        lines.append(f"| `{_cell(r.nodeid.removeprefix('tests/reliability/'))}` | {r.outcome} "
+                     f"| {r.seconds:.1f} |")
+    if failed:
+        lines += ["", "## Failures", ""]
+        for r in failed:
+            lines.append(f"- `{r.nodeid}`: {_cell(r.message[:500])}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--slow", action="store_true", help="also run the long variants")
+    p.add_argument("--output", default=str(ROOT / "docs" / "reliability.md"))
+    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tierckpt-reliability-") as tmp:
+        run = run_suite(args.slow, args.pytest_args, Path(tmp))
+    text = render(run, args.slow)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+    print(f"wrote {args.output}: {len(run.results)} tests, {len(run.records)} cases, "
+          f"{run.seconds:.0f} s")
+    return 0 if run.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

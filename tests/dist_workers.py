@@ -1,0 +1,626 @@
+"""Multi-process helpers for the distributed tests: a launcher and the per-rank functions.
+
+``run(fn, world, **kwargs)`` starts ``world`` processes from a *forkserver* that imported torch,
+torch.distributed and tierckpt once (a fresh interpreter per rank costs ~5 s of imports on two
+cores; a fork of the server ~0.1 s), initializes a gloo process group on 127.0.0.1 in each,
+calls ``fn(rank, world, **kwargs)`` and returns every rank's JSON result. A rank that raises
+fails the run with its traceback and log; ``expect_killed`` lists ranks that are meant to die.
+
+Run ``python tests/dist_workers.py blocking`` for the rank-0 blocking-time measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier
+from tierckpt import distributed as tdist
+from tierckpt.errors import CheckpointFailed, CheckpointNotFound
+from tierckpt.format import manifest_name, rank_record_name, shard_name, step_prefix
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "tierckpt",
+    "tierckpt.distributed",
+    "tierckpt.dcp",
+    "boto3",
+    "dist_workers",
+]
+_ctx: Any = None
+
+
+def _context() -> Any:
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+    return _ctx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(
+    fn: str,
+    world: int,
+    *,
+    timeout: float = 90,
+    expect_killed: tuple[int, ...] = (),
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn`` (a function of this module) on ``world`` ranks; every rank's result."""
+    ctx = _context()
+    out = Path(tempfile.mkdtemp(prefix=f"tierckpt-{fn}-"))
+    child_env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "TIERCKPT_"))}
+    child_env.update(env or {})
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world, port, str(out), child_env, kwargs))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join(5)
+    problems = []
+    if hung:
+        problems.append(f"ranks {hung} still running after {timeout} s (killed)")
+    results: list[Any] = []
+    for r, p in enumerate(procs):
+        err = out / f"error-{r}.txt"
+        res = out / f"result-{r}.json"
+        if r in expect_killed:
+            if p.exitcode != -signal.SIGKILL:
+                problems.append(f"rank {r} should have been killed, exit code {p.exitcode}")
+            results.append(None)
+            continue
+        if err.exists():
+            problems.append(f"rank {r} raised:\n{err.read_text()}")
+        elif p.exitcode != 0 or not res.exists():
+            problems.append(f"rank {r} exit code {p.exitcode}, no result")
+        results.append(json.loads(res.read_text()) if res.exists() else None)
+    if problems:
+        logs = "\n".join(
+            f"--- log of rank {r}:\n" + _tail(out / f"log-{r}.txt") for r in range(world)
+        )
+        raise AssertionError(f"{fn} on {world} ranks failed: " + "\n".join(problems) + "\n" + logs)
+    return results
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _child(
+    fn: str, rank: int, world: int, port: int, out: str, env: dict[str, str], kwargs: Any
+) -> None:
+    os.environ.update(env)
+    log_path = os.path.join(out, f"log-{rank}.txt")
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(threadName)s %(levelname)s %(message)s",
+        force=True,
+    )
+    code = 0
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+        )
+        result = globals()[fn](rank, world, **kwargs)
+        Path(out, f"result-{rank}.json.tmp").write_text(json.dumps(result))
+        os.replace(Path(out, f"result-{rank}.json.tmp"), Path(out, f"result-{rank}.json"))
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown: a dead peer can make gloo's destructor wait
+    os._exit(code)
+
+
+# -- shared pieces ---------------------------------------------------------------------
+
+
+def rank_state(rank: int, step: int, numel: int = 2048) -> dict[str, Any]:
+    """A per-rank, per-step state with several dtypes and non-tensor values."""
+    g = torch.Generator().manual_seed(100_003 * step + rank)
+    w = torch.randn(numel, 8, generator=g)
+    return {
+        "w": w,
+        "w_t": w.t(),  # a view of the same storage
+        "bf16": torch.randn(333, generator=g).to(torch.bfloat16),
+        "ints": torch.randint(-(1 << 40), 1 << 40, (77,), generator=g),
+        "mask": torch.rand(50, generator=g) > 0.5,
+        "meta": {"step": step, "rank": rank, "name": f"rank{rank}", "t": (1, 2.5, None)},
+    }
+
+
+def same(a: Any, b: Any, path: str = "") -> list[str]:
+    """Differences between two states, bit-exact for tensors."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor):
+            return [f"{path}: tensor vs {type(b).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+            return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        ac, bc = a.contiguous(), b.contiguous()
+        if not torch.equal(ac.view(-1).view(torch.uint8), bc.view(-1).view(torch.uint8)):
+            return [f"{path}: values differ"]
+        return []
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or list(a) != list(b):
+            return [f"{path}: keys {list(a)[:5]} vs {list(b)[:5] if isinstance(b, dict) else b}"]
+        return [d for k in a for d in same(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in same(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def tiers(
+    root: str, s3: dict[str, str] | None, *, memory: bool = False, local: str = "local"
+) -> list[Any]:
+    out: list[Any] = []
+    if memory:
+        out.append(MemoryTier(namespace=f"mem-{os.getpid()}", keep_last=2))
+    out.append(LocalTier(os.path.join(root, local), keep_last=None))
+    if s3:
+        out.append(S3Tier(f"s3://{s3['bucket']}/run", endpoint_url=s3["endpoint"], keep_last=None))
+    return out
+
+
+def _shared_backends(ck: Checkpointer) -> list[Any]:
+    return [ck.backend(n) for n in ck.tier_names if n != "memory"]
+
+
+# -- native multi-rank save / load -----------------------------------------------------------
+
+
+def w_save_load(rank: int, world: int, root: str, s3: dict[str, str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        ck = Checkpointer(
+            tiers(root, s3, memory=True), host_buffer_bytes=16 << 20, chunk_bytes=64 << 10
+        )
+        ck.save(rank_state(rank, 1), 1).wait(timeout=60)
+        for b in _shared_backends(ck):
+            tdist.wait_committed(b, 1, timeout=60)
+
+        # step 2: rank 0 is the slowest rank; the others finish first
+        original = tdist.commit_multi_rank
+        if rank == 0:
+
+            def slow(*a: Any, **k: Any) -> Any:
+                time.sleep(2.0)
+                return original(*a, **k)
+
+            tdist.commit_multi_rank = slow  # type: ignore[assignment]
+        try:
+            h2 = ck.save(rank_state(rank, 2), 2)
+            h2.wait("local", timeout=60)
+            # rank 0's own completion includes the commit; another rank's only its shard
+            out["manifest2_after_own_wait"] = ck.backend("local").exists(manifest_name(2))
+            h2.wait(timeout=60)
+        finally:
+            tdist.commit_multi_rank = original  # type: ignore[assignment]
+        for b in _shared_backends(ck):
+            tdist.wait_committed(b, 2, timeout=60)
+
+        # step 3: rank 1 leaves a record and a shard of an earlier, killed attempt first
+        if rank == 1:
+            for b in _shared_backends(ck):
+                stale = tdist.RankRecord(
+                    3,
+                    1,
+                    world,
+                    "00000000deadbeef",
+                    "x",
+                    shard_name(3, 1),
+                    4096,
+                    "0123456789abcdef",
+                    1,
+                    1,
+                    "raw",
+                )
+                b.put_atomic(rank_record_name(3, 1), tdist.encode_record(stale), overwrite=True)
+                b.put_atomic(shard_name(3, 1), b"stale bytes of a killed attempt", overwrite=True)
+        dist.barrier()
+        h3 = ck.save(rank_state(rank, 3), 3)
+        h3.wait(timeout=60)
+        for b in _shared_backends(ck):
+            tdist.wait_committed(b, 3, timeout=60)
+        out["records3"] = sorted(
+            n for n in ck.backend("local").list(step_prefix(3)) if n.endswith(".done.json")
+        )
+        out["memory_steps"] = ck.steps("memory")
+        ck.close()
+        dist.barrier()
+
+        # load: all ranks agree on the newest step (from RAM, the fastest tier)
+        ck2 = Checkpointer(tiers(root, s3, memory=True))
+        got = ck2.load()
+        out["loaded_newest"] = got["meta"]["step"]
+        out["diff_newest"] = same(got, rank_state(rank, 3))
+        out["diff_step2"] = same(ck2.load(step=2), rank_state(rank, 2))
+        try:
+            ck2.load(step=77)
+            out["missing_step"] = "loaded?!"
+        except CheckpointNotFound as exc:
+            out["missing_step"] = str(exc)
+        ck2.close()
+
+        # restore from S3 (else a second local folder) into an empty local folder
+        fresh = os.path.join(root, f"fresh-{rank}")
+        remote = (
+            S3Tier(f"s3://{s3['bucket']}/run", endpoint_url=s3["endpoint"])
+            if s3
+            else LocalTier(os.path.join(root, "local"), name="second")
+        )
+        ck3 = Checkpointer([LocalTier(fresh, name="fresh"), remote])
+        got = ck3.load()
+        out["fresh_steps"] = ck3.steps("fresh")
+        out["diff_restore"] = same(got, rank_state(rank, 3))
+        out["restore_step"] = got["meta"]["step"]
+        ck3.close()
+
+        # on_busy="skip": one rank still flushing makes every rank skip the next save
+        from tierckpt.backends import local
+
+        orig = local._LocalWriter.write
+        if rank == 1:
+
+            def slow_write(self: Any, offset: int, data: Any) -> None:
+                time.sleep(0.5)
+                orig(self, offset, data)
+
+            local._LocalWriter.write = slow_write  # type: ignore[method-assign]
+        ck4 = Checkpointer([LocalTier(os.path.join(root, "skip"))], on_busy="skip")
+        small = {"x": torch.full((10,), float(rank))}
+        h1 = ck4.save(small, 100)
+        h2 = ck4.save(small, 101)
+        ck4.wait(timeout=60)
+        local._LocalWriter.write = orig  # type: ignore[method-assign]
+        out["skipped"] = [h1.skipped, h2.skipped]
+        out["skip_steps"] = ck4.steps() if rank == 0 else None
+        ck4.close()
+    return out
+
+
+def w_kill_save(
+    rank: int, world: int, root: str, s3: dict[str, str] | None, victim: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tdist.knobs(commit_timeout=4, poll_max=0.2):
+        ck = Checkpointer(tiers(root, s3), host_buffer_bytes=16 << 20, chunk_bytes=64 << 10)
+        ck.save(rank_state(rank, 1), 1).wait(timeout=60)
+        for b in _shared_backends(ck):
+            tdist.wait_committed(b, 1, timeout=60)
+        dist.barrier()
+        if rank == victim:
+            # die after the shard is durable, before the completion record: the worst moment
+            def die(*_a: Any, **_k: Any) -> None:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            tdist._write_record = die  # type: ignore[assignment]
+        h = ck.save(rank_state(rank, 2), 2)
+        t0 = time.monotonic()
+        try:
+            h.wait(timeout=60)
+            out["error"] = None
+        except CheckpointFailed as exc:
+            out["error"] = str(exc)
+            out["error_types"] = sorted({type(e).__name__ for e in exc.errors.values()})
+        out["seconds"] = time.monotonic() - t0
+        out["manifest2"] = [b.exists(manifest_name(2)) for b in _shared_backends(ck)]
+        out["steps"] = ck.steps()
+    return out
+
+
+def w_load_after_kill(
+    rank: int, world: int, root: str, s3: dict[str, str] | None
+) -> dict[str, Any]:
+    ck = Checkpointer(tiers(root, s3), host_buffer_bytes=16 << 20, chunk_bytes=64 << 10)
+    got = ck.load()
+    out: dict[str, Any] = {"step": got["meta"]["step"], "diff": same(got, rank_state(rank, 1))}
+    # the next committed save lets rank 0's retention remove the dead attempt's leftovers
+    ck.save(rank_state(rank, 3), 3).wait(timeout=60)
+    for b in _shared_backends(ck):
+        tdist.wait_committed(b, 3, timeout=60)
+    dist.barrier()  # rank 0 applied retention before its handle finished
+    out["leftover2"] = [bool(b.list(step_prefix(2))) for b in _shared_backends(ck)]
+    ck.close()
+    return out
+
+
+# -- blocking time on rank 0 -------------------------------------------------------------------
+
+
+def w_blocking(
+    rank: int,
+    world: int,
+    root: str,
+    steps: int = 30,
+    mb: int = 32,
+    every: int = 3,
+    compute_s: float = 0.05,
+    slow_rank: int = -1,
+    slow_write_s: float = 0.0,
+    tag: str = "",
+) -> dict[str, Any]:
+    """A training loop that saves ``mb`` MiB every ``every`` steps; per-save blocked time.
+
+    Each step sleeps ``compute_s`` (forward/backward) and all-reduces a small gradient, as
+    data-parallel training does, so ranks run in lockstep.
+    """
+    if rank == slow_rank:
+        from tierckpt.backends import local
+
+        orig = local._LocalWriter.write
+
+        def slow_write(self: Any, offset: int, data: Any) -> None:
+            time.sleep(slow_write_s)
+            orig(self, offset, data)
+
+        local._LocalWriter.write = slow_write  # type: ignore[method-assign]
+    state = {"w": torch.randn(mb << 18), "step": 0}
+    grad = torch.zeros(1024)
+    ck = Checkpointer(
+        [LocalTier(os.path.join(root, f"w{world}{tag}"), keep_last=2)],
+        host_buffer_bytes=(2 * mb + 8) << 20,
+        chunk_bytes=4 << 20,
+    )
+    ck.save(state, 0).wait()  # warm the host buffer
+    dist.barrier()
+    handles = []
+    t_start = time.perf_counter()
+    for i in range(steps):
+        if i % every == 0:  # lazy: save() right after the optimizer step ...
+            state["step"] = i + 1
+            handles.append(ck.save(state, i + 1))
+        time.sleep(compute_s)  # ... the copy overlaps forward / backward
+        dist.all_reduce(grad)  # data-parallel gradient sync
+        ck.wait_captured()  # the optimizer step must not race the capture
+        state["w"].add_(1.0)
+    loop_s = time.perf_counter() - t_start
+    ck.wait()
+    failures = [h.step for h in handles if h.errors]
+    ck.close()
+    blocked = sorted(h.blocked_seconds * 1e3 for h in handles)
+    return {
+        "rank": rank,
+        "world": world,
+        "saves": len(handles),
+        "failed": failures,
+        "blocked_ms_mean": sum(blocked) / len(blocked),
+        "blocked_ms_p50": blocked[len(blocked) // 2],
+        "blocked_ms_max": blocked[-1],
+        "loop_s": loop_s,
+        "ideal_loop_s": steps * compute_s,
+    }
+
+
+# -- DCP ------------------------------------------------------------------------------------
+
+
+def _fsdp(world: int, seed: int) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 13), torch.nn.LayerNorm(13)
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _train(model: Any, opt: Any, steps: int, seed: int = 7) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 24, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model: Any, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {"model": msd, "optim": osd}
+
+
+def _sharded(model: Any, opt: Any, epoch: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "extra": {"epoch": epoch, "tag": "run-a"}}
+
+
+def _dcp_tiers(root: str, s3: dict[str, str] | None, which: str) -> list[Any]:
+    local = LocalTier(os.path.join(root, "dcp-local"), keep_last=None)
+    if which == "local" or not s3:
+        return [local]
+    remote = S3Tier(f"s3://{s3['bucket']}/dcp", endpoint_url=s3["endpoint"], keep_last=None)
+    return [remote] if which == "s3" else [local, remote]
+
+
+def w_dcp_save(
+    rank: int,
+    world: int,
+    root: str,
+    s3: dict[str, str] | None,
+    step: int,
+    async_step: int | None = None,
+) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    model, opt = _fsdp(world, seed=0)
+    _train(model, opt, 2)
+    writer = TierWriter(_dcp_tiers(root, s3, "both"), chunk_bytes=16 << 10)
+    dcp.save(_sharded(model, opt, epoch=3), storage_writer=writer, checkpoint_id=step)
+    full = _full(model, opt)
+    if rank == 0:
+        torch.save(full, os.path.join(root, f"ref-{step}.pt"))
+    out: dict[str, Any] = {
+        "placement": str(next(iter(_sharded(model, opt, 0)["model"].values())).placements)
+    }
+    if async_step is not None:
+        _train(model, opt, 1, seed=8)
+        # DCP's collectives then run on a background thread: give them their own group so
+        # they never interleave with training's collectives on the default group
+        ckpt_group = dist.new_group(backend="gloo")
+        fut = dcp.async_save(
+            _sharded(model, opt, epoch=4),
+            storage_writer=writer,
+            checkpoint_id=async_step,
+            process_group=ckpt_group,
+        )
+        _train(model, opt, 1, seed=9)  # training goes on while the save runs
+        fut.result()  # type: ignore[union-attr]
+        # the reference is the state at the time of async_save: replay it on a copy
+        model2, opt2 = _fsdp(world, seed=0)
+        _train(model2, opt2, 2)
+        _train(model2, opt2, 1, seed=8)
+        full2 = _full(model2, opt2)
+        if rank == 0:
+            torch.save(full2, os.path.join(root, f"ref-{async_step}.pt"))
+    writer.close()
+    return out
+
+
+def w_dcp_load(
+    rank: int,
+    world: int,
+    root: str,
+    s3: dict[str, str] | None,
+    steps: list[int],
+    source: str,
+    save_step: int | None = None,
+) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from tierckpt.dcp import SafeLoadPlanner, TierReader, TierWriter
+
+    out: dict[str, Any] = {}
+    for step in steps:
+        model, opt = _fsdp(world, seed=1234)  # different initial values
+        _train(model, opt, 1, seed=99)
+        sd = _sharded(model, opt, epoch=0)
+        reader = TierReader(_dcp_tiers(root, s3, source))
+        dcp.load(sd, storage_reader=reader, checkpoint_id=step, planner=SafeLoadPlanner())
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        full = _full(model, opt)
+        if rank == 0:
+            ref = torch.load(os.path.join(root, f"ref-{step}.pt"), weights_only=False)
+            out[f"diff-{step}"] = same(full, ref)
+        out[f"extra-{step}"] = sd["extra"]
+        if save_step is not None:
+            writer = TierWriter(_dcp_tiers(root, s3, "both"), chunk_bytes=16 << 10)
+            dcp.save(_sharded(model, opt, epoch=5), storage_writer=writer, checkpoint_id=save_step)
+            writer.close()
+            if rank == 0:
+                torch.save(full, os.path.join(root, f"ref-{save_step}.pt"))
+            save_step = None
+    # newest step without naming it: every rank agrees
+    reader = TierReader(_dcp_tiers(root, s3, source))
+    sd = _sharded(*_fsdp(world, seed=5), epoch=0)
+    dcp.load(sd, storage_reader=reader)
+    out["newest"] = reader.loaded_step
+    return out
+
+
+# -- command line: the blocking measurement -----------------------------------------------
+
+
+def _blocking_table(root: str, mb: int = 32) -> list[dict[str, Any]]:
+    rows = []
+    for world, slow in ((1, -1), (2, -1), (2, 1)):
+        res = run(
+            "w_blocking",
+            world,
+            timeout=300,
+            root=root,
+            mb=mb,
+            slow_rank=slow,
+            slow_write_s=0.05,
+            tag=f"slow{slow}",
+        )
+        case = f"{world} rank(s)" + (", rank 1 flushes slowly" if slow >= 0 else "")
+        for r in res if slow >= 0 else res[:1]:
+            r["case"] = f"{case}: rank {r['rank']}"
+            rows.append(r)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["blocking"]:
+        print("usage: python tests/dist_workers.py blocking [MiB]")
+        return 2
+    mb = int(argv[1]) if len(argv) > 1 else 32
+    with tempfile.TemporaryDirectory() as root:
+        for r in _blocking_table(root, mb):
+            print(
+                f"{r['case']:<42} saves {r['saves']:>3}  blocked per save: mean "
+                f"{r['blocked_ms_mean']:.2f} ms  p50 {r['blocked_ms_p50']:.2f} ms  max "
+                f"{r['blocked_ms_max']:.2f} ms  loop {r['loop_s']:.2f} s (ideal "
+                f"{r['ideal_loop_s']:.2f} s)"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    # run through the importable module so the forkserver can find the rank functions
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import dist_workers
+
+    sys.exit(dist_workers.main(sys.argv[1:]))

@@ -1,0 +1,721 @@
+"""Multi-rank commit and load agreement on ``torch.distributed``.
+
+Save
+    Every rank streams its own shard file (``steps/<step>/rank-<r>.tck``) to every tier in its
+    own background threads. Once a rank's file is durable on a tier it writes a small
+    *completion record* next to it (``rank-<r>.done.json``: the shard's size and index
+    checksum, raw and stored bytes, and the *attempt id* of this save). Rank 0, once its own
+    file is durable, polls the tier for the other ranks' records — storage requests only, never
+    a collective in a background thread, on the pipeline's commit threads so that the tier's
+    writer moves on to the next checkpoint — and writes the tier's manifest, listing every
+    rank's file, create-only. A non-zero rank returns as soon as its record is written: on
+    those ranks ``handle.done(tier)`` means "my shard is durable there", not "the checkpoint
+    is committed"; :func:`wait_committed` waits for the manifest.
+
+    A rank that fails or dies writes no record, so rank 0 writes no manifest: after
+    ``commit_timeout`` it fails that tier's save with :class:`CommitTimeout`, naming the
+    missing ranks, and the previous checkpoint stays the newest committed one.
+
+Attempt ids
+    Records of an earlier, killed attempt at the same step must not be mistaken for this
+    one's, so every record carries an attempt id ``<session>-<n>``: the session id is drawn by
+    rank 0 and spread by one small all-reduce in the training thread at the checkpointer's
+    first multi-rank save (:func:`begin_save`); ``n`` counts saves. Later saves need no
+    collective — except with ``on_busy="skip"``, where every save runs that all-reduce so that
+    all ranks skip together.
+
+Private tiers
+    A tier whose storage other ranks cannot see (a RAM tier: each process has its own; or a
+    node-local disk named in ``TIERCKPT_PRIVATE_TIERS``) cannot be polled by rank 0. There the
+    records travel through the process group's key-value store (the ``TCPStore`` behind
+    ``init_process_group``, safe to use from background threads): each rank publishes its
+    record, rank 0 composes the manifest once and publishes it, and every rank writes that same
+    manifest onto its own copy of the tier. Each rank applies retention to its own copy.
+
+Load
+    :func:`agree_on_step` — one ``all_gather`` of a fixed-size vector in the calling thread —
+    makes every rank load the same step: the newest one whose manifest and own shard index
+    every rank can read.
+
+Knobs (environment overrides, :func:`knobs` context manager for tests)
+    ``TIERCKPT_COMMIT_TIMEOUT_S`` (600), ``TIERCKPT_COMMIT_POLL_MAX_S`` (2.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierckpt import __version__
+from tierckpt.backends.base import Backend
+from tierckpt.errors import CheckpointNotFound, FormatError, TierCkptError
+from tierckpt.format import (
+    Manifest,
+    ShardRef,
+    decode_manifest,
+    encode_manifest,
+    manifest_name,
+    rank_record_name,
+    shard_name,
+    step_prefix,
+)
+from tierckpt.restore import is_recoverable, read_index, read_manifest
+
+if TYPE_CHECKING:
+    from tierckpt.checkpointer import Checkpointer
+    from tierckpt.pipeline import SaveJob, TierRuntime
+
+__all__ = [
+    "CommitTimeout",
+    "DistKnobs",
+    "RankRecord",
+    "agree_on_step",
+    "begin_save",
+    "commit_multi_rank",
+    "decode_record",
+    "encode_record",
+    "get_knobs",
+    "is_private_tier",
+    "knobs",
+    "wait_committed",
+]
+
+log = logging.getLogger("tierckpt")
+
+RECORD_FORMAT = "tierckpt-rank-record"
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 64 << 10
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_ATTEMPT = re.compile(r"^[0-9A-Za-z._-]{0,128}$")
+
+
+class CommitTimeout(TierCkptError, TimeoutError):
+    """Rank 0 gave up waiting for other ranks' completion records: nothing was committed."""
+
+
+# -- knobs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DistKnobs:
+    """Tuning of the multi-rank commit; see :func:`get_knobs`."""
+
+    #: how long rank 0 waits for every rank's record before failing the tier's save
+    commit_timeout: float = 600.0
+    #: first and largest pause between two polls (the pause doubles up to the largest)
+    poll_initial: float = 0.05
+    poll_max: float = 2.0
+    #: at most this many missing records: GET each by name; more: one LIST of the step folder
+    direct_probe_max: int = 16
+    #: records GET in parallel by rank 0 when many arrive at once
+    record_readers: int = 16
+    #: how many candidate steps each rank offers to the load agreement
+    agree_max_candidates: int = 32
+
+
+_knobs_override: DistKnobs | None = None
+
+
+def get_knobs() -> DistKnobs:
+    """The knobs in force: :func:`knobs` overrides, then the environment, then defaults."""
+    if _knobs_override is not None:
+        return _knobs_override
+    k = DistKnobs()
+    env_timeout = os.environ.get("TIERCKPT_COMMIT_TIMEOUT_S")
+    env_poll = os.environ.get("TIERCKPT_COMMIT_POLL_MAX_S")
+    if env_timeout:
+        k = dataclasses.replace(k, commit_timeout=float(env_timeout))
+    if env_poll:
+        k = dataclasses.replace(k, poll_max=float(env_poll))
+    return k
+
+
+@contextlib.contextmanager
+def knobs(**changes: Any) -> Iterator[DistKnobs]:
+    """Override knobs in this process for the duration of a ``with`` block (tests)."""
+    global _knobs_override
+    old = _knobs_override
+    _knobs_override = dataclasses.replace(get_knobs(), **changes)
+    try:
+        yield _knobs_override
+    finally:
+        _knobs_override = old
+
+
+# -- completion records -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankRecord:
+    """One rank's statement "my shard of ``step`` is durable on ``tier``"."""
+
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    tier: str
+    file: str
+    size: int
+    index_checksum: str
+    raw_bytes: int
+    stored_bytes: int
+    codec: str
+
+    @property
+    def ref(self) -> ShardRef:
+        return ShardRef(self.rank, self.file, self.size, self.index_checksum)
+
+
+def encode_record(r: RankRecord) -> bytes:
+    body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, **dataclasses.asdict(r)}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _field(body: dict[str, Any], key: str, typ: type, where: str) -> Any:
+    v = body.get(key)
+    if type(v) is not typ:
+        raise FormatError(f"{where}: record field {key!r} missing or not a {typ.__name__}")
+    return v
+
+
+def decode_record(data: bytes, *, where: str) -> RankRecord:
+    """Parse and validate a completion record (it comes from storage: trust nothing)."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise FormatError(f"{where}: completion record larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{where}: completion record is not JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != RECORD_FORMAT:
+        raise FormatError(f"{where}: not a tierckpt completion record")
+    if body.get("version") != RECORD_VERSION:
+        raise FormatError(f"{where}: unsupported record version {body.get('version')!r}")
+    rec = RankRecord(
+        step=_field(body, "step", int, where),
+        rank=_field(body, "rank", int, where),
+        world_size=_field(body, "world_size", int, where),
+        attempt=_field(body, "attempt", str, where),
+        tier=_field(body, "tier", str, where),
+        file=_field(body, "file", str, where),
+        size=_field(body, "size", int, where),
+        index_checksum=_field(body, "index_checksum", str, where),
+        raw_bytes=_field(body, "raw_bytes", int, where),
+        stored_bytes=_field(body, "stored_bytes", int, where),
+        codec=_field(body, "codec", str, where),
+    )
+    if not 0 <= rec.rank < rec.world_size or rec.file != shard_name(rec.step, rec.rank):
+        raise FormatError(f"{where}: record names rank {rec.rank} / file {rec.file!r}")
+    if not _HEX16.match(rec.index_checksum) or not _ATTEMPT.match(rec.attempt):
+        raise FormatError(f"{where}: malformed checksum or attempt id in record")
+    if min(rec.size, rec.raw_bytes, rec.stored_bytes) < 0:
+        raise FormatError(f"{where}: negative size in record")
+    return rec
+
+
+# -- the training-thread handshake ------------------------------------------------------
+
+
+def _group_ok(ck: Checkpointer) -> bool:
+    """Whether the default process group is up and matches the checkpointer's rank/world."""
+    import torch.distributed as dist
+
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() == ck.world_size
+        and dist.get_rank() == ck.rank
+    )
+
+
+def _collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    if "gloo" not in backend and "cpu" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+@dataclass
+class _Session:
+    """Per-checkpointer state of the handshake: the id agreed at the first save, a counter."""
+
+    session: int = 0
+    saves: int = 0
+
+
+_sessions: weakref.WeakKeyDictionary[Checkpointer, _Session] = weakref.WeakKeyDictionary()
+
+
+def begin_save(ck: Checkpointer, step: int, busy: bool) -> tuple[str, bool]:
+    """Agree on an attempt id (and, with ``on_busy="skip"``, on skipping); training thread.
+
+    Returns ``(attempt_id, skip_because_busy)``. The attempt id is ``<session>-<n>``: the
+    session id is drawn by rank 0 and spread by one all-reduce at the checkpointer's first
+    multi-rank save; ``n`` counts saves, which every rank makes in the same order. So
+    with ``on_busy="block"`` (the default) later saves need no collective at all. With
+    ``on_busy="skip"`` every save runs one small all-reduce so that all ranks skip together
+    (and checks that they save the same step; a mismatch raises ``ValueError`` everywhere).
+    Without an initialized process group (rank and world size given by hand) there is no
+    collective: the session is ``TIERCKPT_ATTEMPT_ID`` (empty: any record is accepted).
+    """
+    sess = _sessions.setdefault(ck, _Session())
+    sess.saves += 1
+    if not _group_ok(ck):
+        _warn_once(
+            "no-group",
+            "multi-rank save without an initialized torch.distributed group: ranks cannot "
+            "agree on an attempt id (set TIERCKPT_ATTEMPT_ID per job attempt) nor skip together",
+        )
+        attempt = os.environ.get("TIERCKPT_ATTEMPT_ID", "")
+        if not _ATTEMPT.match(attempt) or len(attempt) > 100:
+            raise ValueError("TIERCKPT_ATTEMPT_ID may hold only [0-9A-Za-z._-], 100 at most")
+        return (f"{attempt}-{sess.saves}" if attempt else ""), busy
+    skip_mode = ck.on_busy == "skip"
+    if sess.session == 0 or skip_mode:
+        import torch.distributed as dist
+
+        mine = secrets.randbits(62) + 1 if ck.rank == 0 and sess.session == 0 else 0
+        t = torch.tensor(
+            [mine, step, -step, int(busy)], dtype=torch.int64, device=_collective_device()
+        )
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        drawn, hi, neg_lo, any_busy = (int(v) for v in t.tolist())
+        if sess.session == 0:
+            sess.session = drawn
+        if hi != -neg_lo:
+            raise ValueError(
+                f"ranks are saving different steps (from {-neg_lo} to {hi}); every rank must "
+                "call save() with the same step"
+            )
+        busy = bool(any_busy)
+    return f"{sess.session:016x}-{sess.saves}", busy
+
+
+# -- commit ------------------------------------------------------------------------------
+
+
+def is_private_tier(tier: TierRuntime) -> bool:
+    """A tier other ranks cannot read: not durable (per-process RAM), or named in
+    ``TIERCKPT_PRIVATE_TIERS`` (comma-separated tier names, e.g. node-local NVMe)."""
+    names = {n.strip() for n in os.environ.get("TIERCKPT_PRIVATE_TIERS", "").split(",")}
+    return (not tier.backend.is_durable) or tier.name in names
+
+
+def commit_multi_rank(
+    ck: Checkpointer, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+) -> Future[None] | None:
+    """Runs on a tier's writer thread once this rank's shard is durable on ``tier``.
+
+    Writes this rank's record and returns; on rank 0 (and on private tiers) the waiting part
+    goes to the pipeline's commit threads (a Future), so the tier's writer thread moves on to
+    the next checkpoint and training never waits for other ranks' flushes.
+    """
+    rec = RankRecord(
+        step=job.step,
+        rank=job.rank,
+        world_size=job.world_size,
+        attempt=job.attempt,
+        tier=tier.name,
+        file=ref.file,
+        size=ref.size,
+        index_checksum=ref.index_checksum,
+        raw_bytes=raw,
+        stored_bytes=stored,
+        codec=tier.codec.codec_id,
+    )
+    if is_private_tier(tier):
+        st = _publish_private(tier, job, rec)
+        return _defer(ck, lambda: _commit_private(ck, tier, job, st))
+    _write_record(tier.backend, rec)
+    if job.rank != 0:
+        return None
+
+    def wait_and_commit() -> None:
+        records = wait_for_records(tier.backend, tier.name, job.step, job.world_size, job.attempt)
+        _put_manifest(tier.backend, _manifest(tier.name, job, records))
+
+    return _defer(ck, wait_and_commit)
+
+
+def _defer(ck: Checkpointer, fn: Callable[[], None]) -> Future[None] | None:
+    pipeline = ck._pipeline
+    if pipeline is None:
+        fn()
+        return None
+    return pipeline.defer(fn)
+
+
+def _write_record(backend: Backend, rec: RankRecord) -> None:
+    # overwrite: a record of an earlier, killed attempt at this step may be there
+    backend.put_atomic(rank_record_name(rec.step, rec.rank), encode_record(rec), overwrite=True)
+
+
+def _manifest(tier_name: str, job: SaveJob, records: Sequence[RankRecord]) -> Manifest:
+    return Manifest(
+        step=job.step,
+        world_size=job.world_size,
+        shards=tuple(r.ref for r in sorted(records, key=lambda r: r.rank)),
+        created=time.time(),
+        library_version=__version__,
+        tier=tier_name,
+        raw_bytes=sum(r.raw_bytes for r in records),
+        stored_bytes=sum(r.stored_bytes for r in records),
+        codecs=tuple(sorted({r.codec for r in records})),
+        metadata=job.metadata,
+    )
+
+
+def _put_manifest(backend: Backend, m: Manifest) -> None:
+    name = manifest_name(m.step)
+    try:
+        backend.put_atomic(name, encode_manifest(m))
+    except FileExistsError:
+        # a retried commit of the same attempt is fine; anything else is a conflict
+        existing = decode_manifest(backend.get(name), where=f"{backend.url}/{name}")
+        if existing.shards != m.shards:
+            raise FormatError(
+                f"{backend.url}/{name}: step {m.step} was committed meanwhile with other shard "
+                "files; refusing to overwrite it"
+            ) from None
+
+
+def wait_for_records(
+    backend: Backend, tier_name: str, step: int, world_size: int, attempt: str
+) -> list[RankRecord]:
+    """Poll ``backend`` until every rank's record of this attempt is there (rank 0).
+
+    Few missing records are fetched by name (one GET each); many by one LIST of the step's
+    folder. The pause between polls doubles from ``poll_initial`` to ``poll_max``; after
+    ``commit_timeout`` seconds :class:`CommitTimeout` names the missing ranks.
+    """
+    k = get_knobs()
+    start = time.monotonic()
+    deadline = start + k.commit_timeout
+    delay = k.poll_initial
+    found: dict[int, RankRecord] = {}
+    stale: set[int] = set()
+    polls = 0
+    while True:
+        polls += 1
+        missing = [r for r in range(world_size) if r not in found]
+        if len(missing) > k.direct_probe_max:
+            listed = set(backend.list(step_prefix(step)))
+            missing = [r for r in missing if rank_record_name(step, r) in listed]
+        for r, data in _get_records(backend, step, missing, k.record_readers):
+            if data is None:
+                continue
+            name = rank_record_name(step, r)
+            rec = decode_record(data, where=f"tier {tier_name!r} {backend.url}/{name}")
+            if attempt and rec.attempt != attempt:
+                if r not in stale:
+                    stale.add(r)
+                    log.info(
+                        "step %d tier %s: ignoring rank %d's record of an earlier attempt",
+                        step,
+                        tier_name,
+                        r,
+                    )
+                continue
+            if rec.step != step or rec.rank != r or rec.world_size != world_size:
+                raise FormatError(
+                    f"{backend.url}/{name}: record is for step {rec.step} rank "
+                    f"{rec.rank} of {rec.world_size}"
+                )
+            found[r] = rec
+        if len(found) == world_size:
+            log.debug(
+                "step %d tier %s: all %d records after %d polls, %.3f s",
+                step,
+                tier_name,
+                world_size,
+                polls,
+                time.monotonic() - start,
+            )
+            return [found[r] for r in range(world_size)]
+        now = time.monotonic()
+        if now >= deadline:
+            absent = [r for r in range(world_size) if r not in found]
+            raise CommitTimeout(
+                f"step {step} on tier {tier_name!r} ({backend.url}): after "
+                f"{k.commit_timeout:.0f} s rank 0 still misses the completion records of "
+                f"ranks {_ranks(absent)} (of "
+                f"{world_size}); no manifest was written, so this step is not committed there "
+                "and the previous checkpoint stays the newest. A rank died or failed to write its "
+                "shard (see its log); if ranks are merely slow, raise TIERCKPT_COMMIT_TIMEOUT_S"
+            )
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, k.poll_max)
+
+
+def _get_records(
+    backend: Backend, step: int, ranks: list[int], readers: int
+) -> list[tuple[int, bytes | None]]:
+    """GET the records of ``ranks`` (None: not there yet).
+
+    At 8,000 ranks one-by-one GETs of ~15 ms would hold the commit for two minutes after the
+    last rank finished (see docs/scale.md), so many records are read ``readers`` at a time:
+    a bounded pool that lives only for this call, on rank 0's commit thread.
+    """
+
+    def one(r: int) -> tuple[int, bytes | None]:
+        try:
+            return r, backend.get(rank_record_name(step, r))
+        except CheckpointNotFound:
+            return r, None
+
+    if len(ranks) <= 2 or readers <= 1:
+        return [one(r) for r in ranks]
+    with ThreadPoolExecutor(min(readers, len(ranks)), thread_name_prefix="tierckpt-rec") as pool:
+        return list(pool.map(one, ranks))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks[:20])) + (
+        f" and {len(ranks) - 20} more" if len(ranks) > 20 else ""
+    )
+
+
+def wait_committed(backend: Backend, step: int, timeout: float | None = None) -> None:
+    """Wait until ``step``'s manifest exists on ``backend`` (e.g. ``ck.backend("s3")``).
+
+    On a non-zero rank a save handle's tier completion only means "my shard is durable";
+    this waits for rank 0's commit. Raises ``TimeoutError``.
+    """
+    k = get_knobs()
+    deadline = time.monotonic() + (k.commit_timeout if timeout is None else timeout)
+    delay = k.poll_initial
+    while not backend.exists(manifest_name(step)):
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(f"step {step} not committed on {backend.url} after {timeout} s")
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, k.poll_max)
+
+
+# -- private tiers: records through the process group's store ---------------------------
+
+_store_lock = threading.Lock()
+_store_cache: dict[int, Any] = {}
+
+
+def _store() -> Any:
+    """A client of the default process group's key-value store for background threads."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TierCkptError(
+            "a private tier (RAM, or named in TIERCKPT_PRIVATE_TIERS) in a multi-rank job needs "
+            "torch.distributed initialized: its commit goes through the process group's store"
+        )
+    base: Any = dist.distributed_c10d._get_default_store()
+    with _store_lock:
+        st = _store_cache.get(id(base))
+        if st is None:
+            try:
+                st = base.clone()  # its own connection: the training thread keeps the other
+            except (RuntimeError, AttributeError):
+                st = base
+            _store_cache.clear()
+            _store_cache[id(base)] = st
+        return st
+
+
+def _store_wait(st: Any, keys: list[str], what: str, deadline: float) -> None:
+    k = get_knobs()
+    delay = k.poll_initial
+    while True:
+        with _store_lock:
+            ready = st.check(keys)
+        if ready:
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            raise CommitTimeout(what)
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, k.poll_max)
+
+
+def _publish_private(tier: TierRuntime, job: SaveJob, rec: RankRecord) -> Any:
+    """Put this rank's record into the store (on the tier thread, before any waiting, so
+    that rank 0's wait never depends on another rank's queued commit work)."""
+    if not job.attempt:
+        raise TierCkptError(
+            f"tier {tier.name!r} is private to each process; a multi-rank commit on it needs an "
+            "initialized torch.distributed process group"
+        )
+    st = _store()
+    with _store_lock:
+        st.set(f"tierckpt/{job.attempt}/{tier.name}/rec/{job.rank}", encode_record(rec))
+    return st
+
+
+def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) -> None:
+    k = get_knobs()
+    deadline = time.monotonic() + k.commit_timeout
+    prefix = f"tierckpt/{job.attempt}/{tier.name}/"
+    rec_keys = [f"{prefix}rec/{r}" for r in range(job.world_size)]
+    m_key = f"{prefix}manifest"
+    if job.rank == 0:
+        try:
+            _store_wait(
+                st,
+                rec_keys,
+                f"step {job.step} tier {tier.name!r}: not every rank "
+                "published its completion record in time; nothing committed",
+                deadline,
+            )
+            with _store_lock:
+                blobs = st.multi_get(rec_keys)
+            records = [
+                decode_record(bytes(b), where=f"store {key}")
+                for b, key in zip(blobs, rec_keys, strict=True)
+            ]
+            if any(r.attempt != job.attempt or r.step != job.step for r in records):
+                raise FormatError(f"step {job.step}: a record in the store is of another attempt")
+            body = encode_manifest(_manifest(tier.name, job, records))
+        except BaseException as exc:
+            with _store_lock:
+                st.set(m_key, b"FAILED " + str(exc).encode("utf-8", "replace")[:4096])
+            raise
+        with _store_lock:
+            st.set(m_key, body)
+    _store_wait(
+        st,
+        [m_key],
+        f"step {job.step} tier {tier.name!r}: rank 0 published no manifest "
+        "in time; nothing committed",
+        deadline,
+    )
+    with _store_lock:
+        body = bytes(st.get(m_key))
+    if body.startswith(b"FAILED "):
+        raise TierCkptError(
+            f"step {job.step} tier {tier.name!r}: rank 0 could not commit: "
+            f"{body[7:].decode('utf-8', 'replace')}"
+        )
+    m = decode_manifest(body, where=f"store {m_key}")
+    _put_manifest(tier.backend, m)
+    with _store_lock:
+        done = int(st.add(f"{prefix}done", 1))
+        if done == job.world_size:  # the last rank out cleans the store
+            for key in [*rec_keys, m_key, f"{prefix}done"]:
+                with contextlib.suppress(RuntimeError):
+                    st.delete_key(key)
+    if job.rank != 0:  # the pipeline applies retention on rank 0 only
+        from tierckpt.retention import gc_tier
+
+        pipeline = ck._pipeline
+        protect = {j.step for j in pipeline.in_flight() if j is not job} if pipeline else set()
+        try:
+            gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
+        except OSError as exc:
+            log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+
+
+# -- load agreement ---------------------------------------------------------------------
+
+
+def _readable(ck: Checkpointer, step: int) -> str:
+    """Empty if this rank can read ``step`` (manifest + own shard index) on some tier, else
+    why not."""
+    reasons = []
+    for t in ck._tiers:
+        try:
+            m = read_manifest(t.backend, step, t.name)
+            if m.world_size != ck.world_size:
+                reasons.append(
+                    f"tier {t.name!r}: saved by {m.world_size} ranks, this job has "
+                    f"{ck.world_size} (the native format needs the same world size; save with "
+                    "tierckpt.dcp to reshard)"
+                )
+                continue
+            read_index(t.backend, m.shard_for(ck.rank), t.name)
+            return ""
+        except CheckpointNotFound:
+            continue
+        except BaseException as exc:
+            if not is_recoverable(exc):
+                raise
+            reasons.append(f"tier {t.name!r}: {exc}")
+    return "; ".join(reasons) or "not on any tier"
+
+
+def agree_on_step(ck: Checkpointer, candidates: Sequence[int]) -> list[int]:
+    """The step every rank loads: the newest of ``candidates`` that all ranks can read.
+
+    One ``all_gather`` of ``agree_max_candidates`` int64 per rank, in the calling thread; every
+    rank must call ``load()`` together. Returns a one-element list, or raises
+    ``CheckpointNotFound`` on every rank when the ranks share no readable step.
+    """
+    if not _group_ok(ck):
+        _warn_once(
+            "no-group-load",
+            "multi-rank load without an initialized torch.distributed "
+            "group: ranks cannot agree on a step; each loads its own newest",
+        )
+        if not candidates:
+            raise CheckpointNotFound(f"rank {ck.rank}: no committed checkpoint on any tier")
+        return list(candidates)
+    import torch.distributed as dist
+
+    k = get_knobs()
+    mine: list[int] = []
+    why: dict[int, str] = {}
+    for s in list(candidates)[: k.agree_max_candidates]:
+        reason = _readable(ck, s)
+        if reason:
+            why[s] = reason
+        else:
+            mine.append(s)
+    dev = _collective_device()
+    vec = torch.full((k.agree_max_candidates,), -1, dtype=torch.int64, device=dev)
+    if mine:
+        vec[: len(mine)] = torch.tensor(mine, dtype=torch.int64, device=dev)
+    gathered = [torch.empty_like(vec) for _ in range(ck.world_size)]
+    dist.all_gather(gathered, vec)
+    sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
+    common = set.intersection(*sets)
+    if common:
+        chosen = max(common)
+        if mine and chosen != mine[0]:
+            log.warning(
+                "rank %d: loading step %d, the newest step every rank can read (this rank "
+                "also has %s)",
+                ck.rank,
+                chosen,
+                [s for s in mine if s > chosen][:5],
+            )
+        return [chosen]
+    newest = {r: max(s) if s else None for r, s in enumerate(sets)}
+    lacking = [r for r, s in newest.items() if s is None]
+    detail = "; ".join(f"step {s}: {w}" for s, w in list(why.items())[:3])
+    raise CheckpointNotFound(
+        f"no checkpoint step is committed and readable on every rank (this rank looked at "
+        f"{list(candidates)[:5] or 'no committed step'}; newest readable step per "
+        f"rank: {dict(list(newest.items())[:16])}; ranks with none: {_ranks(lacking)})"
+        + (f"; this rank (rank {ck.rank}): {detail}" if detail else "")
+    )

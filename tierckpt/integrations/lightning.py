@@ -1,0 +1,177 @@
+"""PyTorch Lightning: a ``CheckpointIO`` plugin that saves through tierckpt.
+
+::
+
+    import lightning as L
+    from tierckpt import LocalTier, MemoryTier, S3Tier
+    from tierckpt.integrations.lightning import TierCkptIO
+
+    io = TierCkptIO([MemoryTier(), LocalTier("/nvme/run1"), S3Tier("s3://bucket/run1")])
+    trainer = L.Trainer(plugins=[io], callbacks=[L.pytorch.callbacks.ModelCheckpoint(
+        dirpath="ckpts", every_n_train_steps=500, save_top_k=-1)])
+    trainer.fit(model)                                   # checkpoints cost training ~nothing
+    trainer.fit(model, ckpt_path="ckpts/last.ckpt")      # resume (any node, from S3 if need be)
+
+How it maps Lightning onto tierckpt:
+
+* ``save_checkpoint(checkpoint, path)`` starts ``Checkpointer.save(checkpoint, global_step)``
+  and returns at once; the bytes go through the tiers in the background. At ``path`` it writes
+  a small JSON *pointer* (the step and the tiers), so Lightning's file logic (``last.ckpt``,
+  top-k bookkeeping, ``ckpt_path=...``) keeps working. Two saves at one step (``last`` and a
+  top-k file) share one checkpoint.
+* Lightning runs forward and backward inside ``optimizer.step(closure)``; the plugin installs
+  a global optimizer pre-hook that waits for an unfinished capture after the closure, right
+  before the parameters change, so the copy overlaps the whole forward/backward pass.
+* ``load_checkpoint(path)`` reads the pointer and loads that step from the fastest tier that
+  has it. A path that is not a pointer (a ``.ckpt`` written by ``torch.save``) is loaded with
+  Lightning's own ``TorchCheckpointIO``, so older runs still resume.
+* ``remove_checkpoint(path)`` removes the pointer; the data follows each tier's
+  ``keep_last`` retention.
+* Values tierckpt cannot store without pickle (objects in ``hyper_parameters``) are stored as
+  their ``repr()`` text (see :func:`~tierckpt.integrations.sanitize_state`).
+  ``LightningModule.load_from_checkpoint`` reads files with ``torch.load`` and does not go
+  through plugins: use ``trainer.fit/validate(ckpt_path=...)``, or ``tierckpt export`` for
+  the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from tierckpt.checkpointer import Checkpointer
+from tierckpt.integrations._common import closure_guard_hook, sanitize_state
+from tierckpt.policy import TierPolicy, TierSpec
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+except ImportError:  # pragma: no cover - the lightning extra is optional
+    try:
+        from lightning_fabric.utilities.cloud_io import get_filesystem  # type: ignore
+        from pytorch_lightning.plugins.io import CheckpointIO, TorchCheckpointIO  # type: ignore
+    except ImportError as exc:
+        raise ImportError(
+            "tierckpt.integrations.lightning needs PyTorch Lightning: pip install lightning"
+        ) from exc
+
+__all__ = ["POINTER_FORMAT", "TierCkptIO", "read_pointer"]
+
+log = logging.getLogger("tierckpt")
+
+POINTER_FORMAT = "tierckpt-lightning-pointer"
+_MAX_POINTER = 64 << 10
+
+
+def read_pointer(path: Any) -> dict[str, Any] | None:
+    """The pointer at ``path``, or None if the file is not a tierckpt pointer."""
+    fs = get_filesystem(path)
+    with fs.open(path, "rb") as f:
+        head = f.read(_MAX_POINTER + 1)
+    if len(head) > _MAX_POINTER or not head.lstrip().startswith(b"{"):
+        return None
+    try:
+        doc = json.loads(head)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        return None
+    if type(doc.get("step")) is not int:
+        return None
+    return doc
+
+
+class TierCkptIO(CheckpointIO):  # type: ignore[misc]
+    """Lightning ``CheckpointIO`` that saves through a tierckpt :class:`Checkpointer`.
+
+    Args:
+        tiers: tier specs fastest first, or a :class:`TierPolicy` (or pass ``checkpointer``).
+        checkpointer: an existing :class:`Checkpointer` to use instead.
+        unsupported: what to do with values that cannot be stored without pickle:
+            ``"repr"`` (default) stores their text, ``"error"`` fails the save.
+        **checkpointer_kwargs: passed to :class:`Checkpointer` (``host_buffer_bytes``, ...).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec] | TierPolicy | None = None,
+        *,
+        checkpointer: Checkpointer | None = None,
+        unsupported: Literal["error", "repr"] = "repr",
+        **checkpointer_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if (tiers is None) == (checkpointer is None):
+            raise ValueError("pass either tiers or checkpointer")
+        self.checkpointer = checkpointer or Checkpointer(tiers, **checkpointer_kwargs)  # type: ignore[arg-type]
+        self.unsupported = unsupported
+        self._hook: Any = None
+        self._steps: set[int] | None = None  # steps saved or committed, read on first save
+        self._fallback = TorchCheckpointIO()
+
+    def _install_guard(self) -> None:
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._hook = register_optimizer_step_pre_hook(
+                closure_guard_hook(self.checkpointer.wait_captured)
+            )
+
+    def _remove_guard(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # -- CheckpointIO --------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TierCkptIO does not take storage_options; configure the tiers")
+        step = int(checkpoint.get("global_step", 0))
+        self._install_guard()
+        if self._steps is None:
+            self._steps = set(self.checkpointer.steps())
+        if step not in self._steps:
+            state = sanitize_state(checkpoint, unsupported=self.unsupported)
+            self.checkpointer.save(state, step, metadata={"lightning_path": str(path)})
+            self._steps.add(step)
+        fs = get_filesystem(path)
+        parent = str(path).rsplit("/", 1)[0] if "/" in str(path) else "."
+        fs.makedirs(parent, exist_ok=True)
+        pointer = {"format": POINTER_FORMAT, "version": 1, "step": step,
+                   "tiers": self.checkpointer.tier_names}
+        with fs.open(path, "w") as f:
+            f.write(json.dumps(pointer, indent=1) + "\n")
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        pointer = read_pointer(path)
+        if pointer is None:
+            log.info("%s is not a tierckpt pointer: loading it with torch.load", path)
+            loaded: dict[str, Any] = self._fallback.load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only)
+            return loaded
+        self.checkpointer.wait()  # a save from this process may still be flushing
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        state: dict[str, Any] = self.checkpointer.load(pointer["step"], map_location=device)
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+    def teardown(self) -> None:
+        """End of a fit: wait until every checkpoint is committed on every tier."""
+        self.checkpointer.wait()
+        self._remove_guard()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the checkpointer (threads, host buffer)."""
+        self._remove_guard()
+        self.checkpointer.close()

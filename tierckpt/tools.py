@@ -1,0 +1,427 @@
+"""Offline operations on stored checkpoints: list, inspect, verify, copy, collect garbage.
+
+These work on any tier's storage given its URL (a local folder or ``s3://bucket/prefix``),
+with no :class:`~tierckpt.Checkpointer` and no training job. The ``tierckpt`` command is a
+thin layer over them; they are also usable from Python::
+
+    from tierckpt import tools
+    src = tools.open_backend("s3://bucket/run1")
+    for m in tools.list_checkpoints(src):
+        print(m.step, m.stored_bytes)
+    tools.verify_checkpoint(src, step=1000)           # raises CorruptChunk on a bad chunk
+    tools.copy_checkpoint(src, tools.open_backend("/nvme/run1"), step=1000)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierckpt.backends.base import Backend
+from tierckpt.backends.local import LocalBackend
+from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.errors import CheckpointNotFound, CorruptChunk, FormatError, TierCkptError
+from tierckpt.format import (
+    ChunkRecord,
+    Manifest,
+    checksum,
+    decode_manifest,
+    manifest_name,
+)
+from tierckpt.objects import decode_tree, dtype_from_name
+from tierckpt.restore import read_index, read_manifest
+from tierckpt.retention import committed_steps, data_steps, gc_tier
+
+__all__ = [
+    "GroupStats",
+    "Inspection",
+    "TensorInfo",
+    "copy_checkpoint",
+    "gc",
+    "inspect_checkpoint",
+    "is_s3_url",
+    "list_checkpoints",
+    "open_backend",
+    "resolve_step",
+    "tensor_paths",
+    "verify_checkpoint",
+]
+
+#: called with a number of bytes just processed (progress bars)
+Progress = Callable[[int], Any]
+
+#: copies move at most this much per read (one chunk may be larger: it is read whole)
+COPY_BLOCK = 8 << 20
+
+
+# -- opening a URL -----------------------------------------------------------------------------
+def is_s3_url(url: str) -> bool:
+    return url.startswith("s3://")
+
+
+def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = False) -> Backend:
+    """Open a tier's storage: ``s3://bucket/prefix``, ``file:///path`` or a local path.
+
+    ``endpoint_url`` defaults to ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (S3-compatible
+    servers). A local folder must exist unless ``create``.
+    """
+    if is_s3_url(url):
+        from tierckpt.backends.s3 import S3Backend
+
+        endpoint = (endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                    or os.environ.get("AWS_ENDPOINT_URL") or None)
+        return S3Backend(url, endpoint_url=endpoint)
+    if "://" in url and not url.startswith("file://"):
+        scheme = url.split("://", 1)[0]
+        raise ValueError(f"unsupported URL scheme {scheme!r} in {url!r}: use a local path, "
+                         "file:///path or s3://bucket/prefix")
+    path = url.removeprefix("file://")
+    if create:
+        os.makedirs(path, exist_ok=True)
+    elif not os.path.isdir(path):
+        raise CheckpointNotFound(f"{path}: no such folder")
+    return LocalBackend(path)
+
+
+# -- listing -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ListedCheckpoint:
+    """One committed step: its manifest, or why the manifest could not be read."""
+
+    step: int
+    manifest: Manifest | None
+    error: str = ""
+
+
+def list_checkpoints(backend: Backend) -> list[ListedCheckpoint]:
+    """Every committed step on ``backend``, oldest first, with its manifest."""
+    out = []
+    for step in committed_steps(backend):
+        try:
+            out.append(ListedCheckpoint(step, read_manifest(backend, step, backend.url)))
+        except TierCkptError as exc:
+            out.append(ListedCheckpoint(step, None, str(exc)))
+    return out
+
+
+def uncommitted_steps(backend: Backend) -> list[int]:
+    """Steps with data but no manifest: saves in progress, or leftovers of killed ones."""
+    committed = set(committed_steps(backend))
+    return [s for s in data_steps(backend) if s not in committed]
+
+
+def resolve_step(backend: Backend, step: int | None) -> int:
+    """``step`` if it is committed on ``backend``; the newest committed step if None."""
+    steps = committed_steps(backend)
+    if step is None:
+        if not steps:
+            raise CheckpointNotFound(f"{backend.url}: no committed checkpoint here")
+        return steps[-1]
+    if step not in steps:
+        shown = ", ".join(map(str, steps[-10:])) or "none"
+        raise CheckpointNotFound(
+            f"{backend.url}: step {step} is not committed here (committed steps: {shown})"
+        )
+    return step
+
+
+# -- the object tree -------------------------------------------------------------------------
+def _key_str(key: Any) -> str:
+    try:
+        k = decode_tree(key, lambda _i: "<tensor>")
+    except FormatError:
+        return "?"
+    return k if isinstance(k, str) else repr(k) if not isinstance(k, int) else str(k)
+
+
+def tensor_paths(tree: Any) -> dict[int, str]:
+    """Map each tensor-table index in an index's object tree to its dotted key path."""
+    out: dict[int, str] = {}
+
+    def walk(node: Any, path: str, depth: int) -> None:
+        if depth > 200:
+            return
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}.{i}" if path else str(i), depth + 1)
+        elif isinstance(node, dict) and len(node) == 1:
+            ((tag, v),) = node.items()
+            if tag == "$tensor" and type(v) is int:
+                out.setdefault(v, path or "<root>")
+            elif tag == "$tuple" and isinstance(v, list):
+                walk(v, path, depth + 1)
+            elif tag in ("$dict", "$odict") and isinstance(v, list):
+                for pair in v:
+                    if isinstance(pair, list) and len(pair) == 2:
+                        k = _key_str(pair[0])
+                        walk(pair[1], f"{path}.{k}" if path else k, depth + 1)
+
+    walk(tree, "", 0)
+    return out
+
+
+# -- inspect -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    rank: int
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int  # elements * itemsize (views of one storage each count in full)
+
+
+@dataclass
+class GroupStats:
+    """Raw and stored bytes of one group of storages (by top-level key or by dtype)."""
+
+    name: str
+    tensors: int = 0
+    raw_bytes: int = 0
+    stored_bytes: float = 0.0
+    codecs: set[str] = field(default_factory=set)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+@dataclass
+class Inspection:
+    manifest: Manifest
+    tensors: list[TensorInfo]
+    groups: list[GroupStats]
+    chunks: int
+    codecs: list[str]
+
+
+def _group_key(path: str, dtype: str, by: str) -> str:
+    if by == "dtype":
+        return dtype
+    return path.split(".", 1)[0] if path else "<root>"
+
+
+def inspect_checkpoint(backend: Backend, step: int | None = None, *,
+                       by: str = "key") -> Inspection:
+    """Tensors, dtypes, sizes and stored/raw bytes per group (``by="key"`` or ``"dtype"``).
+
+    Reads only the manifest and each shard's index. A storage's stored bytes are its share of
+    the stored size of every chunk it overlaps; a storage viewed by several tensors counts once,
+    for the group of the first tensor that views it.
+    """
+    if by not in ("key", "dtype"):
+        raise ValueError(f"group by 'key' or 'dtype', not {by!r}")
+    step = resolve_step(backend, step)
+    manifest = read_manifest(backend, step, backend.url)
+    tensors: list[TensorInfo] = []
+    groups: dict[str, GroupStats] = {}
+    codec_ids: set[str] = set()
+    n_chunks = 0
+    for ref in manifest.shards:
+        index, _blob, _footer = read_index(backend, ref, backend.url)
+        paths = tensor_paths(index.get("tree"))
+        storages: list[list[int]] = index["storages"]
+        chunks: list[ChunkRecord] = index["chunks"]
+        ids = [str(c.get("id", "?")) if isinstance(c, dict) else "?" for c in index["codecs"]]
+        n_chunks += len(chunks)
+        span_group: dict[int, str] = {}
+        for i, entry in enumerate(index["tensors"]):
+            sid, _off, dtype, shape, _stride, _dev = entry
+            item = torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            path = paths.get(i, f"<tensor {i}>")
+            tensors.append(TensorInfo(ref.rank, path, dtype, tuple(shape), numel * item))
+            g = groups.setdefault(_group_key(path, dtype, by), GroupStats(_group_key(path, dtype,
+                                                                                      by)))
+            g.tensors += 1
+            if isinstance(sid, int) and sid >= 0:
+                span_group.setdefault(sid, g.name)
+        # attribute each chunk's stored bytes to the storages it covers, pro rata
+        ci = 0
+        for sid, (off, n) in enumerate(storages):
+            g = groups.setdefault(span_group.get(sid, "<unreferenced>"),
+                                  GroupStats(span_group.get(sid, "<unreferenced>")))
+            g.raw_bytes += n
+            while ci < len(chunks) and chunks[ci].logical_offset + chunks[ci].raw_size <= off:
+                ci += 1
+            cj = ci
+            while cj < len(chunks) and chunks[cj].logical_offset < off + n:
+                c = chunks[cj]
+                lo, hi = max(off, c.logical_offset), min(off + n, c.logical_offset + c.raw_size)
+                if hi > lo and c.raw_size:
+                    g.stored_bytes += (hi - lo) * c.stored_size / c.raw_size
+                    g.codecs.add(ids[c.codec])
+                cj += 1
+        codec_ids.update(ids[c.codec] for c in chunks)
+    return Inspection(manifest, tensors, sorted(groups.values(), key=lambda g: -g.raw_bytes),
+                      n_chunks, sorted(codec_ids))
+
+
+# -- verify ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    step: int
+    shards: int
+    chunks: int
+    raw_bytes: int
+    stored_bytes: int
+
+
+def verify_checkpoint(backend: Backend, step: int, *, progress: Progress | None = None
+                      ) -> VerifyReport:
+    """Read every chunk of every rank, check its checksum and decode it.
+
+    Raises on the first problem: :class:`~tierckpt.errors.CorruptChunk` (naming the file and
+    chunk) for a bad chunk, :class:`~tierckpt.errors.CorruptCheckpoint` or
+    :class:`~tierckpt.errors.FormatError` for a bad manifest, footer or index. Memory use is
+    one chunk, not the checkpoint.
+    """
+    manifest = read_manifest(backend, step, backend.url)
+    n_chunks = raw_total = stored_total = 0
+    for ref in manifest.shards:
+        where = f"{backend.url}/{ref.file}"
+        index, _blob, _footer = read_index(backend, ref, backend.url)
+        codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
+        chunks: list[ChunkRecord] = index["chunks"]
+        for ci, rec in enumerate(chunks):
+            stored = backend.read(ref.file, rec.file_offset, rec.stored_size)
+            if checksum(stored) != rec.checksum:
+                raise CorruptChunk(
+                    f"{where}: chunk {ci} of {len(chunks)} (file bytes "
+                    f"{rec.file_offset}..+{rec.stored_size}) does not match its checksum",
+                    tier=backend.url, file=ref.file, chunk=ci,
+                )
+            out = bytearray(rec.raw_size)
+            try:
+                codecs[rec.codec].decode(stored, memoryview(out))
+            except CorruptChunk as exc:
+                raise CorruptChunk(f"{where}: chunk {ci} does not decode: {exc}",
+                                   tier=backend.url, file=ref.file, chunk=ci) from exc
+            n_chunks += 1
+            raw_total += rec.raw_size
+            stored_total += rec.stored_size
+            if progress is not None:
+                progress(rec.stored_size)
+        covered = sum(c.raw_size for c in chunks)
+        if covered != int(index["data_bytes"]):
+            raise FormatError(f"{where}: chunks cover {covered} of {index['data_bytes']} bytes")
+        _check_tree(index, where)
+    return VerifyReport(step, len(manifest.shards), n_chunks, raw_total, stored_total)
+
+
+def _check_tree(index: dict[str, Any], where: str) -> None:
+    """Decode the object tree; every tensor reference must be in the tensor table."""
+    n = len(index["tensors"])
+
+    def ref(i: int) -> None:
+        if not 0 <= i < n:
+            raise FormatError(f"{where}: object tree refers to tensor {i} of {n}")
+
+    decode_tree(index.get("tree"), ref)
+
+
+# -- copy --------------------------------------------------------------------------------------
+def checkpoint_bytes(backend: Backend, step: int) -> int:
+    """Total size of the shard files of one committed checkpoint."""
+    return sum(s.size for s in read_manifest(backend, step, backend.url).shards)
+
+
+def _pieces(index: dict[str, Any], size: int) -> Iterator[tuple[int, int, int, int]]:
+    """The file as consecutive ``(offset, length, chunk number or -1, chunk start in piece)``.
+
+    A chunk is read whole (its checksum is checked on the piece) together with the padding
+    before it; other bytes (long gaps, the index and footer) go in pieces of COPY_BLOCK.
+    """
+    pos = 0
+    for ci, rec in enumerate(index["chunks"]):
+        while rec.file_offset - pos > COPY_BLOCK:
+            yield pos, COPY_BLOCK, -1, 0
+            pos += COPY_BLOCK
+        end = rec.file_offset + rec.stored_size
+        yield pos, end - pos, ci, rec.file_offset - pos
+        pos = end
+    while pos < size:
+        n = min(COPY_BLOCK, size - pos)
+        yield pos, n, -1, 0
+        pos += n
+
+
+def copy_checkpoint(src: Backend, dst: Backend, step: int, *,
+                    progress: Progress | None = None) -> int:
+    """Copy one committed checkpoint from ``src`` to ``dst``; returns the bytes copied.
+
+    Shard files stream through in pieces (each chunk's checksum checked on the way) and are
+    committed first; the manifest is written last, create-only, so the copy exists on ``dst``
+    only once it is whole. Raises ``FileExistsError`` if ``dst`` already has the step.
+    """
+    name = manifest_name(step)
+    manifest_bytes = src.get(name)
+    manifest = decode_manifest(manifest_bytes, where=f"{src.url}/{name}")
+    if dst.exists(name):
+        raise FileExistsError(f"{dst.url}: step {step} is already committed there")
+    copied = 0
+    for ref in manifest.shards:
+        index, _blob, _footer = read_index(src, ref, src.url)
+        writer = dst.open_writer(ref.file)
+        try:
+            for offset, length, ci, at in _pieces(index, ref.size):
+                data = src.read(ref.file, offset, length)
+                if ci >= 0 and checksum(memoryview(data)[at:]) != index["chunks"][ci].checksum:
+                    raise CorruptChunk(
+                        f"{src.url}/{ref.file}: chunk {ci} does not match its checksum; "
+                        "nothing was committed at the destination",
+                        tier=src.url, file=ref.file, chunk=ci,
+                    )
+                writer.write(offset, data)
+                copied += length
+                if progress is not None:
+                    progress(length)
+            if writer.size != ref.size:
+                raise FormatError(f"{src.url}/{ref.file}: copied {writer.size} of {ref.size} bytes")
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+    dst.put_atomic(name, manifest_bytes)
+    return copied
+
+
+# -- gc ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GcPlan:
+    """What gc deletes: old committed steps (retention) and leftovers of uncommitted saves."""
+
+    retained: list[int]
+    expired: list[int]
+    leftovers: list[int]
+
+
+def gc(backend: Backend, keep_last: int, *, dry_run: bool = False,
+       abort_incomplete: bool = False) -> GcPlan:
+    """Keep the newest ``keep_last`` committed steps; remove older ones and leftovers.
+
+    Leftovers are data folders without a manifest older than the newest committed step
+    (saves that never committed). ``abort_incomplete`` also discards unfinished writes
+    (temporary files, open multipart uploads) under ``steps/`` — only when no job is
+    writing to this location.
+    """
+    if type(keep_last) is not int or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    committed = committed_steps(backend)
+    newest = committed[-1] if committed else None
+    expired = committed[: max(len(committed) - keep_last, 0)]
+    committed_set = set(committed)
+    leftovers = [s for s in data_steps(backend)
+                 if s not in committed_set and newest is not None and s < newest]
+    plan = GcPlan(committed[len(expired):], expired, leftovers)
+    if dry_run:
+        return plan
+    gc_tier(backend, keep_last)
+    if abort_incomplete:
+        backend.cleanup_incomplete("steps/")
+    return plan
