@@ -32,30 +32,51 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: bugs found by this suite and fixed in the library: (what, where, regression test ids)
 FIXED = [
-    ("A manifest holding NaN, Infinity or 1e400 raised a bare ValueError from the checksum "
-     "re-encoding, outside the error family", "tierckpt/format.py decode_manifest",
-     ["test_hostile_checkpoint_refused[manifest: NaN literal]",
-      "test_hostile_checkpoint_refused[manifest: 1e400 (infinite) number]"]),
-    ("A manifest whose `created` is a huge integer raised OverflowError",
-     "tierckpt/format.py decode_manifest",
-     ["test_hostile_checkpoint_refused[manifest: 400-digit integer timestamp (informational "
-      "field)]"]),
-    ("A manifest was read whole before its size was checked: a huge manifest file cost its "
-     "size in RAM (65 MiB file: +65 MiB RSS) before being refused",
-     "tierckpt/restore.py read_manifest",
-     ["test_hostile_checkpoint_refused[manifest: larger than 64 MiB]"]),
-    ("The manifest under step N's name was trusted to be step N's: a (valid, sealed) manifest "
-     "of step M stored there made load(step=N) return step M's state",
-     "tierckpt/restore.py read_manifest", ["test_manifest_of_another_step_is_refused"]),
-    ("A codec config with a bad parameter value (zstd level 'max') raised a bare ValueError",
-     "tierckpt/codecs/base.py Codec.from_config",
-     ["test_hostile_checkpoint_refused[index: codec with a bad parameter value]"]),
-    ("An index with an empty codec table and chunks raised IndexError (load and verify)",
-     "tierckpt/format.py decode_index",
-     ["test_hostile_checkpoint_refused[index: empty codec table]"]),
-    ("A tensor record with zero strides declaring more than 2**63 elements raised torch's "
-     "RuntimeError (numel overflow)", "tierckpt/restore.py _rebuild_tensor",
-     ["test_hostile_checkpoint_refused[tensor: 2**94 elements through zero strides]"]),
+    (
+        "A manifest holding NaN, Infinity or 1e400 raised a bare ValueError from the checksum "
+        "re-encoding, outside the error family",
+        "tierckpt/format.py decode_manifest",
+        [
+            "test_hostile_checkpoint_refused[manifest: NaN literal]",
+            "test_hostile_checkpoint_refused[manifest: 1e400 (infinite) number]",
+        ],
+    ),
+    (
+        "A manifest whose `created` is a huge integer raised OverflowError",
+        "tierckpt/format.py decode_manifest",
+        [
+            "test_hostile_checkpoint_refused[manifest: 400-digit integer timestamp (informational "
+            "field)]"
+        ],
+    ),
+    (
+        "A manifest was read whole before its size was checked: a huge manifest file cost its "
+        "size in RAM (65 MiB file: +65 MiB RSS) before being refused",
+        "tierckpt/restore.py read_manifest",
+        ["test_hostile_checkpoint_refused[manifest: larger than 64 MiB]"],
+    ),
+    (
+        "The manifest under step N's name was trusted to be step N's: a (valid, sealed) manifest "
+        "of step M stored there made load(step=N) return step M's state",
+        "tierckpt/restore.py read_manifest",
+        ["test_manifest_of_another_step_is_refused"],
+    ),
+    (
+        "A codec config with a bad parameter value (zstd level 'max') raised a bare ValueError",
+        "tierckpt/codecs/base.py Codec.from_config",
+        ["test_hostile_checkpoint_refused[index: codec with a bad parameter value]"],
+    ),
+    (
+        "An index with an empty codec table and chunks raised IndexError (load and verify)",
+        "tierckpt/format.py decode_index",
+        ["test_hostile_checkpoint_refused[index: empty codec table]"],
+    ),
+    (
+        "A tensor record with zero strides declaring more than 2**63 elements raised torch's "
+        "RuntimeError (numel overflow)",
+        "tierckpt/restore.py _rebuild_tensor",
+        ["test_hostile_checkpoint_refused[tensor: 2**94 elements through zero strides]"],
+    ),
 ]
 
 CATEGORIES = [
@@ -90,16 +111,29 @@ class Run:
 def run_suite(slow: bool, extra: list[str], workdir: Path) -> Run:
     junit = workdir / "junit.xml"
     records = workdir / "records.jsonl"
-    cmd = [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/reliability",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "-o",
+        "junit_family=xunit1",
+    ]
     if slow:
         cmd += ["-m", "slow or not slow"]
     cmd += extra
     env = dict(os.environ, TIERCKPT_RELIABILITY_RECORD=str(records))
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
-    run = Run(seconds=time.monotonic() - t0, returncode=proc.returncode,
-              command=" ".join(["pytest", *cmd[3:]]).replace(str(junit), "JUNIT"))
+    run = Run(
+        seconds=time.monotonic() - t0,
+        returncode=proc.returncode,
+        command=" ".join(["pytest", *cmd[3:]]).replace(str(junit), "JUNIT"),
+    )
     run.results = parse_junit(junit)
     if records.exists():
         run.records = [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
@@ -116,8 +150,10 @@ def parse_junit(path: Path) -> dict[str, TestResult]:
         outcome, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
-                outcome, message = ("failed" if child.tag == "failure" else "error"), \
-                    child.get("message", "")
+                outcome, message = (
+                    ("failed" if child.tag == "failure" else "error"),
+                    child.get("message", ""),
+                )
             elif child.tag == "skipped":
                 kind = child.get("type", "")
                 outcome = "xfailed" if "xfail" in kind else "skipped"
@@ -174,8 +210,13 @@ def summary_rows(run: Run) -> list[tuple[str, str, str, str]]:
                 fired.update(s["faults_fired"])
             n = sum(s["checkpoints"] for s in stats)
             what = f"{n} checkpoints, {sum(fired.values())} faults injected"
-            detail = ", ".join(f"{k} {v}" for k, v in sorted(fired.items())) + "; " + "; ".join(
-                f"{s['committed']} committed, {s['failed']} reported failed" for s in stats)
+            detail = (
+                ", ".join(f"{k} {v}" for k, v in sorted(fired.items()))
+                + "; "
+                + "; ".join(
+                    f"{s['committed']} committed, {s['failed']} reported failed" for s in stats
+                )
+            )
         elif cat == "fuzz":
             n = 0
             for r in recs:
@@ -185,8 +226,11 @@ def summary_rows(run: Run) -> list[tuple[str, str, str, str]]:
             what = f"{len(cases)} hostile inputs"
         elif cat == "corruption":
             what = f"{len(cases)} corruptions"
-        outcome = ("nothing lost, clear error" if recs and not bad else
-                   ("NOT RUN" if not recs else f"{len(bad)} NOT OK"))
+        outcome = (
+            "nothing lost, clear error"
+            if recs and not bad
+            else ("NOT RUN" if not recs else f"{len(bad)} NOT OK")
+        )
         rows.append((title, what, detail, outcome))
     return rows
 
@@ -198,12 +242,14 @@ def render(run: Run, slow: bool) -> str:
         "# Reliability report",
         "",
         f"Generated {now} by `benchmarks/reliability_report.py`"
-        + (" --slow" if slow else "") + f" in {run.seconds:.0f} s on "
+        + (" --slow" if slow else "")
+        + f" in {run.seconds:.0f} s on "
         f"{platform.node() or 'this machine'} ({os.cpu_count()} cores, Python "
         f"{platform.python_version()}). Re-run it to refresh this page.",
         "",
         f"Command: `{run.command}` — tests: "
-        + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ".",
+        + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        + ".",
         "",
         "A case counts as **nothing lost, clear error** when its test passed and the case met "
         "its requirement: every restore returned exactly a committed state (never a torn one, "
@@ -217,8 +263,13 @@ def render(run: Run, slow: bool) -> str:
     ]
     for title, what, detail, outcome in summary_rows(run):
         lines.append(f"| {title} | {what} | {_cell(detail) or '—'} | {outcome} |")
-    lines += ["", "## Bugs found and fixed", "",
-              "| Bug | Fixed in | Regression test | Now |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## Bugs found and fixed",
+        "",
+        "| Bug | Fixed in | Regression test | Now |",
+        "|---|---|---|---|",
+    ]
     for what, where, tests in FIXED:
         status = []
         for t in tests:
@@ -246,14 +297,18 @@ def render(run: Run, slow: bool) -> str:
             outcome = rec["outcome"]
             if rec.get("stats"):
                 outcome += ": " + ", ".join(f"{k} {v}" for k, v in rec["stats"].items())
-            lines.append(f"| {_cell(str(rec['case']))} | {_cell(str(outcome))} | "
-                         f"{'yes' if _ok(rec, run) else '**NO**'} |")
+            lines.append(
+                f"| {_cell(str(rec['case']))} | {_cell(str(outcome))} | "
+                f"{'yes' if _ok(rec, run) else '**NO**'} |"
+            )
         lines.append("")
     failed = [r for r in run.results.values() if r.outcome in ("failed", "error")]
     lines += ["## Tests", "", "| Test | Result | Seconds |", "|---|---|---|"]
     for r in sorted(run.results.values(), key=lambda r: r.nodeid):
-        lines.append(f"| `{_cell(r.nodeid.removeprefix('tests/reliability/'))}` | {r.outcome} "
-                     f"| {r.seconds:.1f} |")
+        lines.append(
+            f"| `{_cell(r.nodeid.removeprefix('tests/reliability/'))}` | {r.outcome} "
+            f"| {r.seconds:.1f} |"
+        )
     if failed:
         lines += ["", "## Failures", ""]
         for r in failed:
@@ -272,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     text = render(run, args.slow)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
-    print(f"wrote {args.output}: {len(run.results)} tests, {len(run.records)} cases, "
-          f"{run.seconds:.0f} s")
+    print(
+        f"wrote {args.output}: {len(run.results)} tests, {len(run.records)} cases, "
+        f"{run.seconds:.0f} s"
+    )
     return 0 if run.returncode == 0 else 1
 
 

@@ -357,6 +357,7 @@ def test_pull_refuses_a_corrupt_chunk(ckpt_dir: Path, tmp_path: Path, moto_serve
     assert not (dest / shard_name(20, 0)).exists()
 
 
+@pytest.mark.s3
 def test_missing_bucket_is_a_clean_failure(moto_server: S3Server,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     rc, _out, err = run(["ls", "s3://no-such-bucket-here/x", "--endpoint-url",

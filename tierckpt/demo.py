@@ -269,7 +269,8 @@ def _demo(args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, 
     admin = server.client()
     admin.create_bucket(Bucket=BUCKET)
     s3_url = f"s3://{BUCKET}/run-{args.seed}"
-    env = dict(os.environ)
+    # the children talk to the demo's server only: none of the user's AWS settings leak in
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update({
         "AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
         "AWS_DEFAULT_REGION": server.region, "AWS_ENDPOINT_URL": server.endpoint_url,

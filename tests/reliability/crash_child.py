@@ -37,12 +37,11 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-
 from rel_util import state_hash
+
 from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.backends import local as local_mod
 from tierckpt.backends import s3 as s3_mod

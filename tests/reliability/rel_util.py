@@ -288,11 +288,19 @@ class Recorder:
         self.test = test
         self.path = os.environ.get(RECORD_ENV)
 
-    def __call__(self, category: str, case: str, outcome: str, ok: bool = True, **extra: Any) -> None:
+    def __call__(
+        self, category: str, case: str, outcome: str, ok: bool = True, **extra: Any
+    ) -> None:
         if not self.path:
             return
-        rec = {"test": self.test, "category": category, "case": case, "outcome": outcome,
-               "ok": ok, **extra}
+        rec = {
+            "test": self.test,
+            "category": category,
+            "case": case,
+            "outcome": outcome,
+            "ok": ok,
+            **extra,
+        }
         line = json.dumps(rec, default=str) + "\n"
         with open(self.path, "a") as f:
             f.write(line)

@@ -145,15 +145,20 @@ CORRUPTIONS = [
     Corruption("chunk byte flipped", SHARD, _chunk_flip, r"chunk 1 .*checksum", chunk=True),
     Corruption("chunk page zeroed", SHARD, _chunk_zero_page, r"chunk 1 .*checksum", chunk=True),
     Corruption("index byte flipped", SHARD, _index_flip, r"index bytes do not match"),
-    Corruption("footer byte flipped (index checksum)", SHARD, lambda d, b: _flip(d, len(d) - 30),
-               r"footer checksum mismatch"),
+    Corruption(
+        "footer byte flipped (index checksum)",
+        SHARD,
+        lambda d, b: _flip(d, len(d) - 30),
+        r"footer checksum mismatch",
+    ),
     Corruption("footer magic flipped", SHARD, lambda d, b: _flip(d, len(d) - 2), r"bad magic"),
     Corruption("shard truncated by 100 bytes", SHARD, lambda d, b: d[:-100], r"truncated"),
     Corruption("shard truncated to half", SHARD, lambda d, b: d[: len(d) // 2], r"truncated"),
     Corruption("shard missing", SHARD, lambda d, b: None, r"does not exist"),
     Corruption("manifest byte flipped", MANIFEST, _manifest_flip, r"manifest checksum mismatch"),
-    Corruption("manifest truncated", MANIFEST, lambda d, b: d[: len(d) // 2],
-               r"manifest is not valid JSON"),
+    Corruption(
+        "manifest truncated", MANIFEST, lambda d, b: d[: len(d) // 2], r"manifest is not valid JSON"
+    ),
 ]
 
 
@@ -206,12 +211,17 @@ def test_corruption_detected_named_and_fallen_back(
                 assert_same(good, ck.load())
                 src = _loaded_from(caplog)
                 assert src == TIERS[i + 1], src
-                warned = [r.getMessage() for r in caplog.records if "failed, trying" in r.getMessage()]
+                warned = [
+                    r.getMessage() for r in caplog.records if "failed, trying" in r.getMessage()
+                ]
                 assert len(warned) == i + 1, warned
                 for t, w in zip(TIERS, warned):
                     _names_where(w, t, c)
-                record("corruption", f"{c.name} on {'+'.join(TIERS[: i + 1])}",
-                       f"detected ({type(err).__name__}), step 2 loaded from {src}")
+                record(
+                    "corruption",
+                    f"{c.name} on {'+'.join(TIERS[: i + 1])}",
+                    f"detected ({type(err).__name__}), step 2 loaded from {src}",
+                )
         # every tier bad: an error naming each tier, unless the previous step is allowed
         with pytest.raises(TierCkptError) as ei:
             ck.load()
@@ -219,9 +229,12 @@ def test_corruption_detected_named_and_fallen_back(
         for t in TIERS:
             assert f"step 2 on tier '{t}'" in msg, msg
         assert_same(store.saved[1], ck.load(fallback="previous"))
-        record("corruption", f"{c.name} on every tier",
-               f"load() raised {type(ei.value).__name__} naming all 3 tiers; "
-               "fallback='previous' loaded step 1")
+        record(
+            "corruption",
+            f"{c.name} on every tier",
+            f"load() raised {type(ei.value).__name__} naming all 3 tiers; "
+            "fallback='previous' loaded step 1",
+        )
     finally:
         store.restore()
     assert_same(good, ck.load(tier="s3"))
@@ -254,8 +267,11 @@ def test_cli_verify_names_file_and_chunk(
             assert c.target in out, (c.name, out)
             if c.chunk:
                 assert "chunk: 1" in out, (c.name, out)
-            record("corruption", f"tierckpt verify: {c.name} on {tier}", "exit 1, names file"
-                   + (" and chunk" if c.chunk else ""))
+            record(
+                "corruption",
+                f"tierckpt verify: {c.name} on {tier}",
+                "exit 1, names file" + (" and chunk" if c.chunk else ""),
+            )
             store.restore()
     finally:
         store.restore()

@@ -245,9 +245,7 @@ def _events(path: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in _read_events(path) if e["event"] == kind]
 
 
-def check_restore(
-    events: list[dict[str, Any]], log: Log, stderr: str
-) -> tuple[int | None, str]:
+def check_restore(events: list[dict[str, Any]], log: Log, stderr: str) -> tuple[int | None, str]:
     """The restore of a fresh process after a kill: which step, and is it an allowed one.
 
     The log's ``commit`` lines mean "committed on every tier". A step committed on the local
@@ -261,7 +259,9 @@ def check_restore(
     ev = loaded[0]
     assert ev["event"] != "load_error", f"load() failed after a kill: {ev['error']}"
     if ev["event"] == "empty":
-        assert log.last_commit is None, f"nothing restored although step {log.last_commit} committed"
+        assert log.last_commit is None, (
+            f"nothing restored although step {log.last_commit} committed"
+        )
         return None, "nothing committed yet"
     step, got = int(ev["step"]), ev["hash"]
     c, i = log.last_commit, log.last_intent
@@ -305,8 +305,13 @@ def _crash_trials(
     budget_s: float,
 ) -> dict[str, Any]:
     t_start = time.monotonic()
-    stats: dict[str, Any] = {"trials": 0, "killed": 0, "points": {}, "restored": {},
-                             "leftovers_after_kill": {}}
+    stats: dict[str, Any] = {
+        "trials": 0,
+        "killed": 0,
+        "points": {},
+        "restored": {},
+        "leftovers_after_kill": {},
+    }
     label = ""
 
     def restored(events: list[dict[str, Any]], log: Log, n: int) -> None:
@@ -350,8 +355,12 @@ def _crash_trials(
         assert state_hash(ck.load()) == final.intents[newest][-1]
     # leftovers: what the saves' own retention left, then gc + cleanup with no writer active
     stats["leftovers_after_saves"] = {
-        k: v for k, v in {**local_leftovers(h.local),
-                          **s3_leftovers(server.admin, bucket, "run/")}.items() if v
+        k: v
+        for k, v in {
+            **local_leftovers(h.local),
+            **s3_leftovers(server.admin, bucket, "run/"),
+        }.items()
+        if v
     }
     with Checkpointer([LocalTier(h.local, keep_last=2), s3]) as ck:
         for t in ck.tier_names:

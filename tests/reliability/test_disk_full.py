@@ -24,7 +24,7 @@ import torch
 from helpers import assert_same
 from rel_util import Recorder, local_leftovers, s3_leftovers
 
-from tierckpt import CheckpointFailed, Checkpointer, LocalTier, S3Tier
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, S3Tier
 from tierckpt.backends.local import LocalBackend
 from tierckpt.retention import delete_step, gc_tier
 
@@ -119,8 +119,10 @@ def _check_disk_full(
     with Checkpointer([_s3(server, bucket)]) as ck2:
         for s, st in saved.items():
             assert_same(st, ck2.load(step=s))
-    assert s3_leftovers(server.admin, bucket, "run/") == {"open_uploads": [],
-                                                          "uncommitted_data": []}
+    assert s3_leftovers(server.admin, bucket, "run/") == {
+        "open_uploads": [],
+        "uncommitted_data": [],
+    }
     record(
         "disk_full",
         case,
@@ -131,9 +133,7 @@ def _check_disk_full(
     )
 
 
-def test_real_tmpfs_full(
-    tmpfs: Path, moto_server: Any, s3_bucket: Any, record: Recorder
-) -> None:
+def test_real_tmpfs_full(tmpfs: Path, moto_server: Any, s3_bucket: Any, record: Recorder) -> None:
     bucket = s3_bucket(moto_server)
     saved: dict[int, dict[str, Any]] = {}
     tiers = [LocalTier(tmpfs, keep_last=None), _s3(moto_server, bucket)]
@@ -195,6 +195,12 @@ def test_quota_full(
     tiers = [QuotaTier(root, keep_last=None), _s3(moto_server, bucket)]
     with Checkpointer(tiers, chunk_bytes=256 << 10) as ck:
         _check_disk_full(
-            ck, root, ck.backend("local"), saved, record,
-            f"LocalBackend quota {capacity_mib} MiB (ENOSPC past the budget)", moto_server, bucket,
+            ck,
+            root,
+            ck.backend("local"),
+            saved,
+            record,
+            f"LocalBackend quota {capacity_mib} MiB (ENOSPC past the budget)",
+            moto_server,
+            bucket,
         )

@@ -28,8 +28,20 @@ from tierckpt.backends.memory import MemoryBackend
 from tierckpt.format import decode_index, decode_manifest, manifest_name, shard_name
 from tierckpt.objects import decode_tree
 
-TAGS = ["$tensor", "$tuple", "$dict", "$odict", "$int", "$float", "$bytes", "$size", "$dtype",
-        "$device", "$pickle", "$class"]
+TAGS = [
+    "$tensor",
+    "$tuple",
+    "$dict",
+    "$odict",
+    "$int",
+    "$float",
+    "$bytes",
+    "$size",
+    "$dtype",
+    "$device",
+    "$pickle",
+    "$class",
+]
 
 scalars = st.one_of(
     st.none(),
@@ -38,35 +50,68 @@ scalars = st.one_of(
     st.sampled_from([0, 1, -1, 2**31, 2**62, 2**63, 2**64, 10**30]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
-    st.sampled_from(["raw", "zstd", "planes", "float32", "uint8", "../x", "/etc", "nan", "inf",
-                     "cuda:0", "steps/000000000007/rank-000000.tck", "0" * 16]),
+    st.sampled_from(
+        [
+            "raw",
+            "zstd",
+            "planes",
+            "float32",
+            "uint8",
+            "../x",
+            "/etc",
+            "nan",
+            "inf",
+            "cuda:0",
+            "steps/000000000007/rank-000000.tck",
+            "0" * 16,
+        ]
+    ),
 )
 
 
 def _tagged(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(
         st.lists(children, max_size=4),
-        st.dictionaries(st.one_of(st.sampled_from(TAGS), st.text(max_size=6)), children,
-                        max_size=3),
+        st.dictionaries(
+            st.one_of(st.sampled_from(TAGS), st.text(max_size=6)), children, max_size=3
+        ),
     )
 
 
 json_values = st.recursive(scalars, _tagged, max_leaves=20)
 
-SETTINGS = settings(max_examples=150, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck))
-SLOW = settings(max_examples=4000, deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+)
+SLOW = settings(
+    max_examples=4000,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 def _index_doc() -> dict[str, Any]:
     return {
-        "format": "tierckpt-shard", "version": 1, "step": 7, "rank": 0, "world_size": 1,
-        "checksum_algo": "xxh3_64", "codecs": [{"id": "raw"}, {"id": "zstd", "level": 1}],
-        "chunks": [[0, 65536, 65536, 0, 0, "b5e7986685148b3c"],
-                   [65536, 3432, 3432, 65536, 0, "a224604d334375e0"]],
-        "tree": {"$dict": [["w", {"$tensor": 0}], ["b", {"$tensor": 1}],
-                           ["m", {"$tuple": [1, {"$int": "99"}]}]]},
+        "format": "tierckpt-shard",
+        "version": 1,
+        "step": 7,
+        "rank": 0,
+        "world_size": 1,
+        "checksum_algo": "xxh3_64",
+        "codecs": [{"id": "raw"}, {"id": "zstd", "level": 1}],
+        "chunks": [
+            [0, 65536, 65536, 0, 0, "b5e7986685148b3c"],
+            [65536, 3432, 3432, 65536, 0, "a224604d334375e0"],
+        ],
+        "tree": {
+            "$dict": [
+                ["w", {"$tensor": 0}],
+                ["b", {"$tensor": 1}],
+                ["m", {"$tuple": [1, {"$int": "99"}]}],
+            ]
+        },
         "tensors": [[0, 0, "float32", [16384], [1], "cpu"], [1, 0, "float32", [10], [1], "cpu"]],
         "storages": [[0, 65536], [65536, 3432]],
         "data_bytes": 68968,
@@ -74,13 +119,31 @@ def _index_doc() -> dict[str, Any]:
 
 
 def _manifest_doc() -> dict[str, Any]:
-    return json.loads(seal_manifest({
-        "format": "tierckpt-manifest", "version": 1, "step": 7, "world_size": 1,
-        "created": 1.5, "library_version": "0.1.0", "tier": "local", "raw_bytes": 10,
-        "stored_bytes": 10, "codecs": ["raw"], "metadata": {},
-        "shards": [{"rank": 0, "file": "steps/000000000007/rank-000000.tck", "size": 69000,
-                    "index_checksum": "0123456789abcdef"}],
-    }))
+    return json.loads(
+        seal_manifest(
+            {
+                "format": "tierckpt-manifest",
+                "version": 1,
+                "step": 7,
+                "world_size": 1,
+                "created": 1.5,
+                "library_version": "0.1.0",
+                "tier": "local",
+                "raw_bytes": 10,
+                "stored_bytes": 10,
+                "codecs": ["raw"],
+                "metadata": {},
+                "shards": [
+                    {
+                        "rank": 0,
+                        "file": "steps/000000000007/rank-000000.tck",
+                        "size": 69000,
+                        "index_checksum": "0123456789abcdef",
+                    }
+                ],
+            }
+        )
+    )
 
 
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -122,8 +185,13 @@ def _report_outcomes() -> Iterator[None]:
     for what in ("parsers", "load path"):
         mine = {k.split(":", 1)[1]: v for k, v in OUTCOMES.items() if k.startswith(what + ":")}
         if mine:
-            rec("fuzz", what, f"{sum(mine.values())} examples; outcomes: "
-                + ", ".join(f"{k} {v}" for k, v in mine.most_common()), outcomes=mine)
+            rec(
+                "fuzz",
+                what,
+                f"{sum(mine.values())} examples; outcomes: "
+                + ", ".join(f"{k} {v}" for k, v in mine.most_common()),
+                outcomes=mine,
+            )
     OUTCOMES.clear()
 
 
@@ -184,8 +252,12 @@ def test_fuzz_parsers_long(data: st.DataObject) -> None:
 @pytest.fixture(scope="module")
 def ram_checkpoint() -> Any:
     ns = f"fuzz-{uuid.uuid4().hex}"
-    state = {"w": torch.arange(20_000, dtype=torch.float32), "b": torch.ones(10),
-             "i": torch.arange(7, dtype=torch.int64)[::2], "m": {"k": (1, "x")}}
+    state = {
+        "w": torch.arange(20_000, dtype=torch.float32),
+        "b": torch.ones(10),
+        "i": torch.arange(7, dtype=torch.int64)[::2],
+        "m": {"k": (1, "x")},
+    }
     with Checkpointer([MemoryTier(namespace=ns, keep_last=None)], chunk_bytes=16 << 10) as ck:
         ck.save(state, 7).wait()
     b = MemoryBackend(ns)

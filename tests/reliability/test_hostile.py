@@ -57,8 +57,11 @@ def _evil_pickle(marker: Path) -> bytes:
 
 
 def _state() -> dict[str, Any]:
-    return {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(10),
-            "meta": {"k": 1, "t": (1, "x")}}
+    return {
+        "w": torch.arange(50_000, dtype=torch.float32),
+        "b": torch.ones(10),
+        "meta": {"k": 1, "t": (1, "x")},
+    }
 
 
 def _save(root: Path) -> None:
@@ -103,8 +106,12 @@ def _replace_last_chunk(stored: bytes, raw_size: int, codec: dict[str, Any]) -> 
         rec = idx["chunks"][-1]
         if codec not in idx["codecs"]:
             idx["codecs"].append(codec)
-        rec[1], rec[2], rec[4], rec[5] = (raw_size, len(stored), idx["codecs"].index(codec),
-                                          checksum(stored))
+        rec[1], rec[2], rec[4], rec[5] = (
+            raw_size,
+            len(stored),
+            idx["codecs"].index(codec),
+            checksum(stored),
+        )
         idx["data_bytes"] += box["delta"]
         idx["storages"][-1][1] += box["delta"]
 
@@ -209,125 +216,247 @@ def _many_storages(n: int) -> Callable[[dict[str, Any]], None]:
 
 CASES = [
     # manifest: names, sizes, structure
-    Case("manifest: shard path with ../ traversal", r"invalid object name",
-         _edits(manifest=_shard("file", "steps/000000000007/../../../outside/evil.tck"))),
-    Case("manifest: absolute shard path", r"invalid object name",
-         _edits(manifest=_shard("file", "/tmp/tierckpt-evil.tck"))),
-    Case("manifest: backslash path", r"invalid object name",
-         _edits(manifest=_shard("file", "steps\\000000000007\\..\\..\\x.tck"))),
-    Case("manifest: NUL in shard name", r"invalid object name",
-         _edits(manifest=_shard("file", "steps/000000000007/rank\u0000.tck"))),
-    Case("manifest: shard in another step's folder", r"outside step 7's folder",
-         _edits(manifest=_shard("file", "steps/000000000001/rank-000000.tck"))),
-    Case("manifest: shard name not a string", r"invalid object name",
-         _edits(manifest=_shard("file", {"$path": "/etc/passwd"}))),
-    Case("manifest: huge declared shard size (2**50)", r"manifest says 1125899906842624",
-         _edits(manifest=_shard("size", 2**50))),
-    Case("manifest: negative shard size", r"bad shard size",
-         _edits(manifest=_shard("size", -64))),
-    Case("manifest: world_size 2**20 with one shard", r"exactly 1048576 shards",
-         _edits(manifest=_set("world_size", 2**20))),
+    Case(
+        "manifest: shard path with ../ traversal",
+        r"invalid object name",
+        _edits(manifest=_shard("file", "steps/000000000007/../../../outside/evil.tck")),
+    ),
+    Case(
+        "manifest: absolute shard path",
+        r"invalid object name",
+        _edits(manifest=_shard("file", "/tmp/tierckpt-evil.tck")),
+    ),
+    Case(
+        "manifest: backslash path",
+        r"invalid object name",
+        _edits(manifest=_shard("file", "steps\\000000000007\\..\\..\\x.tck")),
+    ),
+    Case(
+        "manifest: NUL in shard name",
+        r"invalid object name",
+        _edits(manifest=_shard("file", "steps/000000000007/rank\u0000.tck")),
+    ),
+    Case(
+        "manifest: shard in another step's folder",
+        r"outside step 7's folder",
+        _edits(manifest=_shard("file", "steps/000000000001/rank-000000.tck")),
+    ),
+    Case(
+        "manifest: shard name not a string",
+        r"invalid object name",
+        _edits(manifest=_shard("file", {"$path": "/etc/passwd"})),
+    ),
+    Case(
+        "manifest: huge declared shard size (2**50)",
+        r"manifest says 1125899906842624",
+        _edits(manifest=_shard("size", 2**50)),
+    ),
+    Case("manifest: negative shard size", r"bad shard size", _edits(manifest=_shard("size", -64))),
+    Case(
+        "manifest: world_size 2**20 with one shard",
+        r"exactly 1048576 shards",
+        _edits(manifest=_set("world_size", 2**20)),
+    ),
     Case("manifest: world_size 0", r"bad world_size", _edits(manifest=_set("world_size", 0))),
-    Case("manifest: step out of range", r"step must be an int",
-         _edits(manifest=_set("step", 10**13))),
-    Case("manifest: bad index checksum string", r"bad index checksum",
-         _edits(manifest=_shard("index_checksum", "../../etc/passwd"))),
-    Case("manifest: NaN literal", r"manifest",
-         lambda root, marker: {"manifest_bytes": _raw_manifest_with(b'"x": NaN')(root)}),
-    Case("manifest: 1e400 (infinite) number", r"manifest",
-         lambda root, marker: {"manifest_bytes": _raw_manifest_with(b'"x": 1e400')(root)}),
-    Case("manifest: 400-digit integer timestamp (informational field)", r"",
-         _edits(manifest=_set("created", 10**400)), loads=True),
-    Case("manifest: nested 100,000 deep", r"not valid JSON",
-         lambda root, marker: {"manifest_bytes": b'{"format":"tierckpt-manifest","x":'
-                               + b"[" * 100_000 + b"]" * 100_000 + b"}"}),
-    Case("manifest: larger than 64 MiB", r"more than 67108864",
-         lambda root, marker: {"manifest_bytes": b'{"x":"' + b"a" * (65 << 20) + b'"}'}),
-    Case("manifest: a JSON list", r"not a tierckpt manifest",
-         _edits(manifest_bytes=b"[1, 2, 3]")),
-    Case("manifest: a pickle that runs a command", r"not valid JSON", _pickle_manifest,
-         pickle_marker=True),
+    Case(
+        "manifest: step out of range", r"step must be an int", _edits(manifest=_set("step", 10**13))
+    ),
+    Case(
+        "manifest: bad index checksum string",
+        r"bad index checksum",
+        _edits(manifest=_shard("index_checksum", "../../etc/passwd")),
+    ),
+    Case(
+        "manifest: NaN literal",
+        r"manifest",
+        lambda root, marker: {"manifest_bytes": _raw_manifest_with(b'"x": NaN')(root)},
+    ),
+    Case(
+        "manifest: 1e400 (infinite) number",
+        r"manifest",
+        lambda root, marker: {"manifest_bytes": _raw_manifest_with(b'"x": 1e400')(root)},
+    ),
+    Case(
+        "manifest: 400-digit integer timestamp (informational field)",
+        r"",
+        _edits(manifest=_set("created", 10**400)),
+        loads=True,
+    ),
+    Case(
+        "manifest: nested 100,000 deep",
+        r"not valid JSON",
+        lambda root, marker: {
+            "manifest_bytes": b'{"format":"tierckpt-manifest","x":'
+            + b"[" * 100_000
+            + b"]" * 100_000
+            + b"}"
+        },
+    ),
+    Case(
+        "manifest: larger than 64 MiB",
+        r"more than 67108864",
+        lambda root, marker: {"manifest_bytes": b'{"x":"' + b"a" * (65 << 20) + b'"}'},
+    ),
+    Case("manifest: a JSON list", r"not a tierckpt manifest", _edits(manifest_bytes=b"[1, 2, 3]")),
+    Case(
+        "manifest: a pickle that runs a command",
+        r"not valid JSON",
+        _pickle_manifest,
+        pickle_marker=True,
+    ),
     # index: offsets, sizes, codecs
-    Case("index: negative chunk file offset", r"chunk 0 file offset",
-         _edits(index=_chunk(0, 3, -1))),
+    Case(
+        "index: negative chunk file offset", r"chunk 0 file offset", _edits(index=_chunk(0, 3, -1))
+    ),
     Case("index: chunk offset 2**61", r"outside the file", _edits(index=_chunk(1, 3, 2**61))),
-    Case("index: overlapping chunks in the file", r"overlaps another",
-         _edits(index=_chunk(1, 3, 0))),
-    Case("index: overlapping chunks in the data", r"overlaps another in the data",
-         _edits(index=_chunk(1, 0, 0))),
-    Case("index: chunk raw size 2**41", r"chunk 0 raw size",
-         _edits(index=_chunk(0, 1, 2**41))),
-    Case("index: a chunk missing (gap in the data)", r"cover",
-         _edits(index=lambda idx: idx["chunks"].pop(1))),
-    Case("index: unknown codec id", r"unknown codec id 'ro0'",
-         _edits(index=_set("codecs", [{"id": "ro0"}]))),
-    Case("index: codec id naming a module attribute", r"unknown codec id 'os:system'",
-         _edits(index=_set("codecs", [{"id": "os:system"}]))),
-    Case("index: codec with an unknown parameter", r"bad config for codec 'raw'",
-         _edits(index=_set("codecs", [{"id": "raw", "path": "/etc/passwd"}]))),
-    Case("index: codec with a bad parameter value", r"codec 'zstd'",
-         _edits(index=_set("codecs", [{"id": "zstd", "level": "max"}]))),
-    Case("index: empty codec table", r"codec",
-         _edits(index=_set("codecs", []))),
-    Case("index: 2**50 bytes of tensor data declared", r"more than this machine's memory",
-         _edits(index=lambda idx: (idx.__setitem__("data_bytes", 2**50),
-                                   idx["storages"][-1].__setitem__(1, 2**50 - 200_000)))),
-    Case("index: raw chunk declaring 1 GiB, storing 3 KiB", r"raw chunk 3 stores",
-         lambda root, marker: _replace_last_chunk(b"x" * 3432, 1 << 30, {"id": "raw"})),
-    Case("index: zstd frame header declaring 4 GiB (decompression bomb)", r"chunk 3",
-         lambda root, marker: _replace_last_chunk(_zstd_header_only(4 << 30), 4 << 30,
-                                                  {"id": "zstd", "level": 1, "threads": 1})),
-    Case("index: 256 MiB zstd bomb declared as 3 KiB", r"chunk 3",
-         lambda root, marker: _replace_last_chunk(_zstd_zero_bomb(256 << 20), 3432,
-                                                  {"id": "zstd", "level": 1, "threads": 1})),
-    Case("index: storages overlapping", r"storage 1 overlaps",
-         _edits(index=lambda idx: idx["storages"][1].__setitem__(0, 100))),
-    Case("index: version 2", r"unsupported shard index version",
-         _edits(index=_set("version", 2))),
-    Case("index: unknown checksum algorithm", r"unknown checksum algorithm",
-         _edits(index=_set("checksum_algo", "none"))),
-    Case("index: a pickle instead of JSON", r"not valid JSON", _pickle_index,
-         pickle_marker=True),
+    Case(
+        "index: overlapping chunks in the file", r"overlaps another", _edits(index=_chunk(1, 3, 0))
+    ),
+    Case(
+        "index: overlapping chunks in the data",
+        r"overlaps another in the data",
+        _edits(index=_chunk(1, 0, 0)),
+    ),
+    Case("index: chunk raw size 2**41", r"chunk 0 raw size", _edits(index=_chunk(0, 1, 2**41))),
+    Case(
+        "index: a chunk missing (gap in the data)",
+        r"cover",
+        _edits(index=lambda idx: idx["chunks"].pop(1)),
+    ),
+    Case(
+        "index: unknown codec id",
+        r"unknown codec id 'ro0'",
+        _edits(index=_set("codecs", [{"id": "ro0"}])),
+    ),
+    Case(
+        "index: codec id naming a module attribute",
+        r"unknown codec id 'os:system'",
+        _edits(index=_set("codecs", [{"id": "os:system"}])),
+    ),
+    Case(
+        "index: codec with an unknown parameter",
+        r"bad config for codec 'raw'",
+        _edits(index=_set("codecs", [{"id": "raw", "path": "/etc/passwd"}])),
+    ),
+    Case(
+        "index: codec with a bad parameter value",
+        r"codec 'zstd'",
+        _edits(index=_set("codecs", [{"id": "zstd", "level": "max"}])),
+    ),
+    Case("index: empty codec table", r"codec", _edits(index=_set("codecs", []))),
+    Case(
+        "index: 2**50 bytes of tensor data declared",
+        r"more than this machine's memory",
+        _edits(
+            index=lambda idx: (
+                idx.__setitem__("data_bytes", 2**50),
+                idx["storages"][-1].__setitem__(1, 2**50 - 200_000),
+            )
+        ),
+    ),
+    Case(
+        "index: raw chunk declaring 1 GiB, storing 3 KiB",
+        r"raw chunk 3 stores",
+        lambda root, marker: _replace_last_chunk(b"x" * 3432, 1 << 30, {"id": "raw"}),
+    ),
+    Case(
+        "index: zstd frame header declaring 4 GiB (decompression bomb)",
+        r"chunk 3",
+        lambda root, marker: _replace_last_chunk(
+            _zstd_header_only(4 << 30), 4 << 30, {"id": "zstd", "level": 1, "threads": 1}
+        ),
+    ),
+    Case(
+        "index: 256 MiB zstd bomb declared as 3 KiB",
+        r"chunk 3",
+        lambda root, marker: _replace_last_chunk(
+            _zstd_zero_bomb(256 << 20), 3432, {"id": "zstd", "level": 1, "threads": 1}
+        ),
+    ),
+    Case(
+        "index: storages overlapping",
+        r"storage 1 overlaps",
+        _edits(index=lambda idx: idx["storages"][1].__setitem__(0, 100)),
+    ),
+    Case("index: version 2", r"unsupported shard index version", _edits(index=_set("version", 2))),
+    Case(
+        "index: unknown checksum algorithm",
+        r"unknown checksum algorithm",
+        _edits(index=_set("checksum_algo", "none")),
+    ),
+    Case("index: a pickle instead of JSON", r"not valid JSON", _pickle_index, pickle_marker=True),
     Case("index: nested 200,000 deep", r"not valid JSON", _deep_json_index),
     # index: tensor table
-    Case("tensor: offset outside its storage", r"does not fit its storage",
-         _edits(index=_tensor(1, 2**40))),
-    Case("tensor: negative offset", r"outside the storage table",
-         _edits(index=_tensor(1, -8))),
-    Case("tensor: storage id out of range", r"outside the storage table",
-         _edits(index=_tensor(0, 99))),
-    Case("tensor: negative shape", r"malformed shape",
-         _edits(index=_tensor(3, [-1]))),
-    Case("tensor: 65 dimensions", r"malformed shape",
-         _edits(index=lambda idx: idx["tensors"][0].__setitem__(
-             slice(3, 5), [[1] * 65, [1] * 65]))),
-    Case("tensor: 2**94 elements through zero strides", r"tensor 0",
-         _edits(index=lambda idx: idx["tensors"][0].__setitem__(
-             slice(3, 5), [[2**47, 2**47], [0, 0]]))),
+    Case(
+        "tensor: offset outside its storage",
+        r"does not fit its storage",
+        _edits(index=_tensor(1, 2**40)),
+    ),
+    Case("tensor: negative offset", r"outside the storage table", _edits(index=_tensor(1, -8))),
+    Case(
+        "tensor: storage id out of range",
+        r"outside the storage table",
+        _edits(index=_tensor(0, 99)),
+    ),
+    Case("tensor: negative shape", r"malformed shape", _edits(index=_tensor(3, [-1]))),
+    Case(
+        "tensor: 65 dimensions",
+        r"malformed shape",
+        _edits(index=lambda idx: idx["tensors"][0].__setitem__(slice(3, 5), [[1] * 65, [1] * 65])),
+    ),
+    Case(
+        "tensor: 2**94 elements through zero strides",
+        r"tensor 0",
+        _edits(
+            index=lambda idx: idx["tensors"][0].__setitem__(slice(3, 5), [[2**47, 2**47], [0, 0]])
+        ),
+    ),
     Case("tensor: dtype 'object'", r"unknown dtype", _edits(index=_tensor(2, "object"))),
     # index: object tree
-    Case("tree: a {'$pickle': ...} node that runs a command", r"unknown tag '\$pickle'",
-         _pickle_tree, pickle_marker=True),
-    Case("tree: a {'$reduce': ['os.system', ...]} node", r"unknown tag '\$reduce'",
-         _reduce_tree, pickle_marker=True),
-    Case("tree: nested 300 deep", r"deeper than 200",
-         _edits(index=_set("tree", _deep(300)))),
-    Case("tree: tensor reference out of range", r"tensor reference 99 out of range",
-         _edits(index=_set("tree", {"$tensor": 99}))),
-    Case("tree: 5,000-digit $int", r"bad \$int",
-         _edits(index=_set("tree", {"$int": "9" * 5000}))),
-    Case("tree: two tags in one node", r"malformed object node",
-         _edits(index=_set("tree", {"$tuple": [], "$dict": []}))),
+    Case(
+        "tree: a {'$pickle': ...} node that runs a command",
+        r"unknown tag '\$pickle'",
+        _pickle_tree,
+        pickle_marker=True,
+    ),
+    Case(
+        "tree: a {'$reduce': ['os.system', ...]} node",
+        r"unknown tag '\$reduce'",
+        _reduce_tree,
+        pickle_marker=True,
+    ),
+    Case("tree: nested 300 deep", r"deeper than 200", _edits(index=_set("tree", _deep(300)))),
+    Case(
+        "tree: tensor reference out of range",
+        r"tensor reference 99 out of range",
+        _edits(index=_set("tree", {"$tensor": 99})),
+    ),
+    Case("tree: 5,000-digit $int", r"bad \$int", _edits(index=_set("tree", {"$int": "9" * 5000}))),
+    Case(
+        "tree: two tags in one node",
+        r"malformed object node",
+        _edits(index=_set("tree", {"$tuple": [], "$dict": []})),
+    ),
     # footer
-    Case("footer: version 99", r"format version 99",
-         _edits(footer=lambda f: type(f)(f.index_offset, f.index_length, f.index_checksum,
-                                          f.file_size, 99))),
-    Case("footer: index length 512 MiB", r"does not end at footer|index checksum differs",
-         _edits(footer=lambda f: type(f)(f.index_offset, 512 << 20, f.index_checksum,
-                                          f.file_size))),
-    Case("footer: file size 2**40", r"footer says 1099511627776",
-         _edits(footer=lambda f: type(f)(f.index_offset, f.index_length, f.index_checksum,
-                                          2**40))),
+    Case(
+        "footer: version 99",
+        r"format version 99",
+        _edits(
+            footer=lambda f: type(f)(
+                f.index_offset, f.index_length, f.index_checksum, f.file_size, 99
+            )
+        ),
+    ),
+    Case(
+        "footer: index length 512 MiB",
+        r"does not end at footer|index checksum differs",
+        _edits(footer=lambda f: type(f)(f.index_offset, 512 << 20, f.index_checksum, f.file_size)),
+    ),
+    Case(
+        "footer: file size 2**40",
+        r"footer says 1099511627776",
+        _edits(footer=lambda f: type(f)(f.index_offset, f.index_length, f.index_checksum, 2**40)),
+    ),
 ]
 
 
@@ -339,7 +468,7 @@ def _load_hostile(
         try:
             with Checkpointer(tiers or [LocalTier(root)]) as ck:
                 state = ck.load(step=STEP)
-        except BaseException as exc:  # noqa: BLE001 - the type is what we check
+        except BaseException as exc:
             return exc, rss.growth, None
     return None, rss.growth, state
 
@@ -374,9 +503,12 @@ def test_hostile_checkpoint_refused(
     assert exc is not None, "a hostile checkpoint loaded without an error"
     ok_family = isinstance(exc, TierCkptError)
     msg = str(exc)
-    record("hostile", case.name,
-           f"{type(exc).__name__}: {msg[-140:]}  (RSS +{growth >> 20} MiB)",
-           ok=ok_family and growth < RSS_BOUND)
+    record(
+        "hostile",
+        case.name,
+        f"{type(exc).__name__}: {msg[-140:]}  (RSS +{growth >> 20} MiB)",
+        ok=ok_family and growth < RSS_BOUND,
+    )
     assert ok_family, f"not a tierckpt error: {exc!r}"
     assert re.search(case.expect, msg), msg
     assert fs_snapshot(tmp_path) == before, "loading wrote to the filesystem"
@@ -397,12 +529,19 @@ def test_manifest_of_another_step_is_refused(tmp_path: Path, record: Recorder) -
         try:
             got = ck.load(step=STEP)
         except TierCkptError as exc:
-            record("hostile", "manifest: step 8's manifest under step 7's name",
-                   f"{type(exc).__name__}: {str(exc)[-120:]}")
+            record(
+                "hostile",
+                "manifest: step 8's manifest under step 7's name",
+                f"{type(exc).__name__}: {str(exc)[-120:]}",
+            )
             assert "step 8" in str(exc) or "step" in str(exc)
             return
-    record("hostile", "manifest: step 8's manifest under step 7's name",
-           f"load(step=7) returned step 8's state: {sorted(got)}", ok=False)
+    record(
+        "hostile",
+        "manifest: step 8's manifest under step 7's name",
+        f"load(step=7) returned step 8's state: {sorted(got)}",
+        ok=False,
+    )
     raise AssertionError(f"load(step=7) returned another step's state: {sorted(got)}")
 
 
@@ -417,8 +556,12 @@ def test_many_storages_cost_what_they_declare(tmp_path: Path, record: Recorder) 
         state = ck.load(step=STEP)
     assert state.numel() == 1
     per = rss.growth / n
-    record("hostile", f"index: {n} one-byte storages (2.4 MB index)",
-           f"loads; RSS +{rss.growth >> 20} MiB, {per:.0f} B per declared storage", ok=per < 2048)
+    record(
+        "hostile",
+        f"index: {n} one-byte storages (2.4 MB index)",
+        f"loads; RSS +{rss.growth >> 20} MiB, {per:.0f} B per declared storage",
+        ok=per < 2048,
+    )
     assert per < 2048, per
 
 
@@ -430,9 +573,19 @@ def test_hostile_through_s3_repopulates_nothing_outside(
     nothing but (at most) the step's own folder."""
     bucket = s3_bucket(moto_server)
     s3 = S3Tier(f"s3://{bucket}/run", endpoint_url=moto_server.endpoint_url, codec="raw")
-    picks = [c for c in CASES if c.name.startswith(("manifest: shard path", "manifest: abs",
-                                                    "tree: a {'$pickle'", "index: zstd frame",
-                                                    "manifest: shard in another"))]
+    picks = [
+        c
+        for c in CASES
+        if c.name.startswith(
+            (
+                "manifest: shard path",
+                "manifest: abs",
+                "tree: a {'$pickle'",
+                "index: zstd frame",
+                "manifest: shard in another",
+            )
+        )
+    ]
     assert len(picks) == 5
     for case in picks:
         root = tmp_path / uuid.uuid4().hex[:8]
@@ -451,8 +604,11 @@ def test_hostile_through_s3_repopulates_nothing_outside(
         assert set(made) <= {"steps", "steps/000000000007"}, made
         assert not marker.exists()
         assert growth < RSS_BOUND
-        record("hostile", f"via S3 + repopulated local tier: {case.name}",
-               f"{type(exc).__name__}; local tier got {made or 'nothing'}")
+        record(
+            "hostile",
+            f"via S3 + repopulated local tier: {case.name}",
+            f"{type(exc).__name__}; local tier got {made or 'nothing'}",
+        )
         for name in b.list(""):
             b.delete(name)
         b.close()

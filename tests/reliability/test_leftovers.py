@@ -93,14 +93,20 @@ def test_leftovers_never_block_the_next_save_of_the_same_step(
     tmp = _dead_local_writer(tmp_path, 5)
     _dead_upload(moto_server, bucket, 5)
     (tmp_path / shard_name(5, 0)).write_bytes(b"a shard whose manifest never came")
-    _save_steps([LocalTier(tmp_path, keep_last=2), _s3(moto_server, bucket, keep_last=2)],
-                range(5, 6), n=(6 << 20) // 4)
+    _save_steps(
+        [LocalTier(tmp_path, keep_last=2), _s3(moto_server, bucket, keep_last=2)],
+        range(5, 6),
+        n=(6 << 20) // 4,
+    )
     with Checkpointer([LocalTier(tmp_path), _s3(moto_server, bucket)]) as ck:
         assert ck.tier_steps() == {"local": [5], "s3": [5]}
         assert torch.equal(ck.load()["w"], _state(5, (6 << 20) // 4)["w"])
     assert tmp.exists()  # the dead writer's temp file is left alone (the step is retained)
-    record("leftovers", "temp file + open upload + manifest-less shard of the same step",
-           "next save of that step committed on both tiers")
+    record(
+        "leftovers",
+        "temp file + open upload + manifest-less shard of the same step",
+        "next save of that step committed on both tiers",
+    )
 
 
 def test_resaved_step_leftovers_go_when_retention_retires_it(
@@ -109,12 +115,16 @@ def test_resaved_step_leftovers_go_when_retention_retires_it(
     bucket = s3_bucket(moto_server)
     tmp = _dead_local_writer(tmp_path, 5)
     _dead_upload(moto_server, bucket, 5)
-    _save_steps([LocalTier(tmp_path, keep_last=2), _s3(moto_server, bucket, keep_last=2)],
-                range(5, 9))
+    _save_steps(
+        [LocalTier(tmp_path, keep_last=2), _s3(moto_server, bucket, keep_last=2)], range(5, 9)
+    )
     assert not tmp.exists()
     assert s3_leftovers(moto_server.admin, bucket, "run/")["open_uploads"] == []
-    record("leftovers", "killed save of step 5, step 5 saved again, then retired",
-           "temp file and open upload removed by retention")
+    record(
+        "leftovers",
+        "killed save of step 5, step 5 saved again, then retired",
+        "temp file and open upload removed by retention",
+    )
 
 
 def test_manifestless_data_of_an_older_step_removed_by_next_save(
@@ -128,8 +138,11 @@ def test_manifestless_data_of_an_older_step_removed_by_next_save(
     _save_steps([LocalTier(tmp_path / "x"), _s3(moto_server, bucket)], range(6, 7))
     assert local_leftovers(tmp_path / "x")["uncommitted_data"] == []
     assert s3_leftovers(moto_server.admin, bucket, "run/")["uncommitted_data"] == []
-    record("leftovers", "data without manifest of an older step (local, S3)",
-           "removed by the next save's gc")
+    record(
+        "leftovers",
+        "data without manifest of an older step (local, S3)",
+        "removed by the next save's gc",
+    )
 
 
 def test_cli_gc_abort_incomplete_removes_dead_writers(
@@ -194,15 +207,19 @@ def test_manifest_temp_file_of_killed_put_removed(tmp_path: Path, how: str) -> N
     "in _S3Writer._submit_part, when the create response says RetryAttempts > 0, list the "
     "key's multipart uploads and abort every one but ours",
 )
-def test_retried_create_multipart_leaves_no_orphan_upload(
-    moto_server: Any, s3_bucket: Any
-) -> None:
+def test_retried_create_multipart_leaves_no_orphan_upload(moto_server: Any, s3_bucket: Any) -> None:
     bucket = s3_bucket(moto_server)
-    with FaultProxy(moto_server.endpoint_url,
-                    [Fault("reset_response", method="POST", path_contains="?uploads", times=1)]
-                    ) as proxy:
-        s3 = S3Tier(f"s3://{bucket}/run", endpoint_url=proxy.endpoint_url, codec="raw",
-                    part_size=5 << 20, read_timeout=5)
+    with FaultProxy(
+        moto_server.endpoint_url,
+        [Fault("reset_response", method="POST", path_contains="?uploads", times=1)],
+    ) as proxy:
+        s3 = S3Tier(
+            f"s3://{bucket}/run",
+            endpoint_url=proxy.endpoint_url,
+            codec="raw",
+            part_size=5 << 20,
+            read_timeout=5,
+        )
         _save_steps([s3], range(1, 2), n=(6 << 20) // 4)
         assert proxy.fired["reset_response"] == 1
     with Checkpointer([_s3(moto_server, bucket)]) as ck:

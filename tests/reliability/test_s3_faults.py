@@ -23,7 +23,7 @@ import torch
 from helpers import assert_same
 from rel_util import Recorder, s3_leftovers
 
-from tierckpt import CheckpointFailed, Checkpointer, LocalTier, S3Tier, TierCkptError
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, S3Tier, TierCkptError
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.s3
@@ -76,8 +76,9 @@ def run_faulty_s3(
             connect_timeout=2,
             read_timeout=READ_TIMEOUT,
         )
-        with Checkpointer([LocalTier(tmp_path / "nvme", keep_last=2), s3],
-                          chunk_bytes=1 << 20, repopulate=False) as ck:
+        with Checkpointer(
+            [LocalTier(tmp_path / "nvme", keep_last=2), s3], chunk_bytes=1 << 20, repopulate=False
+        ) as ck:
             for step in range(1, saves + 1):
                 if time.monotonic() - t0 > budget_s:
                     break
@@ -131,18 +132,35 @@ def run_faulty_s3(
         "seconds": round(time.monotonic() - t0, 1),
     }
     for step, o in outcome.items():
-        record("s3_faults", f"checkpoint {step}", o + (" (manifest landed)" if step in
-                                                       landed_anyway else ""))
+        record(
+            "s3_faults",
+            f"checkpoint {step}",
+            o + (" (manifest landed)" if step in landed_anyway else ""),
+        )
     record("s3_faults", "summary", "every checkpoint committed or reported failed", stats=stats)
     # uploads orphaned by failed aborts or by a retried CreateMultipartUpload stay open until
     # an operator's gc (see test_leftovers.py for the automatic-cleanup gap, xfail): it clears
     # every one of them
     from tierckpt.cli import main as cli
 
-    assert cli(["gc", f"s3://{bucket}/run", "--keep-last", "1000", "--abort-incomplete",
-                "--endpoint-url", server.endpoint_url]) == 0
-    assert s3_leftovers(server.admin, bucket, "run/") == {"open_uploads": [],
-                                                          "uncommitted_data": []}
+    assert (
+        cli(
+            [
+                "gc",
+                f"s3://{bucket}/run",
+                "--keep-last",
+                "1000",
+                "--abort-incomplete",
+                "--endpoint-url",
+                server.endpoint_url,
+            ]
+        )
+        == 0
+    )
+    assert s3_leftovers(server.admin, bucket, "run/") == {
+        "open_uploads": [],
+        "uncommitted_data": [],
+    }
     return stats
 
 
@@ -150,8 +168,9 @@ def test_checkpoints_through_s3_faults(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
 ) -> None:
     bucket = s3_bucket(moto_server)
-    stats = run_faulty_s3(tmp_path, moto_server, bucket, record, saves=32, p=0.06, seed=3,
-                          budget_s=55)
+    stats = run_faulty_s3(
+        tmp_path, moto_server, bucket, record, saves=32, p=0.06, seed=3, budget_s=55
+    )
     print("s3 faults:", stats)
     assert stats["checkpoints"] >= 30, stats
     assert sum(stats["faults_fired"].values()) >= 10, stats
@@ -163,7 +182,8 @@ def test_checkpoints_through_s3_faults_long(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
 ) -> None:
     bucket = s3_bucket(moto_server)
-    stats = run_faulty_s3(tmp_path, moto_server, bucket, record, saves=200, p=0.08, seed=11,
-                          budget_s=420)
+    stats = run_faulty_s3(
+        tmp_path, moto_server, bucket, record, saves=200, p=0.08, seed=11, budget_s=420
+    )
     print("s3 faults (long):", stats)
     assert stats["checkpoints"] >= 100, stats

@@ -30,8 +30,11 @@ pytestmark = pytest.mark.s3
 
 def _state(step: int, n: int = 16_384) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(n, generator=g), "opt": {"step": step, "lr": 1e-3},
-            "ids": torch.arange(step % 7 + 1)}
+    return {
+        "w": torch.randn(n, generator=g),
+        "opt": {"step": step, "lr": 1e-3},
+        "ids": torch.arange(step % 7 + 1),
+    }
 
 
 def soak(tmp_path: Path, server: Any, bucket: str, saves: int, record: Recorder) -> dict[str, Any]:
@@ -52,8 +55,11 @@ def soak(tmp_path: Path, server: Any, bucket: str, saves: int, record: Recorder)
             if step >= warm and (step - warm) % max(1, (saves - warm) // 10) == 0:
                 samples.append((step, proc.memory_info().rss, library_threads(), *fd_kinds()))
         samples.append((saves - 1, proc.memory_info().rss, library_threads(), *fd_kinds()))
-        assert ck.tier_steps() == {"memory": [saves - 1], "local": [saves - 2, saves - 1],
-                                   "s3": [saves - 2, saves - 1]}
+        assert ck.tier_steps() == {
+            "memory": [saves - 1],
+            "local": [saves - 2, saves - 1],
+            "s3": [saves - 2, saves - 1],
+        }
         for t in ("memory", "local", "s3"):
             assert_same(_state(saves - 1), ck.load(tier=t))
     MemoryBackend.clear_namespace(ns)
@@ -72,11 +78,20 @@ def soak(tmp_path: Path, server: Any, bucket: str, saves: int, record: Recorder)
         "sockets_and_epoll": f"{min(socks)}..{max(socks)}",
     }
     left = {**local_leftovers(tmp_path / "nvme"), **s3_leftovers(server.admin, bucket, "run/")}
-    ok = (max(rss) - rss[0] < 48 << 20 and max(threads) == min(threads)
-          and max(fds) == min(fds) and max(socks) - min(socks) <= 8 and not any(left.values()))
-    record("soak", f"{saves} checkpoints, RAM + local + S3, keep_last 1/2/2",
-           ", ".join(f"{k} {v}" for k, v in stats.items() if k != "checkpoints"), ok=ok,
-           stats=stats)
+    ok = (
+        max(rss) - rss[0] < 48 << 20
+        and max(threads) == min(threads)
+        and max(fds) == min(fds)
+        and max(socks) - min(socks) <= 8
+        and not any(left.values())
+    )
+    record(
+        "soak",
+        f"{saves} checkpoints, RAM + local + S3, keep_last 1/2/2",
+        ", ".join(f"{k} {v}" for k, v in stats.items() if k != "checkpoints"),
+        ok=ok,
+        stats=stats,
+    )
     assert not any(left.values()), left
     assert max(threads) == min(threads), samples
     assert max(fds) == min(fds), samples
@@ -103,9 +118,12 @@ def _burst(
     tmp_path: Path, server: Any, bucket: str, on_busy: str, n: int
 ) -> tuple[list[Any], dict[int, dict[str, Any]], Checkpointer, float]:
     s3 = S3Tier(f"s3://{bucket}/run", endpoint_url=server.endpoint_url, codec="raw")
-    ck = Checkpointer([LocalTier(tmp_path / "nvme", keep_last=None), s3],
-                      chunk_bytes=64 << 10, host_buffer_bytes=256 << 10,
-                      on_busy=on_busy)  # type: ignore[arg-type]
+    ck = Checkpointer(
+        [LocalTier(tmp_path / "nvme", keep_last=None), s3],
+        chunk_bytes=64 << 10,
+        host_buffer_bytes=256 << 10,
+        on_busy=on_busy,
+    )  # type: ignore[arg-type]
     saved = {s: _state(s, 65_536) for s in range(n)}  # 256 KiB each: the whole arena
     t0 = time.monotonic()
     handles = [ck.save(saved[s], s) for s in range(n)]  # no waiting: faster than S3 absorbs
@@ -130,16 +148,19 @@ def test_backpressure_block_takes_every_save(
             assert_same(saved[s], ck.load(step=s, tier="s3"))
             assert_same(saved[s], ck.load(step=s, tier="local"))
     last_capture = max(h.captured_at - h.started for h in handles)  # type: ignore[operator]
-    record("soak", "30 saves requested at once, on_busy='block', arena = 1 state",
-           f"save() calls took {requested:.2f} s in all; captures waited up to "
-           f"{last_capture:.2f} s for arena space; 30/30 committed on local and S3, bit-exact")
+    record(
+        "soak",
+        "30 saves requested at once, on_busy='block', arena = 1 state",
+        f"save() calls took {requested:.2f} s in all; captures waited up to "
+        f"{last_capture:.2f} s for arena space; 30/30 committed on local and S3, bit-exact",
+    )
 
 
 def test_backpressure_skip_reports_skipped_and_loses_nothing(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
 ) -> None:
     bucket = s3_bucket(moto_server)
-    handles, saved, ck, requested = _burst(tmp_path, moto_server, bucket, "skip", 30)
+    handles, saved, ck, _ = _burst(tmp_path, moto_server, bucket, "skip", 30)
     with ck:
         skipped = [h.step for h in handles if h.skipped]
         committed = [h.step for h in handles if not h.skipped]
@@ -151,6 +172,9 @@ def test_backpressure_skip_reports_skipped_and_loses_nothing(
         assert ck.tier_steps() == {"local": committed, "s3": committed}
         for s in committed:
             assert_same(saved[s], ck.load(step=s, tier="s3"))
-    record("soak", "30 saves requested at once, on_busy='skip'",
-           f"{len(skipped)} reported skipped on their handle, {len(committed)} committed on "
-           "local and S3, bit-exact; no skipped step listed")
+    record(
+        "soak",
+        "30 saves requested at once, on_busy='skip'",
+        f"{len(skipped)} reported skipped on their handle, {len(committed)} committed on "
+        "local and S3, bit-exact; no skipped step listed",
+    )
