@@ -122,21 +122,17 @@ def adamw_moments(
 def datasets(steps: int) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     weights = minilm_weights()
     flat = torch.cat([w.reshape(-1) for w in weights.values()])
-    exp_avg, exp_avg_sq, train_s = adamw_moments(weights, steps)
     gen = torch.Generator().manual_seed(1)
-    data = {
-        "minilm fp32": flat,
-        "minilm bf16": flat.bfloat16(),
-        "adamw exp_avg fp32": exp_avg,
-        "adamw exp_avg_sq fp32": exp_avg_sq,
-        "randn fp32": torch.randn(16 << 20, generator=gen) * 0.02,
-        "randn bf16": (torch.randn(32 << 20, generator=gen) * 0.02).bfloat16(),
-    }
-    info = {
-        "train_steps": steps,
-        "train_seconds": round(train_s, 1),
-        "exp_avg_zero_fraction": round(float((exp_avg == 0).float().mean()), 3),
-    }
+    data = {"minilm fp32": flat, "minilm bf16": flat.bfloat16()}
+    info: dict[str, object] = {"train_steps": steps}
+    if steps > 0:  # --train-steps 0 leaves the moments out (a quick run)
+        exp_avg, exp_avg_sq, train_s = adamw_moments(weights, steps)
+        data["adamw exp_avg fp32"] = exp_avg
+        data["adamw exp_avg_sq fp32"] = exp_avg_sq
+        info["train_seconds"] = round(train_s, 1)
+        info["exp_avg_zero_fraction"] = round(float((exp_avg == 0).float().mean()), 3)
+    data["randn fp32"] = torch.randn(16 << 20, generator=gen) * 0.02
+    data["randn bf16"] = (torch.randn(32 << 20, generator=gen) * 0.02).bfloat16()
     return data, info
 
 
@@ -309,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="threads for threaded codecs")
     parser.add_argument("--train-steps", type=int, default=200, help="AdamW steps for moments")
     parser.add_argument("--only", default="", help="comma-separated data sets to run")
+    parser.add_argument("--codecs", default="", help="comma-separated codec names to run")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -322,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("# stored = encoded/raw; GB/s = raw bytes per wall second (median); cpu = per CPU second")
     print(HEADER)
-    rows = run(data, contenders(args.threads), args.repeats)
+    cands = contenders(args.threads)
+    if args.codecs:
+        keep_codecs = {s.strip() for s in args.codecs.split(",")}
+        cands = [c for c in cands if c.name in keep_codecs]
+    rows = run(data, cands, args.repeats)
     if args.json:
         report = {
             "date": dt.datetime.now().isoformat(timespec="seconds"),

@@ -45,24 +45,53 @@ MiB = 1 << 20
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="tierckpt GPU check (blocking time, throughput)")
     p.add_argument("--size-gb", type=float, default=20.0, help="state size, GB (default 20)")
-    p.add_argument("--small-tensors", type=int, default=1200,
-                   help="number of small tensors (< 32 KiB) in the state (default 1200)")
+    p.add_argument(
+        "--small-tensors",
+        type=int,
+        default=1200,
+        help="number of small tensors (< 32 KiB) in the state (default 1200)",
+    )
     p.add_argument("--runs", type=int, default=3, help="measured saves per case (default 3)")
-    p.add_argument("--compute-s", type=float, default=1.0,
-                   help="simulated forward/backward on the GPU in the lazy case (default 1 s)")
-    p.add_argument("--arenas", default="fit,default",
-                   help="arenas to try: 'fit' (holds the state), 'default', or GiB numbers")
-    p.add_argument("--tier", choices=("memory", "local"), default="memory",
-                   help="tier to save to (default memory: the disk does not set the pace)")
-    p.add_argument("--baseline-gb", type=float, default=2.0,
-                   help="size of the torch.save baseline's state, GB (default 2)")
+    p.add_argument(
+        "--compute-s",
+        type=float,
+        default=1.0,
+        help="simulated forward/backward on the GPU in the lazy case (default 1 s)",
+    )
+    p.add_argument(
+        "--arenas",
+        default="fit,default",
+        help="arenas to try: 'fit' (holds the state), 'default', or GiB numbers",
+    )
+    p.add_argument(
+        "--tier",
+        choices=("memory", "local"),
+        default="memory",
+        help="tier to save to (default memory: the disk does not set the pace)",
+    )
+    p.add_argument(
+        "--baseline-gb",
+        type=float,
+        default=2.0,
+        help="size of the torch.save baseline's state, GB (default 2)",
+    )
     p.add_argument("--dir", default=None, help="folder for files (default: a temp folder)")
-    p.add_argument("--json", default=None,
-                   help="output JSON (default $OUT/gpu_check.json, else ./gpu_check.json)")
-    p.add_argument("--budget-s", type=float, default=450.0,
-                   help="skip phases that would start after this many seconds (default 450)")
-    p.add_argument("--allow-cpu", action="store_true",
-                   help="without CUDA, run the flow on a small CPU state (a smoke test)")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="output JSON (default $OUT/gpu_check.json, else ./gpu_check.json)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="skip phases that would start after this many seconds (default 450)",
+    )
+    p.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="without CUDA, run the flow on a small CPU state (a smoke test)",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.runs < 1 or a.size_gb <= 0 or a.baseline_gb <= 0 or a.small_tensors < 0:
@@ -73,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- state ------------------------------------------------------------------------------------
 
 
-def build_state(size_bytes: int, n_small: int, device: torch.device,
-                seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def build_state(
+    size_bytes: int, n_small: int, device: torch.device, seed: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """bf16 weights + fp32 moments (6 bytes per parameter), filled on the device."""
     from tierckpt.bench import param_sizes
 
@@ -97,8 +127,7 @@ def build_state(size_bytes: int, n_small: int, device: torch.device,
         "small_tensors": sum(1 for t in tensors if t.nbytes < 32 << 10),
         "largest_bytes": max(t.nbytes for t in tensors),
     }
-    state = {"model": model, "optim": {"state": moments, "param_groups": [{"lr": 1e-4}]},
-             "step": 0}
+    state = {"model": model, "optim": {"state": moments, "param_groups": [{"lr": 1e-4}]}, "step": 0}
     return state, info
 
 
@@ -146,8 +175,11 @@ def pinned_stats() -> dict[str, int]:
         stats = fn()
     except Exception:
         return {}
-    return {k: int(v) for k, v in stats.items()
-            if "bytes" in k and (k.endswith(".current") or k.endswith(".peak"))}
+    return {
+        k: int(v)
+        for k, v in stats.items()
+        if "bytes" in k and (k.endswith(".current") or k.endswith(".peak"))
+    }
 
 
 def release_pinned() -> None:
@@ -221,9 +253,15 @@ def make_compute(device: torch.device, seconds: float) -> tuple[Callable[[], flo
     return run, alone
 
 
-def tierckpt_phase(state: dict[str, Any], info: dict[str, Any], arena: str,
-                   args: argparse.Namespace, device: torch.device,
-                   compute: Callable[[], float], workdir: str) -> dict[str, Any]:
+def tierckpt_phase(
+    state: dict[str, Any],
+    info: dict[str, Any],
+    arena: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    compute: Callable[[], float],
+    workdir: str,
+) -> dict[str, Any]:
     """Warm-up, then ``runs`` immediate and ``runs`` lazy saves with one Checkpointer."""
     from tierckpt import Checkpointer, LocalTier, MemoryTier
     from tierckpt.arena import default_host_buffer_bytes
@@ -236,8 +274,11 @@ def tierckpt_phase(state: dict[str, Any], info: dict[str, Any], arena: str,
     else:
         arena_bytes = int(float(arena) * GiB) // 4096 * 4096
     namespace = f"gpu-check-{arena}-{os.getpid()}"
-    tier = (MemoryTier(namespace=namespace, keep_last=1) if args.tier == "memory"
-            else LocalTier(os.path.join(workdir, f"tier-{arena}"), keep_last=1))
+    tier = (
+        MemoryTier(namespace=namespace, keep_last=1)
+        if args.tier == "memory"
+        else LocalTier(os.path.join(workdir, f"tier-{arena}"), keep_last=1)
+    )
     ck = Checkpointer([tier], host_buffer_bytes=arena_bytes)
     rows: list[dict[str, float]] = []
     step = 0
@@ -256,8 +297,9 @@ def tierckpt_phase(state: dict[str, Any], info: dict[str, Any], arena: str,
             t2 = time.perf_counter()
             h.wait()
             t3 = time.perf_counter()
-            rows.append({"case": 0.0, "save_s": t1 - t0, "blocked_s": t2 - t0,
-                         "committed_s": t3 - t0})
+            rows.append(
+                {"case": 0.0, "save_s": t1 - t0, "blocked_s": t2 - t0, "committed_s": t3 - t0}
+            )
             step += 1
             _sync(device)
             t0 = time.perf_counter()
@@ -270,9 +312,17 @@ def tierckpt_phase(state: dict[str, Any], info: dict[str, Any], arena: str,
             captured_at = (h.captured_at or t3) - t0
             h.wait()
             t4 = time.perf_counter()
-            rows.append({"case": 1.0, "save_s": t1 - t0, "compute_s": compute_s,
-                         "wait_s": t3 - t2, "blocked_s": (t1 - t0) + (t3 - t2),
-                         "captured_at_s": captured_at, "committed_s": t4 - t0})
+            rows.append(
+                {
+                    "case": 1.0,
+                    "save_s": t1 - t0,
+                    "compute_s": compute_s,
+                    "wait_s": t3 - t2,
+                    "blocked_s": (t1 - t0) + (t3 - t2),
+                    "captured_at_s": captured_at,
+                    "committed_s": t4 - t0,
+                }
+            )
             step += 1
         p = ck._pipeline
         pinned = bool(p is not None and p.arena is not None and p.arena.pinned)
@@ -291,13 +341,20 @@ def tierckpt_phase(state: dict[str, Any], info: dict[str, Any], arena: str,
     nbytes = info["bytes"]
     imm, lazy = med(0.0, "blocked_s"), med(1.0, "blocked_s")
     return {
-        "arena": arena, "arena_bytes": arena_bytes, "arena_pinned": pinned,
-        "arena_alloc_s": arena_alloc, "warmup_s": warm, "tier": args.tier,
+        "arena": arena,
+        "arena_bytes": arena_bytes,
+        "arena_pinned": pinned,
+        "arena_alloc_s": arena_alloc,
+        "warmup_s": warm,
+        "tier": args.tier,
         "pinned_after_warmup": pinned_after_warmup,
-        "immediate_blocked_s": imm, "immediate_save_s": med(0.0, "save_s"),
+        "immediate_blocked_s": imm,
+        "immediate_save_s": med(0.0, "save_s"),
         "immediate_committed_s": med(0.0, "committed_s"),
-        "lazy_blocked_s": lazy, "lazy_save_s": med(1.0, "save_s"),
-        "lazy_wait_s": med(1.0, "wait_s"), "lazy_compute_s": med(1.0, "compute_s"),
+        "lazy_blocked_s": lazy,
+        "lazy_save_s": med(1.0, "save_s"),
+        "lazy_wait_s": med(1.0, "wait_s"),
+        "lazy_compute_s": med(1.0, "compute_s"),
         "lazy_captured_at_s": med(1.0, "captured_at_s"),
         "immediate_gbps": nbytes / imm / GB if imm else None,
         "perceived_lazy_gbps": nbytes / lazy / GB if lazy else None,
@@ -305,8 +362,9 @@ def tierckpt_phase(state: dict[str, Any], info: dict[str, Any], arena: str,
     }
 
 
-def torch_save_phase(state: dict[str, Any], args: argparse.Namespace, device: torch.device,
-                     workdir: str) -> dict[str, Any]:
+def torch_save_phase(
+    state: dict[str, Any], args: argparse.Namespace, device: torch.device, workdir: str
+) -> dict[str, Any]:
     """torch.save (+ fsync) of a smaller part of the state, from the device."""
     part = subset(state, int(args.baseline_gb * GB))
     nbytes = _bytes_of(part)
@@ -338,15 +396,22 @@ def _fmt(x: float | None, unit: str = "s") -> str:
 
 def report(result: dict[str, Any]) -> str:
     st = result.get("state") or {}
-    lines = [f"GPU check on {result['device']}: state {st.get('bytes', 0) / GB:.1f} GB in "
-             f"{st.get('tensors', 0):,} tensors ({st.get('small_tensors', 0):,} small)", ""]
+    lines = [
+        f"GPU check on {result['device']}: state {st.get('bytes', 0) / GB:.1f} GB in "
+        f"{st.get('tensors', 0):,} tensors ({st.get('small_tensors', 0):,} small)",
+        "",
+    ]
     bw = result.get("d2h") or {}
     if "pinned_gbps" in bw:
-        lines.append(f"device-to-host: pinned {bw['pinned_gbps']:.1f} GB/s, pageable "
-                     f"{bw['pageable_gbps']:.1f} GB/s ({bw['bytes'] / GiB:.0f} GiB copies)")
+        lines.append(
+            f"device-to-host: pinned {bw['pinned_gbps']:.1f} GB/s, pageable "
+            f"{bw['pageable_gbps']:.1f} GB/s ({bw['bytes'] / GiB:.0f} GiB copies)"
+        )
         lines.append("")
-    lines.append("| saver | arena | immediate blocked | lazy blocked (save + wait) | lazy compute "
-                 "| perceived GB/s (lazy) | vs torch.save | committed |")
+    lines.append(
+        "| saver | arena | immediate blocked | lazy blocked (save + wait) | lazy compute "
+        "| perceived GB/s (lazy) | vs torch.save | committed |"
+    )
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
     base = result.get("torch_save") or {}
     base_gbps = base.get("gbps")
@@ -354,8 +419,9 @@ def report(result: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"| tierckpt | {r.get('arena')} | failed: {r['error']} | | | | | |")
             continue
-        ratio = (r["perceived_lazy_gbps"] / base_gbps
-                 if base_gbps and r["perceived_lazy_gbps"] else None)
+        ratio = (
+            r["perceived_lazy_gbps"] / base_gbps if base_gbps and r["perceived_lazy_gbps"] else None
+        )
         lines.append(
             f"| tierckpt | {r['arena']} {r['arena_bytes'] / GiB:.1f} GiB"
             f"{' pinned' if r['arena_pinned'] else ''} | {_fmt(r['immediate_blocked_s'])} | "
@@ -365,9 +431,11 @@ def report(result: dict[str, Any]) -> str:
             f"{'-' if ratio is None else f'{ratio:.0f}x'} | {_fmt(r['immediate_committed_s'])} |"
         )
     if "blocked_s" in base:
-        lines.append(f"| torch.save + fsync ({base['bytes'] / GB:.1f} GB) | - | "
-                     f"{_fmt(base['blocked_s'])} | {_fmt(base['blocked_s'])} | - | "
-                     f"{_fmt(base['gbps'], 'GB/s')} | 1x | {_fmt(base['blocked_s'])} |")
+        lines.append(
+            f"| torch.save + fsync ({base['bytes'] / GB:.1f} GB) | - | "
+            f"{_fmt(base['blocked_s'])} | {_fmt(base['blocked_s'])} | - | "
+            f"{_fmt(base['gbps'], 'GB/s')} | 1x | {_fmt(base['blocked_s'])} |"
+        )
     for r in result.get("tierckpt", []):
         pinned = r.get("pinned_after_warmup") or {}
         if pinned:
@@ -396,8 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python benchmarks/gpu_check.py", *(argv or sys.argv[1:])]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "python": platform.python_version(),
-        "cuda": torch.version.cuda, "errors": {}, "tierckpt": [],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "errors": {},
+        "tierckpt": [],
     }
     workdir = tempfile.mkdtemp(prefix="tierckpt-gpu-check-", dir=args.dir)
 
@@ -412,13 +483,17 @@ def main(argv: list[str] | None = None) -> int:
             result["errors"][name] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
             return None
-        print(f"[{time.perf_counter() - started:6.1f} s] {name}: {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{time.perf_counter() - started:6.1f} s] {name}: {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         return value
 
     try:
-        built = phase("build state", lambda: build_state(size, args.small_tensors, device,
-                                                         args.seed))
+        built = phase(
+            "build state", lambda: build_state(size, args.small_tensors, device, args.seed)
+        )
         if built is None:
             raise RuntimeError(result["errors"].get("build state", "no state"))
         state, info = built
@@ -431,15 +506,19 @@ def main(argv: list[str] | None = None) -> int:
 
         compute, result["compute_alone_s"] = comp if comp else (no_compute, None)
         for arena in [a.strip() for a in args.arenas.split(",") if a.strip()]:
+
             def run_arena(arena: str = arena) -> dict[str, Any]:
                 return tierckpt_phase(state, info, arena, args, device, compute, workdir)
 
             r = phase(f"tierckpt arena={arena}", run_arena)
-            result["tierckpt"].append(r if r is not None else
-                                      {"arena": arena,
-                                       "error": result["errors"].get(f"tierckpt arena={arena}")})
-        result["torch_save"] = phase("torch.save baseline",
-                                     lambda: torch_save_phase(state, args, device, workdir))
+            result["tierckpt"].append(
+                r
+                if r is not None
+                else {"arena": arena, "error": result["errors"].get(f"tierckpt arena={arena}")}
+            )
+        result["torch_save"] = phase(
+            "torch.save baseline", lambda: torch_save_phase(state, args, device, workdir)
+        )
     except Exception as exc:
         result["errors"]["fatal"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -54,19 +54,36 @@ def _title(result: dict[str, Any], what: str) -> str:
     return f"{what}\n{m['cpus']} CPUs, {ram:.0f} GiB RAM, {m['gpu'] or 'no GPU'}; {date}"
 
 
-def _bars(ax: Axes, names: list[str], series: list[tuple[str, list[float], str]],
-          ylabel: str, log: bool) -> None:
+def _bars(
+    ax: Axes, names: list[str], series: list[tuple[str, list[float], str]], ylabel: str, log: bool
+) -> None:
     n = len(series)
     width = 0.8 / n
     for i, (label, values, hatch) in enumerate(series):
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(names))]
         colors = [TIERCKPT_COLOR if nm.startswith("tierckpt") else PEER_COLOR for nm in names]
-        bars = ax.bar(xs, values, width, label=label, color=colors, hatch=hatch,
-                      edgecolor="black", linewidth=0.5)
+        bars = ax.bar(
+            xs,
+            values,
+            width,
+            label=label,
+            color=colors,
+            hatch=hatch,
+            edgecolor="black",
+            linewidth=0.5,
+        )
         for b, v in zip(bars, values, strict=True):
             txt = f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s"
-            ax.annotate(txt, (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
-                        fontsize=6, rotation=90, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                txt,
+                (b.get_x() + b.get_width() / 2, v),
+                ha="center",
+                va="bottom",
+                fontsize=6,
+                rotation=90,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
@@ -82,14 +99,31 @@ def plot_blocked(result: dict[str, Any], out: Path) -> Path | None:
     for ax, e in zip(axes[0], sizes, strict=True):
         cs = _ok(e["contenders"])
         names = list(cs)
-        _bars(ax, names, [
-            ("immediate: wait for staging at once",
-             [cs[n]["median"]["staged_s"] for n in names], ""),
-            (f"lazy: wait after {compute:g} s of compute",
-             [max(cs[n]["median"]["lazy_blocked_s"], 1e-4) for n in names], "//"),
-        ], "training blocked per checkpoint (s, log)", log=True)
-        ax.set_xticks(range(len(names)), [_short(cs[n]["label"]) for n in names], fontsize=7,
-                      rotation=30, ha="right")
+        _bars(
+            ax,
+            names,
+            [
+                (
+                    "immediate: wait for staging at once",
+                    [cs[n]["median"]["staged_s"] for n in names],
+                    "",
+                ),
+                (
+                    f"lazy: wait after {compute:g} s of compute",
+                    [max(cs[n]["median"]["lazy_blocked_s"], 1e-4) for n in names],
+                    "//",
+                ),
+            ],
+            "training blocked per checkpoint (s, log)",
+            log=True,
+        )
+        ax.set_xticks(
+            range(len(names)),
+            [_short(cs[n]["label"]) for n in names],
+            fontsize=7,
+            rotation=30,
+            ha="right",
+        )
         ax.set_title(f"{e['gib']:g} GiB state ({cs[names[0]]['state']['tensors']:,} tensors)")
     what = "Time training is blocked per checkpoint (median, lower is better)"
     fig.suptitle(_title(result, what), fontsize=9)
@@ -108,20 +142,42 @@ def plot_committed(result: dict[str, Any], out: Path) -> Path | None:
     for ax, e in zip(axes[0], sizes, strict=True):
         cs = _ok(e["contenders"])
         names = list(cs)
-        _bars(ax, names, [("committed (durable) on local disk",
-                           [cs[n]["median"]["committed_s"] for n in names], "")],
-              "seconds from the save call", log=False)
+        _bars(
+            ax,
+            names,
+            [
+                (
+                    "committed (durable) on local disk",
+                    [cs[n]["median"]["committed_s"] for n in names],
+                    "",
+                )
+            ],
+            "seconds from the save call",
+            log=False,
+        )
         raws = [v["raw_write"]["median"]["total_s"] for v in cs.values() if v.get("raw_write")]
         raw = raws[0] if raws else None
         if raw:
             ax.axhline(raw, color="black", linestyle="--", linewidth=1)
-            ax.annotate(f"raw write + fsync {raw:.2f} s", (len(names) - 0.5, raw), ha="right",
-                        va="bottom", fontsize=7)
-        ax.set_xticks(range(len(names)), [_short(cs[n]["label"]) for n in names], fontsize=7,
-                      rotation=30, ha="right")
+            ax.annotate(
+                f"raw write + fsync {raw:.2f} s",
+                (len(names) - 0.5, raw),
+                ha="right",
+                va="bottom",
+                fontsize=7,
+            )
+        ax.set_xticks(
+            range(len(names)),
+            [_short(cs[n]["label"]) for n in names],
+            fontsize=7,
+            rotation=30,
+            ha="right",
+        )
         ax.set_title(f"{e['gib']:g} GiB state")
-    fig.suptitle(_title(result, "Time until the checkpoint is durable on the local disk (median)"),
-                 fontsize=9)
+    fig.suptitle(
+        _title(result, "Time until the checkpoint is durable on the local disk (median)"),
+        fontsize=9,
+    )
     fig.tight_layout()
     path = out / "save_committed.png"
     fig.savefig(path, dpi=110)
@@ -141,19 +197,34 @@ def plot_memory(result: dict[str, Any], out: Path) -> Path | None:
         colors = [TIERCKPT_COLOR if n.startswith("tierckpt") else PEER_COLOR for n in names]
         bars = ax.bar(range(len(names)), values, color=colors, edgecolor="black", linewidth=0.5)
         for b, v in zip(bars, values, strict=True):
-            ax.annotate(f"{v:,.0f}", (b.get_x() + b.get_width() / 2, v), ha="center",
-                        va="bottom", fontsize=7)
+            ax.annotate(
+                f"{v:,.0f}",
+                (b.get_x() + b.get_width() / 2, v),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         state = cs[names[0]]["state"]["nbytes"] / MiB
         ax.axhline(state, color="black", linestyle="--", linewidth=1)
         ax.annotate(f"state {state:,.0f} MiB", (-0.4, state), va="bottom", fontsize=7)
         arena = (cs.get("tierckpt_256m") or {}).get("arena_bytes")
         if arena:
             ax.axhline(arena / MiB, color=TIERCKPT_COLOR, linestyle=":", linewidth=1)
-            ax.annotate(f"arena {arena / MiB:,.0f} MiB", (-0.4, arena / MiB), va="top",
-                        fontsize=7, color=TIERCKPT_COLOR)
+            ax.annotate(
+                f"arena {arena / MiB:,.0f} MiB",
+                (-0.4, arena / MiB),
+                va="top",
+                fontsize=7,
+                color=TIERCKPT_COLOR,
+            )
         ax.set_ylabel("peak extra host memory (MiB)")
-        ax.set_xticks(range(len(names)), [_short(cs[n]["label"]) for n in names], fontsize=7,
-                      rotation=30, ha="right")
+        ax.set_xticks(
+            range(len(names)),
+            [_short(cs[n]["label"]) for n in names],
+            fontsize=7,
+            rotation=30,
+            ha="right",
+        )
         ax.set_title(f"{e['gib']:g} GiB state")
     fig.suptitle(_title(result, "Peak extra host memory while saving (process tree)"), fontsize=9)
     fig.tight_layout()
@@ -175,20 +246,35 @@ def plot_train(result: dict[str, Any], out: Path) -> Path | None:
     colors = [TIERCKPT_COLOR if n.startswith("tierckpt") else PEER_COLOR for n in names]
     bars = ax.bar(range(len(names)), values, color=colors, edgecolor="black", linewidth=0.5)
     for b, v, n in zip(bars, values, names, strict=True):
-        ax.annotate(f"{v:.2f}x\n{vs[n]['mean_iter_s'] * 1e3:.0f} ms",
-                    (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
+        ax.annotate(
+            f"{v:.2f}x\n{vs[n]['mean_iter_s'] * 1e3:.0f} ms",
+            (b.get_x() + b.get_width() / 2, v),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
         reps = vs[n].get("mean_iter_s_per_repeat") or []
         none_reps = vs["none"].get("mean_iter_s_per_repeat") or []
         pts = [a / c for a, c in zip(reps, none_reps, strict=False)]
         ax.scatter([b.get_x() + b.get_width() / 2] * len(pts), pts, color="black", s=8, zorder=3)
     ax.axhline(1.10, color="black", linestyle="--", linewidth=1)
     ax.annotate("target 1.10x", (len(names) - 0.5, 1.10), ha="right", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(names)), [_short(vs[n]["label"]) for n in names], fontsize=7,
-                  rotation=30, ha="right")
+    ax.set_xticks(
+        range(len(names)),
+        [_short(vs[n]["label"]) for n in names],
+        fontsize=7,
+        rotation=30,
+        ha="right",
+    )
     ax.set_ylabel("mean iteration time / no checkpointing")
     cfg = result["meta"]["config"]
-    ax.set_title(_title(result, f"Training loop, checkpoint every {cfg['train_every']} steps "
-                                f"(dots: each repeat)"), fontsize=9)
+    ax.set_title(
+        _title(
+            result,
+            f"Training loop, checkpoint every {cfg['train_every']} steps (dots: each repeat)",
+        ),
+        fontsize=9,
+    )
     fig.tight_layout()
     path = out / "train_iter.png"
     fig.savefig(path, dpi=110)

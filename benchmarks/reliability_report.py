@@ -14,6 +14,7 @@ tests that guard them.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import json
 import os
@@ -77,7 +78,36 @@ FIXED = [
         "tierckpt/restore.py _rebuild_tensor",
         ["test_hostile_checkpoint_refused[tensor: 2**94 elements through zero strides]"],
     ),
+    (
+        "`tierckpt verify` (tools.verify_checkpoint) allocated each chunk's declared raw size "
+        "as a zero-filled bytearray before decoding: a 200 KB file declaring a 4 GiB zstd "
+        "chunk cost 4 GiB of RSS (a 20 GiB one would exhaust this machine)",
+        "tierckpt/tools.py verify_checkpoint",
+        ["test_hostile_checkpoints_through_tierckpt_verify"],
+    ),
+    (
+        "A restore from S3 failed when repopulating the local tier ran out of space: the "
+        "repopulation write error (ENOSPC) aborted the whole load, although the S3 copy was "
+        "intact; repopulation is now best effort (that tier is dropped with a warning)",
+        "tierckpt/restore.py read_shard (_Repopulation)",
+        [
+            "test_restore_from_s3_onto_a_full_local_disk[tmpfs]",
+            "test_restore_from_s3_onto_a_full_local_disk[quota]",
+        ],
+    ),
 ]
+
+#: the test module behind each area; its docstring says how the area is tested
+MODULES = {
+    "crash": "test_crash_consistency.py",
+    "leftovers": "test_leftovers.py",
+    "disk_full": "test_disk_full.py",
+    "corruption": "test_corruption.py",
+    "s3_faults": "test_s3_faults.py",
+    "hostile": "test_hostile.py",
+    "fuzz": "test_fuzz.py",
+    "soak": "test_soak.py",
+}
 
 CATEGORIES = [
     ("crash", "Crash consistency (SIGKILL of a training process)"),
@@ -222,17 +252,46 @@ def summary_rows(run: Run) -> list[tuple[str, str, str, str]]:
             for r in recs:
                 n += sum(r.get("outcomes", {}).values())
             what = f"{n} generated inputs"
+            detail = "; ".join(
+                f"{r['case']}: " + str(r["outcome"]).split("; outcomes: ")[0] for r in recs
+            )
         elif cat == "hostile":
             what = f"{len(cases)} hostile inputs"
+            kinds = Counter(str(r["case"]).split(":")[0] for r in cases)
+            detail = ", ".join(f"{k} {v}" for k, v in kinds.items())
         elif cat == "corruption":
-            what = f"{len(cases)} corruptions"
+            what = f"{len(cases)} corruption cases"
+            names = [str(r["case"]) for r in cases]
+            kinds = sorted({n.split(" on ")[0] for n in names if not n.startswith("tierckpt")})
+            verify = sum(n.startswith("tierckpt verify") for n in names)
+            detail = (
+                f"{len(kinds)} kinds ({', '.join(kinds)}) on RAM, local, S3 and on all three; "
+                f"{verify} checked with `tierckpt verify`"
+            )
+        elif cat in ("disk_full", "soak", "leftovers"):
+            detail = "; ".join(str(r["case"]) for r in cases)
         outcome = (
             "nothing lost, clear error"
             if recs and not bad
             else ("NOT RUN" if not recs else f"{len(bad)} NOT OK")
         )
+        if cat == "leftovers":
+            gaps = sum(
+                r.outcome == "xfailed" for k, r in run.results.items() if "test_leftovers" in k
+            )
+            if gaps:
+                outcome += f"; {gaps} cleanup gaps (xfail, below)"
         rows.append((title, what, detail, outcome))
     return rows
+
+
+def _module_doc(name: str) -> str:
+    """A test module's docstring, as one paragraph of markdown."""
+    path = ROOT / "tests" / "reliability" / name
+    if not path.exists():
+        return ""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(line.strip() for line in doc.splitlines() if line.strip())
 
 
 def render(run: Run, slow: bool) -> str:
@@ -263,8 +322,12 @@ def render(run: Run, slow: bool) -> str:
     ]
     for title, what, detail, outcome in summary_rows(run):
         lines.append(f"| {title} | {what} | {_cell(detail) or '—'} | {outcome} |")
+    lines += ["", "## How each area is tested", ""]
+    for cat, title in CATEGORIES:
+        doc = _module_doc(MODULES[cat])
+        if doc:
+            lines += [f"**{title}** (`tests/reliability/{MODULES[cat]}`). {doc}", ""]
     lines += [
-        "",
         "## Bugs found and fixed",
         "",
         "| Bug | Fixed in | Regression test | Now |",
@@ -317,13 +380,25 @@ def render(run: Run, slow: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--slow", action="store_true", help="also run the long variants")
     p.add_argument("--output", default=str(ROOT / "docs" / "reliability.md"))
+    p.add_argument("--keep", metavar="DIR", help="keep junit.xml and records.jsonl in DIR")
+    p.add_argument(
+        "--render-only", metavar="DIR", help="no test run: render DIR's junit.xml/records.jsonl"
+    )
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="tierckpt-reliability-") as tmp:
-        run = run_suite(args.slow, args.pytest_args, Path(tmp))
+    if args.render_only:
+        d = Path(args.render_only)
+        run = Run(results=parse_junit(d / "junit.xml"), command="(re-rendered)")
+        run.records = [json.loads(x) for x in (d / "records.jsonl").read_text().splitlines() if x]
+    elif args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        run = run_suite(args.slow, args.pytest_args, Path(args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="tierckpt-reliability-") as tmp:
+            run = run_suite(args.slow, args.pytest_args, Path(tmp))
     text = render(run, args.slow)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)

@@ -167,7 +167,7 @@ def read_shard(
     spans = _span_buffers(index, where)
     span_offsets = [int(s[0]) for s in index["storages"]]
     chunks: list[ChunkRecord] = index["chunks"]
-    writers: list[ObjectWriter] = [b.open_writer(ref.file) for b in repopulate]
+    repop = _Repopulation(repopulate, ref.file)
 
     def one(ci: int) -> int:
         rec = chunks[ci]
@@ -199,8 +199,7 @@ def read_shard(
                 file=ref.file,
                 chunk=ci,
             )
-        for w in writers:
-            w.write(rec.file_offset, stored)
+        repop.write(rec.file_offset, stored)
         if stored is not dest_view:
             try:
                 codec.decode(stored, dest_view)
@@ -226,25 +225,64 @@ def read_shard(
             raise FormatError(f"{where}: chunks cover {covered} of {index['data_bytes']} bytes")
         tensors = [_rebuild_tensor(e, spans, i, where) for i, e in enumerate(index["tensors"])]
         state = decode_tree(index.get("tree"), tensors)
-        for w in writers:
-            io = ref.size - FOOTER_SIZE - len(index_blob)
-            w.write(io, index_blob)
-            w.write(io + len(index_blob), footer_blob)
-            w.commit()
-        writers_done = True
     except BaseException:
-        for w in writers:
-            w.abort()
+        repop.abort()
         raise
-    if writers_done:
-        for b in repopulate:
-            try:
-                b.put_atomic(manifest_name(manifest.step), encode_manifest(manifest))
-            except FileExistsError:
-                pass
+    repop.finish(ref.size - FOOTER_SIZE - len(index_blob), index_blob + footer_blob, manifest)
     return LoadedShard(
         state, manifest, tier, int(index["data_bytes"]), stored_total, time.perf_counter() - t0
     )
+
+
+class _Repopulation:
+    """Copies of a shard being read, written to faster tiers so the next restart is local.
+
+    Best effort: a tier that fails (disk full, permissions) is dropped with a warning and the
+    load goes on — a full local disk must never stop a restore from S3.
+    """
+
+    def __init__(self, backends: Sequence[Backend], name: str) -> None:
+        self._writers: list[tuple[Backend, ObjectWriter]] = []
+        self._failed: set[int] = set()
+        for b in backends:
+            try:
+                self._writers.append((b, b.open_writer(name)))
+            except (OSError, TierCkptError) as exc:
+                log.warning("not repopulating %s/%s: %s", b.url, name, exc)
+
+    def _drop(self, i: int, exc: BaseException) -> None:
+        if i not in self._failed:
+            self._failed.add(i)
+            b, w = self._writers[i]
+            log.warning("repopulating %s/%s failed; the load goes on: %s", b.url, w.name, exc)
+
+    def write(self, offset: int, data: Any) -> None:
+        for i, (_b, w) in enumerate(self._writers):
+            if i not in self._failed:
+                try:
+                    w.write(offset, data)
+                except (OSError, TierCkptError) as exc:
+                    self._drop(i, exc)
+
+    def finish(self, offset: int, tail: bytes, manifest: Manifest) -> None:
+        """Write index + footer, commit, then the manifest (last) on every healthy tier."""
+        for i, (b, w) in enumerate(self._writers):
+            if i in self._failed:
+                w.abort()
+                continue
+            try:
+                w.write(offset, tail)
+                w.commit()
+                b.put_atomic(manifest_name(manifest.step), encode_manifest(manifest))
+            except FileExistsError:
+                pass
+            except (OSError, TierCkptError) as exc:
+                w.abort()
+                self._drop(i, exc)
+
+    def abort(self) -> None:
+        for _b, w in self._writers:
+            w.abort()
 
 
 def restore_into(target: Any, loaded: Any, path: str = "<root>") -> Any:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tierckpt.arena import _total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.codecs import Codec, codec_from_config
@@ -296,9 +297,14 @@ def verify_checkpoint(backend: Backend, step: int, *, progress: Progress | None 
                     f"{rec.file_offset}..+{rec.stored_size}) does not match its checksum",
                     tier=backend.url, file=ref.file, chunk=ci,
                 )
-            out = bytearray(rec.raw_size)
+            if rec.raw_size > _total_ram():  # a hostile size: refuse before allocating
+                raise FormatError(f"{where}: chunk {ci} declares {rec.raw_size} raw bytes, "
+                                  "more than this machine's memory")
+            # uninitialized (a zeroed bytearray would touch every page of a declared size
+            # that a bomb's frame never fills); memory is used only as a frame decodes
+            out = torch.empty(rec.raw_size, dtype=torch.uint8)
             try:
-                codecs[rec.codec].decode(stored, memoryview(out))
+                codecs[rec.codec].decode(stored, memoryview(out.numpy()))  # type: ignore[arg-type]
             except CorruptChunk as exc:
                 raise CorruptChunk(f"{where}: chunk {ci} does not decode: {exc}",
                                    tier=backend.url, file=ref.file, chunk=ci) from exc

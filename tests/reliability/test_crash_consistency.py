@@ -355,7 +355,7 @@ def _crash_trials(
         assert state_hash(ck.load()) == final.intents[newest][-1]
     # leftovers: what the saves' own retention left, then gc + cleanup with no writer active
     stats["leftovers_after_saves"] = {
-        k: v
+        k: len(v)
         for k, v in {
             **local_leftovers(h.local),
             **s3_leftovers(server.admin, bucket, "run/"),
@@ -378,8 +378,11 @@ def _schedule(seed: int, trials: int) -> list[tuple[str, int, str, float]]:
     names = list(POINTS)
     out = []
     for i in range(trials):
-        # every named point first, then random picks
-        point = names[i] if i < len(names) else rng.choice(names)
+        # every point once, then random moments (40%) and random named points
+        if i < len(names):
+            point = names[i]
+        else:
+            point = "random" if rng.random() < 0.4 else rng.choice(names)
         lo, hi = POINTS[point]
         nth = rng.randint(lo, hi) if hi else 0
         mode = "pause" if rng.random() < 0.3 else "kill"

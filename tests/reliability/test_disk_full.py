@@ -204,3 +204,37 @@ def test_quota_full(
             moto_server,
             bucket,
         )
+
+
+@pytest.mark.parametrize("where", ["tmpfs", "quota"])
+def test_restore_from_s3_onto_a_full_local_disk(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    record: Recorder,
+    where: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A new node restores from S3 and repopulates its local tier; that disk is too small for
+    the checkpoint. The restore must still succeed (repopulation is best effort), leaving no
+    temp file and no local manifest."""
+    bucket = s3_bucket(moto_server)
+    state = _state(5, n=2_300_000)  # 9.2 MB: more than the 8 MiB tmpfs and the 5 MiB quota
+    with Checkpointer([_s3(moto_server, bucket)]) as ck:
+        ck.save(state, 5).wait(timeout=120)
+    if where == "tmpfs":
+        root = request.getfixturevalue("tmpfs")
+        local: LocalTier = LocalTier(root)
+    else:
+        QuotaBackend.capacity = 5 << 20
+        root = tmp_path / "quota"
+        local = QuotaTier(root)
+    with Checkpointer([local, _s3(moto_server, bucket)]) as ck:
+        assert_same(state, ck.load())
+        assert ck.tier_steps() == {"local": [], "s3": [5]}
+    assert local_leftovers(root)["tmp_files"] == []
+    record(
+        "disk_full",
+        f"restore from S3 repopulating a full local tier ({where})",
+        "restored bit-exact from S3; repopulation dropped with a warning, no temp file left",
+    )

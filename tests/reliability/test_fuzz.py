@@ -183,13 +183,15 @@ def _report_outcomes() -> Iterator[None]:
     yield
     rec = Recorder("tests/reliability/test_fuzz.py")
     for what in ("parsers", "load path"):
-        mine = {k.split(":", 1)[1]: v for k, v in OUTCOMES.items() if k.startswith(what + ":")}
+        mine = Counter(
+            {k.split(":", 1)[1]: v for k, v in OUTCOMES.items() if k.startswith(what + ":")}
+        )
         if mine:
             rec(
                 "fuzz",
                 what,
-                f"{sum(mine.values())} examples; outcomes: "
-                + ", ".join(f"{k} {v}" for k, v in mine.most_common()),
+                f"{sum(mine.values())} {'parser calls' if what == 'parsers' else 'loads'}; "
+                "outcomes: " + ", ".join(f"{k} {v}" for k, v in mine.most_common()),
                 outcomes=mine,
             )
     OUTCOMES.clear()

@@ -546,11 +546,11 @@ def test_manifest_of_another_step_is_refused(tmp_path: Path, record: Recorder) -
 
 
 def test_many_storages_cost_what_they_declare(tmp_path: Path, record: Recorder) -> None:
-    """200,000 one-byte storages in a 2.4 MB index: each becomes a buffer (like a real state
+    """100,000 one-byte storages in a 1.2 MB index: each becomes a buffer (like a real state
     with that many tensors); the cost per declared storage stays bounded (< 2 KiB)."""
     root = tmp_path / "ckpt"
     _save(root)
-    n = 200_000
+    n = 100_000
     reseal(LocalBackend(root), STEP, index=_many_storages(n))
     with RssSampler() as rss, Checkpointer([LocalTier(root)]) as ck:
         state = ck.load(step=STEP)
@@ -558,7 +558,7 @@ def test_many_storages_cost_what_they_declare(tmp_path: Path, record: Recorder) 
     per = rss.growth / n
     record(
         "hostile",
-        f"index: {n} one-byte storages (2.4 MB index)",
+        f"index: {n} one-byte storages (1.2 MB index)",
         f"loads; RSS +{rss.growth >> 20} MiB, {per:.0f} B per declared storage",
         ok=per < 2048,
     )
@@ -612,3 +612,41 @@ def test_hostile_through_s3_repopulates_nothing_outside(
         for name in b.list(""):
             b.delete(name)
         b.close()
+
+
+def test_hostile_checkpoints_through_tierckpt_verify(tmp_path: Path, record: Recorder) -> None:
+    """``tools.verify_checkpoint`` (``tierckpt verify``) on every hostile case: a tierckpt
+    error or a pass (verify checks chunks, not tensor records), never another exception, a
+    write, an allocation of a declared size or a pickle run."""
+    import shutil
+
+    from tierckpt.tools import verify_checkpoint
+
+    pristine = tmp_path / "pristine"
+    _save(pristine)
+    accepted = []
+    for i, case in enumerate(c for c in CASES if not c.loads):
+        root = tmp_path / f"case-{i}"
+        shutil.copytree(pristine, root)
+        marker = MARKER_DIR / f"tierckpt-pwned-{uuid.uuid4().hex}"
+        reseal(LocalBackend(root), STEP, **case.edits(root, marker))
+        before = fs_snapshot(tmp_path)
+        with RssSampler() as rss:
+            try:
+                verify_checkpoint(LocalBackend(root), STEP)
+                outcome = "verify passed (it checks chunks, not tensor records)"
+                accepted.append(case.name)
+            except TierCkptError as exc:
+                outcome = f"{type(exc).__name__}: {str(exc)[-100:]}"
+        record(
+            "hostile",
+            f"tierckpt verify: {case.name}",
+            f"{outcome} (RSS +{rss.growth >> 20} MiB)",
+            ok=rss.growth < RSS_BOUND,
+        )
+        assert fs_snapshot(tmp_path) == before, case.name
+        assert rss.growth < RSS_BOUND, (case.name, rss.growth >> 20)
+        assert not marker.exists()
+        shutil.rmtree(root)
+    # what verify lets through must be tensor/tree records only (load refuses those)
+    assert all(n.startswith(("tensor:", "tree:")) for n in accepted), accepted

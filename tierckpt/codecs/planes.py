@@ -196,6 +196,24 @@ def _split(seg: _U8, itemsize: int, planes: list[_U8]) -> None:
         np.copyto(planes[k], rows[:, k])
 
 
+def _split_plane(seg: _U8, itemsize: int, k: int, dest: _U8) -> None:
+    """Byte plane ``k`` of ``seg`` into ``dest`` (one plane of :func:`_split`)."""
+    if itemsize == 1:
+        dest[:] = seg
+        return
+    wide_t = _WIDE.get(itemsize)
+    if wide_t is not None and np.little_endian:
+        words = seg.view(wide_t)
+        if k == 0:
+            np.copyto(dest, words, casting="unsafe")
+        else:
+            tmp = _scratch.wide_buffer(wide_t, words.size)
+            np.right_shift(words, 8 * k, out=tmp)
+            np.copyto(dest, tmp, casting="unsafe")
+        return
+    np.copyto(dest, seg.reshape(-1, itemsize)[:, k])
+
+
 def _merge(planes: list[_U8], itemsize: int, dest: _U8) -> None:
     """Inverse of :func:`_split`: interleave ``planes`` into ``dest``."""
     if itemsize == 2 and np.little_endian:
@@ -300,61 +318,96 @@ class PlanesCodec(Codec):
     def _segment_elems(self, n_elems: int) -> int:
         return max(1, min(n_elems, _SEGMENT_BYTES // self.itemsize))
 
+    def max_encoded_size(self, raw_len: int) -> int:
+        """An upper bound of ``len(encode(x))`` for ``len(x) == raw_len`` (every plane raw)."""
+        n_elems = raw_len // self.itemsize
+        n_segs = -(-n_elems // self._segment_elems(n_elems)) if n_elems else 0
+        return _HEADER.size + 5 * n_segs * self.itemsize + raw_len
+
     def encode(self, data: BytesLike) -> BytesLike:
         src = _as_u8(data)
+        # pages past the end of the encoding are never touched, so they cost no memory
+        out = np.empty(self.max_encoded_size(src.size), np.uint8)
+        return out[: self._encode(src, out)].data
+
+    def encode_into(self, data: BytesLike, out: memoryview) -> int:
+        """Encode into ``out`` (at least :meth:`max_encoded_size` bytes); returns the length.
+
+        Lets a caller reuse one warm buffer: on a machine where first touching fresh memory is
+        slow, writing the encoding into new pages is a large part of the cost of ``encode``.
+        """
+        src = _as_u8(data)
+        dest = _as_u8(out)
+        if dest.size < self.max_encoded_size(src.size) or not dest.flags.writeable:
+            raise ValueError(
+                f"encode_into needs a writable buffer of {self.max_encoded_size(src.size)} bytes"
+            )
+        return self._encode(src, dest)
+
+    def _encode(self, src: _U8, out: _U8) -> int:
         size = self.itemsize
         raw_len = src.size
         n_elems = raw_len // size
         seg_elems = self._segment_elems(n_elems)
         n_segs = -(-n_elems // seg_elems) if n_elems else 0
         n_entries = n_segs * size
-        pieces: list[bytes] = [b""] * n_entries
-        modes = np.zeros(n_entries, np.uint8)
+        packed_planes: list[bytes | None] = [None] * n_entries  # None: stored raw
+        lengths = np.zeros(n_entries, "<u4")
+
+        def segment(s: int) -> _U8:
+            lo = s * seg_elems
+            return src[lo * size : min(n_elems, lo + seg_elems) * size]
 
         def encode_segment(s: int) -> None:
-            lo = s * seg_elems
-            hi = min(n_elems, lo + seg_elems)
-            seg = src[lo * size : hi * size]
+            seg = segment(s)
             if size == 1:
                 planes = [seg]
             else:
-                planes = _scratch.plane_buffers(size, hi - lo)
+                planes = _scratch.plane_buffers(size, seg.size // size)
                 _split(seg, size, planes)
             compressor = self._compressor()
             for k, plane in enumerate(planes):
-                packed = None
+                e = s * size + k
+                lengths[e] = plane.size
+                # the plane holding the exponent always compresses; mantissa planes are tried
+                # on a sample first
                 if k == size - 1 or not _looks_incompressible(compressor, plane):
                     packed = compressor.compress(plane.data)
-                if packed is not None and len(packed) < plane.size:
-                    pieces[s * size + k] = packed
-                    modes[s * size + k] = _MODE_ZSTD
-                else:  # a plane that does not shrink is stored raw: decoding it is a copy
-                    pieces[s * size + k] = plane.tobytes()
+                    if len(packed) < plane.size:
+                        packed_planes[e] = packed
+                        lengths[e] = len(packed)
 
         _run_tasks(n_segs, encode_segment, self.threads)
 
-        lengths = np.fromiter(map(len, pieces), dtype="<u4", count=n_entries)
         head_len = _HEADER.size + 5 * n_entries
         starts = np.empty(n_entries + 1, np.int64)
         starts[0] = head_len
         np.cumsum(lengths, out=starts[1:])
         starts[1:] += head_len
         tail = raw_len - n_elems * size
-        out = np.empty(int(starts[-1]) + tail, np.uint8)
+        total = int(starts[-1]) + tail
+        modes = np.fromiter(
+            (_MODE_RAW if p is None else _MODE_ZSTD for p in packed_planes), np.uint8, n_entries
+        )
         _HEADER.pack_into(out.data, 0, _MAGIC, _VERSION, size, 0, raw_len, seg_elems, n_entries)
         out[_HEADER.size : _HEADER.size + 4 * n_entries] = lengths.view(np.uint8)
         out[_HEADER.size + 4 * n_entries : head_len] = modes
         starts_l: list[int] = starts.tolist()
 
         def gather_segment(s: int) -> None:
-            # copying into the fresh output in parallel halves the cost of its first touch
-            for e in range(s * size, (s + 1) * size):
-                out[starts_l[e] : starts_l[e + 1]] = np.frombuffer(pieces[e], np.uint8)
+            for k in range(size):
+                e = s * size + k
+                dest = out[starts_l[e] : starts_l[e + 1]]
+                packed = packed_planes[e]
+                if packed is None:  # raw planes are cut again, straight into the output
+                    _split_plane(segment(s), size, k, dest)
+                else:
+                    dest[:] = np.frombuffer(packed, np.uint8)
 
         _run_tasks(n_segs, gather_segment, self.threads)
         if tail:
-            out[out.size - tail :] = src[raw_len - tail :]
-        return out.data
+            out[total - tail : total] = src[raw_len - tail :]
+        return total
 
     # -- decode ---------------------------------------------------------------------------
 
