@@ -105,6 +105,7 @@ class _TierWrite:
     codecs: list[dict[str, Any]] = field(default_factory=list)
     stored: int = 0
     error: BaseException | None = None
+    write_seconds: float = 0.0
 
 
 #: commits one tier's copy; returns None when done, or a Future (from ``Pipeline.defer``) that
@@ -256,7 +257,7 @@ class Pipeline:
             view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
             for codec in codecs:
                 state.encoded[codec] = self._pool.submit(
-                    _encode, codec.for_dtype(chunk.dtype), view, event
+                    _encode, codec, chunk.dtype, view, event
                 )
             for t in job.tiers:
                 self._tier_q[t.name].put(("chunk", job, state))
@@ -320,7 +321,9 @@ class Pipeline:
         start = align_up(tw.offset)
         if start > tw.offset and not tier.backend.supports_random_write:
             tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
+        t0 = time.perf_counter()
         tw.writer.write(start, enc.data)
+        tw.write_seconds += time.perf_counter() - t0
         n = len(memoryview(enc.data).cast("B"))
         try:
             codec_idx = tw.codecs.index(enc.codec_config)
@@ -359,7 +362,12 @@ class Pipeline:
         tw.writer.write(index_offset + len(blob), footer.encode())
         if tw.writer.size != size:
             raise FormatError(f"shard size {tw.writer.size} != expected {size}")
+        t0 = time.perf_counter()
         tw.writer.commit()
+        tw.write_seconds += time.perf_counter() - t0
+        observe = getattr(tier.codec, "observe", None)
+        if observe is not None:  # the auto policy learns the link's speed
+            observe(tw.stored, tw.write_seconds)
         tw.writer = None
         ref = ShardRef(job.rank, shard_name(job.step, job.rank), size, footer.index_checksum)
         pending = self.commit(tier, job, ref, job.plan.data_bytes, tw.stored)
@@ -437,9 +445,13 @@ class Pipeline:
             job.plan.sources.clear()
 
 
-def _encode(codec: Codec, view: memoryview, event: Any) -> Encoded:
+def _encode(tier_codec: Codec, dtype: str, view: memoryview, event: Any) -> Encoded:
     if event is not None:
         event.synchronize()
+    profile = getattr(tier_codec, "profile", None)
+    if profile is not None:  # the auto policy measures its candidate on real data, once
+        profile(dtype, view)
+    codec = tier_codec.for_dtype(dtype)
     if codec.is_passthrough:
         return Encoded(view, checksum(view), codec.get_config())
     out = codec.encode(view)

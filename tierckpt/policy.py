@@ -172,11 +172,7 @@ def resolve_codec(spec: CodecSpec, backend: Backend) -> Codec:
     if isinstance(spec, dict):
         return codec_from_config(spec)
     if spec == "auto":
-        if not backend.is_remote:
-            return codec_from_config({"id": "raw"})
-        try:
-            from tierckpt.codecs.auto import auto_codec_for  # type: ignore[attr-defined]
-        except ImportError:
-            return codec_from_config({"id": "zstd", "level": 1})
-        return auto_codec_for(backend)  # type: ignore[no-any-return]
+        from tierckpt.codecs.adaptive import AdaptiveCodec
+
+        return AdaptiveCodec(remote=backend.is_remote)
     return codec_from_config({"id": spec})
