@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from helpers import assert_same
+
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.backends.local import LocalBackend
 from tierckpt.codecs.adaptive import AdaptiveCodec
@@ -37,22 +37,24 @@ class _SlowTier(LocalTier):
 def _weights() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     # trained-looking weights: small normal values compress on their exponent byte
-    return {f"w{i}": (torch.randn(1 << 20, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)}
+    return {
+        f"w{i}": (torch.randn(1 << 20, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)
+    }
 
 
 def _codec_ids(root: Path, step: int) -> set[str]:
     data = (root / shard_name(step, 0)).read_bytes()
     f = Footer.decode(data[-FOOTER_SIZE:], file_size=len(data), where="t")
-    index = decode_index(data[f.index_offset : f.index_offset + f.index_length],
-                         file_size=len(data), where="t")
+    index = decode_index(
+        data[f.index_offset : f.index_offset + f.index_length], file_size=len(data), where="t"
+    )
     return {c["id"] for c in index["codecs"]}
 
 
 def test_fast_local_stays_raw_slow_link_turns_compressed(tmp_path: Path) -> None:
     state = _weights()
     fast, slow = tmp_path / "fast", tmp_path / "slow"
-    with Checkpointer([LocalTier(fast), _SlowTier(slow, name="slow")],
-                      chunk_bytes=1 << 20) as ck:
+    with Checkpointer([LocalTier(fast), _SlowTier(slow, name="slow")], chunk_bytes=1 << 20) as ck:
         for step in range(3):
             ck.save(state, step=step).wait()
         slow_policy = ck._tier("slow").codec

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import assert_same, trained_state
-from tierckpt import CheckpointFailed, Checkpointer, LocalTier, MemoryTier, S3Tier
+
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, MemoryTier, S3Tier
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.s3
@@ -37,12 +37,17 @@ def _big_state() -> dict:
 
 
 def test_ram_local_s3_then_restore_on_new_node_in_fresh_process(
-    tmp_path: Path, s3_server, s3_bucket  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    s3_server,
+    s3_bucket,  # type: ignore[no-untyped-def]
 ) -> None:
     bucket = s3_bucket(s3_server)
     state = _big_state()
-    policy = [MemoryTier(namespace=uuid.uuid4().hex), LocalTier(tmp_path / "nvme"),
-              _s3(s3_server, bucket)]
+    policy = [
+        MemoryTier(namespace=uuid.uuid4().hex),
+        LocalTier(tmp_path / "nvme"),
+        _s3(s3_server, bucket),
+    ]
     with Checkpointer(policy, chunk_bytes=4 << 20) as ck:
         h = ck.save(state, step=100)
         h.wait()
@@ -60,7 +65,7 @@ def test_ram_local_s3_then_restore_on_new_node_in_fresh_process(
         with Checkpointer(policy) as ck:
             assert ck.tier_steps() == {{"memory": [], "local": [], "s3": [100]}}, ck.tier_steps()
             loaded = ck.load()
-            assert_same(torch.load({str(tmp_path / 'expected.pt')!r}, weights_only=True), loaded)
+            assert_same(torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True), loaded)
             # the local tier was repopulated while reading: the next restart is local
             assert ck.tier_steps()["local"] == [100], ck.tier_steps()
         with Checkpointer([LocalTier({str(new_local)!r})]) as ck:
@@ -68,8 +73,9 @@ def test_ram_local_s3_then_restore_on_new_node_in_fresh_process(
         print("RESTORED-OK")
     """)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
     assert "RESTORED-OK" in out.stdout, out.stderr[-3000:]
     assert _open_uploads(s3_server, bucket) == []
 
@@ -78,8 +84,10 @@ def test_ram_plus_s3_only(tmp_path: Path, moto_server, s3_bucket) -> None:  # ty
     bucket = s3_bucket(moto_server)
     state = _big_state()
     ns = uuid.uuid4().hex
-    with Checkpointer([MemoryTier(namespace=ns, keep_last=1), _s3(moto_server, bucket, keep_last=2)],
-                      chunk_bytes=4 << 20) as ck:
+    with Checkpointer(
+        [MemoryTier(namespace=ns, keep_last=1), _s3(moto_server, bucket, keep_last=2)],
+        chunk_bytes=4 << 20,
+    ) as ck:
         for s in (1, 2, 3):
             ck.save(state, step=s).wait()
         assert ck.tier_steps() == {"memory": [3], "s3": [2, 3]}
@@ -92,8 +100,9 @@ def test_ram_plus_s3_only(tmp_path: Path, moto_server, s3_bucket) -> None:  # ty
 
 def test_every_n_and_retention_per_tier(tmp_path: Path, moto_server, s3_bucket) -> None:  # type: ignore[no-untyped-def]
     bucket = s3_bucket(moto_server)
-    with Checkpointer([LocalTier(tmp_path, keep_last=2),
-                       _s3(moto_server, bucket, every=3, keep_last=2)]) as ck:
+    with Checkpointer(
+        [LocalTier(tmp_path, keep_last=2), _s3(moto_server, bucket, every=3, keep_last=2)]
+    ) as ck:
         for s in range(0, 80, 10):  # 8 saves: S3 gets the 1st, 4th and 7th
             ck.save({"x": torch.full((1000,), float(s))}, step=s).wait()
         assert ck.tier_steps() == {"local": [60, 70], "s3": [30, 60]}
@@ -103,13 +112,20 @@ def test_every_n_and_retention_per_tier(tmp_path: Path, moto_server, s3_bucket) 
 
 
 def test_s3_failure_mid_upload_fails_only_s3_and_leaves_no_upload(
-    tmp_path: Path, moto_server, s3_bucket  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    moto_server,
+    s3_bucket,  # type: ignore[no-untyped-def]
 ) -> None:
     bucket = s3_bucket(moto_server)
     state = _big_state()
     with FaultProxy(moto_server.endpoint_url) as proxy:
-        s3 = S3Tier(f"s3://{bucket}/run", endpoint_url=proxy.endpoint_url, part_size=5 << 20,
-                    max_attempts=2, read_timeout=5)
+        s3 = S3Tier(
+            f"s3://{bucket}/run",
+            endpoint_url=proxy.endpoint_url,
+            part_size=5 << 20,
+            max_attempts=2,
+            read_timeout=5,
+        )
         with Checkpointer([LocalTier(tmp_path), s3], chunk_bytes=4 << 20) as ck:
             ck.save(state, step=1).wait()
             # every part upload now fails: retries are exhausted, the S3 copy fails
@@ -122,8 +138,9 @@ def test_s3_failure_mid_upload_fails_only_s3_and_leaves_no_upload(
             assert ck.tier_steps() == {"local": [1, 2], "s3": [1]}
             assert _open_uploads(moto_server, bucket) == []
             # transient faults (a few 503 SlowDown) are retried through
-            proxy.set_faults([Fault("slowdown", method="PUT", path_contains="partNumber=",
-                                    times=2)])
+            proxy.set_faults(
+                [Fault("slowdown", method="PUT", path_contains="partNumber=", times=2)]
+            )
             ck.save(state, step=3).wait()
             assert ck.tier_steps()["s3"] == [1, 3]
             proxy.set_faults([])
@@ -140,6 +157,9 @@ def test_manifest_written_last_and_create_only(tmp_path: Path, moto_server, s3_b
         with pytest.raises(CheckpointFailed, match="already committed"):
             h.wait()
         assert torch.equal(ck.load()["x"], torch.ones(10))
-    body = json.loads(moto_server.admin.get_object(
-        Bucket=bucket, Key="run/manifests/step-000000000005.json")["Body"].read())
+    body = json.loads(
+        moto_server.admin.get_object(Bucket=bucket, Key="run/manifests/step-000000000005.json")[
+            "Body"
+        ].read()
+    )
     assert body["shards"][0]["file"] == "steps/000000000005/rank-000000.tck"

@@ -288,12 +288,32 @@ def _wait_and_log(log: str, handle: Any) -> None:
 def zygote() -> None:
     """Fork children from this warm process (torch already imported): a trial then costs a
     fork instead of an interpreter start. Protocol on stdin/stdout, one JSON line each way:
-    ``{"argv": [...], "env": {...}, "stderr": PATH}`` -> ``{"pid": N}``, then
-    ``{"pid": N, "exitcode": C}`` when it ends (-9: killed)."""
+    ``{"argv": [...], "env": {...}, "stderr": PATH}`` -> ``{"pid": N}``; later
+    ``{"kill": N}`` (SIGKILL, unless it already ended) and, when it ends,
+    ``{"pid": N, "exitcode": C}`` (-9: killed). Only this process reaps its children, so a
+    kill can never reach a reused pid."""
+    import threading
+
     torch.set_num_threads(1)
+    lock = threading.Lock()
+    running: set[int] = set()
+
+    def reap(pid: int) -> None:
+        _, status = os.waitpid(pid, 0)
+        with lock:
+            running.discard(pid)
+            print(
+                json.dumps({"pid": pid, "exitcode": os.waitstatus_to_exitcode(status)}), flush=True
+            )
+
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
+        if "kill" in cmd:
+            with lock:
+                if cmd["kill"] in running:
+                    os.kill(cmd["kill"], signal.SIGKILL)
+            continue
         pid = os.fork()
         if pid == 0:  # the child: a fresh process that never ran a checkpointer
             code = 70
@@ -312,9 +332,10 @@ def zygote() -> None:
             finally:
                 sys.stderr.flush()
                 os._exit(code)
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"pid": pid, "exitcode": os.waitstatus_to_exitcode(status)}), flush=True)
+        with lock:
+            running.add(pid)
+            print(json.dumps({"pid": pid}), flush=True)
+        threading.Thread(target=reap, args=(pid,), daemon=True).start()
 
 
 if __name__ == "__main__":
