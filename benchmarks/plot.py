@@ -253,9 +253,9 @@ def plot_train(result: dict[str, Any], out: Path) -> Path | None:
             va="bottom",
             fontsize=7,
         )
-        reps = vs[n].get("mean_iter_s_per_repeat") or []
-        none_reps = vs["none"].get("mean_iter_s_per_repeat") or []
-        pts = [a / c for a, c in zip(reps, none_reps, strict=False)]
+        rounds = vs[n].get("round_mean_iter_s") or []
+        none_rounds = vs["none"].get("round_mean_iter_s") or []
+        pts = [a / c for a, c in zip(rounds, none_rounds, strict=False)]
         ax.scatter([b.get_x() + b.get_width() / 2] * len(pts), pts, color="black", s=8, zorder=3)
     ax.axhline(1.10, color="black", linestyle="--", linewidth=1)
     ax.annotate("target 1.10x", (len(names) - 0.5, 1.10), ha="right", va="bottom", fontsize=7)

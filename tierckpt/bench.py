@@ -70,6 +70,8 @@ SAVE_CONTENDERS = (
     "tierckpt_256m",
     "tierckpt_default",
 )
+#: the peers that stage the state in host memory before writing it (the others write directly)
+STAGING_PEERS = frozenset({"dcp_async", "dcp_async_stager", "tc_async"})
 #: every variant of the training benchmark
 TRAIN_VARIANTS = ("none", "tierckpt", "torch_save", "dcp_async", "dcp_async_stager")
 
@@ -101,8 +103,7 @@ class BenchConfig:
     arena_bytes: int = 256 * MiB
     contenders: tuple[str, ...] = SAVE_CONTENDERS
     train_variants: tuple[str, ...] = TRAIN_VARIANTS
-    train_steps: int = 120
-    train_repeats: int = 2
+    train_steps: int = 120  # measured steps per variant
     train_warmup: int = 10
     train_every: int = 10
     train_layers: int = 4
@@ -128,9 +129,8 @@ class BenchConfig:
         for v in self.train_variants:
             if v not in TRAIN_VARIANTS:
                 raise ValueError(f"unknown training variant {v!r}; known: {TRAIN_VARIANTS}")
-        if self.train_variants and min(self.train_steps, self.train_every,
-                                       self.train_repeats) < 1:
-            raise ValueError("train steps, repeats and every must be >= 1")
+        if self.train_variants and min(self.train_steps, self.train_every) < 1:
+            raise ValueError("train steps and train every must be >= 1")
 
 
 # -- the synthetic state ----------------------------------------------------------------------
@@ -757,6 +757,7 @@ def save_worker(name: str, gib: float, directory: str, cfg: BenchConfig) -> dict
                 step += 1
                 rec.update({k: v for k, v in lazy.items() if k.startswith("lazy")})
                 rec["lazy_committed_s"] = lazy["committed_s"]
+                rec["lazy_returns_s"] = lazy["returns_s"]
                 if "captured_at_s" in lazy:
                     rec["lazy_captured_at_s"] = lazy["captured_at_s"]
             else:
@@ -822,23 +823,24 @@ class TinyLM(torch.nn.Module):
 
 
 class _TrainSaver:
-    """What each training variant does at a checkpoint and before the optimizer step."""
+    """What one training variant does at a checkpoint, before the optimizer step, and when
+    its turn ends (``drain``: wait until everything it started is durable)."""
 
     def __init__(self, variant: str, out: Path, opt: torch.optim.Optimizer) -> None:
         self.variant = variant
         self.out = out
+        out.mkdir(parents=True, exist_ok=True)
         self.paths: list[Path] = []
         self.commit_s: list[float] = []
         self.handles: list[Any] = []
         self.ck: Any = None
         self.stager: Any = None
         self.resp: Any = None
-        self.resp_t0 = 0.0
         if variant == "tierckpt":
             from tierckpt import Checkpointer, LocalTier
 
             self.ck = Checkpointer([LocalTier(out, keep_last=2)])
-            self.ck.guard(opt)
+            self.ck.guard(opt)  # a no-op while this Checkpointer has nothing in flight
         elif variant == "dcp_async_stager":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -859,9 +861,7 @@ class _TrainSaver:
     def _finish_previous(self) -> None:
         if self.resp is None:
             return
-        f = self.resp.upload_completion if hasattr(self.resp, "upload_completion") else self.resp
-        f.result()
-        self.commit_s.append(time.perf_counter() - self.resp_t0)
+        getattr(self.resp, "upload_completion", self.resp).result()
         self.resp = None
 
     def save(self, state: dict[str, Any], step: int) -> None:
@@ -869,8 +869,8 @@ class _TrainSaver:
             self.handles.append(self.ck.save(state, step))
             return
         path = self.out / f"step-{step}"
-        t0 = time.perf_counter()
         if self.variant == "torch_save":
+            t0 = time.perf_counter()
             with open(path, "wb") as f:
                 torch.save(state, f)
                 f.flush()
@@ -882,14 +882,19 @@ class _TrainSaver:
             self._finish_previous()  # DCP's usage: one upload in flight
             t0 = time.perf_counter()
             self.resp = dcp.async_save(state, checkpoint_id=str(path), async_stager=self.stager)
-            self.resp_t0 = t0
+            up = getattr(self.resp, "upload_completion", self.resp)
+            up.add_done_callback(lambda _f: self.commit_s.append(time.perf_counter() - t0))
         self.paths.append(path)
         self._prune()
 
-    def close(self) -> None:
-        self._finish_previous()
+    def drain(self) -> None:
         if self.ck is not None:
             self.ck.wait()
+        self._finish_previous()
+
+    def close(self) -> None:
+        self.drain()
+        if self.ck is not None:
             for h in self.handles:
                 r = h.results.get("local")
                 if r is not None:
@@ -899,7 +904,23 @@ class _TrainSaver:
             self.stager.close()
 
 
-def train_worker(variant: str, directory: str, cfg: BenchConfig) -> dict[str, Any]:
+def train_schedule(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, variant) blocks: one unmeasured warm-up round (-1), then ``rounds`` rounds in
+    ABBA order, so a drift in the machine's load touches every variant alike."""
+    out = [(-1, v) for v in variants]
+    for r in range(rounds):
+        out += [(r, v) for v in (variants if r % 2 == 0 else variants[::-1])]
+    return out
+
+
+def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
+    """Train one model; the variants take turns in blocks of ``train_every`` steps (at least 4).
+
+    Interleaving in one process is what makes the comparison usable on a shared machine:
+    separate runs minutes apart differed by 2-4x in iteration time from other tenants' load
+    alone. A block's saves land mid-block; at its end the variant's outstanding checkpoint
+    work is waited for and that wait is charged to the block's last iteration.
+    """
     warnings.filterwarnings("ignore", category=UserWarning)
     if cfg.train_threads > 0:
         torch.set_num_threads(cfg.train_threads)
@@ -908,55 +929,74 @@ def train_worker(variant: str, directory: str, cfg: BenchConfig) -> dict[str, An
     model = TinyLM(vocab, cfg.train_dmodel, cfg.train_layers, seq)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     data = torch.randint(0, vocab, (64, batch, seq + 1))
-    out = Path(directory) / f"train-{variant}"
-    out.mkdir(parents=True, exist_ok=True)
-    saver = _TrainSaver(variant, out, opt) if variant != "none" else None
-    times: list[float] = []
-    saves = 0
+    out = Path(directory) / "train"
+    savers = {v: _TrainSaver(v, out / v, opt) for v in cfg.train_variants if v != "none"}
+    block = cfg.train_every * max(1, -(-4 // cfg.train_every))  # one save or more per block
+    rounds = max(1, -(-cfg.train_steps // block))
+    times: dict[str, list[float]] = {v: [] for v in cfg.train_variants}
+    round_means: dict[str, list[float]] = {v: [] for v in cfg.train_variants}
+    saves = dict.fromkeys(cfg.train_variants, 0)
     state_bytes = 0
+    step = 0
     try:
-        for i in range(cfg.train_warmup + cfg.train_steps):
-            t0 = time.perf_counter()
-            xy = data[i % data.shape[0]]
-            logits = model(xy[:, :-1])
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, vocab), xy[:, 1:].reshape(-1)
-            )
-            loss.backward()  # type: ignore[no-untyped-call]
+        for rnd, v in train_schedule(cfg.train_variants, rounds):
+            saver = savers.get(v)
+            block_times: list[float] = []
+            for j in range(block):
+                t0 = time.perf_counter()
+                xy = data[step % data.shape[0]]
+                logits = model(xy[:, :-1])
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, vocab), xy[:, 1:].reshape(-1)
+                )
+                loss.backward()  # type: ignore[no-untyped-call]
+                if saver is not None:
+                    saver.before_step()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                # after the step, so the state is consistent
+                if saver is not None and (j + 1 + cfg.train_every // 2) % cfg.train_every == 0:
+                    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+                    state_bytes = state_bytes or _tensor_bytes(state)
+                    saver.save(state, step)
+                    saves[v] += rnd >= 0
+                block_times.append(time.perf_counter() - t0)
+                step += 1
             if saver is not None:
-                saver.before_step()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            # checkpoint after the step (a consistent state); the first one lands in warm-up
-            if saver is not None and (i + 1 - cfg.train_warmup) % cfg.train_every == 0:
-                state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i}
-                if not state_bytes:
-                    state_bytes = _tensor_bytes(state)
-                saver.save(state, i)
-                if i >= cfg.train_warmup:
-                    saves += 1
-            if i >= cfg.train_warmup:
-                times.append(time.perf_counter() - t0)
-        if saver is not None:
-            saver.close()
+                t0 = time.perf_counter()
+                saver.drain()
+                block_times[-1] += time.perf_counter() - t0
+            if rnd >= 0:
+                times[v].extend(block_times)
+                round_means[v].append(statistics.fmean(block_times))
+        for s in savers.values():
+            s.close()
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    if not state_bytes:
-        state_bytes = _tensor_bytes({"model": model.state_dict(), "optim": opt.state_dict()})
+    variants: dict[str, Any] = {}
+    for v, ts in times.items():
+        sv = savers.get(v)
+        variants[v] = {
+            "variant": v,
+            "label": LABELS[v],
+            "steps": len(ts),
+            "saves": saves[v],
+            "mean_iter_s": statistics.fmean(ts),
+            "median_iter_s": statistics.median(ts),
+            "p95_iter_s": sorted(ts)[int(0.95 * (len(ts) - 1))],
+            "max_iter_s": max(ts),
+            "round_mean_iter_s": round_means[v],
+            "commit_s_median": _median(sv.commit_s) if sv is not None else None,
+            "iter_s": ts,
+        }
     return {
-        "variant": variant,
-        "label": LABELS[variant],
-        "steps": len(times),
-        "torch_threads": torch.get_num_threads(),
+        "variants": variants,
         "every": cfg.train_every,
-        "saves": saves,
+        "block_steps": block,
+        "rounds": rounds,
         "state_bytes": state_bytes,
-        "mean_iter_s": statistics.fmean(times),
-        "median_iter_s": statistics.median(times),
-        "p95_iter_s": sorted(times)[int(0.95 * (len(times) - 1))],
-        "max_iter_s": max(times),
-        "commit_s_median": _median(saver.commit_s) if saver is not None else None,
-        "iter_s": times,
+        "torch_threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -1012,7 +1052,7 @@ def _worker_main(spec_json: str) -> int:
     if spec["kind"] == "save":
         res = save_worker(spec["name"], float(spec["gib"]), spec["dir"], cfg)
     else:
-        res = train_worker(spec["name"], spec["dir"], cfg)
+        res = train_worker(spec["dir"], cfg)
     res["loadavg"] = {"start": load0, "end": _loadavg()}
     with open(spec["result"], "w") as f:
         json.dump(res, f)
@@ -1113,15 +1153,10 @@ def run_bench(
             entry["summary"] = summarize_size(entry)
             result["sizes"].append(entry)
         if cfg.train_variants:
-            runs: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.train_variants}
-            for rep in range(cfg.train_repeats):
-                # ABBA order, so a drift in the machine's load hits every variant alike
-                order = cfg.train_variants if rep % 2 == 0 else cfg.train_variants[::-1]
-                for v in order:
-                    log(f"[train {rep + 1}/{cfg.train_repeats}] {LABELS[v]} ...")
-                    runs[v].append(_spawn("train", v, 0.0, work, cfg))
-            train: dict[str, Any] = {"variants": {v: merge_train_runs(r) for v, r in runs.items()}}
-            train["summary"] = summarize_train(train)
+            log(f"[train] {', '.join(cfg.train_variants)}, interleaved ...")
+            train: dict[str, Any] = _spawn("train", "train", 0.0, work, cfg)
+            if "error" not in train:
+                train["summary"] = summarize_train(train)
             result["train"] = train
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -1158,41 +1193,21 @@ def summarize_size(entry: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def merge_train_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One variant's repeats: mean of their mean iteration times, pooled percentiles."""
-    ok = [r for r in runs if "error" not in r]
-    if not ok:
-        return runs[0]
-    pooled = sorted(x for r in ok for x in r["iter_s"])
-    commits = [r["commit_s_median"] for r in ok if r["commit_s_median"] is not None]
-    return {
-        **{k: ok[0][k] for k in ("variant", "label", "steps", "every", "saves", "state_bytes",
-                                 "torch_threads")},
-        "repeats": len(ok),
-        "mean_iter_s": statistics.fmean(r["mean_iter_s"] for r in ok),
-        "mean_iter_s_per_repeat": [r["mean_iter_s"] for r in ok],
-        "median_iter_s": statistics.median(pooled),
-        "p95_iter_s": pooled[int(0.95 * (len(pooled) - 1))],
-        "max_iter_s": pooled[-1],
-        "commit_s_median": _median(commits),
-        "iter_s": [r["iter_s"] for r in ok],
-        "errors": [r["error"] for r in runs if "error" in r],
-    }
-
-
 def summarize_train(train: dict[str, Any]) -> dict[str, Any]:
-    vs = {k: v for k, v in train["variants"].items() if "error" not in v}
-    base = _get(vs, "none", "mean_iter_s")
-    if not base:
+    """Iteration time of every variant over no checkpointing: ratio of the means, and the
+    median of the per-round ratios (each round's blocks ran minutes apart at most)."""
+    vs = train["variants"]
+    if "none" not in vs:
         return {}
-    none_reps = vs["none"]["mean_iter_s_per_repeat"]
+    base = vs["none"]
     return {
-        "mean_iter_over_none": {k: v["mean_iter_s"] / base for k, v in vs.items()},
-        "mean_iter_over_none_per_repeat": {
-            k: [a / b for a, b in zip(v["mean_iter_s_per_repeat"], none_reps, strict=False)]
+        "mean_iter_over_none": {k: v["mean_iter_s"] / base["mean_iter_s"] for k, v in vs.items()},
+        "paired_median_over_none": {
+            k: statistics.median(a / b for a, b in zip(v["round_mean_iter_s"],
+                                                       base["round_mean_iter_s"], strict=True))
             for k, v in vs.items()
         },
-        "median_iter_over_none": {k: v["median_iter_s"] / vs["none"]["median_iter_s"]
+        "median_iter_over_none": {k: v["median_iter_s"] / base["median_iter_s"]
                                   for k, v in vs.items()},
     }
 
@@ -1217,13 +1232,13 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             lazy_per_gib = m["lazy_blocked_s"] / gib_real
             add(f"{gib:g} GiB {tk}: lazy blocked <= 10 ms/GiB", lazy_per_gib * 1e3, 10.0,
                 lazy_per_gib <= 0.010,
-                f"{m['lazy_blocked_s'] * 1e3:.1f} ms for {gib_real:.2f} GiB (save() "
-                f"{m['returns_s'] * 1e3:.1f} ms + wait {m.get('lazy_wait_s', 0) * 1e3:.1f} ms)")
+                f"{m['lazy_blocked_s'] * 1e3:.1f} ms for {gib_real:.2f} GiB (medians: save() "
+                f"{m.get('lazy_returns_s', 0) * 1e3:.1f} ms, wait "
+                f"{m.get('lazy_wait_s', 0) * 1e3:.1f} ms)")
             cap_per_gib = m["staged_s"] / gib_real
             add(f"{gib:g} GiB {tk}: immediate capture <= 0.1 s/GiB", cap_per_gib, 0.1,
                 cap_per_gib <= 0.1, f"{m['staged_s']:.3f} s for {gib_real:.2f} GiB")
-            peers = {b: v["median"]["staged_s"] for b, v in cs.items()
-                     if v.get("background_staging") and not b.startswith("tierckpt")}
+            peers = {b: v["median"]["staged_s"] for b, v in cs.items() if b in STAGING_PEERS}
             if peers:
                 fastest = min(peers, key=lambda b: peers[b])
                 add(f"{gib:g} GiB {tk}: immediate capture faster than every peer's staging",
@@ -1247,12 +1262,14 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     ratio = _get(tr, "summary", "mean_iter_over_none", "tierckpt")
     if ratio is not None:
         v = tr["variants"]["tierckpt"]
-        keeps_up = (v["commit_s_median"] or 0) < v["every"] * tr["variants"]["none"]["mean_iter_s"]
+        paired = _get(tr, "summary", "paired_median_over_none", "tierckpt")
+        budget = tr["every"] * tr["variants"]["none"]["mean_iter_s"]
+        keeps_up = (v["commit_s_median"] or 0) < budget
         add("training: iteration time with tierckpt <= 1.10x no checkpointing", ratio, 1.10,
             ratio <= 1.10,
-            f"checkpoint every {v['every']} steps ({v['state_bytes'] / MiB:.0f} MiB); "
-            f"commit {v['commit_s_median'] or 0:.2f} s vs {v['every']} steps = "
-            f"{v['every'] * tr['variants']['none']['mean_iter_s']:.2f} s: disk "
+            f"{ratio:.2f}x of the means, {paired:.2f}x median of paired rounds; checkpoint every "
+            f"{tr['every']} steps ({tr['state_bytes'] / MiB:.0f} MiB), committed in "
+            f"{v['commit_s_median'] or 0:.2f} s vs {tr['every']} steps = {budget:.2f} s: the disk "
             f"{'keeps up' if keeps_up else 'does NOT keep up'}")
     return out
 
@@ -1336,29 +1353,30 @@ def format_table(result: dict[str, Any]) -> str:
     tr = result.get("train")
     if tr and tr.get("variants"):
         vs = tr["variants"]
-        ok = next((v for v in vs.values() if "error" not in v), None)
-        if ok is not None:
+        lines.append(
+            f"### Training loop: {cfg['train_layers']}-layer d={cfg['train_dmodel']} transformer "
+            f"({tr['params'] / 1e6:.1f} M parameters, {tr['torch_threads']} torch threads), "
+            f"checkpoint every {tr['every']} steps ({tr['state_bytes'] / MiB:.0f} MiB); the "
+            f"variants take turns in blocks of {tr['block_steps']} steps, {tr['rounds']} rounds "
+            "in ABBA order after a warm-up round"
+        )
+        lines.append("")
+        lines.append("| variant | mean iteration | vs none (means) | vs none (median of rounds) "
+                     "| median | p95 | max | checkpoint committed (median) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        summ = tr.get("summary", {})
+        for name, v in vs.items():
             lines.append(
-                f"### Training loop: {cfg['train_layers']}-layer d={cfg['train_dmodel']} "
-                f"transformer, {ok['steps']} steps x {ok.get('repeats', 1)} runs (ABBA order), "
-                f"checkpoint every {cfg['train_every']} steps ({ok['state_bytes'] / MiB:.0f} MiB)"
+                f"| {v['label']} | {_fmt_s(v['mean_iter_s'])} | "
+                f"{_fmt_x(_get(summ, 'mean_iter_over_none', name))} | "
+                f"{_fmt_x(_get(summ, 'paired_median_over_none', name))} | "
+                f"{_fmt_s(v['median_iter_s'])} | {_fmt_s(v['p95_iter_s'])} | "
+                f"{_fmt_s(v['max_iter_s'])} | {_fmt_s(v['commit_s_median'])} |"
             )
-            lines.append("")
-            lines.append("| variant | mean iteration | vs none | median | p95 | max | "
-                         "checkpoint committed (median) |")
-            lines.append("|---|---:|---:|---:|---:|---:|---:|")
-            summ = tr.get("summary", {})
-            for name, v in vs.items():
-                if "error" in v:
-                    lines.append(f"| {LABELS[name]} | failed: {v['error']} | | | | | |")
-                    continue
-                ratio = _get(summ, "mean_iter_over_none", name)
-                lines.append(
-                    f"| {v['label']} | {_fmt_s(v['mean_iter_s'])} | {_fmt_x(ratio)} | "
-                    f"{_fmt_s(v['median_iter_s'])} | {_fmt_s(v['p95_iter_s'])} | "
-                    f"{_fmt_s(v['max_iter_s'])} | {_fmt_s(v['commit_s_median'])} |"
-                )
-            lines.append("")
+        lines.append("")
+    elif tr:
+        lines.append(f"Training loop failed: {tr.get('error')}")
+        lines.append("")
     if result.get("targets"):
         lines.append("### Targets")
         lines.append("")
@@ -1402,8 +1420,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", type=_names, default=d.train_variants,
                    help=f"training variants from {','.join(TRAIN_VARIANTS)}; '' to skip")
     p.add_argument("--train-steps", type=int, default=d.train_steps)
-    p.add_argument("--train-repeats", type=int, default=d.train_repeats,
-                   help="runs of each training variant, in ABBA order (default 2)")
     p.add_argument("--train-warmup", type=int, default=d.train_warmup)
     p.add_argument("--train-every", type=int, default=d.train_every,
                    help="checkpoint every k steps in the training loop")
@@ -1435,7 +1451,6 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         contenders=tuple(a.contenders),
         train_variants=tuple(a.train),
         train_steps=a.train_steps,
-        train_repeats=a.train_repeats,
         train_warmup=a.train_warmup,
         train_every=a.train_every,
         train_layers=a.train_layers,

@@ -486,7 +486,9 @@ class NvcompCodec(Codec):
         """Decode a stored chunk into ``out``, a contiguous 1-D uint8 CUDA tensor.
 
         ``data`` is host bytes or a uint8 tensor already on the GPU (only its header is read
-        back to the host).
+        back to the host). The framing is validated here, but NVIDIA documents that several
+        nvCOMP GPU decoders cannot detect corrupt pieces: decode only chunks whose checksum
+        passed (the restore path verifies before it decodes).
         """
         import torch
 
