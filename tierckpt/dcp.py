@@ -102,7 +102,7 @@ from tierckpt.objects import decode_tree, dtype_from_name, dtype_name, encode_tr
 from tierckpt.pipeline import Pipeline, SaveJob, TierRuntime
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
-from tierckpt.restore import is_recoverable, read_index, read_manifest
+from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
 from tierckpt.retention import committed_steps, gc_tier
 
 __all__ = [
@@ -757,6 +757,7 @@ class _ShardFile:
         self.chunks: list[ChunkRecord] = index["chunks"]
         self.chunk_starts = [c.logical_offset for c in self.chunks]
         self.storages: list[list[int]] = index["storages"]
+        self._storage_sizes: list[int] | None = None
         self.tensors: list[Any] = index["tensors"]
         tree = decode_tree(index.get("tree"), lambda i: i)
         if not isinstance(tree, dict) or not all(
@@ -783,38 +784,14 @@ class _ShardFile:
         return out
 
     def _tensor_shell(self, ti: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        entry = self.tensors[ti]
-        if not isinstance(entry, list) or len(entry) != 6:
-            raise FormatError(f"{self.where}: tensor {ti} record malformed")
-        sid, off, dtype_s, shape, stride, _device = entry
-        dtype = dtype_from_name(dtype_s)
-        if (
-            not isinstance(shape, list)
-            or not isinstance(stride, list)
-            or len(shape) != len(stride)
-            or len(shape) > MAX_DIMS
-            or not all(type(v) is int and 0 <= v < 1 << 48 for v in shape + stride)
-        ):
-            raise FormatError(f"{self.where}: tensor {ti} has a malformed shape/stride")
-        numel = 1
-        for s in shape:
-            numel *= s
-        if sid == -1 and numel == 0:
+        if self._storage_sizes is None:
+            self._storage_sizes = [n for _lo, n in self.storages]
+        rec = parse_tensor_entry(self.tensors[ti], ti, self.where, self._storage_sizes)
+        shape, stride, dtype, extent = rec.shape, rec.stride, rec.dtype, rec.extent
+        if rec.storage == -1:
             return torch.empty_strided(shape, stride, dtype=dtype), 0, None
-        item = torch.empty((), dtype=dtype).element_size()
-        if (
-            type(sid) is not int
-            or not 0 <= sid < len(self.storages)
-            or type(off) is not int
-            or off < 0
-            or off % item
-            or numel == 0
-        ):
-            raise FormatError(f"{self.where}: tensor {ti} points outside the storage table")
-        span_lo, span_n = self.storages[sid]
-        extent = (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
-        if off + extent > span_n:
-            raise FormatError(f"{self.where}: tensor {ti} does not fit its storage")
+        span_lo, _span_n = self.storages[rec.storage]
+        off = rec.offset
         buf = torch.empty(extent, dtype=torch.uint8)
         t = torch.empty(0, dtype=dtype)
         t.set_(buf.untyped_storage(), 0, shape, stride)

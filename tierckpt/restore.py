@@ -105,7 +105,22 @@ def _span_buffers(index: dict[str, Any], where: str) -> list[torch.Tensor]:
     return [torch.empty(int(n), dtype=torch.uint8) for _off, n in spans]
 
 
-def _rebuild_tensor(entry: Any, spans: list[torch.Tensor], i: int, where: str) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """One validated entry of an index's tensor table."""
+
+    storage: int  # -1: no elements, no storage
+    offset: int  # bytes into the storage span
+    dtype: torch.dtype
+    shape: list[int]
+    stride: list[int]
+    extent: int  # bytes from ``offset`` to the end of the last element (0 if empty)
+
+
+def parse_tensor_entry(
+    entry: Any, i: int, where: str, storage_sizes: Sequence[int]
+) -> TensorRecord:
+    """Validate tensor ``i``'s record against the storage table; ``FormatError`` if hostile."""
     if not isinstance(entry, list) or len(entry) != 6:
         raise FormatError(f"{where}: tensor {i} record malformed")
     sid, off, dtype_s, shape, stride, _device = entry
@@ -124,16 +139,25 @@ def _rebuild_tensor(entry: Any, spans: list[torch.Tensor], i: int, where: str) -
     if sid == -1:
         if numel != 0:
             raise FormatError(f"{where}: tensor {i} has elements but no storage")
-        return torch.empty_strided(shape, stride, dtype=dtype)
-    if type(sid) is not int or not 0 <= sid < len(spans) or type(off) is not int or off < 0:
+        return TensorRecord(-1, 0, dtype, shape, stride, 0)
+    if type(sid) is not int or not 0 <= sid < len(storage_sizes) or type(off) is not int or off < 0:
         raise FormatError(f"{where}: tensor {i} points outside the storage table")
     item = torch.empty((), dtype=dtype).element_size()
-    span = spans[sid]
-    extent = off + (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
-    if numel == 0 or off % item or extent > span.numel():
+    extent = (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
+    if numel == 0 or off % item or off + extent > storage_sizes[sid]:
         raise FormatError(f"{where}: tensor {i} does not fit its storage")
-    t = torch.empty(0, dtype=dtype)
-    t.set_(span.untyped_storage(), off // item, shape, stride)
+    return TensorRecord(sid, off, dtype, shape, stride, extent)
+
+
+def _rebuild_tensor(
+    entry: Any, spans: list[torch.Tensor], sizes: Sequence[int], i: int, where: str
+) -> torch.Tensor:
+    rec = parse_tensor_entry(entry, i, where, sizes)
+    if rec.storage == -1:
+        return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype)
+    item = torch.empty((), dtype=rec.dtype).element_size()
+    t = torch.empty(0, dtype=rec.dtype)
+    t.set_(spans[rec.storage].untyped_storage(), rec.offset // item, rec.shape, rec.stride)
     return t
 
 
@@ -223,7 +247,10 @@ def read_shard(
         covered = sum(c.raw_size for c in chunks)
         if covered != int(index["data_bytes"]):
             raise FormatError(f"{where}: chunks cover {covered} of {index['data_bytes']} bytes")
-        tensors = [_rebuild_tensor(e, spans, i, where) for i, e in enumerate(index["tensors"])]
+        sizes = [sp.numel() for sp in spans]
+        tensors = [
+            _rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
+        ]
         state = decode_tree(index.get("tree"), tensors)
     except BaseException:
         repop.abort()
