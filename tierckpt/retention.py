@@ -31,7 +31,7 @@ def committed_steps(backend: Backend) -> list[int]:
 def data_steps(backend: Backend) -> list[int]:
     """Steps that have a data folder (committed or not)."""
     out = set()
-    for name in backend.list(f"{DATA_DIR}/"):
+    for name in [*backend.list(f"{DATA_DIR}/"), *backend.incomplete(f"{DATA_DIR}/")]:
         parts = name.split("/")
         if len(parts) >= 3 and parts[1].isdigit() and len(parts[1]) == 12:
             out.add(int(parts[1]))
@@ -71,6 +71,11 @@ def gc_tier(
             # a save that never committed (killed, failed): its leftovers go
             delete_step(backend, step)
             deleted.append(step)
+    for name in backend.incomplete(f"{MANIFEST_DIR}/"):
+        # a manifest put killed halfway leaves a temporary file: dead once a newer step is in
+        step = parse_manifest_name(name)
+        if step is not None and step < newest and step not in protect:
+            backend.cleanup_incomplete(name)
     if deleted:
         log.debug("gc on %s removed steps %s", backend.url, deleted)
     return deleted

@@ -413,7 +413,7 @@ def gc(backend: Backend, keep_last: int, *, dry_run: bool = False,
 
     Leftovers are data folders without a manifest older than the newest committed step
     (saves that never committed). ``abort_incomplete`` also discards unfinished writes
-    (temporary files, open multipart uploads) under ``steps/`` — only when no job is
+    (temporary files, open multipart uploads) — only when no job is
     writing to this location.
     """
     if type(keep_last) is not int or keep_last < 1:
@@ -430,4 +430,5 @@ def gc(backend: Backend, keep_last: int, *, dry_run: bool = False,
     gc_tier(backend, keep_last)
     if abort_incomplete:
         backend.cleanup_incomplete("steps/")
+        backend.cleanup_incomplete("manifests/")
     return plan

@@ -6,9 +6,9 @@ next save, and the next saves (their retention pass, ``gc_tier``) or an explicit
 them. The crash tests produce these leftovers by real SIGKILLs; here each kind is reproduced
 exactly (the same names a dead writer leaves) so every cleanup path is checked on its own.
 
-The tests marked ``xfail(strict=True)`` are gaps found by this suite (see docs/reliability.md):
-the automatic cleanup misses leftovers of a step that has no committed object on that tier,
-manifest temp files, and an upload orphaned by a retried CreateMultipartUpload.
+The last tests are gaps this suite found and that are fixed: leftovers of a step that has no
+committed object on that tier (found through ``Backend.incomplete``), manifest temp files, and
+an upload orphaned by a retried CreateMultipartUpload.
 """
 
 from __future__ import annotations
@@ -25,14 +25,6 @@ from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.backends.local import LocalBackend
 from tierckpt.format import manifest_name, shard_name
 from tierckpt.testing.faultproxy import Fault, FaultProxy
-
-KEY_GAP = (
-    "gc_tier only looks at steps that have a committed object on the tier (data_steps lists "
-    "committed names), so leftovers of a step with nothing committed there (only *.tmp files, "
-    "only an open multipart upload) are never found; proposed fix: a Backend.incomplete(prefix) "
-    "listing (local: *.tmp names, S3: ListMultipartUploads) that data_steps() adds, so the "
-    "existing rule (uncommitted, older than the newest committed, not in flight) removes them"
-)
 
 
 def _state(step: int, n: int = 50_000) -> dict[str, Any]:
@@ -159,10 +151,9 @@ def test_cli_gc_abort_incomplete_removes_dead_writers(
     record("leftovers", "tierckpt gc --abort-incomplete", "temp files and open uploads removed")
 
 
-# -- gaps (xfail strict: they pass once fixed) ------------------------------------------------
+# -- gaps this suite found, now fixed: they stay as regression tests -------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=KEY_GAP)
 def test_next_saves_abort_upload_of_step_never_committed_on_s3(
     moto_server: Any, s3_bucket: Any
 ) -> None:
@@ -174,21 +165,12 @@ def test_next_saves_abort_upload_of_step_never_committed_on_s3(
     assert s3_leftovers(moto_server.admin, bucket, "run/")["open_uploads"] == []
 
 
-@pytest.mark.xfail(strict=True, reason=KEY_GAP)
 def test_next_saves_remove_temp_file_of_step_never_committed_locally(tmp_path: Path) -> None:
     tmp = _dead_local_writer(tmp_path, 5)
     _save_steps([LocalTier(tmp_path, keep_last=2)], range(6, 10))
     assert not tmp.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a process killed inside LocalBackend.put_atomic leaves manifests/step-N.json.*.tmp; "
-    "gc_tier only cleans temp files under a deleted step's data folder and `tierckpt gc "
-    "--abort-incomplete` only under steps/, so it stays forever; proposed fix: gc cleans "
-    "manifest temp files of steps older than the newest committed one "
-    "(cleanup_incomplete(manifest_name(step))), and tools.gc(abort_incomplete) uses prefix ''",
-)
 @pytest.mark.parametrize("how", ["next saves", "tierckpt gc --abort-incomplete"])
 def test_manifest_temp_file_of_killed_put_removed(tmp_path: Path, how: str) -> None:
     _save_steps([LocalTier(tmp_path, keep_last=2)], range(4, 5))
@@ -199,14 +181,6 @@ def test_manifest_temp_file_of_killed_put_removed(tmp_path: Path, how: str) -> N
     assert not tmp.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CreateMultipartUpload is not idempotent: when its response is lost (connection "
-    "reset) botocore retries and S3 creates a second upload; the first upload id is never "
-    "known, never aborted, and (the step being committed) never cleaned by gc; proposed fix: "
-    "in _S3Writer._submit_part, when the create response says RetryAttempts > 0, list the "
-    "key's multipart uploads and abort every one but ours",
-)
 def test_retried_create_multipart_leaves_no_orphan_upload(moto_server: Any, s3_bucket: Any) -> None:
     bucket = s3_bucket(moto_server)
     with FaultProxy(

@@ -142,7 +142,7 @@ def run_faulty_s3(
     }
     record("s3_faults", "summary", "every checkpoint committed or reported failed", stats=stats)
     # uploads orphaned by failed aborts or by a retried CreateMultipartUpload stay open until
-    # an operator's gc (see test_leftovers.py for the automatic-cleanup gap, xfail): it clears
+    # an operator's gc (the next saves' retention would also abort them, see test_leftovers.py): it clears
     # every one of them
     from tierckpt.cli import main as cli
 

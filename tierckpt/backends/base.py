@@ -151,6 +151,12 @@ class Backend(ABC):
     def delete(self, name: str) -> None:
         """Delete ``name``; a missing object is not an error."""
 
+    def incomplete(self, prefix: str = "") -> list[str]:
+        """Names under ``prefix`` that a writer started and never committed or aborted
+        (temporary files, open multipart uploads): leftovers of a killed process, or writes
+        in progress. Sorted; a name may also exist committed."""
+        return []
+
     def cleanup_incomplete(self, prefix: str = "") -> int:
         """Discard leftovers of writers that never committed (a killed process).
 

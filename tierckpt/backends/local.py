@@ -257,6 +257,19 @@ class LocalBackend(Backend):
                 break
             parent = os.path.dirname(parent)
 
+    def incomplete(self, prefix: str = "") -> list[str]:
+        out = set()
+        for dirpath, _dirs, files in os.walk(self.root):
+            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for f in files:
+                if f.endswith(TMP_SUFFIX):
+                    # <name>.<random hex>.tmp -> <name>
+                    target = f[: -len(TMP_SUFFIX)].rsplit(".", 1)[0]
+                    rel = target if rel_dir == "." else f"{rel_dir}/{target}"
+                    if rel.startswith(prefix):
+                        out.add(rel)
+        return sorted(out)
+
     def cleanup_incomplete(self, prefix: str = "") -> int:
         removed = 0
         for dirpath, _dirs, files in os.walk(self.root, topdown=False):

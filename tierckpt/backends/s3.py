@@ -274,6 +274,10 @@ class _S3Writer(ObjectWriter):
         if self._upload_id is None:
             resp = self._b._call("create_multipart_upload", self._key, **self._b._checksum_args)
             self._upload_id = str(resp["UploadId"])
+            if resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+                # CreateMultipartUpload is not idempotent: a retried create may have made an
+                # upload whose id we never saw; abort every other upload of this key
+                self._b._abort_other_uploads(self._key, self._upload_id)
         number = self._next_part
         if number > MAX_PARTS:
             raise S3Error(
@@ -507,6 +511,11 @@ class S3Backend(Backend):
         except (ClientError, BotoCoreError) as exc:
             raise self._translate(exc, op, prefix) from exc
 
+    def _abort_other_uploads(self, key: str, keep: str) -> None:
+        for upload in self._paginate("list_multipart_uploads", key, "Uploads"):
+            if str(upload["Key"]) == key and str(upload["UploadId"]) != keep:
+                self._abort_upload(key, str(upload["UploadId"]))
+
     def _abort_upload(self, key: str, upload_id: str) -> bool:
         try:
             self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
@@ -738,6 +747,14 @@ class S3Backend(Backend):
             self._call("delete_object", self._key(name))
         except CheckpointNotFound:
             pass
+
+    def incomplete(self, prefix: str = "") -> list[str]:
+        cut = len(self._root)
+        keys = {
+            str(u["Key"])[cut:]
+            for u in self._paginate("list_multipart_uploads", self._root + prefix, "Uploads")
+        }
+        return sorted(keys)
 
     def cleanup_incomplete(self, prefix: str = "") -> int:
         removed = 0
