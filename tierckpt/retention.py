@@ -73,8 +73,8 @@ def gc_tier(
             deleted.append(step)
     for name in backend.incomplete(f"{MANIFEST_DIR}/"):
         # a manifest put killed halfway leaves a temporary file: dead once a newer step is in
-        step = parse_manifest_name(name)
-        if step is not None and step < newest and step not in protect:
+        pending = parse_manifest_name(name)
+        if pending is not None and pending < newest and pending not in protect:
             backend.cleanup_incomplete(name)
     if deleted:
         log.debug("gc on %s removed steps %s", backend.url, deleted)

@@ -32,6 +32,7 @@ Reading
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 
@@ -151,7 +152,7 @@ class Backend(ABC):
     def delete(self, name: str) -> None:
         """Delete ``name``; a missing object is not an error."""
 
-    def incomplete(self, prefix: str = "") -> list[str]:
+    def incomplete(self, prefix: str = "") -> builtins.list[str]:
         """Names under ``prefix`` that a writer started and never committed or aborted
         (temporary files, open multipart uploads): leftovers of a killed process, or writes
         in progress. Sorted; a name may also exist committed."""

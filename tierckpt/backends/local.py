@@ -8,6 +8,7 @@ never replaced (a create-only put).
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import ctypes.util
 import errno
@@ -257,7 +258,7 @@ class LocalBackend(Backend):
                 break
             parent = os.path.dirname(parent)
 
-    def incomplete(self, prefix: str = "") -> list[str]:
+    def incomplete(self, prefix: str = "") -> builtins.list[str]:
         out = set()
         for dirpath, _dirs, files in os.walk(self.root):
             rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")

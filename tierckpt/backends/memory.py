@@ -137,8 +137,10 @@ class MemoryBackend(Backend):
                 f"{self.url}/{name}: read of {length} bytes at {offset} past its end ({obj.size})"
             )
         i = max(bisect.bisect_right(obj.offsets, offset) - 1, 0)
-        if obj.offsets and obj.offsets[i] <= offset and (
-            offset + length <= obj.offsets[i] + len(obj.blobs[i])
+        if (
+            obj.offsets
+            and obj.offsets[i] <= offset
+            and (offset + length <= obj.offsets[i] + len(obj.blobs[i]))
         ):
             start = offset - obj.offsets[i]
             # a copy: the buffer may be recycled for a new write once the object is deleted

@@ -31,6 +31,7 @@ Retries and errors
 
 from __future__ import annotations
 
+import builtins
 import logging
 import random
 import secrets
@@ -748,7 +749,7 @@ class S3Backend(Backend):
         except CheckpointNotFound:
             pass
 
-    def incomplete(self, prefix: str = "") -> list[str]:
+    def incomplete(self, prefix: str = "") -> builtins.list[str]:
         cut = len(self._root)
         keys = {
             str(u["Key"])[cut:]
