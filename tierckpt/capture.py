@@ -49,10 +49,10 @@ class CaptureStreams:
         return buf
 
 
-def record_ready_events(plan: SavePlan) -> dict[torch.device, Any]:
+def record_ready_events(devices: SavePlan | set[str]) -> dict[torch.device, Any]:
     """At ``save()`` time: an event on each CUDA device's current stream (ordering point)."""
     events: dict[torch.device, Any] = {}
-    for dev in plan.devices:
+    for dev in devices.devices if isinstance(devices, SavePlan) else devices:
         d = torch.device(dev)
         if d.type == "cuda":
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]

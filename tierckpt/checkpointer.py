@@ -19,7 +19,7 @@ from tierckpt.format import Manifest, ShardRef, encode_manifest, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, SaveJob, TierRuntime
-from tierckpt.plan import build_plan
+from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 from tierckpt.restore import is_recoverable, read_manifest, read_shard, restore_into
 from tierckpt.retention import committed_steps
@@ -174,7 +174,9 @@ class Checkpointer:
             log.warning("step %d skipped: the previous checkpoint is still flushing", step)
             handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True)
             return handle
-        plan = build_plan(state, self.chunk_bytes)
+        # only the walk (validation + tensor references) runs here; the layout is computed by
+        # the capture thread, so training pays microseconds per tensor, not the whole plan
+        collected = collect_state(state)
         from tierckpt.capture import record_ready_events
 
         handle = SaveHandle(step, tuple(t.name for t in tiers))
@@ -182,12 +184,14 @@ class Checkpointer:
             return handle
         job = SaveJob(
             step=step,
-            plan=plan,
+            plan=None,
+            collected=collected,
+            chunk_bytes=self.chunk_bytes,
             tiers=tiers,
             handle=handle,
             rank=self.rank,
             world_size=self.world_size,
-            ready_events=record_ready_events(plan),
+            ready_events=record_ready_events(collected.devices),
             metadata=dict(metadata or {}),
             attempt=attempt,
         )

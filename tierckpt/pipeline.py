@@ -44,7 +44,7 @@ from tierckpt.format import (
     shard_name,
 )
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.plan import ChunkPlan, SavePlan
+from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
 from tierckpt.policy import TierSpec
 from tierckpt.retention import gc_tier
 
@@ -83,7 +83,8 @@ class _ChunkState:
 @dataclass
 class SaveJob:
     step: int
-    plan: SavePlan
+    #: the layout; None until the capture thread lays ``collected`` out
+    plan: SavePlan | None
     tiers: list[TierRuntime]
     handle: SaveHandle
     rank: int
@@ -91,6 +92,15 @@ class SaveJob:
     ready_events: dict[torch.device, Any]
     metadata: dict[str, Any]
     capture_error: BaseException | None = None
+    #: what save() collected (tree + tensor references), laid out by the capture thread
+    collected: CollectedState | None = None
+    chunk_bytes: int = 0
+
+    @property
+    def laid_out(self) -> SavePlan:
+        assert self.plan is not None, "the capture thread lays the plan out first"
+        return self.plan
+
     #: multi-rank saves: the id all ranks agreed on for this attempt (tierckpt.distributed)
     attempt: str = ""
 
@@ -237,6 +247,10 @@ class Pipeline:
                 self._tier_q[t.name].put(("end", job, None))
 
     def _capture(self, job: SaveJob) -> None:
+        if job.plan is None:
+            assert job.collected is not None
+            job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
+            job.collected = None
         plan = job.plan
         a = self._ensure_arena(plan)
         for t in job.tiers:
@@ -256,9 +270,7 @@ class Pipeline:
             state = _ChunkState(chunk, slot, remaining=len(job.tiers))
             view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
             for codec in codecs:
-                state.encoded[codec] = self._pool.submit(
-                    _encode, codec, chunk.dtype, view, event
-                )
+                state.encoded[codec] = self._pool.submit(_encode, codec, chunk.dtype, view, event)
             for t in job.tiers:
                 self._tier_q[t.name].put(("chunk", job, state))
         for ev in events:
@@ -352,7 +364,7 @@ class Pipeline:
             "checksum_algo": CHECKSUM_ALGO,
             "codecs": tw.codecs,
             "chunks": tw.records,
-            **job.plan.index_skeleton(),
+            **job.laid_out.index_skeleton(),
         }
         blob = encode_index(index)
         index_offset = tw.offset
@@ -370,7 +382,7 @@ class Pipeline:
             observe(tw.stored, tw.write_seconds)
         tw.writer = None
         ref = ShardRef(job.rank, shard_name(job.step, job.rank), size, footer.index_checksum)
-        pending = self.commit(tier, job, ref, job.plan.data_bytes, tw.stored)
+        pending = self.commit(tier, job, ref, job.laid_out.data_bytes, tw.stored)
         if pending is not None:
             codecs = list(tw.codecs)
             stored = tw.stored
@@ -405,7 +417,9 @@ class Pipeline:
             return
         seconds = time.perf_counter() - job.handle.started
         codec_desc = ",".join(sorted({c["id"] for c in codecs})) or "raw"
-        result = TierResult(tier.name, job.step, job.plan.data_bytes, stored, seconds, codec_desc)
+        result = TierResult(
+            tier.name, job.step, job.laid_out.data_bytes, stored, seconds, codec_desc
+        )
         log.info(
             "committed step %d on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
             job.step,
@@ -442,7 +456,9 @@ class Pipeline:
             with self._lock:
                 if job in self._in_flight:
                     self._in_flight.remove(job)
-            job.plan.sources.clear()
+            if job.plan is not None:
+                job.plan.sources.clear()
+            job.collected = None
 
 
 def _encode(tier_codec: Codec, dtype: str, view: memoryview, event: Any) -> Encoded:

@@ -19,7 +19,17 @@ from tierckpt._types import JSON
 from tierckpt.errors import UnsupportedObject
 from tierckpt.objects import dtype_name, encode_tree
 
-__all__ = ["ChunkPlan", "Piece", "SavePlan", "SpanPlan", "TensorEntry", "build_plan"]
+__all__ = [
+    "ChunkPlan",
+    "CollectedState",
+    "Piece",
+    "SavePlan",
+    "SpanPlan",
+    "TensorEntry",
+    "build_plan",
+    "collect_state",
+    "layout_plan",
+]
 
 #: start of a span is aligned down to this when tensors of different dtypes share a storage
 _MIXED_ALIGN = 16
@@ -97,6 +107,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+    """Refuse what cannot be stored; cheap, so it runs in ``save()`` itself."""
     if t.layout != torch.strided:
         raise UnsupportedObject(
             f"tensor at {path} has layout {t.layout}; only dense (strided) tensors are stored "
@@ -111,23 +122,53 @@ def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
             f"tensor at {path} is a {type(t).__qualname__}; distributed (DTensor/sharded) "
             "state goes through tierckpt.dcp (torch.distributed.checkpoint), plain tensors here"
         )
+    return t
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     return t.detach()
 
 
-def build_plan(state: Any, chunk_bytes: int) -> SavePlan:
-    if chunk_bytes < 4096 or chunk_bytes % 4096:
-        raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+@dataclass(slots=True)
+class CollectedState:
+    """What ``save()`` itself extracts from the state (the rest is laid out in background).
+
+    Walking the object tree validates it (unsupported objects raise here, at save time) and
+    takes references to the tensors; grouping, spans and chunks are computed by the capture
+    thread, so the training thread pays only for the walk.
+    """
+
+    tree: JSON
+    tensors: list[torch.Tensor]
+    devices: set[str]
+
+
+def collect_state(state: Any) -> CollectedState:
     tensors: list[torch.Tensor] = []
-    entries: list[TensorEntry | None] = []
+    devices: set[str] = set()
 
     def on_tensor(t: torch.Tensor, path: str) -> int:
         tensors.append(_check_tensor(t, path))
-        entries.append(None)
+        if t.device.type != "cpu":
+            devices.add(str(t.device))
         return len(tensors) - 1
 
     tree = encode_tree(state, on_tensor)
+    return CollectedState(tree, tensors, devices)
+
+
+def build_plan(state: Any, chunk_bytes: int) -> SavePlan:
+    return layout_plan(collect_state(state), chunk_bytes)
+
+
+def layout_plan(collected: CollectedState, chunk_bytes: int) -> SavePlan:
+    if chunk_bytes < 4096 or chunk_bytes % 4096:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+    tree = collected.tree
+    tensors = [_prepare(t) for t in collected.tensors]
+    entries: list[TensorEntry | None] = [None] * len(tensors)
 
     # group tensors by the storage they view
     groups: dict[tuple[str, int], list[int]] = {}
@@ -184,7 +225,7 @@ def build_plan(state: Any, chunk_bytes: int) -> SavePlan:
         sources=sources,
         chunks=chunks,
         data_bytes=logical,
-        devices={str(t.device) for t in tensors},
+        devices={str(t.device) for t in tensors} | collected.devices,
     )
 
 
