@@ -235,7 +235,7 @@ def _rows(flat: list[int], width: int, n: int, what: str, where: str) -> list[li
     return rows
 
 
-def _refuse_tensor(t: torch.Tensor, path: str) -> int:
+def _refuse_tensor(t: torch.Tensor, path: object) -> int:
     raise UnsupportedObject(f"DCP planner_data holds a tensor at {path}; it cannot be stored")
 
 

@@ -38,7 +38,7 @@ import torch
 from tierckpt._types import JSON
 from tierckpt.errors import FormatError, UnsupportedObject
 
-__all__ = ["DTYPES", "decode_tree", "dtype_from_name", "dtype_name", "encode_tree"]
+__all__ = ["DTYPES", "KeyPath", "decode_tree", "dtype_from_name", "dtype_name", "encode_tree"]
 
 MAX_DEPTH = 200
 MAX_NODES = 10_000_000
@@ -64,7 +64,25 @@ def _path_str(path: tuple[object, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
 
-def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, str], int]) -> JSON:
+class KeyPath:
+    """A key path formatted only when shown (an error message): a save walks every tensor's
+    path, and formatting each one eagerly cost more than the rest of the walk."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: tuple[object, ...]) -> None:
+        self._parts = parts
+
+    def __str__(self) -> str:
+        return _path_str(self._parts)
+
+    __format__ = object.__format__
+
+    def __repr__(self) -> str:
+        return f"KeyPath({self})"
+
+
+def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) -> JSON:
     """Encode ``obj``; each tensor is handed to ``on_tensor(t, path)`` for its table index."""
 
     def enc(x: Any, path: tuple[object, ...], depth: int) -> JSON:
@@ -80,7 +98,7 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, str], int]) -> J
                 return x
             return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
         if isinstance(x, torch.Tensor):
-            return {"$tensor": on_tensor(x, _path_str(path))}
+            return {"$tensor": on_tensor(x, KeyPath(path))}
         if t is list:
             return [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]
         if t is tuple:

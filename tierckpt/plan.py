@@ -106,7 +106,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return int(first * item), int((last + 1) * item)
 
 
-def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+def _check_tensor(t: torch.Tensor, path: object) -> torch.Tensor:
     """Refuse what cannot be stored; cheap, so it runs in ``save()`` itself."""
     if t.layout != torch.strided:
         raise UnsupportedObject(
@@ -149,7 +149,7 @@ def collect_state(state: Any) -> CollectedState:
     tensors: list[torch.Tensor] = []
     devices: set[str] = set()
 
-    def on_tensor(t: torch.Tensor, path: str) -> int:
+    def on_tensor(t: torch.Tensor, path: object) -> int:
         tensors.append(_check_tensor(t, path))
         if t.device.type != "cpu":
             devices.add(str(t.device))
