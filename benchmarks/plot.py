@@ -161,8 +161,8 @@ def plot_committed(result: dict[str, Any], out: Path) -> Path | None:
             ax.axhline(raw, color="black", linestyle="--", linewidth=1)
             ax.annotate(
                 f"raw write + fsync {raw:.2f} s",
-                (len(names) - 0.5, raw),
-                ha="right",
+                (-0.45, raw),
+                ha="left",
                 va="bottom",
                 fontsize=7,
             )
@@ -245,33 +245,29 @@ def plot_train(result: dict[str, Any], out: Path) -> Path | None:
     values = [vs[n]["mean_iter_s"] / base for n in names]
     colors = [TIERCKPT_COLOR if n.startswith("tierckpt") else PEER_COLOR for n in names]
     bars = ax.bar(range(len(names)), values, color=colors, edgecolor="black", linewidth=0.5)
-    for b, v, n in zip(bars, values, names, strict=True):
-        ax.annotate(
-            f"{v:.2f}x\n{vs[n]['mean_iter_s'] * 1e3:.0f} ms",
-            (b.get_x() + b.get_width() / 2, v),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-        )
+    for b, n in zip(bars, names, strict=True):
         rounds = vs[n].get("round_mean_iter_s") or []
         none_rounds = vs["none"].get("round_mean_iter_s") or []
         pts = [a / c for a, c in zip(rounds, none_rounds, strict=False)]
-        ax.scatter([b.get_x() + b.get_width() / 2] * len(pts), pts, color="black", s=8, zorder=3)
+        ax.scatter([b.get_x() + b.get_width() / 2] * len(pts), pts, color="black", s=6, zorder=3)
     ax.axhline(1.10, color="black", linestyle="--", linewidth=1)
-    ax.annotate("target 1.10x", (len(names) - 0.5, 1.10), ha="right", va="bottom", fontsize=7)
+    ax.annotate("target 1.10x", (-0.45, 1.10), ha="left", va="bottom", fontsize=7)
     ax.set_xticks(
         range(len(names)),
-        [_short(vs[n]["label"]) for n in names],
+        [
+            f"{_short(vs[n]['label'])}\n{v:.2f}x, {vs[n]['mean_iter_s'] * 1e3:.0f} ms"
+            for n, v in zip(names, values, strict=True)
+        ],
         fontsize=7,
         rotation=30,
         ha="right",
     )
     ax.set_ylabel("mean iteration time / no checkpointing")
-    cfg = result["meta"]["config"]
     ax.set_title(
         _title(
             result,
-            f"Training loop, checkpoint every {cfg['train_every']} steps (dots: each repeat)",
+            f"Training loop, checkpoint every {tr['every']} steps; bars: mean iteration time, "
+            "dots: each round",
         ),
         fontsize=9,
     )
@@ -286,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("json", help="the JSON written by tierckpt bench --json")
     p.add_argument("--out", default="docs/img", help="folder for the PNG files")
+    p.add_argument("--prefix", default="", help="prefix of the file names")
     a = p.parse_args(argv)
     with open(a.json) as f:
         result = json.load(f)
@@ -294,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     for fn in (plot_blocked, plot_committed, plot_memory, plot_train):
         path = fn(result, out)
         if path is not None:
+            if a.prefix:
+                path = path.rename(path.with_name(a.prefix + path.name))
             print(f"wrote {path}")
     return 0
 

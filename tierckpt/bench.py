@@ -104,7 +104,6 @@ class BenchConfig:
     contenders: tuple[str, ...] = SAVE_CONTENDERS
     train_variants: tuple[str, ...] = TRAIN_VARIANTS
     train_steps: int = 120  # measured steps per variant
-    train_warmup: int = 10
     train_every: int = 10
     train_layers: int = 4
     train_dmodel: int = 256
@@ -579,8 +578,8 @@ class Tierckpt(Contender):
         self.ck.close()
 
     def extra(self) -> dict[str, Any]:
-        p = self.ck._pipeline
-        arena = p.arena if p is not None else None
+        p = getattr(self.ck, "_pipeline", None)  # internals: report what is there
+        arena = getattr(p, "arena", None)
         return {
             "host_buffer_bytes": self.ck.host_buffer_bytes,
             "chunk_bytes": self.ck.chunk_bytes,
@@ -697,15 +696,17 @@ def tierckpt_breakdown(c: Tierckpt, state: dict[str, Any], step: int) -> dict[st
         t1 = time.perf_counter()
         leaves: list[torch.Tensor] = []
 
-        def on_tensor(t: torch.Tensor, _path: str, leaves: list[torch.Tensor] = leaves) -> int:
+        def on_tensor(t: torch.Tensor, _path: object, leaves: list[torch.Tensor] = leaves) -> int:
             leaves.append(t)
             return len(leaves) - 1
 
         encode_tree(state, on_tensor)
         t2 = time.perf_counter()
         # what a plan cache would have to compare per save: storage, offset, shape, stride, dtype
-        sig = [(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(),
-                t.dtype) for t in leaves]
+        sig = [
+            (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+            for t in leaves
+        ]
         t3 = time.perf_counter()
         del sig
         plan_times.append(t1 - t0)
@@ -718,9 +719,13 @@ def tierckpt_breakdown(c: Tierckpt, state: dict[str, Any], step: int) -> dict[st
     except AttributeError as exc:  # internals moved: say so instead of failing the bench
         return {"error": f"breakdown unavailable: {exc}"}  # type: ignore[dict-item]
     c.cleanup()
-    return {**acc, **rec, "plan_only_median_s": statistics.median(plan_times),
-            "tree_walk_median_s": statistics.median(walk_times),
-            "signature_median_s": statistics.median(sig_times)}
+    return {
+        **acc,
+        **rec,
+        "plan_only_median_s": statistics.median(plan_times),
+        "tree_walk_median_s": statistics.median(walk_times),
+        "signature_median_s": statistics.median(sig_times),
+    }
 
 
 # -- the save worker (one subprocess per size and contender) ---------------------------------
@@ -770,7 +775,8 @@ def save_worker(name: str, gib: float, directory: str, cfg: BenchConfig) -> dict
             records.append(rec)
         peak = sampler.stop()
         breakdown = (
-            tierckpt_breakdown(c, state, step) if isinstance(c, Tierckpt) and cfg.breakdown
+            tierckpt_breakdown(c, state, step)
+            if isinstance(c, Tierckpt) and cfg.breakdown
             else None
         )
         extra = c.extra()
@@ -807,8 +813,12 @@ class TinyLM(torch.nn.Module):
         self.embed = torch.nn.Embedding(vocab, d_model)
         self.pos = torch.nn.Parameter(torch.zeros(seq, d_model))
         layer = torch.nn.TransformerEncoderLayer(
-            d_model, nhead=max(1, d_model // 64), dim_feedforward=4 * d_model,
-            batch_first=True, norm_first=True, dropout=0.0,
+            d_model,
+            nhead=max(1, d_model // 64),
+            dim_feedforward=4 * d_model,
+            batch_first=True,
+            norm_first=True,
+            dropout=0.0,
         )
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(d_model)
@@ -836,6 +846,8 @@ class _TrainSaver:
         self.ck: Any = None
         self.stager: Any = None
         self.resp: Any = None
+        self.blocked_s: list[float] = []  # per checkpoint: the save call + the wait before step
+        self._pending_block: float | None = None
         if variant == "tierckpt":
             from tierckpt import Checkpointer, LocalTier
 
@@ -847,8 +859,14 @@ class _TrainSaver:
             self.stager = DefaultStager(StagingOptions(False, False, True, False))
 
     def before_step(self) -> None:
+        t0 = time.perf_counter()
+        if self.ck is not None and self.handles and not self.handles[-1].captured:
+            self.ck.wait_captured()  # what guard() does inside optimizer.step(), timed here
         if self.resp is not None and hasattr(self.resp, "staging_completion"):
             self.resp.staging_completion.result()
+        if self._pending_block is not None:
+            self.blocked_s.append(self._pending_block + time.perf_counter() - t0)
+            self._pending_block = None
 
     def _prune(self) -> None:
         while len(self.paths) > 2:
@@ -865,6 +883,11 @@ class _TrainSaver:
         self.resp = None
 
     def save(self, state: dict[str, Any], step: int) -> None:
+        t0 = time.perf_counter()
+        self._save(state, step)
+        self._pending_block = time.perf_counter() - t0
+
+    def _save(self, state: dict[str, Any], step: int) -> None:
         if self.variant == "tierckpt":
             self.handles.append(self.ck.save(state, step))
             return
@@ -987,6 +1010,7 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
             "max_iter_s": max(ts),
             "round_mean_iter_s": round_means[v],
             "commit_s_median": _median(sv.commit_s) if sv is not None else None,
+            "blocked_s_median": _median(sv.blocked_s) if sv is not None else None,
             "iter_s": ts,
         }
     return {
@@ -1017,8 +1041,14 @@ def _spawn(kind: str, name: str, gib: float, directory: str, cfg: BenchConfig) -
     """Run one worker in a fresh interpreter; its result comes back through a JSON file."""
     fd, result = tempfile.mkstemp(prefix="tierckpt-bench-", suffix=".json", dir=directory)
     os.close(fd)
-    spec = {"kind": kind, "name": name, "gib": gib, "dir": directory, "result": result,
-            "cfg": _cfg_to_json(cfg)}
+    spec = {
+        "kind": kind,
+        "name": name,
+        "gib": gib,
+        "dir": directory,
+        "result": result,
+        "cfg": _cfg_to_json(cfg),
+    }
     cmd = [sys.executable, "-m", "tierckpt.bench", "--worker", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, timeout=cfg.worker_timeout_s, check=False)
@@ -1074,8 +1104,11 @@ def _versions() -> dict[str, str | None]:
 
     import tierckpt
 
-    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
-                                  "tierckpt": tierckpt.__version__}
+    out: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "tierckpt": tierckpt.__version__,
+    }
     for pkg in ("torch-checkpointing", "psutil", "xxhash"):
         try:
             out[pkg] = metadata.version(pkg)
@@ -1088,8 +1121,13 @@ def _git_revision() -> str | None:
     """The repository's commit (+ "-dirty" with uncommitted changes), when run from a clone."""
     root = Path(__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10, check=True)
+        rev = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return rev.stdout.strip() or None
@@ -1106,8 +1144,12 @@ def _machine() -> dict[str, Any]:
     import psutil
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total, "gpu": gpu,
-            "platform": platform.platform()}
+    return {
+        "cpus": os.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "gpu": gpu,
+        "platform": platform.platform(),
+    }
 
 
 def run_bench(
@@ -1203,12 +1245,15 @@ def summarize_train(train: dict[str, Any]) -> dict[str, Any]:
     return {
         "mean_iter_over_none": {k: v["mean_iter_s"] / base["mean_iter_s"] for k, v in vs.items()},
         "paired_median_over_none": {
-            k: statistics.median(a / b for a, b in zip(v["round_mean_iter_s"],
-                                                       base["round_mean_iter_s"], strict=True))
+            k: statistics.median(
+                a / b
+                for a, b in zip(v["round_mean_iter_s"], base["round_mean_iter_s"], strict=True)
+            )
             for k, v in vs.items()
         },
-        "median_iter_over_none": {k: v["median_iter_s"] / base["median_iter_s"]
-                                  for k, v in vs.items()},
+        "median_iter_over_none": {
+            k: v["median_iter_s"] / base["median_iter_s"] for k, v in vs.items()
+        },
     }
 
 
@@ -1216,8 +1261,9 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The project's targets, each with the measured value and whether it was met."""
     out: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, limit: float | None, met: bool | None,
-            detail: str) -> None:
+    def add(
+        name: str, value: float | None, limit: float | None, met: bool | None, detail: str
+    ) -> None:
         out.append({"target": name, "value": value, "limit": limit, "met": met, "detail": detail})
 
     for e in result["sizes"]:
@@ -1230,34 +1276,55 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             m = t["median"]
             gib_real = t["state"]["nbytes"] / GiB
             lazy_per_gib = m["lazy_blocked_s"] / gib_real
-            add(f"{gib:g} GiB {tk}: lazy blocked <= 10 ms/GiB", lazy_per_gib * 1e3, 10.0,
+            add(
+                f"{gib:g} GiB {tk}: lazy blocked <= 10 ms/GiB",
+                lazy_per_gib * 1e3,
+                10.0,
                 lazy_per_gib <= 0.010,
                 f"{m['lazy_blocked_s'] * 1e3:.1f} ms for {gib_real:.2f} GiB (medians: save() "
                 f"{m.get('lazy_returns_s', 0) * 1e3:.1f} ms, wait "
-                f"{m.get('lazy_wait_s', 0) * 1e3:.1f} ms)")
+                f"{m.get('lazy_wait_s', 0) * 1e3:.1f} ms)",
+            )
             cap_per_gib = m["staged_s"] / gib_real
-            add(f"{gib:g} GiB {tk}: immediate capture <= 0.1 s/GiB", cap_per_gib, 0.1,
-                cap_per_gib <= 0.1, f"{m['staged_s']:.3f} s for {gib_real:.2f} GiB")
+            add(
+                f"{gib:g} GiB {tk}: immediate capture <= 0.1 s/GiB",
+                cap_per_gib,
+                0.1,
+                cap_per_gib <= 0.1,
+                f"{m['staged_s']:.3f} s for {gib_real:.2f} GiB",
+            )
             peers = {b: v["median"]["staged_s"] for b, v in cs.items() if b in STAGING_PEERS}
             if peers:
                 fastest = min(peers, key=lambda b: peers[b])
-                add(f"{gib:g} GiB {tk}: immediate capture faster than every peer's staging",
-                    m["staged_s"], peers[fastest], m["staged_s"] < peers[fastest],
+                add(
+                    f"{gib:g} GiB {tk}: immediate capture faster than every peer's staging",
+                    m["staged_s"],
+                    peers[fastest],
+                    m["staged_s"] < peers[fastest],
                     f"tierckpt {m['staged_s']:.3f} s vs fastest peer {fastest} "
-                    f"{peers[fastest]:.3f} s")
+                    f"{peers[fastest]:.3f} s",
+                )
             ratio = m.get("committed_over_raw")
             if ratio is not None:
-                add(f"{gib:g} GiB {tk}: committed <= 1.15x raw write+fsync", ratio, 1.15,
+                add(
+                    f"{gib:g} GiB {tk}: committed <= 1.15x raw write+fsync",
+                    ratio,
+                    1.15,
                     ratio <= 1.15,
                     f"committed {m['committed_s']:.2f} s vs raw {m['raw_total_s']:.2f} s "
-                    "(median of per-run ratios)")
+                    "(median of per-run ratios)",
+                )
             arena = t.get("arena_bytes") or t.get("host_buffer_bytes")
             extra = t["peak_extra_bytes"]
             if arena:
-                add(f"{gib:g} GiB {tk}: extra host memory bounded by the arena",
-                    extra / MiB, arena / MiB, extra <= arena * 1.10 + 64 * MiB,
+                add(
+                    f"{gib:g} GiB {tk}: extra host memory bounded by the arena",
+                    extra / MiB,
+                    arena / MiB,
+                    extra <= arena * 1.10 + 64 * MiB,
                     f"peak extra {extra / MiB:.0f} MiB, arena {arena / MiB:.0f} MiB, "
-                    f"state {t['state']['nbytes'] / MiB:.0f} MiB")
+                    f"state {t['state']['nbytes'] / MiB:.0f} MiB",
+                )
     tr = result.get("train") or {}
     ratio = _get(tr, "summary", "mean_iter_over_none", "tierckpt")
     if ratio is not None:
@@ -1265,12 +1332,16 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         paired = _get(tr, "summary", "paired_median_over_none", "tierckpt")
         budget = tr["every"] * tr["variants"]["none"]["mean_iter_s"]
         keeps_up = (v["commit_s_median"] or 0) < budget
-        add("training: iteration time with tierckpt <= 1.10x no checkpointing", ratio, 1.10,
+        add(
+            "training: iteration time with tierckpt <= 1.10x no checkpointing",
+            ratio,
+            1.10,
             ratio <= 1.10,
             f"{ratio:.2f}x of the means, {paired:.2f}x median of paired rounds; checkpoint every "
             f"{tr['every']} steps ({tr['state_bytes'] / MiB:.0f} MiB), committed in "
             f"{v['commit_s_median'] or 0:.2f} s vs {tr['every']} steps = {budget:.2f} s: the disk "
-            f"{'keeps up' if keeps_up else 'does NOT keep up'}")
+            f"{'keeps up' if keeps_up else 'does NOT keep up'}",
+        )
     return out
 
 
@@ -1302,9 +1373,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"bf16 + {st['fp32_bytes'] / GiB:.2f} GiB fp32; median of {cfg['runs']} runs"
         )
         lines.append("")
-        lines.append("| contender | call returns | staged (immediate) | blocked, lazy "
-                     f"({cfg['compute_s']:g} s {cfg['compute']}) | committed on disk | "
-                     "peak extra host memory |")
+        lines.append(
+            "| contender | call returns | staged (immediate) | blocked, lazy "
+            f"({cfg['compute_s']:g} s {cfg['compute']}) | committed on disk | "
+            "peak extra host memory |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|")
         raw = None
         for name, v in cs.items():
@@ -1344,9 +1417,18 @@ def format_table(result: dict[str, Any]) -> str:
                 if bd and "error" not in bd:
                     lines.append(
                         "  breakdown of one immediate save (busy seconds per stage): "
-                        + ", ".join(f"{k.removesuffix('_s')} {_fmt_s(bd[k])}" for k in
-                                    ("plan_s", "arena_wait_s", "copy_s", "checksum_encode_s",
-                                     "pwrite_s", "fsync_rename_s") if k in bd)
+                        + ", ".join(
+                            f"{k.removesuffix('_s')} {_fmt_s(bd[k])}"
+                            for k in (
+                                "plan_s",
+                                "arena_wait_s",
+                                "copy_s",
+                                "checksum_encode_s",
+                                "pwrite_s",
+                                "fsync_rename_s",
+                            )
+                            if k in bd
+                        )
                         + f"; build_plan alone {_fmt_s(bd.get('plan_only_median_s'))}"
                     )
                 lines.append("")
@@ -1361,9 +1443,11 @@ def format_table(result: dict[str, Any]) -> str:
             "in ABBA order after a warm-up round"
         )
         lines.append("")
-        lines.append("| variant | mean iteration | vs none (means) | vs none (median of rounds) "
-                     "| median | p95 | max | checkpoint committed (median) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append(
+            "| variant | mean iteration | vs none (means) | vs none (median of rounds) "
+            "| median | p95 | max | blocked per checkpoint | committed |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         summ = tr.get("summary", {})
         for name, v in vs.items():
             lines.append(
@@ -1371,7 +1455,8 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{_fmt_x(_get(summ, 'mean_iter_over_none', name))} | "
                 f"{_fmt_x(_get(summ, 'paired_median_over_none', name))} | "
                 f"{_fmt_s(v['median_iter_s'])} | {_fmt_s(v['p95_iter_s'])} | "
-                f"{_fmt_s(v['max_iter_s'])} | {_fmt_s(v['commit_s_median'])} |"
+                f"{_fmt_s(v['max_iter_s'])} | {_fmt_s(v.get('blocked_s_median'))} | "
+                f"{_fmt_s(v['commit_s_median'])} |"
             )
         lines.append("")
     elif tr:
@@ -1405,33 +1490,70 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark tierckpt saves against torch.save, DCP and torch-checkpointing.",
     )
     d = BenchConfig()
-    p.add_argument("--sizes", type=_floats, default=d.sizes_gib,
-                   help="state sizes in GiB, comma separated (fractions allowed; default 1,4)")
+    p.add_argument(
+        "--sizes",
+        type=_floats,
+        default=d.sizes_gib,
+        help="state sizes in GiB, comma separated (fractions allowed; default 1,4)",
+    )
     p.add_argument("--runs", type=int, default=d.runs, help="measured saves per contender")
     p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured saves first")
-    p.add_argument("--compute-s", type=float, default=d.compute_s,
-                   help="simulated forward/backward of the lazy case, seconds (default 1)")
-    p.add_argument("--compute", choices=("sleep", "busy"), default=d.compute,
-                   help="lazy-case compute: sleep (host idle, as with a GPU) or busy CPU matmuls")
-    p.add_argument("--arena-mib", type=int, default=d.arena_bytes // MiB,
-                   help="arena of the bounded-memory tierckpt row (default 256)")
-    p.add_argument("--contenders", type=_names, default=d.contenders,
-                   help=f"comma separated, from {','.join(SAVE_CONTENDERS)}")
-    p.add_argument("--train", type=_names, default=d.train_variants,
-                   help=f"training variants from {','.join(TRAIN_VARIANTS)}; '' to skip")
+    p.add_argument(
+        "--compute-s",
+        type=float,
+        default=d.compute_s,
+        help="simulated forward/backward of the lazy case, seconds (default 1)",
+    )
+    p.add_argument(
+        "--compute",
+        choices=("sleep", "busy"),
+        default=d.compute,
+        help="lazy-case compute: sleep (host idle, as with a GPU) or busy CPU matmuls",
+    )
+    p.add_argument(
+        "--arena-mib",
+        type=int,
+        default=d.arena_bytes // MiB,
+        help="arena of the bounded-memory tierckpt row (default 256)",
+    )
+    p.add_argument(
+        "--contenders",
+        type=_names,
+        default=d.contenders,
+        help=f"comma separated, from {','.join(SAVE_CONTENDERS)}",
+    )
+    p.add_argument(
+        "--train",
+        type=_names,
+        default=d.train_variants,
+        help=f"training variants from {','.join(TRAIN_VARIANTS)}; '' to skip",
+    )
     p.add_argument("--train-steps", type=int, default=d.train_steps)
-    p.add_argument("--train-warmup", type=int, default=d.train_warmup)
-    p.add_argument("--train-every", type=int, default=d.train_every,
-                   help="checkpoint every k steps in the training loop")
+    p.add_argument(
+        "--train-every",
+        type=int,
+        default=d.train_every,
+        help="checkpoint every k steps in the training loop",
+    )
     p.add_argument("--train-layers", type=int, default=d.train_layers)
     p.add_argument("--train-dmodel", type=int, default=d.train_dmodel)
-    p.add_argument("--train-threads", type=int, default=d.train_threads,
-                   help="torch threads of the training loop (default: torch's own choice)")
-    p.add_argument("--dir", default=None,
-                   help="where to write (default: the temp dir if it is on the same disk as "
-                        "the current directory and not tmpfs, else the current directory)")
-    p.add_argument("--no-breakdown", action="store_true",
-                   help="skip the instrumented diagnostic save of tierckpt")
+    p.add_argument(
+        "--train-threads",
+        type=int,
+        default=d.train_threads,
+        help="torch threads of the training loop (default: torch's own choice)",
+    )
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="where to write (default: the temp dir if it is on the same disk as "
+        "the current directory and not tmpfs, else the current directory)",
+    )
+    p.add_argument(
+        "--no-breakdown",
+        action="store_true",
+        help="skip the instrumented diagnostic save of tierckpt",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument("--markdown", default=None, help="also write the tables here")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -1451,7 +1573,6 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         contenders=tuple(a.contenders),
         train_variants=tuple(a.train),
         train_steps=a.train_steps,
-        train_warmup=a.train_warmup,
         train_every=a.train_every,
         train_layers=a.train_layers,
         train_dmodel=a.train_dmodel,
