@@ -15,7 +15,11 @@ from tierckpt.format import FOOTER_SIZE, Footer, decode_index, shard_name
 
 
 class _SlowLink(LocalBackend):
-    """A local folder behind a ~40 MB/s link (sleeps in proportion to the bytes)."""
+    """A "remote" folder behind a ~40 MB/s link (sleeps in proportion to the bytes)."""
+
+    @property
+    def is_remote(self) -> bool:
+        return True
 
     def open_writer(self, name: str):  # type: ignore[no-untyped-def]
         w = super().open_writer(name)
@@ -51,21 +55,20 @@ def _codec_ids(root: Path, step: int) -> set[str]:
     return {c["id"] for c in index["codecs"]}
 
 
-def test_fast_local_stays_raw_slow_link_turns_compressed(tmp_path: Path) -> None:
+def test_local_raw_slow_remote_link_compressed(tmp_path: Path) -> None:
     state = _weights()
     fast, slow = tmp_path / "fast", tmp_path / "slow"
     with Checkpointer([LocalTier(fast), _SlowTier(slow, name="slow")], chunk_bytes=1 << 20) as ck:
         for step in range(3):
             ck.save(state, step=step).wait()
         slow_policy = ck._tier("slow").codec
-        fast_policy = ck._tier("local").codec
-        assert isinstance(slow_policy, AdaptiveCodec) and isinstance(fast_policy, AdaptiveCodec)
+        assert isinstance(slow_policy, AdaptiveCodec)
         assert slow_policy.describe()["compress"] == {"float2": True}, slow_policy.describe()
+        assert slow_policy.describe()["link_bps"] < 100e6
         assert _codec_ids(slow, 2) == {"planes"}
-        # the local disk is usually far faster than the codec (raw), but on a loaded machine
-        # its measured speed may drop low enough that compressing pays: both are right
-        assert fast_policy.describe()["link_bps"] is not None
-        assert _codec_ids(fast, 0) == {"raw"}
+        # local disks get raw chunks under "auto"
+        assert ck._tier("local").codec.codec_id == "raw"
+        assert _codec_ids(fast, 2) == {"raw"}
         assert_same(state, ck.load(tier="slow"))
         assert_same(state, ck.load(tier="local"))
 

@@ -166,13 +166,19 @@ class TierPolicy:
 
 
 def resolve_codec(spec: CodecSpec, backend: Backend) -> Codec:
-    """The codec a tier uses. ``"auto"``: raw unless the link is remote."""
+    """The codec a tier uses. ``"auto"``: raw to RAM and local disks; on remote tiers an
+    :class:`~tierckpt.codecs.adaptive.AdaptiveCodec` that compresses while that is faster."""
     if isinstance(spec, Codec):
         return spec
     if isinstance(spec, dict):
         return codec_from_config(spec)
     if spec == "auto":
+        if not backend.is_remote:
+            # RAM and local disks get raw chunks: compressing would take CPU from training
+            # and hold compressed copies beyond the host arena for a link that is rarely
+            # slower than the codec
+            return codec_from_config({"id": "raw"})
         from tierckpt.codecs.adaptive import AdaptiveCodec
 
-        return AdaptiveCodec(remote=backend.is_remote)
+        return AdaptiveCodec(remote=True)
     return codec_from_config({"id": spec})
