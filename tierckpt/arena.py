@@ -21,7 +21,7 @@ __all__ = ["HostArena", "default_host_buffer_bytes"]
 ALIGN = 4096
 
 
-def _total_ram() -> int:
+def total_ram() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
@@ -36,7 +36,7 @@ def default_host_buffer_bytes() -> int:
     env = os.environ.get("TIERCKPT_HOST_BUFFER_BYTES")
     if env:
         return int(env)
-    return max(256 << 20, min(_total_ram() // 8, 32 << 30))
+    return max(256 << 20, min(total_ram() // 8, 32 << 30))
 
 
 class HostArena:
@@ -91,7 +91,13 @@ class HostArena:
             if i in self._free or not 0 <= i < self.n_slots:
                 raise RuntimeError(f"arena slot {i} released twice or out of range")
             self._free.append(i)
-            self._cond.notify()
+            self._cond.notify_all()  # acquirers and wait_idle() share the condition
+
+    def wait_idle(self) -> None:
+        """Block until every slot is free again (all chunks written by every tier)."""
+        with self._cond:
+            while len(self._free) < self.n_slots and not self._closed:
+                self._cond.wait()
 
     @property
     def free_slots(self) -> int:

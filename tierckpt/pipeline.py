@@ -212,7 +212,7 @@ class Pipeline:
         if a is not None and a.slot_bytes >= slot and a.n_slots >= want:
             return a
         if a is not None:
-            self._wait_arena_idle()
+            a.wait_idle()  # a bigger state than any before: grow once, between saves
             a.close()
         self.arena = HostArena(want, slot)
         log.debug(
@@ -222,13 +222,6 @@ class Pipeline:
             self.arena.alloc_seconds,
         )
         return self.arena
-
-    def _wait_arena_idle(self) -> None:
-        a = self.arena
-        if a is None:
-            return
-        while a.free_slots < a.n_slots:
-            time.sleep(0.001)
 
     def _capture_loop(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.errors import (
@@ -94,17 +95,6 @@ def read_index(backend: Backend, ref: ShardRef, tier: str) -> tuple[dict[str, An
     return decode_index(blob, file_size=size, where=where), blob, footer_bytes
 
 
-def _ram_bytes() -> int:
-    from tierckpt.arena import _total_ram
-
-    return _total_ram()
-
-
-def _span_buffers(index: dict[str, Any], where: str) -> list[torch.Tensor]:
-    spans = index["storages"]
-    return [torch.empty(int(n), dtype=torch.uint8) for _off, n in spans]
-
-
 @dataclass(frozen=True, slots=True)
 class TensorRecord:
     """One validated entry of an index's tensor table."""
@@ -177,7 +167,7 @@ def read_shard(
     index, index_blob, footer_blob = read_index(backend, ref, tier)
     codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
     data_bytes = int(index["data_bytes"])
-    if data_bytes > _ram_bytes():
+    if data_bytes > total_ram():
         raise FormatError(
             f"{where}: declares {data_bytes} bytes of tensor data, more than this machine's "
             "memory; refusing to allocate it"
@@ -188,7 +178,7 @@ def read_shard(
                 f"{where}: raw chunk {ci} stores {rec.stored_size} bytes "
                 f"but declares {rec.raw_size}"
             )
-    spans = _span_buffers(index, where)
+    spans = [torch.empty(int(n), dtype=torch.uint8) for _off, n in index["storages"]]
     span_offsets = [int(s[0]) for s in index["storages"]]
     chunks: list[ChunkRecord] = index["chunks"]
     repop = _Repopulation(repopulate, ref.file)

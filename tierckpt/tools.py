@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tierckpt.arena import _total_ram
+from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.codecs import Codec, codec_from_config
@@ -73,13 +73,19 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
     if is_s3_url(url):
         from tierckpt.backends.s3 import S3Backend
 
-        endpoint = (endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                    or os.environ.get("AWS_ENDPOINT_URL") or None)
+        endpoint = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or None
+        )
         return S3Backend(url, endpoint_url=endpoint)
     if "://" in url and not url.startswith("file://"):
         scheme = url.split("://", 1)[0]
-        raise ValueError(f"unsupported URL scheme {scheme!r} in {url!r}: use a local path, "
-                         "file:///path or s3://bucket/prefix")
+        raise ValueError(
+            f"unsupported URL scheme {scheme!r} in {url!r}: use a local path, "
+            "file:///path or s3://bucket/prefix"
+        )
     path = url.removeprefix("file://")
     if create:
         os.makedirs(path, exist_ok=True)
@@ -205,8 +211,7 @@ def _group_key(path: str, dtype: str, by: str) -> str:
     return path.split(".", 1)[0] if path else "<root>"
 
 
-def inspect_checkpoint(backend: Backend, step: int | None = None, *,
-                       by: str = "key") -> Inspection:
+def inspect_checkpoint(backend: Backend, step: int | None = None, *, by: str = "key") -> Inspection:
     """Tensors, dtypes, sizes and stored/raw bytes per group (``by="key"`` or ``"dtype"``).
 
     Reads only the manifest and each shard's index. A storage's stored bytes are its share of
@@ -237,16 +242,19 @@ def inspect_checkpoint(backend: Backend, step: int | None = None, *,
                 numel *= int(s)
             path = paths.get(i, f"<tensor {i}>")
             tensors.append(TensorInfo(ref.rank, path, dtype, tuple(shape), numel * item))
-            g = groups.setdefault(_group_key(path, dtype, by), GroupStats(_group_key(path, dtype,
-                                                                                      by)))
+            g = groups.setdefault(
+                _group_key(path, dtype, by), GroupStats(_group_key(path, dtype, by))
+            )
             g.tensors += 1
             if isinstance(sid, int) and sid >= 0:
                 span_group.setdefault(sid, g.name)
         # attribute each chunk's stored bytes to the storages it covers, pro rata
         ci = 0
         for sid, (off, n) in enumerate(storages):
-            g = groups.setdefault(span_group.get(sid, "<unreferenced>"),
-                                  GroupStats(span_group.get(sid, "<unreferenced>")))
+            g = groups.setdefault(
+                span_group.get(sid, "<unreferenced>"),
+                GroupStats(span_group.get(sid, "<unreferenced>")),
+            )
             g.raw_bytes += n
             while ci < len(chunks) and chunks[ci].logical_offset + chunks[ci].raw_size <= off:
                 ci += 1
@@ -259,8 +267,13 @@ def inspect_checkpoint(backend: Backend, step: int | None = None, *,
                     g.codecs.add(ids[c.codec])
                 cj += 1
         codec_ids.update(ids[c.codec] for c in chunks)
-    return Inspection(manifest, tensors, sorted(groups.values(), key=lambda g: -g.raw_bytes),
-                      n_chunks, sorted(codec_ids))
+    return Inspection(
+        manifest,
+        tensors,
+        sorted(groups.values(), key=lambda g: -g.raw_bytes),
+        n_chunks,
+        sorted(codec_ids),
+    )
 
 
 # -- verify ------------------------------------------------------------------------------------
@@ -273,8 +286,9 @@ class VerifyReport:
     stored_bytes: int
 
 
-def verify_checkpoint(backend: Backend, step: int, *, progress: Progress | None = None
-                      ) -> VerifyReport:
+def verify_checkpoint(
+    backend: Backend, step: int, *, progress: Progress | None = None
+) -> VerifyReport:
     """Read every chunk of every rank, check its checksum and decode it.
 
     Raises on the first problem: :class:`~tierckpt.errors.CorruptChunk` (naming the file and
@@ -295,19 +309,27 @@ def verify_checkpoint(backend: Backend, step: int, *, progress: Progress | None 
                 raise CorruptChunk(
                     f"{where}: chunk {ci} of {len(chunks)} (file bytes "
                     f"{rec.file_offset}..+{rec.stored_size}) does not match its checksum",
-                    tier=backend.url, file=ref.file, chunk=ci,
+                    tier=backend.url,
+                    file=ref.file,
+                    chunk=ci,
                 )
-            if rec.raw_size > _total_ram():  # a hostile size: refuse before allocating
-                raise FormatError(f"{where}: chunk {ci} declares {rec.raw_size} raw bytes, "
-                                  "more than this machine's memory")
+            if rec.raw_size > total_ram():  # a hostile size: refuse before allocating
+                raise FormatError(
+                    f"{where}: chunk {ci} declares {rec.raw_size} raw bytes, "
+                    "more than this machine's memory"
+                )
             # uninitialized (a zeroed bytearray would touch every page of a declared size
             # that a bomb's frame never fills); memory is used only as a frame decodes
             out = torch.empty(rec.raw_size, dtype=torch.uint8)
             try:
                 codecs[rec.codec].decode(stored, memoryview(out.numpy()))  # type: ignore[arg-type]
             except CorruptChunk as exc:
-                raise CorruptChunk(f"{where}: chunk {ci} does not decode: {exc}",
-                                   tier=backend.url, file=ref.file, chunk=ci) from exc
+                raise CorruptChunk(
+                    f"{where}: chunk {ci} does not decode: {exc}",
+                    tier=backend.url,
+                    file=ref.file,
+                    chunk=ci,
+                ) from exc
             n_chunks += 1
             raw_total += rec.raw_size
             stored_total += rec.stored_size
@@ -357,8 +379,9 @@ def _pieces(index: dict[str, Any], size: int) -> Iterator[tuple[int, int, int, i
         pos += n
 
 
-def copy_checkpoint(src: Backend, dst: Backend, step: int, *,
-                    progress: Progress | None = None) -> int:
+def copy_checkpoint(
+    src: Backend, dst: Backend, step: int, *, progress: Progress | None = None
+) -> int:
     """Copy one committed checkpoint from ``src`` to ``dst``; returns the bytes copied.
 
     Shard files stream through in pieces (each chunk's checksum checked on the way) and are
@@ -381,7 +404,9 @@ def copy_checkpoint(src: Backend, dst: Backend, step: int, *,
                     raise CorruptChunk(
                         f"{src.url}/{ref.file}: chunk {ci} does not match its checksum; "
                         "nothing was committed at the destination",
-                        tier=src.url, file=ref.file, chunk=ci,
+                        tier=src.url,
+                        file=ref.file,
+                        chunk=ci,
                     )
                 writer.write(offset, data)
                 copied += length
@@ -407,8 +432,9 @@ class GcPlan:
     leftovers: list[int]
 
 
-def gc(backend: Backend, keep_last: int, *, dry_run: bool = False,
-       abort_incomplete: bool = False) -> GcPlan:
+def gc(
+    backend: Backend, keep_last: int, *, dry_run: bool = False, abort_incomplete: bool = False
+) -> GcPlan:
     """Keep the newest ``keep_last`` committed steps; remove older ones and leftovers.
 
     Leftovers are data folders without a manifest older than the newest committed step
@@ -422,9 +448,12 @@ def gc(backend: Backend, keep_last: int, *, dry_run: bool = False,
     newest = committed[-1] if committed else None
     expired = committed[: max(len(committed) - keep_last, 0)]
     committed_set = set(committed)
-    leftovers = [s for s in data_steps(backend)
-                 if s not in committed_set and newest is not None and s < newest]
-    plan = GcPlan(committed[len(expired):], expired, leftovers)
+    leftovers = [
+        s
+        for s in data_steps(backend)
+        if s not in committed_set and newest is not None and s < newest
+    ]
+    plan = GcPlan(committed[len(expired) :], expired, leftovers)
     if dry_run:
         return plan
     gc_tier(backend, keep_last)
