@@ -14,6 +14,7 @@ import torch
 
 from tierckpt import __version__
 from tierckpt.arena import default_host_buffer_bytes
+from tierckpt.capture import record_ready_events
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import Manifest, ShardRef, encode_manifest, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
@@ -177,7 +178,6 @@ class Checkpointer:
         # only the walk (validation + tensor references) runs here; the layout is computed by
         # the capture thread, so training pays microseconds per tensor, not the whole plan
         collected = collect_state(state)
-        from tierckpt.capture import record_ready_events
 
         handle = SaveHandle(step, tuple(t.name for t in tiers))
         if not tiers:

@@ -77,6 +77,7 @@ from torch.futures import Future
 from tierckpt import __version__
 from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.backends.base import Backend
+from tierckpt.capture import record_ready_events
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.errors import (
     BackendError,
@@ -639,7 +640,6 @@ class TierWriter(StorageWriter):
     def _save_shard(
         self, state: dict[str, torch.Tensor], step: int, info: _PlanInfo
     ) -> _RankShards:
-        from tierckpt.capture import record_ready_events
 
         index = self._save_count
         self._save_count += 1

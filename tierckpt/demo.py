@@ -62,22 +62,40 @@ class ChildRun:
 def _bar(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True,
-                disable=None, leave=True,
-                bar_format="{desc:<34} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                           "[{elapsed}<{remaining}]{postfix}")
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=None,
+        leave=True,
+        bar_format="{desc:<34} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+        "[{elapsed}<{remaining}]{postfix}",
+    )
 
 
-def run_child(name: str, argv: list[str], env: dict[str, str], log_path: str, *,
-              total: int, first_step: int = 1,
-              kill_when: Callable[[int], bool] | None = None) -> ChildRun:
+def run_child(
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    log_path: str,
+    *,
+    total: int,
+    first_step: int = 1,
+    kill_when: Callable[[int], bool] | None = None,
+) -> ChildRun:
     """Run ``python -m tierckpt.demo_train argv``; SIGKILL it once ``kill_when(step)``."""
     run = ChildRun(name, log_path)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tierckpt.demo_train", *argv],
-            stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            text=True,
+            bufsize=1,
         )
         watchdog = threading.Timer(CHILD_TIMEOUT_S, proc.kill)
         watchdog.daemon = True
@@ -131,8 +149,9 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms"
 
 
-def _first_mismatch(got: dict[int, float], want: dict[int, float], steps: range
-                    ) -> tuple[int, float | None, float | None] | None:
+def _first_mismatch(
+    got: dict[int, float], want: dict[int, float], steps: range
+) -> tuple[int, float | None, float | None] | None:
     for s in steps:
         a, b = got.get(s), want.get(s)
         if a is None or b is None or a.hex() != b.hex():
@@ -143,8 +162,12 @@ def _first_mismatch(got: dict[int, float], want: dict[int, float], steps: range
 def _table(rows: list[list[str]], header: list[str]) -> str:
     cells = [header, *rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
-                       for i, c in enumerate(r)).rstrip() for r in cells]
+    lines = [
+        "  ".join(
+            c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)
+        ).rstrip()
+        for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join("  " + ln for ln in lines)
 
@@ -154,24 +177,48 @@ def report(ref: ChildRun, node1: ChildRun, node2: ChildRun, state_bytes: int) ->
     blocked = list(node1.blocked.values()) + list(node2.blocked.values())
     saves = [e["seconds"] for e in ref.torch_saves]
     fsyncs = [e["fsync_seconds"] for e in ref.torch_saves]
-    out.append(f"Checkpoint of {_mib(state_bytes)} (model + AdamW state + RNG), "
-               "blocking time per checkpoint (lower is better):")
+    out.append(
+        f"Checkpoint of {_mib(state_bytes)} (model + AdamW state + RNG), "
+        "blocking time per checkpoint (lower is better):"
+    )
     rows = []
     if blocked:
-        rows.append(["tierckpt save() + wait before optimizer step",
-                     _ms(statistics.mean(blocked)), _ms(statistics.median(blocked)),
-                     _ms(max(blocked)), str(len(blocked))])
+        rows.append(
+            [
+                "tierckpt save() + wait before optimizer step",
+                _ms(statistics.mean(blocked)),
+                _ms(statistics.median(blocked)),
+                _ms(max(blocked)),
+                str(len(blocked)),
+            ]
+        )
     if saves:
-        rows.append(["torch.save (blocking)", _ms(statistics.mean(saves)),
-                     _ms(statistics.median(saves)), _ms(max(saves)), str(len(saves))])
+        rows.append(
+            [
+                "torch.save (blocking)",
+                _ms(statistics.mean(saves)),
+                _ms(statistics.median(saves)),
+                _ms(max(saves)),
+                str(len(saves)),
+            ]
+        )
         both = [a + b for a, b in zip(saves, fsyncs, strict=True)]
-        rows.append(["torch.save + fsync (durable on disk)", _ms(statistics.mean(both)),
-                     _ms(statistics.median(both)), _ms(max(both)), str(len(both))])
+        rows.append(
+            [
+                "torch.save + fsync (durable on disk)",
+                _ms(statistics.mean(both)),
+                _ms(statistics.median(both)),
+                _ms(max(both)),
+                str(len(both)),
+            ]
+        )
     out.append(_table(rows, ["", "mean", "median", "max", "checkpoints"]))
     if blocked and saves:
         speedup = statistics.median(saves) / max(statistics.median(blocked), 1e-9)
-        out.append(f"  -> median wait per checkpoint {speedup:.1f}x shorter than torch.save's, and "
-                   "tierckpt's copy also lands on local disk and in S3 in the background")
+        out.append(
+            f"  -> median wait per checkpoint {speedup:.1f}x shorter than torch.save's, and "
+            "tierckpt's copy also lands on local disk and in S3 in the background"
+        )
     out.append("")
     out.append("Bytes written per tier (node 1 until the kill, then node 2):")
     rows = []
@@ -181,17 +228,29 @@ def report(ref: ChildRun, node1: ChildRun, node2: ChildRun, state_bytes: int) ->
             continue
         raw = sum(c["raw"] for c in cs)
         stored = sum(c["stored"] for c in cs)
-        codecs = ",".join(sorted({c["codec"] for c in cs}))
-        rows.append([tier, str(len(cs)), _mib(raw), _mib(stored), f"{raw / stored:.2f}x",
-                     codecs, _ms(statistics.mean(c["seconds"] for c in cs))])
-    out.append(_table(rows, ["tier", "commits", "raw", "written", "ratio", "codec",
-                             "save->commit"]))
+        codecs = ",".join(sorted({k for c in cs for k in c["codec"].split(",")}))
+        rows.append(
+            [
+                tier,
+                str(len(cs)),
+                _mib(raw),
+                _mib(stored),
+                f"{raw / stored:.2f}x",
+                codecs,
+                _ms(statistics.mean(c["seconds"] for c in cs)),
+            ]
+        )
+    out.append(
+        _table(rows, ["tier", "commits", "raw", "written", "ratio", "codec", "save->commit"])
+    )
     if node2.restored:
         r = node2.restored
         out.append("")
-        out.append(f"Restore on node 2 (empty local disk) from S3: step {r['step']}, "
-                   f"{_mib(state_bytes)} read, verified and decoded in {_ms(r['seconds'])} "
-                   "(node 1's disks are gone: only S3 had it)")
+        out.append(
+            f"Restore on node 2 (empty local disk) from S3: step {r['step']}, "
+            f"{_mib(state_bytes)} read, verified and decoded in {_ms(r['seconds'])} "
+            "(node 1's disks are gone: only S3 had it)"
+        )
     return "\n".join(out)
 
 
@@ -200,20 +259,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tierckpt demo",
         description="Train a small GPT with checkpoints through RAM -> local disk -> S3 "
-                    "(moto on 127.0.0.1), kill -9 the trainer partway, restore on a new node "
-                    "from S3 and check the loss continues bit for bit.",
+        "(moto on 127.0.0.1), kill -9 the trainer partway, restore on a new node "
+        "from S3 and check the loss continues bit for bit.",
     )
     p.add_argument("--steps", type=int, default=240, help="training steps (default 240)")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps (default 10)")
-    p.add_argument("--kill-at", type=int, default=None,
-                   help="SIGKILL node 1 after this step (default: a bit past the middle)")
+    p.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        help="SIGKILL node 1 after this step (default: a bit past the middle)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run for tests: 40 steps, smaller model")
-    p.add_argument("--workdir", default=None,
-                   help="folder for the nodes' local tiers and logs (default: a temp dir)")
+    p.add_argument(
+        "--quick", action="store_true", help="a short run for tests: 40 steps, smaller model"
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="folder for the nodes' local tiers and logs (default: a temp dir)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work folder afterwards")
     p.add_argument("--break-rng", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -233,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from tierckpt.testing.s3servers import start_moto
     except ImportError as exc:  # pragma: no cover
-        print(f"the demo needs moto's server: pip install 'moto[server]' ({exc})",
-              file=sys.stderr)
+        print(f"the demo needs moto's server: pip install 'moto[server]' ({exc})", file=sys.stderr)
         return 1
     t_start = time.perf_counter()
     workdir = args.workdir or tempfile.mkdtemp(prefix="tierckpt-demo-")
@@ -260,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"work folder kept for inspection: {workdir}", file=sys.stderr)
 
 
-def _demo(args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, str],
-          t_start: float) -> int:
+def _demo(
+    args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, str], t_start: float
+) -> int:
     from tierckpt.backends.s3 import S3Backend
     from tierckpt.retention import committed_steps
     from tierckpt.tools import verify_checkpoint
@@ -271,41 +338,73 @@ def _demo(args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, 
     s3_url = f"s3://{BUCKET}/run-{args.seed}"
     # the children talk to the demo's server only: none of the user's AWS settings leak in
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update({
-        "AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
-        "AWS_DEFAULT_REGION": server.region, "AWS_ENDPOINT_URL": server.endpoint_url,
-        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-        "AWS_EC2_METADATA_DISABLED": "true", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
-    })
-    model = ["--steps", str(args.steps), "--every", str(args.every), "--seed", str(args.seed),
-             "--dim", str(args.dim), "--layers", str(args.layers)]
+    env.update(
+        {
+            "AWS_ACCESS_KEY_ID": server.access_key,
+            "AWS_SECRET_ACCESS_KEY": server.secret_key,
+            "AWS_DEFAULT_REGION": server.region,
+            "AWS_ENDPOINT_URL": server.endpoint_url,
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONHASHSEED": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    model = [
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--seed",
+        str(args.seed),
+        "--dim",
+        str(args.dim),
+        "--layers",
+        str(args.layers),
+    ]
     tiered = ["--mode", "tierckpt", "--s3-url", s3_url, "--endpoint-url", server.endpoint_url]
 
-    print(f"tierckpt demo: a {args.layers}-block GPT on bytes, {args.steps} steps, a checkpoint "
-          f"every {args.every} steps; S3 (moto) at {server.endpoint_url}")
+    print(
+        f"tierckpt demo: a {args.layers}-block GPT on bytes, {args.steps} steps, a checkpoint "
+        f"every {args.every} steps; S3 (moto) at {server.endpoint_url}"
+    )
     print("  1. reference run, blocking torch.save checkpoints")
-    print("  2. node 1: tierckpt through memory -> local disk -> S3, killed with SIGKILL "
-          f"after step {args.kill_at}")
+    print(
+        "  2. node 1: tierckpt through memory -> local disk -> S3, killed with SIGKILL "
+        f"after step {args.kill_at}"
+    )
     print("  3. node 2: empty disks, restores from S3, trains to the end; losses compared\n")
     sys.stdout.flush()
 
-    ref = run_child("1. reference (torch.save)", [*model, "--mode", "reference",
-                                                  "--baseline-dir", paths["baseline"]],
-                    env, os.path.join(paths["logs"], "reference.log"), total=args.steps)
+    ref = run_child(
+        "1. reference (torch.save)",
+        [*model, "--mode", "reference", "--baseline-dir", paths["baseline"]],
+        env,
+        os.path.join(paths["logs"], "reference.log"),
+        total=args.steps,
+    )
     if ref.returncode != 0 or ref.done is None:
         return _child_failed(ref)
 
-    node1 = run_child("2. node 1 (tierckpt, kill -9)",
-                      [*model, *tiered, "--local-dir", os.path.join(paths["node1"], "ckpt")],
-                      env, os.path.join(paths["logs"], "node1.log"), total=args.steps,
-                      kill_when=lambda s: s >= args.kill_at)
+    node1 = run_child(
+        "2. node 1 (tierckpt, kill -9)",
+        [*model, *tiered, "--local-dir", os.path.join(paths["node1"], "ckpt")],
+        env,
+        os.path.join(paths["logs"], "node1.log"),
+        total=args.steps,
+        kill_when=lambda s: s >= args.kill_at,
+    )
     if node1.killed_at is None:
         return _child_failed(node1)
     s3 = S3Backend(s3_url, client=admin)
     on_s3 = committed_steps(s3)
-    print(f"node 1 killed with SIGKILL after step {node1.killed_at} (exit status "
-          f"{node1.returncode}); committed on S3: steps {on_s3 or 'none'}")
+    print(
+        f"node 1 killed with SIGKILL after step {node1.killed_at} (exit status "
+        f"{node1.returncode}); committed on S3: steps {on_s3 or 'none'}"
+    )
     if not on_s3:
         print("no checkpoint reached S3 before the kill: raise --kill-at", file=sys.stderr)
         return 1
@@ -313,11 +412,14 @@ def _demo(args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, 
     print(f"verified S3 step {on_s3[-1]}: {rep.chunks} chunk(s), every checksum ok, decoded\n")
     sys.stdout.flush()
 
-    node2 = run_child("3. node 2 (restore from S3)",
-                      [*model, *tiered, "--resume", "--local-dir",
-                       os.path.join(paths["node2"], "ckpt")]
-                      + (["--no-rng-restore"] if args.break_rng else []),
-                      env, os.path.join(paths["logs"], "node2.log"), total=args.steps)
+    node2 = run_child(
+        "3. node 2 (restore from S3)",
+        [*model, *tiered, "--resume", "--local-dir", os.path.join(paths["node2"], "ckpt")]
+        + (["--no-rng-restore"] if args.break_rng else []),
+        env,
+        os.path.join(paths["logs"], "node2.log"),
+        total=args.steps,
+    )
     if node2.returncode != 0 or node2.done is None or node2.restored is None:
         return _child_failed(node2)
 
@@ -342,10 +444,12 @@ def _demo(args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, 
     total = time.perf_counter() - t_start
     if ok:
         redone = node1.killed_at - restored
-        print(f"Continuation is bit-identical: node 2 resumed at step {restored + 1} (node 1 had "
-              f"reached {node1.killed_at}, so {redone} step(s) were redone) and its "
-              f"{args.steps - restored} losses equal the uninterrupted run's, as do node 1's "
-              f"{len(node1.losses)}; final state sha256 {ref.done['digest'][:16]}... matches.")
+        print(
+            f"Continuation is bit-identical: node 2 resumed at step {restored + 1} (node 1 had "
+            f"reached {node1.killed_at}, so {redone} step(s) were redone) and its "
+            f"{args.steps - restored} losses equal the uninterrupted run's, as do node 1's "
+            f"{len(node1.losses)}; final state sha256 {ref.done['digest'][:16]}... matches."
+        )
     else:
         print(f"Continuation is NOT bit-identical (logs in {paths['logs']}).")
     print(f"demo finished in {total:.0f} s" + (f"; files kept in {workdir}" if args.keep else ""))
@@ -353,8 +457,11 @@ def _demo(args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, 
 
 
 def _child_failed(run: ChildRun) -> int:
-    print(f"{run.name}: the training process failed (exit status {run.returncode}); "
-          f"the end of its log ({run.log_path}):", file=sys.stderr)
+    print(
+        f"{run.name}: the training process failed (exit status {run.returncode}); "
+        f"the end of its log ({run.log_path}):",
+        file=sys.stderr,
+    )
     try:
         with open(run.log_path) as f:
             print(f.read()[-3000:], file=sys.stderr)
