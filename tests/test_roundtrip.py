@@ -120,3 +120,27 @@ def test_map_location_and_parameters(tmp_path: Path) -> None:
         ck.save({"p": p}, step=1).wait()
         out = ck.load(map_location="cpu")
     assert torch.equal(out["p"], p.detach())
+
+
+@pytest.mark.parametrize("codec", ["zstd", "planes"])
+def test_compressed_chunks_of_varying_size_through_one_reader_thread(
+    tmp_path: Path, codec: str
+) -> None:
+    # compressed chunks are read into a per-thread scratch buffer reused from chunk to chunk:
+    # one reader thread, chunks whose stored sizes go up and down, and every chunk must
+    # decode from its own bytes (a stale tail of a longer chunk must never leak in)
+    g = torch.Generator().manual_seed(7)
+    state = {
+        "noise": torch.randn(70_000, generator=g),  # stores nearly raw
+        "zeros": torch.zeros(90_000),  # stores a few bytes
+        "steps": torch.arange(50_000, dtype=torch.float32),
+        "more_noise": torch.randn(40_000, generator=g).bfloat16(),
+        "ids": torch.randint(0, 5, (30_000,)),
+    }
+    with Checkpointer([LocalTier(tmp_path, codec=codec)], chunk_bytes=64 << 10) as ck:
+        stored = ck.save(state, step=1).result()["local"].stored_bytes
+    raw = sum(t.numel() * t.element_size() for t in state.values())
+    assert stored < raw  # the zeros at least compressed
+    with Checkpointer([LocalTier(tmp_path, codec=codec)], io_threads=1) as ck2:
+        loaded = ck2.load()
+    assert_same(state, loaded)

@@ -164,6 +164,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{g.ratio:.2f}x", ",".join(sorted(g.codecs))] for g in ins.groups],
           ["GROUP" if args.by == "key" else "DTYPE", "TENSORS", "RAW", "STORED", "RATIO",
            "CODECS"], sys.stdout, right=(1, 2, 3, 4))
+    if len(ins.groups) > 1:
+        print("  (stored bytes are known per chunk: a chunk that holds several groups is split "
+              "among them by raw bytes)")
     print()
     shown = ins.tensors if args.limit == 0 else ins.tensors[: args.limit]
     multi = m.world_size > 1

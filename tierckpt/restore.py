@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -182,6 +183,15 @@ def read_shard(
     span_offsets = [int(s[0]) for s in index["storages"]]
     chunks: list[ChunkRecord] = index["chunks"]
     repop = _Repopulation(repopulate, ref.file)
+    # compressed chunks are read into one scratch buffer per thread, reused from chunk to
+    # chunk: a fresh buffer per chunk would pay the first touch of new pages every time
+    scratch = threading.local()
+
+    def stored_buffer(n: int) -> memoryview:
+        buf: torch.Tensor | None = getattr(scratch, "buf", None)
+        if buf is None or buf.numel() < n:
+            buf = scratch.buf = torch.empty(n, dtype=torch.uint8)
+        return memoryview(buf.numpy())[:n]  # type: ignore[arg-type]
 
     def one(ci: int) -> int:
         rec = chunks[ci]
@@ -204,7 +214,8 @@ def read_shard(
             backend.read_into(ref.file, rec.file_offset, dest_view)
             stored: Any = dest_view
         else:
-            stored = backend.read(ref.file, rec.file_offset, rec.stored_size)
+            stored = stored_buffer(rec.stored_size)
+            backend.read_into(ref.file, rec.file_offset, stored)
         if checksum(stored) != rec.checksum:
             raise CorruptChunk(
                 f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "

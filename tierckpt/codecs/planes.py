@@ -214,13 +214,18 @@ def _split_plane(seg: _U8, itemsize: int, k: int, dest: _U8) -> None:
     np.copyto(dest, seg.reshape(-1, itemsize)[:, k])
 
 
+def _merge16(lo: _U8, hi: _U8, out: npt.NDArray[np.uint16]) -> None:
+    """``out = hi << 8 | lo`` elementwise (two byte planes into 16-bit words)."""
+    np.left_shift(hi, 8, out=out, dtype=np.uint16)
+    np.bitwise_or(out, lo, out=out)
+
+
 def _merge(planes: list[_U8], itemsize: int, dest: _U8) -> None:
     """Inverse of :func:`_split`: interleave ``planes`` into ``dest``."""
     if itemsize == 2 and np.little_endian:
         # two word ops beat two strided byte stores 1.7x; for 4 and 8 bytes strided stores win
-        words = dest.view(np.uint16)
-        np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
-        np.bitwise_or(words, planes[0], out=words)
+        # (two 16-bit merges and a 32-bit shift-or measured 12-20% slower on real chunks)
+        _merge16(planes[0], planes[1], dest.view(np.uint16))
         return
     rows = dest.reshape(-1, itemsize)
     for k in range(itemsize):
@@ -504,7 +509,8 @@ def _unzstd_into(frame: _U8, into: _U8) -> _U8:
         raise CorruptChunk(f"zstd frame declares {params.content_size} bytes, expected {expected}")
     got = 0
     try:
-        with _scratch.decompressor().stream_reader(frame.data) as reader:
+        # the whole frame as one input block: the default 128 KiB blocks cost 30% of the speed
+        with _scratch.decompressor().stream_reader(frame.data, read_size=frame.size) as reader:
             view = into.data
             while got < expected:
                 n = reader.readinto(view[got:])
