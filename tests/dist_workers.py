@@ -355,6 +355,48 @@ def w_kill_save(
     return out
 
 
+def w_fail_save(rank: int, world: int, root: str, victim: int) -> dict[str, Any]:
+    """The victim's storage fails at step 2 (not a death): every rank hears of it at once."""
+    out: dict[str, Any] = {}
+    with tdist.knobs(commit_timeout=120, poll_max=0.2):
+        ck = Checkpointer(
+            tiers(root, None, memory=True), host_buffer_bytes=16 << 20, chunk_bytes=64 << 10
+        )
+        ck.save(rank_state(rank, 1), 1).wait(timeout=60)
+        tdist.wait_committed(ck.backend("local"), 1, timeout=60)
+        dist.barrier()
+        if rank == victim:
+            for name in ck.tier_names:
+                backend = ck.backend(name)
+                real = backend.open_writer
+
+                def full(file: str, real: Any = real) -> Any:
+                    if file == shard_name(2, rank):
+                        raise OSError(28, "No space left on device")
+                    return real(file)
+
+                backend.open_writer = full  # type: ignore[method-assign]
+        h = ck.save(rank_state(rank, 2), 2)
+        t0 = time.monotonic()
+        try:
+            h.wait(timeout=90)
+            out["error"] = None
+        except CheckpointFailed as exc:
+            out["error"] = str(exc)
+            out["error_types"] = {t: type(e).__name__ for t, e in exc.errors.items()}
+            out["messages"] = {t: str(e) for t, e in exc.errors.items()}
+        out["seconds"] = time.monotonic() - t0
+        dist.barrier()
+        out["manifest2"] = ck.backend("local").exists(manifest_name(2))
+        ck.save(rank_state(rank, 3), 3).wait(timeout=60)  # the next step commits again
+        tdist.wait_committed(ck.backend("local"), 3, timeout=60)
+        dist.barrier()
+        out["steps"] = ck.steps()
+        out["diff3"] = same(ck.load(), rank_state(rank, 3))
+        ck.close()
+    return out
+
+
 def w_load_after_kill(
     rank: int, world: int, root: str, s3: dict[str, str] | None
 ) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from tierckpt import Checkpointer, LocalTier
 from tierckpt import distributed as tdist
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, FormatError
-from tierckpt.format import manifest_name, rank_record_name, shard_name
+from tierckpt.format import manifest_name, rank_failure_name, rank_record_name, shard_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,6 +149,103 @@ def test_two_ranks_in_threads_without_a_process_group(tmp_path: Path, monkeypatc
     ck0.close()
 
 
+@pytest.mark.parametrize("direct_probe_max", [16, 0])  # GET by name, or LIST the folder
+def test_wait_stops_at_a_failure_record_of_this_attempt_only(
+    tmp_path: Path, direct_probe_max: int
+) -> None:
+    b = LocalBackend(tmp_path)
+    b.put_atomic(
+        rank_record_name(5, 0),
+        tdist.encode_record(_record(rank=0, world_size=3, file=shard_name(5, 0))),
+    )
+    # a failure left by an earlier attempt at step 5 is not this attempt's
+    b.put_atomic(
+        rank_failure_name(5, 2),
+        tdist.encode_failure(5, 2, "00000000000000ff-1", "local", "OSError: old"),
+    )
+
+    def later() -> None:
+        time.sleep(0.3)
+        b.put_atomic(
+            rank_failure_name(5, 1),
+            tdist.encode_failure(5, 1, "00000000000000ab-1", "local", "OSError: disk full"),
+        )
+
+    th = threading.Thread(target=later)
+    th.start()
+    t0 = time.monotonic()
+    with (
+        tdist.knobs(commit_timeout=60, poll_max=0.05, direct_probe_max=direct_probe_max),
+        pytest.raises(tdist.RankFailed) as ei,
+    ):
+        tdist.wait_for_records(b, "local", 5, 3, "00000000000000ab-1")
+    th.join()
+    assert time.monotonic() - t0 < 10  # not the 60 s commit timeout
+    msg = str(ei.value)
+    assert "rank(s) 1 reported" in msg and "OSError: disk full" in msg
+    assert "old" not in msg and "no manifest" in msg
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"",
+        b"[]",
+        b'{"format": "tierckpt-rank-failure", "version": 9}',
+        b'{"format": "tierckpt-rank-failure", "version": 1, "step": 5, "rank": 1, '
+        b'"attempt": "../x", "error": "e"}',
+        b"x" * (65 << 10),
+    ],
+)
+def test_hostile_failure_records_are_refused(blob: bytes) -> None:
+    with pytest.raises(FormatError):
+        tdist.decode_failure(blob, where="t")
+
+
+def test_failing_rank_makes_rank0_fail_fast_and_a_retry_commits(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Rank 1's disk is full: rank 0 stops waiting at once (not after the commit timeout),
+    names rank 1 and its error, commits nothing; a retry of the step commits."""
+    monkeypatch.setenv("TIERCKPT_ATTEMPT_ID", "job8")
+    cks = [
+        Checkpointer([LocalTier(tmp_path)], rank=r, world_size=2, host_buffer_bytes=8 << 20)
+        for r in range(2)
+    ]
+    states = [dist_workers.rank_state(r, 1, numel=64) for r in range(2)]
+    real_open = LocalBackend.open_writer
+    full = [True]
+
+    def open_writer(self: LocalBackend, name: str) -> Any:
+        if full[0] and name == shard_name(1, 1):
+            raise OSError(28, "No space left on device")
+        return real_open(self, name)
+
+    monkeypatch.setattr(LocalBackend, "open_writer", open_writer)
+    with tdist.knobs(commit_timeout=120, poll_max=0.05):
+        t0 = time.monotonic()
+        handles = [ck.save(st, 1) for ck, st in zip(cks, states)]
+        for h in handles:
+            with pytest.raises(CheckpointFailed) as ei:
+                h.wait(timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert isinstance(ei.value.__cause__, OSError)  # rank 1: its own error
+        with pytest.raises(CheckpointFailed) as ei0:
+            handles[0].wait()
+        assert isinstance(ei0.value.__cause__, tdist.RankFailed)
+        assert "rank(s) 1 reported" in str(ei0.value) and "No space left" in str(ei0.value)
+        assert not LocalBackend(tmp_path).exists(manifest_name(1))
+        assert cks[0].steps() == []
+        full[0] = False  # space freed: the same step again, a new attempt
+        handles = [ck.save(st, 1) for ck, st in zip(cks, states)]
+        for h in handles:
+            h.wait(timeout=60)
+        tdist.wait_committed(cks[1].backend("local"), 1, timeout=30)
+    for r, ck in enumerate(cks):
+        assert dist_workers.same(ck.load(), states[r]) == []
+        ck.close()
+
+
 def test_private_tier_detection(monkeypatch: Any, tmp_path: Path) -> None:
     from tierckpt import MemoryTier
 
@@ -217,6 +314,26 @@ def test_killed_rank_leaves_no_manifest_and_previous_step_loads(
     for r in res:
         assert r["step"] == 1 and r["diff"] == []
         assert r["leftover2"] == [False, False]
+
+
+@pytest.mark.distributed
+def test_failing_rank_fails_the_save_on_every_rank_at_once(tmp_path: Path) -> None:
+    """Rank 2's disk fails at step 2 on the shared local tier and the private RAM tier:
+    with a 120 s commit timeout every rank still gets its answer within seconds."""
+    res = dist_workers.run("w_fail_save", 3, root=str(tmp_path), victim=2, timeout=150)
+    r0, r1, r2 = res
+    for r in res:
+        assert r["seconds"] < 60, r  # not the 120 s commit timeout
+        assert r["manifest2"] is False
+        assert r["steps"] == [1, 3] and r["diff3"] == []
+    assert r0["error_types"] == {"local": "RankFailed", "memory": "RankFailed"}
+    local, memory = r0["messages"]["local"], r0["messages"]["memory"]
+    assert "rank(s) 2 reported" in local and "No space left" in local
+    assert "rank 2: OSError" in memory and "No space left" in memory
+    # rank 1's own shard was fine; on the private tier it waits for rank 0's manifest and
+    # hears of rank 2's failure through the store
+    assert r1["error_types"] == {"memory": "RankFailed"}
+    assert r2["error_types"] == {"local": "OSError", "memory": "OSError"}
 
 
 @pytest.mark.distributed

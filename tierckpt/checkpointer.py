@@ -135,6 +135,7 @@ class Checkpointer:
                 io_threads=self.io_threads,
                 commit=self._commit,
                 on_result=self._stats.record,
+                on_failure=self._report_failure,
             )
         return self._pipeline
 
@@ -198,6 +199,12 @@ class Checkpointer:
         self._last = handle
         pipeline.submit(job)
         return handle
+
+    def _report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+        if job.world_size != 1:
+            from tierckpt.distributed import report_failure
+
+            report_failure(tier, job, error)
 
     def _commit(
         self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int

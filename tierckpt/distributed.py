@@ -12,9 +12,13 @@ Save
     those ranks ``handle.done(tier)`` means "my shard is durable there", not "the checkpoint
     is committed"; :func:`wait_committed` waits for the manifest.
 
-    A rank that fails or dies writes no record, so rank 0 writes no manifest: after
-    ``commit_timeout`` it fails that tier's save with :class:`CommitTimeout`, naming the
-    missing ranks, and the previous checkpoint stays the newest committed one.
+    A rank whose save fails on a tier (disk full, storage errors, a failed capture) writes a
+    *failure record* there instead (``rank-<r>.failed.json``: attempt id and error message):
+    rank 0 sees it at its next poll and fails that tier's save at once with
+    :class:`RankFailed`, naming the rank and its error. A rank that dies writes nothing, so
+    rank 0 writes no manifest: after ``commit_timeout`` it fails that tier's save with
+    :class:`CommitTimeout`, naming the missing ranks. Either way nothing is committed and the
+    previous checkpoint stays the newest committed one.
 
 Attempt ids
     Records of an earlier, killed attempt at the same step must not be mistaken for this
@@ -30,7 +34,8 @@ Private tiers
     records travel through the process group's key-value store (the ``TCPStore`` behind
     ``init_process_group``, safe to use from background threads): each rank publishes its
     record, rank 0 composes the manifest once and publishes it, and every rank writes that same
-    manifest onto its own copy of the tier. Each rank applies retention to its own copy.
+    manifest onto its own copy of the tier. Each rank applies retention to its own copy. A
+    rank that fails there sets a failure key in the store, which every waiting rank checks.
 
 Load
     :func:`agree_on_step` — one ``all_gather`` of a fixed-size vector in the calling thread —
@@ -69,6 +74,7 @@ from tierckpt.format import (
     decode_manifest,
     encode_manifest,
     manifest_name,
+    rank_failure_name,
     rank_record_name,
     shard_name,
     step_prefix,
@@ -82,6 +88,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CommitTimeout",
     "DistKnobs",
+    "RankFailed",
     "RankRecord",
     "agree_on_step",
     "begin_save",
@@ -91,6 +98,7 @@ __all__ = [
     "get_knobs",
     "is_private_tier",
     "knobs",
+    "report_failure",
     "wait_committed",
 ]
 
@@ -98,13 +106,20 @@ log = logging.getLogger("tierckpt")
 
 RECORD_FORMAT = "tierckpt-rank-record"
 RECORD_VERSION = 1
+FAILURE_FORMAT = "tierckpt-rank-failure"
 MAX_RECORD_BYTES = 64 << 10
+#: a failure record keeps at most this many characters of the error message
+MAX_ERROR_CHARS = 2000
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _ATTEMPT = re.compile(r"^[0-9A-Za-z._-]{0,128}$")
 
 
 class CommitTimeout(TierCkptError, TimeoutError):
     """Rank 0 gave up waiting for other ranks' completion records: nothing was committed."""
+
+
+class RankFailed(TierCkptError):
+    """Another rank reported that its shard failed on this tier: nothing was committed."""
 
 
 # -- knobs ------------------------------------------------------------------------------
@@ -224,6 +239,80 @@ def decode_record(data: bytes, *, where: str) -> RankRecord:
     if min(rec.size, rec.raw_bytes, rec.stored_bytes) < 0:
         raise FormatError(f"{where}: negative size in record")
     return rec
+
+
+def encode_failure(step: int, rank: int, attempt: str, tier: str, error: str) -> bytes:
+    body = {
+        "format": FAILURE_FORMAT,
+        "version": RECORD_VERSION,
+        "step": step,
+        "rank": rank,
+        "attempt": attempt,
+        "tier": tier,
+        "error": error[:MAX_ERROR_CHARS],
+    }
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def decode_failure(data: bytes, *, where: str) -> tuple[int, int, str, str]:
+    """``(step, rank, attempt, error)`` of a failure record (from storage: trust nothing)."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise FormatError(f"{where}: failure record larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{where}: failure record is not JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != FAILURE_FORMAT:
+        raise FormatError(f"{where}: not a tierckpt failure record")
+    if body.get("version") != RECORD_VERSION:
+        raise FormatError(f"{where}: unsupported failure record version {body.get('version')!r}")
+    step = _field(body, "step", int, where)
+    rank = _field(body, "rank", int, where)
+    attempt = _field(body, "attempt", str, where)
+    error = _field(body, "error", str, where)
+    if not _ATTEMPT.match(attempt):
+        raise FormatError(f"{where}: malformed attempt id in failure record")
+    return step, rank, attempt, error[:MAX_ERROR_CHARS]
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+
+
+def report_failure(tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+    """Tell the ranks waiting on ``tier`` that this rank's part of ``job`` failed.
+
+    Called by the pipeline when a multi-rank save fails on a tier. On a shared tier a non-zero
+    rank writes its failure record (rank 0 is the one that waits; nobody waits for rank 0's
+    record); on a private tier any rank sets the attempt's failure key in the store. Best
+    effort: storage that just failed may fail again, and then rank 0 falls back on its
+    ``commit_timeout``.
+    """
+    if isinstance(error, (CommitTimeout, RankFailed)):
+        return  # a verdict on other ranks, not a failure of this rank's own part
+    try:
+        if is_private_tier(tier):
+            if job.attempt:
+                st = _store()
+                with _store_lock:
+                    st.set(
+                        f"tierckpt/{job.attempt}/{tier.name}/failed",
+                        f"rank {job.rank}: {_describe(error)}".encode("utf-8", "replace"),
+                    )
+            return
+        if job.rank == 0:
+            return
+        body = encode_failure(job.step, job.rank, job.attempt, tier.name, _describe(error))
+        tier.backend.put_atomic(rank_failure_name(job.step, job.rank), body, overwrite=True)
+    except Exception as exc:  # never mask the save's own error
+        log.warning(
+            "step %d tier %s: could not report rank %d's failure to the other ranks (%s); "
+            "rank 0 will wait out its commit timeout",
+            job.step,
+            tier.name,
+            job.rank,
+            exc,
+        )
 
 
 # -- the training-thread handshake ------------------------------------------------------
@@ -422,11 +511,15 @@ def wait_for_records(
     while True:
         polls += 1
         missing = [r for r in range(world_size) if r not in found]
+        failed: list[int] | None = None  # None: probe every rank whose record is missing
         if len(missing) > k.direct_probe_max:
             listed = set(backend.list(step_prefix(step)))
+            failed = [r for r in missing if rank_failure_name(step, r) in listed]
             missing = [r for r in missing if rank_record_name(step, r) in listed]
+        absent: list[int] = []
         for r, data in _get_records(backend, step, missing, k.record_readers):
             if data is None:
+                absent.append(r)
                 continue
             name = rank_record_name(step, r)
             rec = decode_record(data, where=f"tier {tier_name!r} {backend.url}/{name}")
@@ -446,6 +539,9 @@ def wait_for_records(
                     f"{rec.rank} of {rec.world_size}"
                 )
             found[r] = rec
+        _raise_reported_failures(
+            backend, tier_name, step, attempt, absent if failed is None else failed, k
+        )
         if len(found) == world_size:
             log.debug(
                 "step %d tier %s: all %d records after %d polls, %.3f s",
@@ -471,8 +567,39 @@ def wait_for_records(
         delay = min(delay * 2, k.poll_max)
 
 
+def _raise_reported_failures(
+    backend: Backend, tier_name: str, step: int, attempt: str, ranks: list[int], k: DistKnobs
+) -> None:
+    """Raise :class:`RankFailed` if any of ``ranks`` left a failure record of this attempt."""
+    if not ranks:
+        return
+    reports = []
+    for r, data in _get_records(backend, step, ranks, k.record_readers, rank_failure_name):
+        if data is None:
+            continue
+        name = rank_failure_name(step, r)
+        f_step, f_rank, f_attempt, error = decode_failure(
+            data, where=f"tier {tier_name!r} {backend.url}/{name}"
+        )
+        if (attempt and f_attempt != attempt) or f_step != step or f_rank != r:
+            continue  # an earlier attempt at this step failed; this one may not
+        reports.append((r, error))
+    if reports:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in reports[:5])
+        raise RankFailed(
+            f"step {step} on tier {tier_name!r} ({backend.url}): rank(s) "
+            f"{_ranks([r for r, _ in reports])} reported that their shard failed ({detail}); "
+            "no manifest was written, so this step is not committed there and the previous "
+            "checkpoint stays the newest"
+        )
+
+
 def _get_records(
-    backend: Backend, step: int, ranks: list[int], readers: int
+    backend: Backend,
+    step: int,
+    ranks: list[int],
+    readers: int,
+    name_of: Callable[[int, int], str] = rank_record_name,
 ) -> list[tuple[int, bytes | None]]:
     """GET the records of ``ranks`` (None: not there yet).
 
@@ -483,7 +610,7 @@ def _get_records(
 
     def one(r: int) -> tuple[int, bytes | None]:
         try:
-            return r, backend.get(rank_record_name(step, r))
+            return r, backend.get(name_of(step, r))
         except CheckpointNotFound:
             return r, None
 
@@ -544,17 +671,31 @@ def _store() -> Any:
         return st
 
 
-def _store_wait(st: Any, keys: list[str], what: str, deadline: float) -> None:
+def _store_failure(where: str, failure: bytes) -> RankFailed:
+    return RankFailed(
+        f"{where}: {failure.decode('utf-8', 'replace')} (reported through the process group's "
+        "store); nothing committed, the previous checkpoint stays the newest"
+    )
+
+
+def _store_wait(
+    st: Any, keys: list[str], where: str, what: str, deadline: float, failed_key: str
+) -> None:
+    """Wait until ``keys`` are in the store; ``where: what`` on timeout; RankFailed at once if
+    a rank set ``failed_key``."""
     k = get_knobs()
     delay = k.poll_initial
     while True:
         with _store_lock:
             ready = st.check(keys)
+            failure = bytes(st.get(failed_key)) if not ready and st.check([failed_key]) else None
         if ready:
             return
+        if failure is not None:
+            raise _store_failure(where, failure)
         now = time.monotonic()
         if now >= deadline:
-            raise CommitTimeout(what)
+            raise CommitTimeout(f"{where}: {what}")
         time.sleep(min(delay, deadline - now))
         delay = min(delay * 2, k.poll_max)
 
@@ -579,14 +720,17 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
     prefix = f"tierckpt/{job.attempt}/{tier.name}/"
     rec_keys = [f"{prefix}rec/{r}" for r in range(job.world_size)]
     m_key = f"{prefix}manifest"
+    failed_key = f"{prefix}failed"
+    where = f"step {job.step} tier {tier.name!r}"
     if job.rank == 0:
         try:
             _store_wait(
                 st,
                 rec_keys,
-                f"step {job.step} tier {tier.name!r}: not every rank "
-                "published its completion record in time; nothing committed",
+                where,
+                "not every rank published its completion record in time; nothing committed",
                 deadline,
+                failed_key,
             )
             with _store_lock:
                 blobs = st.multi_get(rec_keys)
@@ -606,13 +750,18 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
     _store_wait(
         st,
         [m_key],
-        f"step {job.step} tier {tier.name!r}: rank 0 published no manifest "
-        "in time; nothing committed",
+        where,
+        "rank 0 published no manifest in time; nothing committed",
         deadline,
+        failed_key,
     )
     with _store_lock:
         body = bytes(st.get(m_key))
     if body.startswith(b"FAILED "):
+        with _store_lock:
+            failure = bytes(st.get(failed_key)) if st.check([failed_key]) else None
+        if failure is not None:  # rank 0 gave up because a rank reported a failure
+            raise _store_failure(where, failure)
         raise TierCkptError(
             f"step {job.step} tier {tier.name!r}: rank 0 could not commit: "
             f"{body[7:].decode('utf-8', 'replace')}"

@@ -113,6 +113,11 @@ def rank_record_name(step: int, rank: int) -> str:
     return f"{step_prefix(step)}rank-{rank:06d}.done.json"
 
 
+def rank_failure_name(step: int, rank: int) -> str:
+    """Where a rank says "my shard of this step failed" (so rank 0 stops waiting for it)."""
+    return f"{step_prefix(step)}rank-{rank:06d}.failed.json"
+
+
 # -- footer ---------------------------------------------------------------------------
 
 

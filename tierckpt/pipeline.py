@@ -134,9 +134,11 @@ class Pipeline:
         io_threads: int,
         commit: CommitFn,
         on_result: Callable[[TierResult, SaveHandle], None] | None = None,
+        on_failure: Callable[[TierRuntime, SaveJob, BaseException], None] | None = None,
     ) -> None:
         self.tiers = tiers
         self.on_result = on_result
+        self.on_failure = on_failure
         self.chunk_bytes = chunk_bytes
         self.host_buffer_bytes = host_buffer_bytes
         self.commit = commit
@@ -442,6 +444,8 @@ class Pipeline:
     ) -> None:
         if error is not None:
             log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
+            if self.on_failure is not None:
+                self.on_failure(tier, job, error)  # e.g. tell rank 0 not to wait for this rank
         if result is not None and self.on_result is not None:
             self.on_result(result, job.handle)
         job.handle._set_tier(tier.name, result, error)
