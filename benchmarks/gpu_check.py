@@ -165,8 +165,9 @@ def _sync(device: torch.device) -> None:
 def pinned_stats() -> dict[str, int]:
     """Pinned host memory held by torch's caching host allocator (CUDA builds), in bytes.
 
-    That allocator rounds every request up to a power of two: an arena of 16 GiB + 4 KiB
-    pins 32 GiB. Recorded so the run shows what the arena really cost.
+    That allocator rounds every request up to a power of two, so the arena does not use it
+    (it page-locks exactly its own bytes with cudaHostRegister): recorded so the run shows
+    that no pinned memory beyond the arena was taken.
     """
     fn = getattr(torch.cuda, "host_memory_stats", None)
     if fn is None or not torch.cuda.is_available():

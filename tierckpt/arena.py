@@ -3,22 +3,55 @@
 The arena is cut into equal slots of ``slot_bytes`` (the chunk size); a chunk being captured
 holds one slot until every tier has written it. When all slots are taken, ``acquire`` waits
 (backpressure) instead of allocating, so host memory used by checkpointing is bounded by the
-arena's size whatever the size of the state. With CUDA the buffer is pinned (page-locked) so
-device-to-host copies run at full speed and asynchronously; without CUDA it is ordinary memory,
-4 KiB aligned, and pre-touched (first touch of fresh memory is ~40x slower than a warm copy).
+arena's size whatever the size of the state. The buffer is ordinary memory, 4 KiB aligned and
+pre-touched (first touch of fresh memory is ~40x slower than a warm copy); with CUDA exactly its
+bytes are then page-locked with ``cudaHostRegister`` so device-to-host copies run at full speed
+and asynchronously. (``torch.empty(pin_memory=True)`` would go through torch's caching host
+allocator, which rounds every block up to a power of two: a 20 GB arena would pin 32 GiB.)
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+import weakref
+from typing import Any
 
 import torch
 
 __all__ = ["HostArena", "default_host_buffer_bytes"]
 
 ALIGN = 4096
+#: cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinned memory
+_REGISTER_PORTABLE = 1
+
+log = logging.getLogger("tierckpt")
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def register_host(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for CUDA (``cudaHostRegister``)."""
+    err = int(_cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
+    if err != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err} (the locked-memory "
+            "limit, `ulimit -l`, may be too low; or lower host_buffer_bytes)"
+        )
+
+
+def unregister_host(ptr: int) -> None:
+    err = int(_cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("cudaHostUnregister of the host arena failed with CUDA error %d", err)
+
+
+def _unpin(_memory: torch.Tensor, ptr: int) -> None:
+    unregister_host(ptr)  # _memory: kept alive until the registration is gone
 
 
 def total_ram() -> int:
@@ -50,17 +83,29 @@ class HostArena:
             )
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
-        self.pinned = torch.cuda.is_available() if pin is None else pin
+        want_pin = torch.cuda.is_available() if pin is None else pin
         nbytes = n_slots * slot_bytes
         t0 = time.perf_counter()
-        if self.pinned:
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
-        else:
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
         skip = (-raw.data_ptr()) % ALIGN
         self._raw = raw
         self.buffer = raw[skip : skip + nbytes]
         self.buffer.fill_(0)  # pre-touch every page now, not during the first checkpoint
+        self.pinned = False
+        self._unpin: weakref.finalize[Any, Any] | None = None
+        if want_pin:
+            try:
+                register_host(self.buffer.data_ptr(), nbytes)
+            except RuntimeError as exc:
+                if pin:  # asked for explicitly: fail loudly
+                    raise
+                # still correct, only slower: copies into pageable memory are synchronous
+                log.warning("host arena not pinned; device-to-host copies will be slower: %s", exc)
+            else:
+                self.pinned = True
+                # unregistered exactly once: at close(), or when the arena is collected (the
+                # finalizer holds the buffer, so its memory outlives the registration)
+                self._unpin = weakref.finalize(self, _unpin, self._raw, self.buffer.data_ptr())
         self.alloc_seconds = time.perf_counter() - t0
         self._free = list(range(n_slots - 1, -1, -1))
         self._cond = threading.Condition()
@@ -108,3 +153,6 @@ class HostArena:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self.pinned = False
+        if self._unpin is not None:
+            self._unpin()
