@@ -58,6 +58,83 @@ class TestLocalBackend(BackendTests):
         yield LocalBackend(tmp_path / "store")
 
 
+class TestLocalBackendBuffered(BackendTests):
+    """The same suite with direct I/O off (the page-cache path)."""
+
+    leaves_incomplete = True
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Iterator[Backend]:
+        yield LocalBackend(tmp_path / "store", direct_io=False)
+
+
+def _aligned(n: int, fill: int) -> memoryview:
+    """``n`` bytes at a 4 KiB-aligned address (as a host-arena slot is)."""
+    import numpy as np
+
+    raw = np.empty(n + 4096, np.uint8)
+    skip = (-raw.ctypes.data) % 4096
+    out = raw[skip : skip + n]
+    out[:] = np.arange(n, dtype=np.uint64).astype(np.uint8) ^ fill
+    return memoryview(out)
+
+
+def test_local_direct_io_for_aligned_writes_page_cache_for_the_rest(tmp_path: Path) -> None:
+    b = LocalBackend(tmp_path)
+    if not b._direct_ok:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    big = _aligned((3 << 20) + 1000, 1)  # aligned head, 1000-byte tail
+    misaligned = _aligned((2 << 20) + 1, 2)[1:]  # aligned length but not address
+    small = _aligned(8192, 3)  # aligned, but too small to be worth it
+    w = b.open_writer("obj")
+    w.write(0, big)
+    w.write(4 << 20, misaligned)  # an aligned offset after a hole
+    w.write((7 << 20) + 4096, small)
+    w.write((7 << 20) + 12288, b"index+footer")
+    assert w.direct_bytes == 3 << 20  # only the big write's aligned head  # type: ignore[attr-defined]
+    w.commit()
+    data = (tmp_path / "obj").read_bytes()
+    assert len(data) == (7 << 20) + 12288 + 12
+    assert data[: len(big)] == big.tobytes()
+    assert data[len(big) : 4 << 20] == bytes((4 << 20) - len(big))  # the hole reads as zeros
+    assert data[4 << 20 : (4 << 20) + len(misaligned)] == misaligned.tobytes()
+    assert data[(7 << 20) + 4096 : (7 << 20) + 12288] == small.tobytes()
+    assert data.endswith(b"index+footer")
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_local_direct_io_refused_falls_back_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    import tierckpt.backends.local as local_mod
+
+    if not local_mod._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    real_open = os.open
+    refused = []
+
+    def no_direct(path: str, flags: int, *a: object) -> int:
+        if flags & local_mod._O_DIRECT:
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs answers
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    b = LocalBackend(tmp_path)
+    for name in ("a", "b"):
+        w = b.open_writer(name)
+        w.write(0, _aligned(2 << 20, 5))
+        assert w.direct_bytes == 0  # type: ignore[attr-defined]
+        w.commit()
+        assert (tmp_path / name).read_bytes() == _aligned(2 << 20, 5).tobytes()
+    assert len(refused) == 1  # tried once, then remembered
+    monkeypatch.setenv("TIERCKPT_DIRECT_IO", "0")
+    assert not LocalBackend(tmp_path)._direct_ok
+
+
 @pytest.mark.s3
 class TestS3BackendMoto(BackendTests):
     leaves_incomplete = True
