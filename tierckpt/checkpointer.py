@@ -19,7 +19,7 @@ from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpo
 from tierckpt.format import Manifest, ShardRef, encode_manifest, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.observe import CommitStats, StatsRecorder
-from tierckpt.pipeline import Pipeline, SaveJob, TierRuntime
+from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 from tierckpt.restore import is_recoverable, read_manifest, read_shard, restore_into
@@ -37,7 +37,7 @@ def _env_int(name: str, default: int) -> int:
     return int(v) if v else default
 
 
-class Checkpointer:
+class Checkpointer(PipelineOwner):
     """Saves training state through a list of tiers without stopping training.
 
     ``save(state, step)`` returns a :class:`SaveHandle` at once; the state is captured into
@@ -414,32 +414,10 @@ class Checkpointer:
     def remove_callback(self, fn: Callable[[TierResult], Any]) -> None:
         self._stats.remove_callback(fn)
 
-    def close(self) -> None:
-        """Wait for in-flight saves to finish on every tier, then release threads and memory."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
+    def _release(self) -> None:
         if self._read_pool is not None:
             self._read_pool.shutdown()
             self._read_pool = None
-        for t in self._tiers:
-            t.backend.close()
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if not self._closed and self._pipeline is not None:
-                self._pipeline.close()
-        except Exception:
-            pass
 
 
 def _dist_rank_world() -> tuple[int, int]:

@@ -100,7 +100,7 @@ from tierckpt.format import (
 )
 from tierckpt.handle import SaveHandle
 from tierckpt.objects import decode_tree, dtype_from_name, dtype_name, encode_tree
-from tierckpt.pipeline import Pipeline, SaveJob, TierRuntime
+from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
@@ -446,7 +446,7 @@ def _bytes_tensor(data: io.BytesIO) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
 
 
-class TierWriter(StorageWriter):
+class TierWriter(PipelineOwner, StorageWriter):
     """A DCP ``StorageWriter`` that saves through tierckpt tiers (see the module docstring).
 
     Args:
@@ -710,29 +710,6 @@ class TierWriter(StorageWriter):
         except OSError as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", t.name, exc)
 
-    def close(self) -> None:
-        """Wait for nothing (saves are synchronous) and release threads and the host buffer."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
-        for t in self._tiers:
-            t.backend.close()
-
-    def __enter__(self) -> TierWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if not self._closed and self._pipeline is not None:
-                self._pipeline.close()
-        except Exception:
-            pass
 
 
 def _dist_rank() -> int:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -472,3 +472,44 @@ def _encode(tier_codec: Codec, dtype: str, view: memoryview, event: Any) -> Enco
         # incompressible: store raw bytes, never more than raw
         return Encoded(view, checksum(view), {"id": "raw"})
     return Encoded(out, checksum(out), codec.get_config())
+
+
+_Owner = TypeVar("_Owner", bound="PipelineOwner")
+
+
+class PipelineOwner:
+    """Lifecycle shared by the objects that own a :class:`Pipeline` and its tiers
+    (``Checkpointer``, ``dcp.TierWriter``): ``close()`` once, context manager, and a
+    best-effort close when collected unclosed."""
+
+    _pipeline: Pipeline | None
+    _tiers: list[TierRuntime]
+    _closed: bool
+
+    def _release(self) -> None:
+        """Extra resources of the owner, released by ``close()`` after the pipeline."""
+
+    def close(self) -> None:
+        """Wait for in-flight saves to finish on every tier, then release threads and memory."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+        self._release()
+        for t in self._tiers:
+            t.backend.close()
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and self._pipeline is not None:
+                self._pipeline.close()
+        except Exception:
+            pass
