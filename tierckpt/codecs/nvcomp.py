@@ -79,7 +79,17 @@ _NV_NAMES = {
     "cascaded": "Cascaded",
     "snappy": "Snappy",
 }
-_PACKAGE = "nvidia-nvcomp-cu12"
+
+
+def _package_name() -> str:
+    """The nvCOMP wheel that matches this torch's CUDA (cu12 for CUDA 12, cu13 for 13)."""
+    import torch
+
+    major = (torch.version.cuda or "12").split(".")[0]
+    return f"nvidia-nvcomp-cu{major}"
+
+
+_PACKAGE = _package_name()
 _MAGIC = b"TCNV"
 _VERSION = 1
 _HEADER = struct.Struct("<4sBBBBQII")
