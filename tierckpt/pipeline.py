@@ -9,6 +9,11 @@ once every tier has written it. After the last chunk each tier writes the index 
 makes the file durable and commits (manifest last), then applies retention. A failure on one
 tier fails that tier's copy of that checkpoint only; it is reported on the handle and in the
 log, and the next save starts clean.
+
+A tier with a ``source`` (e.g. S3 behind the local disk) takes no chunks from the arena: once
+the source tier's file is durable, the follower's thread reads it back chunk by chunk, checks
+each chunk's checksum, re-encodes it for its own codec when that differs, and writes it. So a
+slow tier never holds arena slots, and capture goes at the pace of the tiers fed directly.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.capture import CaptureStreams, copy_chunk
-from tierckpt.codecs import Codec
-from tierckpt.errors import BackendError, FormatError
+from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.errors import BackendError, CorruptChunk, FormatError, TierCkptError
 from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
@@ -81,6 +86,15 @@ class _ChunkState:
 
 
 @dataclass
+class _Follow:
+    """A follower tier's wait for its source tier's durable file of one job."""
+
+    source: TierRuntime
+    #: (file name, chunk records, codec table) of the source's file, or the source's error
+    done: Future[tuple[str, list[list[Any]], list[dict[str, Any]]]] = field(default_factory=Future)
+
+
+@dataclass
 class SaveJob:
     step: int
     #: the layout; None until the capture thread lays ``collected`` out
@@ -103,6 +117,8 @@ class SaveJob:
 
     #: multi-rank saves: the id all ranks agreed on for this attempt (tierckpt.distributed)
     attempt: str = ""
+    #: follower tier name -> its source; set by the capture thread
+    follows: dict[str, _Follow] = field(default_factory=dict)
 
 
 @dataclass
@@ -247,10 +263,17 @@ class Pipeline:
             job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
             job.collected = None
         plan = job.plan
+        by_name = {t.name: t for t in job.tiers}
+        job.follows = {
+            t.name: _Follow(by_name[t.spec.source])
+            for t in job.tiers
+            if t.spec.source is not None and t.spec.source in by_name
+        }
+        direct = [t for t in job.tiers if t.name not in job.follows]
         a = self._ensure_arena(plan)
         for t in job.tiers:
             self._tier_q[t.name].put(("start", job, None))
-        codecs = {t.codec for t in job.tiers}
+        codecs = {t.codec for t in direct}
         events = []
         for chunk in plan.chunks:
             slot = a.acquire()
@@ -262,11 +285,11 @@ class Pipeline:
                 raise
             if event is not None:
                 events.append(event)
-            state = _ChunkState(chunk, slot, remaining=len(job.tiers))
+            state = _ChunkState(chunk, slot, remaining=len(direct))
             view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
             for codec in codecs:
                 state.encoded[codec] = self._pool.submit(_encode, codec, chunk.dtype, view, event)
-            for t in job.tiers:
+            for t in direct:
                 self._tier_q[t.name].put(("chunk", job, state))
         for ev in events:
             ev.synchronize()
@@ -309,6 +332,7 @@ class Pipeline:
                     tw.writer.abort()
                     tw.writer = None
                 if kind == "end":
+                    self._source_done(tier, job, None, exc)
                     self._finish(tier, job, None, exc)
 
     def _tier_start(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
@@ -323,7 +347,10 @@ class Pipeline:
     def _tier_chunk(
         self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, state: _ChunkState
     ) -> None:
-        enc = state.encoded[tier.codec].result()
+        self._append(tier, tw, state.plan, state.encoded[tier.codec].result())
+
+    def _append(self, tier: TierRuntime, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
+        """Write one encoded chunk at the next aligned offset and record it."""
         assert tw.writer is not None
         start = align_up(tw.offset)
         if start > tw.offset and not tier.backend.supports_random_write:
@@ -337,9 +364,7 @@ class Pipeline:
         except ValueError:
             tw.codecs.append(enc.codec_config)
             codec_idx = len(tw.codecs) - 1
-        rec = ChunkRecord(
-            state.plan.logical_offset, state.plan.raw_size, n, start, codec_idx, enc.checksum
-        )
+        rec = ChunkRecord(chunk.logical_offset, chunk.raw_size, n, start, codec_idx, enc.checksum)
         tw.records.append(rec.to_json())
         tw.offset = start + n
         tw.stored += n
@@ -349,6 +374,9 @@ class Pipeline:
             raise job.capture_error
         if tw.error is not None:
             raise tw.error
+        follow = job.follows.get(tier.name)
+        if follow is not None:
+            self._copy_from_source(tier, job, tw, follow)
         assert tw.writer is not None
         index = {
             "format": "tierckpt-shard",
@@ -372,6 +400,7 @@ class Pipeline:
         t0 = time.perf_counter()
         tw.writer.commit()
         tw.write_seconds += time.perf_counter() - t0
+        self._source_done(tier, job, (shard_name(job.step, job.rank), tw.records, tw.codecs), None)
         observe = getattr(tier.codec, "observe", None)
         if observe is not None:  # the auto policy learns the link's speed
             observe(tw.stored, tw.write_seconds)
@@ -384,6 +413,67 @@ class Pipeline:
             pending.add_done_callback(lambda f: self._after_deferred(tier, job, stored, codecs, f))
             return
         self._after_commit(tier, job, tw.stored, tw.codecs, None)
+
+    def _source_done(
+        self,
+        tier: TierRuntime,
+        job: SaveJob,
+        result: tuple[str, list[list[Any]], list[dict[str, Any]]] | None,
+        error: BaseException | None,
+    ) -> None:
+        """Hand this tier's durable file (or its failure) to the tiers that copy from it."""
+        for f in job.follows.values():
+            if f.source is tier and not f.done.done():
+                if error is not None:
+                    f.done.set_exception(error)
+                else:
+                    assert result is not None
+                    f.done.set_result(result)
+
+    def _copy_from_source(
+        self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, follow: _Follow
+    ) -> None:
+        """Read the source tier's durable file chunk by chunk into this tier's writer."""
+        src = follow.source
+        try:
+            file, records, codecs = follow.done.result()
+        except BaseException as exc:
+            raise TierCkptError(
+                f"step {job.step}: tier {tier.name!r} copies from tier {src.name!r}, whose copy "
+                f"failed: {exc}"
+            ) from exc
+        chunks = job.laid_out.chunks
+        if len(records) != len(chunks):
+            raise FormatError(
+                f"step {job.step}: tier {src.name!r} wrote {len(records)} chunks, "
+                f"the plan has {len(chunks)}"
+            )
+        stored_buf: torch.Tensor | None = None
+        raw_buf: torch.Tensor | None = None
+        source_codecs = [codec_from_config(c) for c in codecs]
+        for i, fields in enumerate(records):
+            rec = ChunkRecord(*fields)
+            if stored_buf is None or stored_buf.numel() < rec.stored_size:
+                stored_buf = torch.empty(max(rec.stored_size, 1), dtype=torch.uint8)
+            stored = memoryview(stored_buf.numpy())[: rec.stored_size]  # type: ignore[arg-type]
+            src.backend.read_into(file, rec.file_offset, stored)
+            if checksum(stored) != rec.checksum:
+                raise CorruptChunk(
+                    f"step {job.step}: chunk {i} of tier {src.name!r}'s file {file} does not "
+                    f"match its checksum when read back for tier {tier.name!r}",
+                    tier=src.name,
+                    file=file,
+                    chunk=i,
+                )
+            codec = source_codecs[rec.codec]
+            if codec.is_passthrough:
+                raw = stored
+            else:
+                if raw_buf is None or raw_buf.numel() < rec.raw_size:
+                    raw_buf = torch.empty(max(rec.raw_size, 1), dtype=torch.uint8)
+                raw = memoryview(raw_buf.numpy())[: rec.raw_size]  # type: ignore[arg-type]
+                codec.decode(stored, raw)
+            self._append(tier, tw, chunks[i], _encode(tier.codec, chunks[i].dtype, raw, None))
 
     def _after_deferred(
         self,

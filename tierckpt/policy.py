@@ -16,6 +16,12 @@ Per tier:
 ``codec``
     ``"auto"`` (default: raw to RAM and local disk, compressed to remote tiers when that is
     faster), ``"raw"``, ``"zstd"``, any registered codec id, or a :class:`Codec` instance.
+``source``
+    the name of an earlier tier this one copies from, once that tier's file is durable,
+    instead of taking chunks from the host arena: ``S3Tier(..., source="local")``. A slow
+    tier then no longer holds arena slots, so capture (and training) goes at the pace of the
+    source. The copy depends on the source's: if the source's copy of a step fails, so does
+    this one's. Saves the source does not receive (``every``) come from the arena as usual.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class TierSpec:
     keep_last: int | None = None
     every: int = 1
     codec: CodecSpec = "auto"
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -51,6 +58,8 @@ class TierSpec:
             raise ValueError(f"tier {self.name!r}: keep_last must be an int >= 1 or None")
         if type(self.every) is not int or self.every < 1:
             raise ValueError(f"tier {self.name!r}: every must be an int >= 1")
+        if self.source is not None and (not isinstance(self.source, str) or not self.source):
+            raise ValueError(f"tier {self.name!r}: source must be a tier name or None")
 
     def make_backend(self) -> Backend:
         raise NotImplementedError
@@ -86,8 +95,10 @@ class LocalTier(TierSpec):
         every: int = 1,
         codec: CodecSpec = "auto",
         name: str = "local",
+        source: str | None = None,
     ) -> None:
         object.__setattr__(self, "path", os.fspath(path))
+        object.__setattr__(self, "source", source)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
         object.__setattr__(self, "every", every)
@@ -115,9 +126,11 @@ class S3Tier(TierSpec):
         every: int = 1,
         codec: CodecSpec = "auto",
         name: str = "s3",
+        source: str | None = None,
         **options: Any,
     ) -> None:
         object.__setattr__(self, "url", url)
+        object.__setattr__(self, "source", source)
         object.__setattr__(self, "options", dict(options))
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
@@ -156,6 +169,21 @@ class TierPolicy:
             raise ValueError(
                 f"tier names must be unique, got {names}; pass name=... to tell tiers apart"
             )
+        for i, t in enumerate(tiers):
+            if t.source is None:
+                continue
+            earlier = {u.name: u for u in tiers[:i]}
+            src = earlier.get(t.source)
+            if src is None:
+                raise ValueError(
+                    f"tier {t.name!r}: source {t.source!r} must name a tier listed before it "
+                    f"(tiers before it: {list(earlier) or 'none'})"
+                )
+            if src.source is not None:
+                raise ValueError(
+                    f"tier {t.name!r}: its source {src.name!r} copies from {src.source!r} "
+                    "itself; name a tier that takes chunks from the host arena"
+                )
         object.__setattr__(self, "tiers", tiers)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
