@@ -207,18 +207,24 @@ def _field(body: dict[str, Any], key: str, typ: type, where: str) -> Any:
     return v
 
 
-def decode_record(data: bytes, *, where: str) -> RankRecord:
-    """Parse and validate a completion record (it comes from storage: trust nothing)."""
+def _record_body(data: bytes, fmt: str, what: str, where: str) -> dict[str, Any]:
+    """The JSON object of a small record of format ``fmt``, size and version checked."""
     if len(data) > MAX_RECORD_BYTES:
-        raise FormatError(f"{where}: completion record larger than {MAX_RECORD_BYTES} bytes")
+        raise FormatError(f"{where}: {what} larger than {MAX_RECORD_BYTES} bytes")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{where}: completion record is not JSON ({exc})") from None
-    if not isinstance(body, dict) or body.get("format") != RECORD_FORMAT:
-        raise FormatError(f"{where}: not a tierckpt completion record")
+        raise FormatError(f"{where}: {what} is not JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != fmt:
+        raise FormatError(f"{where}: not a tierckpt {what}")
     if body.get("version") != RECORD_VERSION:
-        raise FormatError(f"{where}: unsupported record version {body.get('version')!r}")
+        raise FormatError(f"{where}: unsupported {what} version {body.get('version')!r}")
+    return body
+
+
+def decode_record(data: bytes, *, where: str) -> RankRecord:
+    """Parse and validate a completion record (it comes from storage: trust nothing)."""
+    body = _record_body(data, RECORD_FORMAT, "completion record", where)
     rec = RankRecord(
         step=_field(body, "step", int, where),
         rank=_field(body, "rank", int, where),
@@ -256,16 +262,7 @@ def encode_failure(step: int, rank: int, attempt: str, tier: str, error: str) ->
 
 def decode_failure(data: bytes, *, where: str) -> tuple[int, int, str, str]:
     """``(step, rank, attempt, error)`` of a failure record (from storage: trust nothing)."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise FormatError(f"{where}: failure record larger than {MAX_RECORD_BYTES} bytes")
-    try:
-        body = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{where}: failure record is not JSON ({exc})") from None
-    if not isinstance(body, dict) or body.get("format") != FAILURE_FORMAT:
-        raise FormatError(f"{where}: not a tierckpt failure record")
-    if body.get("version") != RECORD_VERSION:
-        raise FormatError(f"{where}: unsupported failure record version {body.get('version')!r}")
+    body = _record_body(data, FAILURE_FORMAT, "failure record", where)
     step = _field(body, "step", int, where)
     rank = _field(body, "rank", int, where)
     attempt = _field(body, "attempt", str, where)
