@@ -397,6 +397,68 @@ def w_fail_save(rank: int, world: int, root: str, victim: int) -> dict[str, Any]
     return out
 
 
+def w_repopulate(rank: int, world: int, root: str, s3: dict[str, str] | None) -> dict[str, Any]:
+    """Save to local + S3; a new cluster (empty local folders) loads from S3; the load copies
+    every rank's shard to the local tier and commits it there once all are in."""
+    assert s3 is not None
+    out: dict[str, Any] = {}
+    s3_tier = S3Tier(f"s3://{s3['bucket']}/run", endpoint_url=s3["endpoint"], keep_last=None)
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        ck = Checkpointer(
+            [LocalTier(os.path.join(root, "old-local"), keep_last=None), s3_tier],
+            host_buffer_bytes=16 << 20,
+            chunk_bytes=64 << 10,
+        )
+        for step in (1, 2):
+            ck.save(rank_state(rank, step), step).wait(timeout=60)
+            tdist.wait_committed(ck.backend("s3"), step, timeout=60)
+        ck.close()
+        dist.barrier()
+        # a new cluster: a shared local folder and per-node folders, all empty
+        private = os.path.join(root, f"node-{rank}")
+        os.environ["TIERCKPT_PRIVATE_TIERS"] = "nvme"
+        tiers = [
+            LocalTier(os.path.join(root, "shared-local"), name="shared", keep_last=None),
+            LocalTier(private, name="nvme", keep_last=None),
+            s3_tier,
+        ]
+        ck = Checkpointer(tiers, host_buffer_bytes=16 << 20, chunk_bytes=64 << 10)
+        # first try: rank 1 reads a flipped bit from S3 and fails; rank 0's load works, but
+        # its copies are not committed, since rank 1's are missing (and nobody hangs)
+        if rank == 1:
+            backend = ck.backend("s3")
+            real = backend.read_into
+
+            def flip(name: str, offset: int, buf: memoryview) -> None:
+                real(name, offset, buf)
+                if offset == 0:  # the first chunk's bytes; the index and footer stay intact
+                    buf[0] ^= 1
+
+            backend.read_into = flip  # type: ignore[method-assign]
+        try:
+            ck.load()
+            out["first_error"] = None
+        except Exception as exc:
+            out["first_error"] = type(exc).__name__
+        if rank == 1:
+            del backend.read_into
+        dist.barrier()
+        out["shared_after_failure"] = ck.steps("shared")
+        got = ck.load()
+        out["diff_loaded"] = same(got, rank_state(rank, 2))
+        dist.barrier()  # rank 0 has written the shared manifest before its load returned
+        out["shared_steps"] = ck.steps("shared")
+        out["private_steps"] = ck.steps("nvme")
+        out["private_files"] = sorted(os.listdir(os.path.join(private, "steps", f"{2:012d}")))
+        ck.close()
+        dist.barrier()
+        # the next restart has only the local folders: the checkpoint is there
+        for name, path in (("shared", os.path.join(root, "shared-local")), ("nvme", private)):
+            with Checkpointer([LocalTier(path, name=name)], host_buffer_bytes=16 << 20) as only:
+                out[f"diff_{name}"] = same(only.load(), rank_state(rank, 2))
+    return out
+
+
 def w_load_after_kill(
     rank: int, world: int, root: str, s3: dict[str, str] | None
 ) -> dict[str, Any]:

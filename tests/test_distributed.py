@@ -287,7 +287,8 @@ def test_two_ranks_save_commit_and_load_through_ram_local_and_s3(
         assert r["diff_step2"] == []
         assert "committed and readable on every rank" in r["missing_step"]
         assert "step 77: not on any tier" in r["missing_step"]
-        # restored bit-exact from S3 into an empty local folder
+        # restored bit-exact from S3 into an empty local folder per rank; that tier is not
+        # named private, so rank 0 does not commit a copy there that lacks rank 1's file
         assert r["fresh_steps"] == [] and r["restore_step"] == 3 and r["diff_restore"] == []
         assert r["skipped"] == [False, True]  # rank 1 was still flushing: both skipped
     local = LocalBackend(tmp_path / "local")
@@ -334,6 +335,23 @@ def test_failing_rank_fails_the_save_on_every_rank_at_once(tmp_path: Path) -> No
     # hears of rank 2's failure through the store
     assert r1["error_types"] == {"memory": "RankFailed"}
     assert r2["error_types"] == {"local": "OSError", "memory": "OSError"}
+
+
+@pytest.mark.distributed
+@pytest.mark.s3
+def test_multi_rank_load_from_s3_repopulates_local_tiers(
+    tmp_path: Path, s3: dict[str, str]
+) -> None:
+    res = dist_workers.run("w_repopulate", 2, root=str(tmp_path), s3=s3, timeout=150)
+    assert [r["first_error"] for r in res] == [None, "CorruptCheckpoint"]
+    assert [r["shared_after_failure"] for r in res] == [[], []]
+    for rank, r in enumerate(res):
+        assert r["diff_loaded"] == [] and r["diff_shared"] == [] and r["diff_nvme"] == []
+        assert r["shared_steps"] == [2] and r["private_steps"] == [2]
+        # a node-local folder holds its own rank's shard (and the step's manifest) only
+        assert r["private_files"] == [f"rank-{rank:06d}.tck"]
+    shared = LocalBackend(tmp_path / "shared-local")
+    assert shared.exists(shard_name(2, 0)) and shared.exists(shard_name(2, 1))
 
 
 @pytest.mark.distributed

@@ -22,7 +22,13 @@ from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
-from tierckpt.restore import is_recoverable, read_manifest, read_shard, restore_into
+from tierckpt.restore import (
+    LoadedShard,
+    is_recoverable,
+    read_manifest,
+    read_shard,
+    restore_into,
+)
 from tierckpt.retention import committed_steps
 
 __all__ = ["Checkpointer"]
@@ -332,16 +338,48 @@ class Checkpointer(PipelineOwner):
             candidates = all_steps if fallback == "previous" else all_steps[:1]
         if self.world_size > 1:
             # every rank must load the same step: agree on the newest one all ranks can read
-            from tierckpt.distributed import agree_on_step
+            from tierckpt.distributed import agree_on_step, publish_repopulated, repopulates
 
             candidates = agree_on_step(self, candidates)
+            if repopulates(self):
+                # the copies to faster tiers become a checkpoint there only once every rank's
+                # file is in: one collective, reached by every rank whether its load worked
+                got: LoadedShard | None = None
+                try:
+                    got = self._load_candidates(tiers, listing, candidates, publish=False)
+                finally:
+                    publish_repopulated(self, got)
+                assert got is not None
+                return self._deliver(got, into, map_location)
+        loaded = self._load_candidates(tiers, listing, candidates, publish=True)
+        return self._deliver(loaded, into, map_location)
+
+    def _deliver(
+        self, loaded: LoadedShard, into: Any, map_location: str | torch.device | None
+    ) -> Any:
+        state = loaded.state
+        if map_location is not None:
+            state = _to_device(state, torch.device(map_location))
+        if into is not None:
+            return restore_into(into, state)
+        return state
+
+    def _load_candidates(
+        self,
+        tiers: list[TierRuntime],
+        listing: dict[str, list[int]],
+        candidates: list[int],
+        *,
+        publish: bool,
+    ) -> LoadedShard:
+        """The first readable copy of the first candidate step, tiers fastest first."""
         errors: list[str] = []
         first_exc: BaseException | None = None
         for s in candidates:
             holders = [t for t in tiers if s in listing[t.name]]
             for t in holders:
                 try:
-                    loaded = self._load_from(t, s)
+                    loaded = self._load_from(t, s, publish=publish)
                 except BaseException as exc:
                     if not is_recoverable(exc):
                         raise
@@ -358,12 +396,7 @@ class Checkpointer(PipelineOwner):
                     loaded.raw_bytes,
                     loaded.seconds,
                 )
-                state = loaded.state
-                if map_location is not None:
-                    state = _to_device(state, torch.device(map_location))
-                if into is not None:
-                    return restore_into(into, state)
-                return state
+                return loaded
         msg = "no readable copy of the checkpoint: " + "; ".join(errors)
         if isinstance(first_exc, CorruptCheckpoint):
             raise CorruptCheckpoint(msg) from first_exc
@@ -371,7 +404,7 @@ class Checkpointer(PipelineOwner):
             raise type(first_exc)(msg) from first_exc
         raise CorruptCheckpoint(msg) from first_exc
 
-    def _load_from(self, tier: TierRuntime, step: int) -> Any:
+    def _load_from(self, tier: TierRuntime, step: int, *, publish: bool = True) -> LoadedShard:
         manifest = read_manifest(tier.backend, step, tier.name)
         if manifest.world_size != self.world_size:
             raise TierCkptError(
@@ -380,7 +413,7 @@ class Checkpointer(PipelineOwner):
                 "tierckpt.dcp (torch.distributed.checkpoint) to reshard"
             )
         repop = []
-        if self.repopulate and tier.backend.is_remote and self.world_size == 1:
+        if self.repopulate and tier.backend.is_remote and (self.world_size == 1 or not publish):
             for t in self._tiers:
                 if (
                     t.backend.is_durable
@@ -394,7 +427,13 @@ class Checkpointer(PipelineOwner):
                 max(2, self.io_threads * 2), thread_name_prefix="tierckpt-read"
             )
         return read_shard(
-            tier.backend, tier.name, manifest, self.rank, self._read_pool, repopulate=repop
+            tier.backend,
+            tier.name,
+            manifest,
+            self.rank,
+            self._read_pool,
+            repopulate=repop,
+            publish=publish,
         )
 
     # -- stats / lifecycle ------------------------------------------------------------

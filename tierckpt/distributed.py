@@ -79,7 +79,7 @@ from tierckpt.format import (
     shard_name,
     step_prefix,
 )
-from tierckpt.restore import is_recoverable, read_index, read_manifest
+from tierckpt.restore import LoadedShard, is_recoverable, read_index, read_manifest
 
 if TYPE_CHECKING:
     from tierckpt.checkpointer import Checkpointer
@@ -98,7 +98,9 @@ __all__ = [
     "get_knobs",
     "is_private_tier",
     "knobs",
+    "publish_repopulated",
     "report_failure",
+    "repopulates",
     "wait_committed",
 ]
 
@@ -780,6 +782,81 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
             gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
         except OSError as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+
+
+# -- repopulation after a multi-rank load ------------------------------------------------
+
+
+def repopulates(ck: Checkpointer) -> bool:
+    """Whether this job's loads copy shards to faster tiers (same answer on every rank)."""
+    return bool(ck.repopulate) and _group_ok(ck)
+
+
+def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
+    """Commit the copies a multi-rank load made on faster tiers, once every rank's is there.
+
+    Each rank copied its own shard file to its local durable tiers while reading it from a
+    remote one (``read_shard(publish=False)``). One ``all_reduce`` (MIN and MAX of a small
+    vector, in the calling thread; every rank calls this exactly once per load, ``loaded``
+    None where its load failed) tells whether every rank copied from the same source tier to
+    a tier; there the source's manifest is written — by rank 0 on a tier all ranks share,
+    by every rank on a private one. Elsewhere the copied files stay uncommitted leftovers,
+    which retention removes. Best effort: a failure is logged, never raised.
+    """
+    import torch.distributed as dist
+
+    n = len(ck._tiers)
+    vec = torch.zeros(n, dtype=torch.int64)
+    if loaded is not None:
+        source = next(i for i, t in enumerate(ck._tiers) if t.name == loaded.tier) + 1
+        for i, t in enumerate(ck._tiers):
+            if any(b is t.backend for b in loaded.repopulated):
+                vec[i] = source
+    dev = _collective_device()
+    lo, hi = vec.to(dev), vec.to(dev)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    if loaded is None:
+        return
+    body = encode_manifest(loaded.manifest)
+    name = manifest_name(loaded.manifest.step)
+    for i, t in enumerate(ck._tiers):
+        if int(lo[i]) == 0 or int(lo[i]) != int(hi[i]):
+            continue  # some rank did not copy here, or copied another tier's file
+        private = is_private_tier(t)
+        if ck.rank != 0 and not private:
+            continue
+        try:
+            if not private:
+                # a tier said to be shared must really hold every rank's file (per-node
+                # folders belong in TIERCKPT_PRIVATE_TIERS)
+                there = set(t.backend.list(step_prefix(loaded.manifest.step)))
+                absent = [r.rank for r in loaded.manifest.shards if r.file not in there]
+                if absent:
+                    log.warning(
+                        "step %d: not committing the copy on tier %s: it lacks the files of "
+                        "ranks %s (a per-node folder? name it in TIERCKPT_PRIVATE_TIERS)",
+                        loaded.manifest.step,
+                        t.name,
+                        _ranks(absent),
+                    )
+                    continue
+            t.backend.put_atomic(name, body)
+            log.info(
+                "step %d is now also on tier %s (copied from %s by every rank)",
+                loaded.manifest.step,
+                t.name,
+                loaded.tier,
+            )
+        except FileExistsError:
+            pass
+        except (OSError, TierCkptError) as exc:
+            log.warning(
+                "step %d: could not commit the copy on tier %s: %s",
+                loaded.manifest.step,
+                t.name,
+                exc,
+            )
 
 
 # -- load agreement ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,8 @@ class LoadedShard:
     raw_bytes: int
     stored_bytes: int
     seconds: float
+    #: faster tiers this rank's shard file was copied to while loading (committed files)
+    repopulated: list[Backend] = field(default_factory=list)
 
 
 def read_manifest(backend: Backend, step: int, tier: str) -> Manifest:
@@ -160,8 +162,12 @@ def read_shard(
     pool: ThreadPoolExecutor,
     *,
     repopulate: Sequence[Backend] = (),
+    publish: bool = True,
 ) -> LoadedShard:
-    """Read, verify and decode one rank's shard from one tier."""
+    """Read, verify and decode one rank's shard from one tier.
+
+    ``repopulate``: also copy the shard file to these tiers; ``publish``: and write the
+    manifest there (False with several ranks, whose manifest waits for every rank's file)."""
     t0 = time.perf_counter()
     ref = manifest.shard_for(rank)
     where = f"tier {tier!r} {backend.url}/{ref.file}"
@@ -256,9 +262,19 @@ def read_shard(
     except BaseException:
         repop.abort()
         raise
-    repop.finish(ref.size - FOOTER_SIZE - len(index_blob), index_blob + footer_blob, manifest)
+    copied = repop.finish(
+        ref.size - FOOTER_SIZE - len(index_blob),
+        index_blob + footer_blob,
+        manifest if publish else None,
+    )
     return LoadedShard(
-        state, manifest, tier, int(index["data_bytes"]), stored_total, time.perf_counter() - t0
+        state,
+        manifest,
+        tier,
+        int(index["data_bytes"]),
+        stored_total,
+        time.perf_counter() - t0,
+        copied,
     )
 
 
@@ -292,8 +308,12 @@ class _Repopulation:
                 except (OSError, TierCkptError) as exc:
                     self._drop(i, exc)
 
-    def finish(self, offset: int, tail: bytes, manifest: Manifest) -> None:
-        """Write index + footer, commit, then the manifest (last) on every healthy tier."""
+    def finish(self, offset: int, tail: bytes, manifest: Manifest | None) -> list[Backend]:
+        """Write index + footer and commit on every healthy tier, then the manifest (last)
+        unless ``manifest`` is None (several ranks: published once all ranks' files are
+        there, see ``tierckpt.distributed.publish_repopulated``). Returns the tiers whose
+        shard file is now committed."""
+        done = []
         for i, (b, w) in enumerate(self._writers):
             if i in self._failed:
                 w.abort()
@@ -301,12 +321,15 @@ class _Repopulation:
             try:
                 w.write(offset, tail)
                 w.commit()
-                b.put_atomic(manifest_name(manifest.step), encode_manifest(manifest))
+                done.append(b)
+                if manifest is not None:
+                    b.put_atomic(manifest_name(manifest.step), encode_manifest(manifest))
             except FileExistsError:
                 pass
             except (OSError, TierCkptError) as exc:
                 w.abort()
                 self._drop(i, exc)
+        return done
 
     def abort(self) -> None:
         for _b, w in self._writers:
