@@ -122,14 +122,19 @@ def test_wait_ignores_stale_records_until_the_current_attempt_writes(
     assert got[1] == fresh and got[1].size == 4160
 
 
-def test_two_ranks_in_threads_without_a_process_group(tmp_path: Path, monkeypatch: Any) -> None:
-    """Rank and world size by hand (no torch.distributed): the records still commit."""
-    monkeypatch.setenv("TIERCKPT_ATTEMPT_ID", "job7")
+def _ranks_in_threads(tmp_path: Path) -> tuple[list[Checkpointer], list[dict[str, Any]]]:
+    """Two checkpointers in this process acting as ranks 0 and 1 of 2, and their states."""
     cks = [
         Checkpointer([LocalTier(tmp_path)], rank=r, world_size=2, host_buffer_bytes=8 << 20)
         for r in range(2)
     ]
-    states = [dist_workers.rank_state(r, 1, numel=64) for r in range(2)]
+    return cks, [dist_workers.rank_state(r, 1, numel=64) for r in range(2)]
+
+
+def test_two_ranks_in_threads_without_a_process_group(tmp_path: Path, monkeypatch: Any) -> None:
+    """Rank and world size by hand (no torch.distributed): the records still commit."""
+    monkeypatch.setenv("TIERCKPT_ATTEMPT_ID", "job7")
+    cks, states = _ranks_in_threads(tmp_path)
     with tdist.knobs(commit_timeout=20, poll_max=0.05):
         handles = [ck.save(st, 1) for ck, st in zip(cks, states)]
         for h in handles:
@@ -208,11 +213,7 @@ def test_failing_rank_makes_rank0_fail_fast_and_a_retry_commits(
     """Rank 1's disk is full: rank 0 stops waiting at once (not after the commit timeout),
     names rank 1 and its error, commits nothing; a retry of the step commits."""
     monkeypatch.setenv("TIERCKPT_ATTEMPT_ID", "job8")
-    cks = [
-        Checkpointer([LocalTier(tmp_path)], rank=r, world_size=2, host_buffer_bytes=8 << 20)
-        for r in range(2)
-    ]
-    states = [dist_workers.rank_state(r, 1, numel=64) for r in range(2)]
+    cks, states = _ranks_in_threads(tmp_path)
     real_open = LocalBackend.open_writer
     full = [True]
 
