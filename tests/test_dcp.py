@@ -258,3 +258,16 @@ def test_fsdp_saved_by_2_ranks_loads_into_4(tmp_path: Path) -> None:
         "rank-000000.tck",
         "rank-000001.tck",
     ]
+
+
+def test_a_tier_copying_from_another_works_under_dcp(tmp_path: Path) -> None:
+    """``source=`` through the DCP writer: tier b copies tier a's file, and reads back alone."""
+    tiers = [LocalTier(tmp_path / "a", name="a"), LocalTier(tmp_path / "b", name="b", source="a")]
+    saved = _model_state(1)
+    with TierWriter(tiers, 5, chunk_bytes=4096) as w:
+        dcp.save(saved, storage_writer=w, no_dist=True)
+    assert (tmp_path / "b" / shard_name(5, 0)).exists()
+    target = _model_state(2)
+    reader = TierReader([LocalTier(tmp_path / "b", name="b")])
+    dcp.load(target, storage_reader=reader, no_dist=True, planner=SafeLoadPlanner())
+    assert reader.loaded_step == 5 and dist_workers.same(target, saved) == []
