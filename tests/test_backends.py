@@ -135,6 +135,44 @@ def test_local_direct_io_refused_falls_back_once(
     assert not LocalBackend(tmp_path)._direct_ok
 
 
+def test_local_direct_io_refused_at_write_falls_back_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    import tierckpt.backends.local as local_mod
+
+    if not local_mod._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    real_open, real_pwrite = os.open, os.pwrite
+    direct_fds: set[int] = set()
+    refused = []
+
+    def tracking_open(path: str, flags: int, *a: object) -> int:
+        fd = real_open(path, flags, *a)
+        if flags & local_mod._O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def picky_pwrite(fd: int, data: object, offset: int) -> int:
+        if fd in direct_fds:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")  # accepted at open, not at write
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "pwrite", picky_pwrite)
+    b = LocalBackend(tmp_path)
+    w = b.open_writer("obj")
+    w.write(0, _aligned(2 << 20, 7))
+    w.write(2 << 20, _aligned(2 << 20, 8))  # no second try
+    w.commit()
+    assert refused == [0] and not b._direct_ok
+    expected = _aligned(2 << 20, 7).tobytes() + _aligned(2 << 20, 8).tobytes()
+    assert (tmp_path / "obj").read_bytes() == expected
+
+
 @pytest.mark.s3
 class TestS3BackendMoto(BackendTests):
     leaves_incomplete = True

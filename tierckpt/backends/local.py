@@ -107,7 +107,10 @@ class _LocalWriter(ObjectWriter):
 
     def _direct(self) -> int | None:
         """The O_DIRECT descriptor of the temporary file, or None where it is not possible."""
-        if self._direct_fd is None and self._backend._direct_ok:
+        if not self._backend._direct_ok:
+            self._close_direct()  # refused at a write: this file goes on through the cache
+            return None
+        if self._direct_fd is None:
             try:
                 self._direct_fd = os.open(self._tmp, os.O_WRONLY | _O_DIRECT)
             except OSError as exc:
