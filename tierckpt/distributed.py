@@ -787,6 +787,10 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
 # -- repopulation after a multi-rank load ------------------------------------------------
 
 
+#: tiers a multi-rank load can repopulate (the size of its all_reduce vector)
+_MAX_REPOP_TIERS = 16
+
+
 def repopulates(ck: Checkpointer) -> bool:
     """Whether this job's loads copy shards to faster tiers (same answer on every rank)."""
     return bool(ck.repopulate) and _group_ok(ck)
@@ -805,11 +809,12 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
     """
     import torch.distributed as dist
 
-    n = len(ck._tiers)
-    vec = torch.zeros(n, dtype=torch.int64)
+    # a fixed size: a rank configured with other tiers must not make the collective hang
+    n = min(len(ck._tiers), _MAX_REPOP_TIERS)
+    vec = torch.zeros(_MAX_REPOP_TIERS, dtype=torch.int64)
     if loaded is not None:
         source = next(i for i, t in enumerate(ck._tiers) if t.name == loaded.tier) + 1
-        for i, t in enumerate(ck._tiers):
+        for i, t in enumerate(ck._tiers[:n]):
             if any(b is t.backend for b in loaded.repopulated):
                 vec[i] = source
     dev = _collective_device()
@@ -820,7 +825,7 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
         return
     body = encode_manifest(loaded.manifest)
     name = manifest_name(loaded.manifest.step)
-    for i, t in enumerate(ck._tiers):
+    for i, t in enumerate(ck._tiers[:n]):
         if int(lo[i]) == 0 or int(lo[i]) != int(hi[i]):
             continue  # some rank did not copy here, or copied another tier's file
         private = is_private_tier(t)
