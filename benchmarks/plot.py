@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,12 @@ def _bars(
     width = 0.8 / n
     for i, (label, values, hatch) in enumerate(series):
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(names))]
-        colors = [TIERCKPT_COLOR if nm.startswith("tierckpt") else PEER_COLOR for nm in names]
         bars = ax.bar(
             xs,
             values,
             width,
             label=label,
-            color=colors,
+            color=_colors(names),
             hatch=hatch,
             edgecolor="black",
             linewidth=0.5,
@@ -90,15 +90,52 @@ def _bars(
     ax.legend(fontsize=7)
 
 
-def plot_blocked(result: dict[str, Any], out: Path) -> Path | None:
+def _colors(names: list[str]) -> list[str]:
+    return [TIERCKPT_COLOR if n.startswith("tierckpt") else PEER_COLOR for n in names]
+
+
+def _save(fig: Any, out: Path, filename: str) -> Path:
+    fig.tight_layout()
+    path = out / filename
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _per_size(
+    result: dict[str, Any],
+    out: Path,
+    filename: str,
+    what: str,
+    draw: Callable[[Axes, dict[str, Any], list[str]], str],
+    height: float = 4.5,
+) -> Path | None:
+    """One panel per state size, contenders on the x axis; ``draw`` fills a panel and
+    returns its title."""
     sizes = [e for e in result["sizes"] if _ok(e["contenders"])]
     if not sizes:
         return None
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.8), squeeze=False)
-    compute = result["meta"]["config"]["compute_s"]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), height), squeeze=False)
     for ax, e in zip(axes[0], sizes, strict=True):
         cs = _ok(e["contenders"])
         names = list(cs)
+        title = draw(ax, cs, names)
+        ax.set_xticks(
+            range(len(names)),
+            [_short(cs[n]["label"]) for n in names],
+            fontsize=7,
+            rotation=30,
+            ha="right",
+        )
+        ax.set_title(f"{e['gib']:g} GiB state{title}")
+    fig.suptitle(_title(result, what), fontsize=9)
+    return _save(fig, out, filename)
+
+
+def plot_blocked(result: dict[str, Any], out: Path) -> Path | None:
+    compute = result["meta"]["config"]["compute_s"]
+
+    def draw(ax: Axes, cs: dict[str, Any], names: list[str]) -> str:
         _bars(
             ax,
             names,
@@ -117,85 +154,44 @@ def plot_blocked(result: dict[str, Any], out: Path) -> Path | None:
             "training blocked per checkpoint (s, log)",
             log=True,
         )
-        ax.set_xticks(
-            range(len(names)),
-            [_short(cs[n]["label"]) for n in names],
-            fontsize=7,
-            rotation=30,
-            ha="right",
-        )
-        ax.set_title(f"{e['gib']:g} GiB state ({cs[names[0]]['state']['tensors']:,} tensors)")
+        return f" ({cs[names[0]]['state']['tensors']:,} tensors)"
+
     what = "Time training is blocked per checkpoint (median, lower is better)"
-    fig.suptitle(_title(result, what), fontsize=9)
-    fig.tight_layout()
-    path = out / "save_blocked.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _per_size(result, out, "save_blocked.png", what, draw, height=4.8)
 
 
 def plot_committed(result: dict[str, Any], out: Path) -> Path | None:
-    sizes = [e for e in result["sizes"] if _ok(e["contenders"])]
-    if not sizes:
-        return None
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.5), squeeze=False)
-    for ax, e in zip(axes[0], sizes, strict=True):
-        cs = _ok(e["contenders"])
-        names = list(cs)
+    def draw(ax: Axes, cs: dict[str, Any], names: list[str]) -> str:
+        committed = [cs[n]["median"]["committed_s"] for n in names]
         _bars(
             ax,
             names,
-            [
-                (
-                    "committed (durable) on local disk",
-                    [cs[n]["median"]["committed_s"] for n in names],
-                    "",
-                )
-            ],
+            [("committed (durable) on local disk", committed, "")],
             "seconds from the save call",
             log=False,
         )
         raws = [v["raw_write"]["median"]["total_s"] for v in cs.values() if v.get("raw_write")]
-        raw = raws[0] if raws else None
-        if raw:
-            ax.axhline(raw, color="black", linestyle="--", linewidth=1)
+        if raws and raws[0]:
+            ax.axhline(raws[0], color="black", linestyle="--", linewidth=1)
             ax.annotate(
-                f"raw write + fsync {raw:.2f} s",
-                (-0.45, raw),
+                f"raw write + fsync {raws[0]:.2f} s",
+                (-0.45, raws[0]),
                 ha="left",
                 va="bottom",
                 fontsize=7,
             )
-        ax.set_xticks(
-            range(len(names)),
-            [_short(cs[n]["label"]) for n in names],
-            fontsize=7,
-            rotation=30,
-            ha="right",
-        )
-        ax.set_title(f"{e['gib']:g} GiB state")
-    fig.suptitle(
-        _title(result, "Time until the checkpoint is durable on the local disk (median)"),
-        fontsize=9,
-    )
-    fig.tight_layout()
-    path = out / "save_committed.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        return ""
+
+    what = "Time until the checkpoint is durable on the local disk (median)"
+    return _per_size(result, out, "save_committed.png", what, draw)
 
 
 def plot_memory(result: dict[str, Any], out: Path) -> Path | None:
-    sizes = [e for e in result["sizes"] if _ok(e["contenders"])]
-    if not sizes:
-        return None
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.5), squeeze=False)
-    for ax, e in zip(axes[0], sizes, strict=True):
-        cs = _ok(e["contenders"])
-        names = list(cs)
+    def draw(ax: Axes, cs: dict[str, Any], names: list[str]) -> str:
         values = [cs[n]["peak_extra_bytes"] / MiB for n in names]
-        colors = [TIERCKPT_COLOR if n.startswith("tierckpt") else PEER_COLOR for n in names]
-        bars = ax.bar(range(len(names)), values, color=colors, edgecolor="black", linewidth=0.5)
+        bars = ax.bar(
+            range(len(names)), values, color=_colors(names), edgecolor="black", linewidth=0.5
+        )
         for b, v in zip(bars, values, strict=True):
             ax.annotate(
                 f"{v:,.0f}",
@@ -218,20 +214,10 @@ def plot_memory(result: dict[str, Any], out: Path) -> Path | None:
                 color=TIERCKPT_COLOR,
             )
         ax.set_ylabel("peak extra host memory (MiB)")
-        ax.set_xticks(
-            range(len(names)),
-            [_short(cs[n]["label"]) for n in names],
-            fontsize=7,
-            rotation=30,
-            ha="right",
-        )
-        ax.set_title(f"{e['gib']:g} GiB state")
-    fig.suptitle(_title(result, "Peak extra host memory while saving (process tree)"), fontsize=9)
-    fig.tight_layout()
-    path = out / "save_memory.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        return ""
+
+    what = "Peak extra host memory while saving (process tree)"
+    return _per_size(result, out, "save_memory.png", what, draw)
 
 
 def plot_train(result: dict[str, Any], out: Path) -> Path | None:
@@ -243,8 +229,7 @@ def plot_train(result: dict[str, Any], out: Path) -> Path | None:
     names = list(vs)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     values = [vs[n]["mean_iter_s"] / base for n in names]
-    colors = [TIERCKPT_COLOR if n.startswith("tierckpt") else PEER_COLOR for n in names]
-    bars = ax.bar(range(len(names)), values, color=colors, edgecolor="black", linewidth=0.5)
+    bars = ax.bar(range(len(names)), values, color=_colors(names), edgecolor="black", linewidth=0.5)
     for b, n in zip(bars, names, strict=True):
         rounds = vs[n].get("round_mean_iter_s") or []
         none_rounds = vs["none"].get("round_mean_iter_s") or []
@@ -271,11 +256,7 @@ def plot_train(result: dict[str, Any], out: Path) -> Path | None:
         ),
         fontsize=9,
     )
-    fig.tight_layout()
-    path = out / "train_iter.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "train_iter.png")
 
 
 def main(argv: list[str] | None = None) -> int:
