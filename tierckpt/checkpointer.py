@@ -130,20 +130,12 @@ class Checkpointer(PipelineOwner):
                 return t
         raise KeyError(f"no tier named {name!r}; tiers are {self.tier_names}")
 
-    def _get_pipeline(self) -> Pipeline:
-        if self._closed:
-            raise TierCkptError("this Checkpointer is closed")
-        if self._pipeline is None:
-            self._pipeline = Pipeline(
-                self._tiers,
-                chunk_bytes=self.chunk_bytes,
-                host_buffer_bytes=self.host_buffer_bytes,
-                io_threads=self.io_threads,
-                commit=self._commit,
-                on_result=self._stats.record,
-                on_failure=self._report_failure,
-            )
-        return self._pipeline
+    def _pipeline_hooks(self) -> dict[str, Any]:
+        return {
+            "commit": self._commit,
+            "on_result": self._stats.record,
+            "on_failure": self._report_failure,
+        }
 
     # -- save ------------------------------------------------------------------------
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:

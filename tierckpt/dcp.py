@@ -615,18 +615,8 @@ class TierWriter(PipelineOwner, StorageWriter):
             raise ValueError("TierWriter needs a step: TierWriter(tiers, step) or checkpoint_id")
         return self.step
 
-    def _get_pipeline(self) -> Pipeline:
-        if self._closed:
-            raise TierCkptError("this TierWriter is closed")
-        if self._pipeline is None:
-            self._pipeline = Pipeline(
-                self._tiers,
-                chunk_bytes=self.chunk_bytes,
-                host_buffer_bytes=self.host_buffer_bytes,
-                io_threads=self.io_threads,
-                commit=self._on_shard_durable,
-            )
-        return self._pipeline
+    def _pipeline_hooks(self) -> dict[str, Any]:
+        return {"commit": self._on_shard_durable}
 
     def _on_shard_durable(
         self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int

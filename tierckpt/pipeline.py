@@ -575,6 +575,27 @@ class PipelineOwner:
     _pipeline: Pipeline | None
     _tiers: list[TierRuntime]
     _closed: bool
+    chunk_bytes: int
+    host_buffer_bytes: int
+    io_threads: int
+
+    def _pipeline_hooks(self) -> dict[str, Any]:
+        """``commit`` (and optionally ``on_result``, ``on_failure``) for the Pipeline."""
+        raise NotImplementedError
+
+    def _get_pipeline(self) -> Pipeline:
+        """The pipeline, started on first use."""
+        if self._closed:
+            raise TierCkptError(f"this {type(self).__name__} is closed")
+        if self._pipeline is None:
+            self._pipeline = Pipeline(
+                self._tiers,
+                chunk_bytes=self.chunk_bytes,
+                host_buffer_bytes=self.host_buffer_bytes,
+                io_threads=self.io_threads,
+                **self._pipeline_hooks(),
+            )
+        return self._pipeline
 
     def _release(self) -> None:
         """Extra resources of the owner, released by ``close()`` after the pipeline."""
