@@ -181,37 +181,16 @@ def report(ref: ChildRun, node1: ChildRun, node2: ChildRun, state_bytes: int) ->
         f"Checkpoint of {_mib(state_bytes)} (model + AdamW state + RNG), "
         "blocking time per checkpoint (lower is better):"
     )
-    rows = []
-    if blocked:
-        rows.append(
-            [
-                "tierckpt save() + wait before optimizer step",
-                _ms(statistics.mean(blocked)),
-                _ms(statistics.median(blocked)),
-                _ms(max(blocked)),
-                str(len(blocked)),
-            ]
+    both = [a + b for a, b in zip(saves, fsyncs, strict=True)]
+    rows = [
+        [label, _ms(statistics.mean(v)), _ms(statistics.median(v)), _ms(max(v)), str(len(v))]
+        for label, v in (
+            ("tierckpt save() + wait before optimizer step", blocked),
+            ("torch.save (blocking)", saves),
+            ("torch.save + fsync (durable on disk)", both),
         )
-    if saves:
-        rows.append(
-            [
-                "torch.save (blocking)",
-                _ms(statistics.mean(saves)),
-                _ms(statistics.median(saves)),
-                _ms(max(saves)),
-                str(len(saves)),
-            ]
-        )
-        both = [a + b for a, b in zip(saves, fsyncs, strict=True)]
-        rows.append(
-            [
-                "torch.save + fsync (durable on disk)",
-                _ms(statistics.mean(both)),
-                _ms(statistics.median(both)),
-                _ms(max(both)),
-                str(len(both)),
-            ]
-        )
+        if v
+    ]
     out.append(_table(rows, ["", "mean", "median", "max", "checkpoints"]))
     if blocked and saves:
         speedup = statistics.median(saves) / max(statistics.median(blocked), 1e-9)

@@ -34,7 +34,7 @@ from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.capture import CaptureStreams, copy_chunk
 from tierckpt.codecs import Codec, codec_from_config
-from tierckpt.errors import BackendError, CorruptChunk, FormatError, TierCkptError
+from tierckpt.errors import BackendError, FormatError, TierCkptError
 from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
@@ -51,6 +51,7 @@ from tierckpt.format import (
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
 from tierckpt.policy import TierSpec
+from tierckpt.restore import read_verified
 from tierckpt.retention import gc_tier
 
 __all__ = ["Pipeline", "SaveJob", "TierRuntime"]
@@ -456,15 +457,8 @@ class Pipeline:
             if stored_buf is None or stored_buf.numel() < rec.stored_size:
                 stored_buf = torch.empty(max(rec.stored_size, 1), dtype=torch.uint8)
             stored = memoryview(stored_buf.numpy())[: rec.stored_size]  # type: ignore[arg-type]
-            src.backend.read_into(file, rec.file_offset, stored)
-            if checksum(stored) != rec.checksum:
-                raise CorruptChunk(
-                    f"step {job.step}: chunk {i} of tier {src.name!r}'s file {file} does not "
-                    f"match its checksum when read back for tier {tier.name!r}",
-                    tier=src.name,
-                    file=file,
-                    chunk=i,
-                )
+            where = f"tier {src.name!r} {src.backend.url}/{file}, read back for tier {tier.name!r}"
+            read_verified(src.backend, file, rec, i, stored, tier=src.name, where=where)
             codec = source_codecs[rec.codec]
             if codec.is_passthrough:
                 raw = stored

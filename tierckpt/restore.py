@@ -110,6 +110,28 @@ class TensorRecord:
     extent: int  # bytes from ``offset`` to the end of the last element (0 if empty)
 
 
+def read_verified(
+    backend: Backend,
+    file: str,
+    rec: ChunkRecord,
+    ci: int,
+    into: memoryview,
+    *,
+    tier: str,
+    where: str,
+) -> None:
+    """Read chunk ``ci``'s stored bytes into ``into`` and check them against its checksum."""
+    backend.read_into(file, rec.file_offset, into)
+    if checksum(into) != rec.checksum:
+        raise CorruptChunk(
+            f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "
+            "match its checksum",
+            tier=tier,
+            file=file,
+            chunk=ci,
+        )
+
+
 def parse_tensor_entry(
     entry: Any, i: int, where: str, storage_sizes: Sequence[int]
 ) -> TensorRecord:
@@ -216,20 +238,8 @@ def read_shard(
         else:
             dest = torch.empty(rec.raw_size, dtype=torch.uint8)
         dest_view = memoryview(dest.numpy())  # type: ignore[arg-type]
-        if codec.is_passthrough:
-            backend.read_into(ref.file, rec.file_offset, dest_view)
-            stored: Any = dest_view
-        else:
-            stored = stored_buffer(rec.stored_size)
-            backend.read_into(ref.file, rec.file_offset, stored)
-        if checksum(stored) != rec.checksum:
-            raise CorruptChunk(
-                f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "
-                "match its checksum",
-                tier=tier,
-                file=ref.file,
-                chunk=ci,
-            )
+        stored = dest_view if codec.is_passthrough else stored_buffer(rec.stored_size)
+        read_verified(backend, ref.file, rec, ci, stored, tier=tier, where=where)
         repop.write(rec.file_offset, stored)
         if stored is not dest_view:
             try:

@@ -401,22 +401,38 @@ def _schedule(seed: int, trials: int) -> list[tuple[str, int, str, float]]:
     return out
 
 
+def _kill_trials(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    record: Recorder,
+    *,
+    seed: int,
+    planned: int,
+    budget_s: float,
+    at_least: int,
+) -> None:
+    bucket = s3_bucket(moto_server)
+    stats = crash_trials(
+        tmp_path, moto_server, bucket, _schedule(seed, planned), record, budget_s=budget_s
+    )
+    print(f"crash consistency ({planned} planned):", json.dumps(stats))
+    assert stats["trials"] >= at_least, stats
+    record("crash", "summary", "all kills recovered", stats=stats)
+
+
 def test_kill_at_named_points_and_random_moments(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
 ) -> None:
-    bucket = s3_bucket(moto_server)
-    stats = crash_trials(tmp_path, moto_server, bucket, _schedule(1, 13), record, budget_s=120)
-    print("crash consistency:", json.dumps(stats))
-    assert stats["trials"] >= 10, stats
-    record("crash", "summary", "all kills recovered", stats=stats)
+    _kill_trials(
+        tmp_path, moto_server, s3_bucket, record, seed=1, planned=13, budget_s=120, at_least=10
+    )
 
 
 @pytest.mark.slow
 def test_kill_50_trials_slow(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
 ) -> None:
-    bucket = s3_bucket(moto_server)
-    stats = crash_trials(tmp_path, moto_server, bucket, _schedule(7, 60), record, budget_s=900)
-    print("crash consistency (slow):", json.dumps(stats))
-    assert stats["trials"] >= 50, stats
-    record("crash", "summary", "all kills recovered", stats=stats)
+    _kill_trials(
+        tmp_path, moto_server, s3_bucket, record, seed=7, planned=60, budget_s=900, at_least=50
+    )
