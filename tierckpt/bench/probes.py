@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-
 # -- host memory ----------------------------------------------------------------------------
 
 

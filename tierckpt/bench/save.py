@@ -3,16 +3,13 @@ disk baseline, peak memory, and for tierckpt a per-stage breakdown of one save."
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import statistics
 import threading
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -20,6 +17,7 @@ from tierckpt.bench.config import LABELS, BenchConfig, MiB
 from tierckpt.bench.contenders import Contender, Tierckpt, make_contender
 from tierckpt.bench.probes import MemorySampler, medians, raw_write, simulated_compute
 from tierckpt.bench.state import make_state
+from tierckpt.pipeline import Stage, StageEvent
 
 
 def timed_save(
@@ -46,89 +44,67 @@ def timed_save(
     return rec
 
 
-# -- time breakdown of one tierckpt save ------------------------------------------------------
+# -- per-stage breakdown of one tierckpt save -------------------------------------------------
+
+#: the pipeline's stages, in the order a save goes through them
+STAGES: tuple[str, ...] = get_args(Stage)
 
 
-@contextlib.contextmanager
-def _instrumented(acc: dict[str, float]) -> Iterator[None]:
-    """Wrap tierckpt's internal stages with timers (for one diagnostic save only)."""
-    import tierckpt.arena as arena_mod
-    import tierckpt.backends.local as local_mod
-    import tierckpt.checkpointer as ck_mod
-    import tierckpt.pipeline as pl_mod
-
-    lock = threading.Lock()
-    saved: list[tuple[Any, str, Any]] = []
-
-    def wrap(owner: Any, attr: str, key: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                with lock:
-                    acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
-
-        saved.append((owner, attr, fn))
-        setattr(owner, attr, timed)
-
-    try:
-        wrap(ck_mod, "build_plan", "plan_s")
-        wrap(pl_mod, "copy_chunk", "copy_s")
-        wrap(pl_mod, "_encode", "checksum_encode_s")
-        wrap(arena_mod.HostArena, "acquire", "arena_wait_s")
-        wrap(local_mod._LocalWriter, "write", "pwrite_s")
-        wrap(local_mod._LocalWriter, "commit", "fsync_rename_s")
-        yield
-    finally:
-        for owner, attr, fn in reversed(saved):
-            setattr(owner, attr, fn)
+@dataclass(slots=True)
+class _Sum:
+    seconds: float = 0.0
+    nbytes: int = 0
+    events: int = 0
 
 
-def tierckpt_breakdown(c: Tierckpt, state: dict[str, Any], step: int) -> dict[str, float]:
-    """Per-stage busy time of one immediate save, plus plan building timed on its own."""
-    from tierckpt.objects import encode_tree
-    from tierckpt.plan import build_plan
+class StageTotals:
+    """A pipeline stage listener: busy seconds, bytes and events per (stage, tier)."""
 
-    plan_times, walk_times, sig_times = [], [], []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        build_plan(state, c.ck.chunk_bytes)
-        t1 = time.perf_counter()
-        leaves: list[torch.Tensor] = []
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # events arrive on several pipeline threads at once
+        self._sums: dict[tuple[str, str | None], _Sum] = {}
 
-        def on_tensor(t: torch.Tensor, _path: object, leaves: list[torch.Tensor] = leaves) -> int:
-            leaves.append(t)
-            return len(leaves) - 1
+    def __call__(self, event: StageEvent) -> None:
+        with self._lock:
+            s = self._sums.setdefault((event.stage, event.tier), _Sum())
+            s.seconds += event.seconds
+            s.nbytes += event.nbytes
+            s.events += 1
 
-        encode_tree(state, on_tensor)
-        t2 = time.perf_counter()
-        # what a plan cache would have to compare per save: storage, offset, shape, stride, dtype
-        sig = [
-            (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
-            for t in leaves
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per stage (and tier, where the stage is a tier's), in pipeline order."""
+        with self._lock:
+            items = sorted(
+                self._sums.items(), key=lambda kv: (STAGES.index(kv[0][0]), kv[0][1] or "")
+            )
+        return [
+            {
+                "stage": stage,
+                "tier": tier,
+                "seconds": s.seconds,
+                "nbytes": s.nbytes,
+                "events": s.events,
+            }
+            for (stage, tier), s in items
         ]
-        t3 = time.perf_counter()
-        del sig
-        plan_times.append(t1 - t0)
-        walk_times.append(t2 - t1)
-        sig_times.append(t3 - t2)
-    acc: dict[str, float] = {}
+
+
+def tierckpt_breakdown(c: Tierckpt, state: dict[str, Any], step: int) -> dict[str, Any]:
+    """One more immediate save, with the busy seconds of every pipeline stage.
+
+    The times come from the :class:`~tierckpt.pipeline.StageEvent` s the pipeline emits to a
+    subscriber: capture per chunk, encode and checksum per codec, write / sync / commit per
+    tier. They are summed over the threads, so stages that overlap (capture, checksum and
+    write run at once) add up to more than the save took.
+    """
+    totals = StageTotals()
+    unsubscribe = c.ck._get_pipeline().subscribe(totals)
     try:
-        with _instrumented(acc):
-            rec = timed_save(c, state, step, lazy=False, cfg=c.cfg)
-    except AttributeError as exc:  # internals moved: say so instead of failing the bench
-        return {"error": f"breakdown unavailable: {exc}"}  # type: ignore[dict-item]
+        rec = timed_save(c, state, step, lazy=False, cfg=c.cfg)
+    finally:
+        unsubscribe()
     c.cleanup()
-    return {
-        **acc,
-        **rec,
-        "plan_only_median_s": statistics.median(plan_times),
-        "tree_walk_median_s": statistics.median(walk_times),
-        "signature_median_s": statistics.median(sig_times),
-    }
+    return {**rec, "stages": totals.rows()}
 
 
 # -- the save worker (one subprocess per size and contender) ---------------------------------
