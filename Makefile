@@ -33,7 +33,7 @@ lint: install
 	$(VENV)/bin/mypy tierckpt
 
 bench: install
-	$(PY) -m tierckpt.cli bench
+	$(PY) benchmarks/bench_save.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

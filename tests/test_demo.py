@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierckpt import demo
+from tierckpt.demo import scenario as demo
 
 
 def test_quick_demo_is_bit_identical(capsys: pytest.CaptureFixture[str]) -> None:

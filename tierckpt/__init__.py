@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from tierckpt._version import __version__
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.errors import (
     BackendError,

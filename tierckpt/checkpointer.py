@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from tierckpt import __version__
+from tierckpt._version import __version__
 from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.capture import record_ready_events
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn, TextIO
 
-from tierckpt import __version__
+from tierckpt._version import __version__
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CorruptChunk, TierCkptError
 

@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import __version__
+from tierckpt._version import __version__
 from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.backends.base import Backend
 from tierckpt.capture import record_ready_events

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tierckpt import __version__
+from tierckpt._version import __version__
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, TierCkptError
 from tierckpt.format import (

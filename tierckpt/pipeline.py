@@ -14,6 +14,10 @@ A tier with a ``source`` (e.g. S3 behind the local disk) takes no chunks from th
 the source tier's file is durable, the follower's thread reads it back chunk by chunk, checks
 each chunk's checksum, re-encodes it for its own codec when that differs, and writes it. So a
 slow tier never holds arena slots, and capture goes at the pace of the tiers fed directly.
+
+Whoever wants to know where a save's time goes (``tierckpt bench``'s per-stage breakdown)
+subscribes to :class:`StageEvent` s with :meth:`Pipeline.subscribe`; with no subscriber no
+stage is timed for it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -54,10 +58,42 @@ from tierckpt.policy import TierSpec
 from tierckpt.restore import read_verified
 from tierckpt.retention import gc_tier
 
-__all__ = ["Pipeline", "SaveJob", "TierRuntime"]
+__all__ = ["Pipeline", "SaveJob", "StageEvent", "TierRuntime"]
 
 log = logging.getLogger("tierckpt")
 _ZEROS = bytes(4096)
+
+
+#: the stages a save goes through, in order: ``plan`` (lay the chunks out), ``arena_wait``
+#: (wait for a free arena slot: backpressure), ``capture`` (copy a chunk into the arena; for
+#: a CUDA tensor, queueing the copy), ``encode`` (compress; not for raw), ``checksum``,
+#: ``write`` (a chunk, or the index and footer, to one tier), ``sync`` (that tier's file made
+#: durable: fsync + rename, or the multipart upload completed), ``commit`` (the manifest)
+Stage = Literal["plan", "arena_wait", "capture", "encode", "checksum", "write", "sync", "commit"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageEvent:
+    """One stage's work on one piece of one save, as the pipeline did it.
+
+    ``tier`` is None for the work shared by every tier fed from the arena (plan, arena wait,
+    capture, and encode/checksum, which run once per distinct codec); ``nbytes`` is what the
+    stage handled (raw bytes in for capture and encode, stored bytes for checksum and write,
+    the file's size for sync, the state's raw bytes for plan and commit).
+    """
+
+    stage: Stage
+    step: int
+    tier: str | None
+    nbytes: int
+    seconds: float
+
+
+#: receives every StageEvent, on the pipeline's own threads (several at once): it must be
+#: quick and thread-safe; an exception it raises is logged and otherwise ignored
+StageListener = Callable[[StageEvent], None]
+#: reports one stage (stage, nbytes, seconds) of one job, on one tier or none
+_Emit = Callable[[Stage, int, float], None]
 
 
 @dataclass
@@ -133,6 +169,8 @@ class _TierWrite:
     stored: int = 0
     error: BaseException | None = None
     write_seconds: float = 0.0
+    #: this tier's stage reporter for the job; None when nobody listens
+    emit: _Emit | None = None
 
 
 #: commits one tier's copy; returns None when done, or a Future (from ``Pipeline.defer``) that
@@ -170,6 +208,8 @@ class Pipeline:
         self._lock = threading.Lock()
         self._in_flight: list[SaveJob] = []
         self._closed = False
+        #: replaced, never mutated, so threads iterate a snapshot without the lock
+        self._listeners: tuple[StageListener, ...] = ()
         self._threads = [
             threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
         ]
@@ -196,6 +236,35 @@ class Pipeline:
             if self._commit_pool is None:
                 self._commit_pool = ThreadPoolExecutor(4, thread_name_prefix="tierckpt-commit")
             return self._commit_pool.submit(fn)
+
+    def subscribe(self, listener: StageListener) -> Callable[[], None]:
+        """Send every :class:`StageEvent` of the saves that start from now on to ``listener``
+        (see :data:`StageListener`); returns the function that unsubscribes it."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+        return unsubscribe
+
+    def _emitter(self, step: int, tier: str | None) -> _Emit | None:
+        """The reporter of ``step``'s stages on ``tier`` (None: shared work), or None when
+        nobody listens, so that then no stage is timed."""
+        listeners = self._listeners
+        if not listeners:
+            return None
+
+        def emit(stage: Stage, nbytes: int, seconds: float) -> None:
+            event = StageEvent(stage, step, tier, nbytes, seconds)
+            for fn in listeners:
+                try:
+                    fn(event)
+                except Exception:  # a profiler's bug must not fail a checkpoint
+                    log.exception("stage listener %r failed on %s", fn, event)
+
+        return emit
 
     def in_flight(self) -> list[SaveJob]:
         with self._lock:
@@ -259,10 +328,14 @@ class Pipeline:
                 self._tier_q[t.name].put(("end", job, None))
 
     def _capture(self, job: SaveJob) -> None:
+        emit = self._emitter(job.step, None)
         if job.plan is None:
             assert job.collected is not None
+            t0 = time.perf_counter() if emit else 0.0
             job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
             job.collected = None
+            if emit is not None:
+                emit("plan", job.plan.data_bytes, time.perf_counter() - t0)
         plan = job.plan
         by_name = {t.name: t for t in job.tiers}
         job.follows = {
@@ -277,19 +350,26 @@ class Pipeline:
         codecs = {t.codec for t in direct}
         events = []
         for chunk in plan.chunks:
+            t0 = time.perf_counter() if emit else 0.0
             slot = a.acquire()
             try:
+                t1 = time.perf_counter() if emit else 0.0
                 slot_t = a.slot(slot)
                 event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
             except BaseException:
                 a.release(slot)
                 raise
+            if emit is not None:
+                emit("arena_wait", chunk.raw_size, t1 - t0)
+                emit("capture", chunk.raw_size, time.perf_counter() - t1)
             if event is not None:
                 events.append(event)
             state = _ChunkState(chunk, slot, remaining=len(direct))
             view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
             for codec in codecs:
-                state.encoded[codec] = self._pool.submit(_encode, codec, chunk.dtype, view, event)
+                state.encoded[codec] = self._pool.submit(
+                    _encode, codec, chunk.dtype, view, event, emit
+                )
             for t in direct:
                 self._tier_q[t.name].put(("chunk", job, state))
         for ev in events:
@@ -344,6 +424,7 @@ class Pipeline:
                 "delete the old one first (tierckpt gc)"
             )
         tw.writer = tier.backend.open_writer(shard_name(job.step, job.rank))
+        tw.emit = self._emitter(job.step, tier.name)
 
     def _tier_chunk(
         self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, state: _ChunkState
@@ -358,8 +439,11 @@ class Pipeline:
             tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
         t0 = time.perf_counter()
         tw.writer.write(start, enc.data)
-        tw.write_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        tw.write_seconds += seconds
         n = len(memoryview(enc.data).cast("B"))
+        if tw.emit is not None:
+            tw.emit("write", n, seconds)
         try:
             codec_idx = tw.codecs.index(enc.codec_config)
         except ValueError:
@@ -392,22 +476,31 @@ class Pipeline:
         }
         blob = encode_index(index)
         index_offset = tw.offset
+        t0 = time.perf_counter() if tw.emit else 0.0
         tw.writer.write(index_offset, blob)
         size = index_offset + len(blob) + FOOTER_SIZE
         footer = Footer(index_offset, len(blob), checksum(blob), size)
         tw.writer.write(index_offset + len(blob), footer.encode())
+        if tw.emit is not None:
+            tw.emit("write", len(blob) + FOOTER_SIZE, time.perf_counter() - t0)
         if tw.writer.size != size:
             raise FormatError(f"shard size {tw.writer.size} != expected {size}")
         t0 = time.perf_counter()
         tw.writer.commit()
-        tw.write_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        tw.write_seconds += seconds
+        if tw.emit is not None:
+            tw.emit("sync", size, seconds)
         self._source_done(tier, job, (shard_name(job.step, job.rank), tw.records, tw.codecs), None)
         observe = getattr(tier.codec, "observe", None)
         if observe is not None:  # the auto policy learns the link's speed
             observe(tw.stored, tw.write_seconds)
         tw.writer = None
         ref = ShardRef(job.rank, shard_name(job.step, job.rank), size, footer.index_checksum)
+        t0 = time.perf_counter() if tw.emit else 0.0
         pending = self.commit(tier, job, ref, job.laid_out.data_bytes, tw.stored)
+        if tw.emit is not None:  # a deferred (multi-rank) commit: only its first part
+            tw.emit("commit", job.laid_out.data_bytes, time.perf_counter() - t0)
         if pending is not None:
             codecs = list(tw.codecs)
             stored = tw.stored
@@ -467,7 +560,8 @@ class Pipeline:
                     raw_buf = torch.empty(max(rec.raw_size, 1), dtype=torch.uint8)
                 raw = memoryview(raw_buf.numpy())[: rec.raw_size]  # type: ignore[arg-type]
                 codec.decode(stored, raw)
-            self._append(tier, tw, chunks[i], _encode(tier.codec, chunks[i].dtype, raw, None))
+            enc = _encode(tier.codec, chunks[i].dtype, raw, None, tw.emit)
+            self._append(tier, tw, chunks[i], enc)
 
     def _after_deferred(
         self,
@@ -542,20 +636,33 @@ class Pipeline:
             job.collected = None
 
 
-def _encode(tier_codec: Codec, dtype: str, view: memoryview, event: Any) -> Encoded:
+def _encode(
+    tier_codec: Codec, dtype: str, view: memoryview, event: Any, emit: _Emit | None = None
+) -> Encoded:
     if event is not None:
         event.synchronize()
     profile = getattr(tier_codec, "profile", None)
     if profile is not None:  # the auto policy measures its candidate on real data, once
         profile(dtype, view)
     codec = tier_codec.for_dtype(dtype)
+    data: BytesLike
     if codec.is_passthrough:
-        return Encoded(view, checksum(view), codec.get_config())
-    out = codec.encode(view)
-    if len(memoryview(out).cast("B")) >= len(view):
-        # incompressible: store raw bytes, never more than raw
-        return Encoded(view, checksum(view), {"id": "raw"})
-    return Encoded(out, checksum(out), codec.get_config())
+        data, config = view, codec.get_config()
+    else:
+        t0 = time.perf_counter() if emit else 0.0
+        out = codec.encode(view)
+        if emit is not None:
+            emit("encode", len(view), time.perf_counter() - t0)
+        if len(memoryview(out).cast("B")) >= len(view):
+            # incompressible: store raw bytes, never more than raw
+            data, config = view, {"id": "raw"}
+        else:
+            data, config = out, codec.get_config()
+    t0 = time.perf_counter() if emit else 0.0
+    digest = checksum(data)
+    if emit is not None:
+        emit("checksum", len(memoryview(data).cast("B")), time.perf_counter() - t0)
+    return Encoded(data, digest, config)
 
 
 _Owner = TypeVar("_Owner", bound="PipelineOwner")

@@ -1,6 +1,6 @@
 """The training process of ``tierckpt demo``: a small GPT trained on bytes, deterministically.
 
-Run by :mod:`tierckpt.demo` as a child process, in one of two modes:
+Run by :mod:`tierckpt.demo.scenario` as a child process, in one of two modes:
 
 ``--mode reference``
     an uninterrupted run that checkpoints the classic way, with a blocking ``torch.save``
@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tierckpt.demo_train",
+    p = argparse.ArgumentParser(prog="python -m tierckpt.demo.train",
                                 description="The training child process of `tierckpt demo`.")
     p.add_argument("--mode", choices=["reference", "tierckpt"], required=True)
     p.add_argument("--steps", type=int, default=240)

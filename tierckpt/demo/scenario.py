@@ -14,7 +14,7 @@ What it does, on this machine, with nothing to configure:
    checkpoint against ``torch.save``, bytes written per tier, compression, restore time.
 
 Exits 1 if the continuation is not bit-identical. The training itself is in
-:mod:`tierckpt.demo_train`.
+:mod:`tierckpt.demo.train`.
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def run_child(
     first_step: int = 1,
     kill_when: Callable[[int], bool] | None = None,
 ) -> ChildRun:
-    """Run ``python -m tierckpt.demo_train argv``; SIGKILL it once ``kill_when(step)``."""
+    """Run ``python -m tierckpt.demo.train argv``; SIGKILL it once ``kill_when(step)``."""
     run = ChildRun(name, log_path)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tierckpt.demo_train", *argv],
+            [sys.executable, "-m", "tierckpt.demo.train", *argv],
             stdout=subprocess.PIPE,
             stderr=log,
             env=env,
