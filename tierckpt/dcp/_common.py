@@ -62,9 +62,3 @@ def _runtimes(policy: TierPolicy) -> list[TierRuntime]:
         backend = spec.make_backend()
         out.append(TierRuntime(spec, backend, resolve_codec(spec.codec, backend)))
     return out
-
-
-def _is_private(t: TierRuntime) -> bool:
-    from tierckpt.distributed import is_private_tier
-
-    return is_private_tier(t)

@@ -30,6 +30,7 @@ from tierckpt.dcp._common import (
 )
 from tierckpt.dcp._metadata import ItemLocation, decode_metadata
 from tierckpt.dcp._writer import TierWriter
+from tierckpt.distributed import collective_device, get_knobs
 from tierckpt.errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -248,10 +249,8 @@ class TierReader(StorageReader):
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # every rank must read the same step: the newest one every rank sees
-            from tierckpt.distributed import _collective_device, get_knobs
-
             k = get_knobs().agree_max_candidates
-            dev = _collective_device()
+            dev = collective_device()
             vec = torch.full((k,), -1, dtype=torch.int64, device=dev)
             if newest:
                 vec[: min(k, len(newest))] = torch.tensor(newest[:k], dtype=torch.int64)

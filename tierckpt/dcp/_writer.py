@@ -26,7 +26,6 @@ from tierckpt.dcp._common import (
     _SHARDS_FQN,
     METADATA_VERSION,
     TiersArg,
-    _is_private,
     _parse_step,
     _runtimes,
     dcp_metadata_name,
@@ -38,6 +37,7 @@ from tierckpt.dcp._metadata import (
     _ShardOnTier,
     encode_metadata,
 )
+from tierckpt.distributed import is_private_tier
 from tierckpt.errors import (
     BackendError,
     CheckpointFailed,
@@ -266,7 +266,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         tiers = [
             t
             for t in self._tiers
-            if t.spec.receives(index) and not (info.world_size > 1 and _is_private(t))
+            if t.spec.receives(index) and not (info.world_size > 1 and is_private_tier(t))
         ]
         for t in self._tiers:
             if t not in tiers and t.spec.receives(index):
