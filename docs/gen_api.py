@@ -203,6 +203,9 @@ def document_module(modname: str, heading: str, lines: list[str]) -> None:
         if obj is None:
             continue
         home = getattr(obj, "__module__", modname)
+        # a package's private modules (tierckpt.dcp._writer) are documented with the package
+        if home.startswith(f"{modname}._"):
+            home = modname
         if modname != "tierckpt" and home != modname and not modname.startswith(
             "tierckpt.integrations"
         ):

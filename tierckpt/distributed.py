@@ -92,6 +92,7 @@ __all__ = [
     "RankRecord",
     "agree_on_step",
     "begin_save",
+    "collective_device",
     "commit_multi_rank",
     "decode_record",
     "encode_record",
@@ -337,6 +338,8 @@ def _collective_device() -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
+
+collective_device = _collective_device
 
 _warned: set[str] = set()
 

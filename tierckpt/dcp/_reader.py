@@ -1,0 +1,349 @@
+"""``TierReader``: DCP's metadata from the fastest tier holding the step, then each rank's
+shard read by ranges and verified, falling back tier by tier (see :mod:`tierckpt.dcp`)."""
+
+from __future__ import annotations
+
+import bisect
+import io
+import logging
+import os
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import Future as CFuture
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from tierckpt.backends.base import Backend
+from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.dcp._common import (
+    MAX_METADATA_BYTES,
+    TiersArg,
+    _parse_step,
+    _runtimes,
+    dcp_metadata_name,
+)
+from tierckpt.dcp._metadata import ItemLocation, decode_metadata
+from tierckpt.dcp._writer import TierWriter
+from tierckpt.distributed import collective_device, get_knobs
+from tierckpt.errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    CorruptChunk,
+    FormatError,
+    TierCkptError,
+)
+from tierckpt.format import ChunkRecord, Manifest, ShardRef, checksum
+from tierckpt.objects import decode_tree
+from tierckpt.pipeline import TierRuntime
+from tierckpt.policy import TierPolicy
+from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
+from tierckpt.retention import committed_steps
+
+log = logging.getLogger("tierckpt")
+
+
+class _ShardFile:
+    """Ranged, verified reads of selected tensors from one rank's shard on one tier."""
+
+    def __init__(self, backend: Backend, tier: str, ref: ShardRef) -> None:
+        self.backend = backend
+        self.tier = tier
+        self.ref = ref
+        self.where = f"tier {tier!r} {backend.url}/{ref.file}"
+        index, _, _ = read_index(backend, ref, tier)
+        self.codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
+        self.chunks: list[ChunkRecord] = index["chunks"]
+        self.chunk_starts = [c.logical_offset for c in self.chunks]
+        self.storages: list[list[int]] = index["storages"]
+        self._storage_sizes: list[int] | None = None
+        self.tensors: list[Any] = index["tensors"]
+        tree = decode_tree(index.get("tree"), lambda i: i)
+        if not isinstance(tree, dict) or not all(
+            isinstance(k, str) and type(v) is int for k, v in tree.items()
+        ):
+            raise FormatError(f"{self.where}: not a DCP shard (its tree is not a key table)")
+        self.keys: dict[str, int] = tree
+
+    def fetch(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        # (logical lo, logical hi, destination byte buffer) per needed tensor
+        wanted: list[tuple[int, int, torch.Tensor]] = []
+        for key in keys:
+            if key in out:
+                continue
+            ti = self.keys.get(key)
+            if ti is None or not 0 <= ti < len(self.tensors):
+                raise FormatError(f"{self.where}: no item {key!r} in this shard")
+            t, lo, buf = self._tensor_shell(ti)
+            out[key] = t
+            if buf is not None:
+                wanted.append((lo, lo + buf.numel(), buf))
+        self._fill(wanted)
+        return out
+
+    def _tensor_shell(self, ti: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        if self._storage_sizes is None:
+            self._storage_sizes = [n for _lo, n in self.storages]
+        rec = parse_tensor_entry(self.tensors[ti], ti, self.where, self._storage_sizes)
+        shape, stride, dtype, extent = rec.shape, rec.stride, rec.dtype, rec.extent
+        if rec.storage == -1:
+            return torch.empty_strided(shape, stride, dtype=dtype), 0, None
+        span_lo, _span_n = self.storages[rec.storage]
+        off = rec.offset
+        buf = torch.empty(extent, dtype=torch.uint8)
+        t = torch.empty(0, dtype=dtype)
+        t.set_(buf.untyped_storage(), 0, shape, stride)
+        return t, span_lo + off, buf
+
+    def _fill(self, wanted: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Read each needed chunk once, verify, decode, scatter into the buffers."""
+        per_chunk: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for lo, hi, buf in wanted:
+            covered = lo
+            ci = max(bisect.bisect_right(self.chunk_starts, lo) - 1, 0)
+            while covered < hi and ci < len(self.chunks):
+                c = self.chunks[ci]
+                c_lo, c_hi = c.logical_offset, c.logical_offset + c.raw_size
+                if c_lo > covered:
+                    break
+                if c_hi > covered:
+                    per_chunk.setdefault(ci, []).append((lo, hi, buf))
+                    covered = min(hi, c_hi)
+                ci += 1
+            if covered < hi:
+                raise FormatError(f"{self.where}: bytes {covered}..{hi} are in no chunk")
+        for ci in sorted(per_chunk):
+            raw = self._chunk(ci)
+            c = self.chunks[ci]
+            c_lo, c_hi = c.logical_offset, c.logical_offset + c.raw_size
+            for lo, hi, buf in per_chunk[ci]:
+                a, b = max(lo, c_lo), min(hi, c_hi)
+                buf[a - lo : b - lo].copy_(raw[a - c_lo : b - c_lo])
+
+    def _chunk(self, ci: int) -> torch.Tensor:
+        rec = self.chunks[ci]
+        codec = self.codecs[rec.codec]
+        stored = self.backend.read(self.ref.file, rec.file_offset, rec.stored_size)
+        if checksum(stored) != rec.checksum:
+            raise CorruptChunk(
+                f"{self.where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) "
+                "does not match its checksum",
+                tier=self.tier,
+                file=self.ref.file,
+                chunk=ci,
+            )
+        out = torch.empty(rec.raw_size, dtype=torch.uint8)
+        view = memoryview(out.numpy())  # type: ignore[arg-type]
+        if codec.is_passthrough and rec.stored_size == rec.raw_size:
+            view[:] = memoryview(stored).cast("B")
+        else:
+            try:
+                codec.decode(stored, view)
+            except CorruptChunk as exc:
+                raise CorruptChunk(
+                    f"{self.where}: chunk {ci}: {exc}", tier=self.tier, file=self.ref.file, chunk=ci
+                ) from exc
+        return out
+
+
+class TierReader(StorageReader):
+    """A DCP ``StorageReader`` over tierckpt tiers (see the module docstring).
+
+    Args:
+        tiers: tier specs fastest first, or a :class:`TierPolicy`.
+        step: the step to load; ``None``: the newest DCP checkpoint committed on some tier
+            that every rank sees (one ``all_gather`` on the default process group in
+            ``read_metadata`` when it is initialized — name the step when only some ranks
+            load, e.g. ``no_dist=True`` inside a multi-rank job).
+        io_threads: shards read in parallel (default 4).
+
+    Each item is read from the fastest tier that holds the step; a corrupt or missing shard
+    falls back to the next tier holding the same step.
+    """
+
+    def __init__(self, tiers: TiersArg, step: int | str | None = None, *, io_threads: int = 4):
+        super().__init__()
+        self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
+        self.step: int | None = None if step is None else _parse_step(step)
+        self.io_threads = max(1, io_threads)
+        self.load_id = uuid.uuid4().hex
+        self._tiers = _runtimes(self.policy)
+        self._holders: list[tuple[TierRuntime, Manifest]] = []
+        self.storage_data: dict[MetadataIndex, ItemLocation] = {}
+        self.loaded_step: int | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = _parse_step(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self.storage_data = {}
+        self._holders = []
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return TierWriter.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointNotFound("tierckpt DCP checkpoints hold global metadata only")
+        step = self.step if self.step is not None else self._newest_step()
+        errors: list[str] = []
+        md: Metadata | None = None
+        self._holders = []
+        for t in self._tiers:
+            try:
+                m = read_manifest(t.backend, step, t.name)
+                if md is None:
+                    md = self._read_metadata_object(t, m)
+                self._holders.append((t, m))
+            except CheckpointNotFound:
+                continue
+            except BaseException as exc:
+                if not is_recoverable(exc):
+                    raise
+                errors.append(f"tier {t.name!r}: {exc}")
+                log.warning("DCP metadata of step %d on tier %s unreadable: %s", step, t.name, exc)
+        if md is None:
+            raise CheckpointNotFound(
+                f"DCP step {step} is not readable on any tier "
+                f"({', '.join(t.name for t in self._tiers)})"
+                + (": " + "; ".join(errors) if errors else "")
+            )
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        self.loaded_step = step
+        return md
+
+    def _read_metadata_object(self, t: TierRuntime, m: Manifest) -> Metadata:
+        where = f"tier {t.name!r} {t.backend.url}"
+        info = (m.metadata or {}).get("dcp")
+        if not isinstance(info, dict):
+            raise FormatError(
+                f"{where}: step {m.step} is not a DCP checkpoint (load it with Checkpointer.load)"
+            )
+        name = dcp_metadata_name(m.step)
+        size = info.get("size")
+        if info.get("file") != name or type(size) is not int or not 0 < size <= MAX_METADATA_BYTES:
+            raise FormatError(f"{where}: malformed DCP entry in the manifest of step {m.step}")
+        blob = t.backend.get(name)
+        if len(blob) != size or checksum(blob) != info.get("checksum"):
+            raise CorruptCheckpoint(f"{where}/{name}: DCP metadata does not match its checksum")
+        return decode_metadata(blob, where=f"{where}/{name}")
+
+    def _newest_step(self) -> int:
+        mine: list[int] = []
+        for t in self._tiers:
+            try:
+                mine.extend(committed_steps(t.backend))
+            except TierCkptError as exc:
+                log.warning("cannot list tier %s: %s", t.name, exc)
+        newest = sorted(set(mine), reverse=True)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank must read the same step: the newest one every rank sees
+            k = get_knobs().agree_max_candidates
+            dev = collective_device()
+            vec = torch.full((k,), -1, dtype=torch.int64, device=dev)
+            if newest:
+                vec[: min(k, len(newest))] = torch.tensor(newest[:k], dtype=torch.int64)
+            gathered = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, vec)
+            common = set.intersection(*({int(v) for v in g.tolist() if v >= 0} for g in gathered))
+            newest = sorted(common, reverse=True)
+        if not newest:
+            raise CheckpointNotFound(
+                f"no committed checkpoint on any tier ({', '.join(t.name for t in self._tiers)})"
+            )
+        return newest[0]
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        sd = metadata.storage_data
+        if not isinstance(sd, dict):
+            raise FormatError("DCP metadata without storage_data")
+        self.storage_data = sd
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_rank: dict[int, list[tuple[ReadItem, str]]] = {}
+        for req in plan.items:
+            loc = self.storage_data.get(req.storage_index)
+            if loc is None:
+                raise FormatError(f"DCP item {req.storage_index} has no storage location")
+            per_rank.setdefault(loc.rank, []).append((req, loc.key))
+        ranks = sorted(per_rank)
+        with ThreadPoolExecutor(self.io_threads, thread_name_prefix="tierckpt-dcp-read") as pool:
+            # at most io_threads shards' tensors in memory; copies happen on this thread
+            pending: list[tuple[int, CFuture[dict[str, torch.Tensor]]]] = []
+            it = iter(ranks)
+            for r in it:
+                pending.append((r, pool.submit(self._fetch_rank, r, per_rank[r])))
+                if len(pending) >= self.io_threads:
+                    break
+            while pending:
+                r, fut = pending.pop(0)
+                values = fut.result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append((nxt, pool.submit(self._fetch_rank, nxt, per_rank[nxt])))
+                _apply(per_rank[r], values, planner)
+                del values
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _fetch_rank(self, rank: int, items: list[tuple[ReadItem, str]]) -> dict[str, torch.Tensor]:
+        keys = [k for _, k in items]
+        errors: list[str] = []
+        for t, m in self._holders:
+            try:
+                return _ShardFile(t.backend, t.name, m.shard_for(rank)).fetch(keys)
+            except BaseException as exc:
+                if not is_recoverable(exc):
+                    raise
+                errors.append(f"tier {t.name!r}: {exc}")
+                log.warning(
+                    "DCP read of rank %d's shard from tier %s failed, trying the next: %s",
+                    rank,
+                    t.name,
+                    exc,
+                )
+        raise CorruptCheckpoint(
+            f"no readable copy of rank {rank}'s shard of step {self.loaded_step}: "
+            + ("; ".join(errors) or "no tier holds it")
+        )
+
+
+def _apply(
+    items: list[tuple[ReadItem, str]], values: dict[str, torch.Tensor], planner: LoadPlanner
+) -> None:
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    for req, key in items:
+        value = values[key]
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(value.numpy().tobytes()))
+            continue
+        src = narrow_tensor_by_index(value, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise FormatError(
+                f"DCP item {req.storage_index}: stored piece {tuple(src.size())} does not match "
+                f"the target {tuple(target.size())}"
+            )
+        target.copy_(src)
+        planner.commit_tensor(req, target)
