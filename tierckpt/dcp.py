@@ -90,6 +90,7 @@ from tierckpt.errors import (
     UnsupportedObject,
 )
 from tierckpt.format import (
+    CheckpointId,
     ChunkRecord,
     Manifest,
     ShardRef,
@@ -104,7 +105,7 @@ from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
-from tierckpt.retention import committed_steps, gc_tier
+from tierckpt.retention import committed_ids, gc_tier, newest_committed, timeline_for
 
 __all__ = [
     "ItemLocation",
@@ -140,8 +141,8 @@ _MEMORY_FORMATS = {
 TiersArg = Sequence[TierSpec] | TierPolicy
 
 
-def dcp_metadata_name(step: int) -> str:
-    return f"{step_prefix(step)}dcp-metadata.json.zst"
+def dcp_metadata_name(step: int, *, timeline: int = 0) -> str:
+    return f"{step_prefix(step, timeline=timeline)}dcp-metadata.json.zst"
 
 
 def _parse_step(checkpoint_id: object) -> int:
@@ -191,6 +192,8 @@ class _PlanInfo:
     rank: int
     world_size: int
     save_id: str
+    #: the timeline the coordinator chose for this save (every rank writes the same id)
+    timeline: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,6 +488,10 @@ class TierWriter(PipelineOwner, StorageWriter):
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
         self._info: _PlanInfo | None = None
         self._closed = False
+        #: the coordinator's timeline (None: chosen from the tiers at the next save) and the
+        #: newest checkpoint this writer saved; as for Checkpointer
+        self._timeline: int | None = None
+        self._last_saved: CheckpointId | None = None
 
     # -- DCP protocol ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -515,25 +522,35 @@ class TierWriter(PipelineOwner, StorageWriter):
         return StorageMeta(checkpoint_id=f"tierckpt:{self.step}", save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        step = self._require_step()
-        for t in self._tiers:
-            if t.backend.exists(manifest_name(step)):
-                raise FileExistsError(
-                    f"step {step} is already committed on tier {t.name!r} ({t.backend.url}); "
-                    "refusing to overwrite it — save under another step"
-                )
-            newest = committed_steps(t.backend)
-            if newest and newest[-1] > step:
-                raise ValueError(
-                    f"step {step} is older than step {newest[-1]}, committed on tier {t.name!r}; "
-                    "save DCP checkpoints under increasing steps"
-                )
+        self._require_step()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: choose the timeline (as :class:`~tierckpt.Checkpointer` does:
+        at the first save, and when the step is below the previous save's, from the newest
+        checkpoint on the tiers; a step not after it starts a new timeline) and hand it to
+        every rank with its plan."""
+        step = self._require_step()
+        last = self._last_saved
+        if self._timeline is not None and (last is None or step >= last.step):
+            timeline = self._timeline
+        else:
+            newest = newest_committed((t.name, t.backend) for t in self._tiers)
+            if last is not None and (newest is None or last > newest):
+                newest = last
+            timeline = timeline_for(step, newest)
+        cid = CheckpointId(step, timeline)
+        for t in self._tiers:
+            if t.backend.exists(manifest_name(step, timeline=timeline)):
+                raise FileExistsError(
+                    f"{cid} is already committed on tier {t.name!r} ({t.backend.url}); "
+                    "refusing to overwrite it — save under another step"
+                )
+        self._timeline = timeline
+        self._last_saved = cid
         world = len(plans)
         return [
-            dataclasses.replace(p, storage_data=_PlanInfo(i, world, self.save_id))
+            dataclasses.replace(p, storage_data=_PlanInfo(i, world, self.save_id, timeline))
             for i, p in enumerate(plans)
         ]
 
@@ -587,6 +604,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         blob = encode_metadata(metadata)
+        timeline = info.timeline if info is not None else 0
         committed: list[str] = []
         failed: dict[str, BaseException] = {}
         for t in self._tiers:
@@ -600,7 +618,11 @@ class TierWriter(PipelineOwner, StorageWriter):
                 continue
             try:
                 self._commit_tier(
-                    t, step, world, [shards[r].tiers[t.name] for r in range(world)], blob
+                    t,
+                    CheckpointId(step, timeline),
+                    world,
+                    [shards[r].tiers[t.name] for r in range(world)],
+                    blob,
                 )
                 committed.append(t.name)
             except (BackendError, OSError, FormatError) as exc:
@@ -645,7 +667,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             return _RankShards(info.rank, {}, {})
         pipeline = self._get_pipeline()
         plan = build_plan(state, self.chunk_bytes)
-        handle = SaveHandle(step, tuple(t.name for t in tiers))
+        handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=info.timeline)
         job = SaveJob(
             step=step,
             plan=plan,
@@ -656,6 +678,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             ready_events=record_ready_events(plan),
             metadata={},
             attempt=info.save_id,
+            timeline=info.timeline,
         )
         pipeline.submit(job)
         errors: dict[str, str] = {}
@@ -669,9 +692,15 @@ class TierWriter(PipelineOwner, StorageWriter):
         return _RankShards(info.rank, done, errors)
 
     def _commit_tier(
-        self, t: TierRuntime, step: int, world: int, shards: list[_ShardOnTier], blob: bytes
+        self,
+        t: TierRuntime,
+        cid: CheckpointId,
+        world: int,
+        shards: list[_ShardOnTier],
+        blob: bytes,
     ) -> None:
-        name = dcp_metadata_name(step)
+        step = cid.step
+        name = dcp_metadata_name(step, timeline=cid.timeline)
         t.backend.put_atomic(name, blob, overwrite=True)
         m = Manifest(
             step=step,
@@ -692,9 +721,10 @@ class TierWriter(PipelineOwner, StorageWriter):
                     "version": METADATA_VERSION,
                 }
             },
+            timeline=cid.timeline,
         )
-        t.backend.put_atomic(manifest_name(step), encode_manifest(m))
-        log.info("DCP step %d committed on tier %s (%d ranks)", step, t.name, world)
+        t.backend.put_atomic(manifest_name(step, timeline=cid.timeline), encode_manifest(m))
+        log.info("DCP %s committed on tier %s (%d ranks)", cid, t.name, world)
         try:
             gc_tier(t.backend, t.spec.keep_last)
         except OSError as exc:
@@ -840,6 +870,8 @@ class TierReader(StorageReader):
         self._holders: list[tuple[TierRuntime, Manifest]] = []
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.loaded_step: int | None = None
+        #: the checkpoint read (its step and timeline)
+        self.loaded_id: CheckpointId | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -855,13 +887,14 @@ class TierReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointNotFound("tierckpt DCP checkpoints hold global metadata only")
-        step = self.step if self.step is not None else self._newest_step()
+        cid = self._newest_id() if self.step is None else self._id_of_step(self.step)
+        step = cid.step
         errors: list[str] = []
         md: Metadata | None = None
         self._holders = []
         for t in self._tiers:
             try:
-                m = read_manifest(t.backend, step, t.name)
+                m = read_manifest(t.backend, step, t.name, timeline=cid.timeline)
                 if md is None:
                     md = self._read_metadata_object(t, m)
                 self._holders.append((t, m))
@@ -871,10 +904,10 @@ class TierReader(StorageReader):
                 if not is_recoverable(exc):
                     raise
                 errors.append(f"tier {t.name!r}: {exc}")
-                log.warning("DCP metadata of step %d on tier %s unreadable: %s", step, t.name, exc)
+                log.warning("DCP metadata of %s on tier %s unreadable: %s", cid, t.name, exc)
         if md is None:
             raise CheckpointNotFound(
-                f"DCP step {step} is not readable on any tier "
+                f"DCP {cid} is not readable on any tier "
                 f"({', '.join(t.name for t in self._tiers)})"
                 + (": " + "; ".join(errors) if errors else "")
             )
@@ -882,6 +915,7 @@ class TierReader(StorageReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         self.loaded_step = step
+        self.loaded_id = cid
         return md
 
     def _read_metadata_object(self, t: TierRuntime, m: Manifest) -> Metadata:
@@ -891,7 +925,7 @@ class TierReader(StorageReader):
             raise FormatError(
                 f"{where}: step {m.step} is not a DCP checkpoint (load it with Checkpointer.load)"
             )
-        name = dcp_metadata_name(m.step)
+        name = dcp_metadata_name(m.step, timeline=m.timeline)
         size = info.get("size")
         if info.get("file") != name or type(size) is not int or not 0 < size <= MAX_METADATA_BYTES:
             raise FormatError(f"{where}: malformed DCP entry in the manifest of step {m.step}")
@@ -900,29 +934,37 @@ class TierReader(StorageReader):
             raise CorruptCheckpoint(f"{where}/{name}: DCP metadata does not match its checksum")
         return decode_metadata(blob, where=f"{where}/{name}")
 
-    def _newest_step(self) -> int:
-        mine: list[int] = []
+    def _listing(self) -> list[CheckpointId]:
+        mine: set[CheckpointId] = set()
         for t in self._tiers:
             try:
-                mine.extend(committed_steps(t.backend))
+                mine.update(committed_ids(t.backend))
             except TierCkptError as exc:
                 log.warning("cannot list tier %s: %s", t.name, exc)
-        newest = sorted(set(mine), reverse=True)
+        return sorted(mine, reverse=True)
+
+    def _id_of_step(self, step: int) -> CheckpointId:
+        """``step`` of the newest timeline holding it (timeline 0 if none: not found later)."""
+        return next((c for c in self._listing() if c.step == step), CheckpointId(step))
+
+    def _newest_id(self) -> CheckpointId:
+        newest = self._listing()
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # every rank must read the same step: the newest one every rank sees
-            from tierckpt.distributed import _collective_device, get_knobs
+            # every rank must read the same checkpoint: the newest one every rank sees
+            from tierckpt.distributed import _collective_device, _id_key, _id_of_key, get_knobs
 
             k = get_knobs().agree_max_candidates
             dev = _collective_device()
             vec = torch.full((k,), -1, dtype=torch.int64, device=dev)
             if newest:
-                vec[: min(k, len(newest))] = torch.tensor(newest[:k], dtype=torch.int64)
+                keys = [_id_key(c) for c in newest[:k]]
+                vec[: len(keys)] = torch.tensor(keys, dtype=torch.int64)
             gathered = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, vec)
             common = set.intersection(*({int(v) for v in g.tolist() if v >= 0} for g in gathered))
-            newest = sorted(common, reverse=True)
+            newest = sorted((_id_of_key(v) for v in common), reverse=True)
         if not newest:
             raise CheckpointNotFound(
                 f"no committed checkpoint on any tier ({', '.join(t.name for t in self._tiers)})"
@@ -988,7 +1030,7 @@ class TierReader(StorageReader):
                     exc,
                 )
         raise CorruptCheckpoint(
-            f"no readable copy of rank {rank}'s shard of step {self.loaded_step}: "
+            f"no readable copy of rank {rank}'s shard of {self.loaded_id}: "
             + ("; ".join(errors) or "no tier holds it")
         )
 
