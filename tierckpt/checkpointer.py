@@ -265,9 +265,7 @@ class Checkpointer(PipelineOwner):
             metadata=job.metadata,
             timeline=job.timeline,
         )
-        tier.backend.put_atomic(
-            manifest_name(job.step, timeline=job.timeline), encode_manifest(m)
-        )
+        tier.backend.put_atomic(manifest_name(job.step, timeline=job.timeline), encode_manifest(m))
         return None
 
     def wait_captured(self, timeout: float | None = None) -> None:
@@ -393,9 +391,7 @@ class Checkpointer(PipelineOwner):
                     f"{steps_of(all_ids)[-10:] or 'none'}"
                 )
             else:
-                candidates = (
-                    lineage(all_ids, holding[0]) if fallback == "previous" else holding[:1]
-                )
+                candidates = lineage(all_ids, holding[0]) if fallback == "previous" else holding[:1]
         else:
             if not all_ids and self.world_size == 1:
                 raise CheckpointNotFound(

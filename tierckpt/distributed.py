@@ -577,9 +577,7 @@ def wait_for_records(
             failed = [r for r in missing if rank_failure_name(step, r, timeline=timeline) in listed]
             missing = [r for r in missing if rank_record_name(step, r, timeline=timeline) in listed]
         absent: list[int] = []
-        for r, data in _get_records(
-            backend, step, missing, k.record_readers, timeline=timeline
-        ):
+        for r, data in _get_records(backend, step, missing, k.record_readers, timeline=timeline):
             if data is None:
                 absent.append(r)
                 continue
@@ -1051,6 +1049,5 @@ def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[
         f"no checkpoint step is committed and readable on every rank (this rank looked at "
         f"{', '.join(map(str, list(candidates)[:5])) or 'no committed step'}; newest readable "
         f"checkpoint per rank: {dict(list(newest.items())[:16])}; ranks with none: "
-        f"{_ranks(lacking)})"
-        + (f"; this rank (rank {ck.rank}): {detail}" if detail else "")
+        f"{_ranks(lacking)})" + (f"; this rank (rank {ck.rank}): {detail}" if detail else "")
     )

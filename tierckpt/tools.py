@@ -535,9 +535,7 @@ def gc(
     expired = committed[: max(len(committed) - keep_last, 0)]
     committed_set = set(committed)
     leftovers = [
-        c
-        for c in data_ids(backend)
-        if c not in committed_set and newest is not None and c < newest
+        c for c in data_ids(backend) if c not in committed_set and newest is not None and c < newest
     ]
     plan = GcPlan(committed[len(expired) :], expired, leftovers)
     if dry_run:
