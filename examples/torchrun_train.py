@@ -79,7 +79,8 @@ def main() -> None:
     ck.wait()  # this rank's writes; on rank 0 also the commits
     if handles:
         # on other ranks a finished save means "my shard is durable"; rank 0 commits
-        wait_committed(ck.backend("local"), handles[-1].step, timeout=120)
+        last = handles[-1]
+        wait_committed(ck.backend("local"), last.step, timeout=120, timeline=last.timeline)
     if rank == 0:
         blocked_ms = sum(h.blocked_seconds for h in handles) * 1e3
         print(

@@ -683,6 +683,64 @@ def w_dcp_load(
     return out
 
 
+# -- timelines: a rollback on several ranks --------------------------------------------------
+
+
+def _timeline_tiers(root: str, rank: int) -> list[Any]:
+    """A shared folder and a per-rank "nvme" folder (private: TIERCKPT_PRIVATE_TIERS=nvme)."""
+    return [
+        LocalTier(os.path.join(root, "shared"), name="shared", keep_last=3),
+        LocalTier(os.path.join(root, f"nvme-{rank}"), name="nvme", keep_last=3),
+    ]
+
+
+def _run_state(rank: int, step: int, run: int) -> dict[str, Any]:
+    return {"x": rank_state(rank, step, numel=256), "run": run}
+
+
+def w_timeline_rollback(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
+    """``train``: run 1 saves steps 1..5. ``resume``: load step 3, save 4..6 as run 2 (each
+    waited for and committed on the shared tier), then a new checkpointer loads the newest.
+    Errors of saves are recorded, not raised, so that the test can say what went wrong."""
+    out: dict[str, Any] = {"errors": []}
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        ck = Checkpointer(_timeline_tiers(root, rank), chunk_bytes=64 << 10)
+        shared = ck.backend("shared")
+        if phase == "train":
+            for s in range(1, 6):
+                ck.save(_run_state(rank, s, 1), s).wait(timeout=60)
+                tdist.wait_committed(shared, s, timeout=60)
+            ck.close()
+            dist.barrier()  # rank 0 holds the store that the other ranks' private commits use
+            return out
+        got = ck.load(step=3)
+        out["loaded_diff"] = same(got, _run_state(rank, 3, 1))
+        timelines = []
+        for s in range(4, 7):
+            h = ck.save(_run_state(rank, s, 2), s)
+            timeline = getattr(h, "timeline", 0)
+            timelines.append(timeline)
+            try:
+                h.wait(timeout=60)
+                kw = {"timeline": timeline} if timeline else {}
+                tdist.wait_committed(shared, s, timeout=60, **kw)
+            except (CheckpointFailed, TimeoutError) as exc:
+                out["errors"].append(f"step {s}: {type(exc).__name__}: {exc}"[:600])
+        out["timelines"] = timelines
+        ck.close()
+        dist.barrier()
+        ck2 = Checkpointer(_timeline_tiers(root, rank))
+        newest = ck2.load()
+        out["newest_diff"] = same(newest, _run_state(rank, 6, 2))
+        if hasattr(ck2, "checkpoints"):
+            out["ids"] = {
+                t: [[c.step, c.timeline] for c in ck2.checkpoints(t)] for t in ck2.tier_names
+            }
+        ck2.close()
+        dist.barrier()
+    return out
+
+
 # -- command line: the blocking measurement -----------------------------------------------
 
 

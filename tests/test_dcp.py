@@ -37,7 +37,7 @@ from tierckpt.dcp import (
     encode_metadata,
 )
 from tierckpt.errors import CorruptCheckpoint, FormatError, UnsupportedObject
-from tierckpt.format import shard_name
+from tierckpt.format import CheckpointId, manifest_name, shard_name
 
 # DCP warns that it runs in a single process when no process group is initialized
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -158,20 +158,29 @@ def test_single_process_save_load_falls_back_to_the_next_tier(
     assert dist_workers.same(target, saved) == []
 
 
-def test_writer_refuses_committed_and_older_steps(tmp_path: Path) -> None:
+def test_writer_refuses_committed_steps_and_starts_a_timeline_for_older_ones(
+    tmp_path: Path,
+) -> None:
     tiers = [LocalTier(tmp_path)]
     with TierWriter(tiers, 5) as w:
         dcp.save(_model_state(1), storage_writer=w, no_dist=True)
         with pytest.raises(CheckpointException, match="already committed"):
             dcp.save(_model_state(1), storage_writer=w, no_dist=True)
-        with pytest.raises(CheckpointException, match="older than step 5"):
-            dcp.save(_model_state(1), storage_writer=w, checkpoint_id=4, no_dist=True)
+        # an older step: the run went back; it goes on on a new timeline, step 5 stays
+        dcp.save(_model_state(2), storage_writer=w, checkpoint_id=4, no_dist=True)
         dcp.save(_model_state(1), storage_writer=w, checkpoint_id="step-6", no_dist=True)
+    assert (tmp_path / manifest_name(5)).exists()
+    assert (tmp_path / manifest_name(4, timeline=1)).exists()
     reader = TierReader(tiers)
     target = _model_state(3)
     dcp.load(target, storage_reader=reader, no_dist=True)
-    assert reader.loaded_step == 6
+    assert reader.loaded_step == 6 and reader.loaded_id == CheckpointId(6, 1)
     assert dist_workers.same(target, _model_state(1)) == []
+    # a named step: of the newest timeline holding it
+    reader = TierReader(tiers, 4)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert reader.loaded_id == CheckpointId(4, 1)
+    assert dist_workers.same(target, _model_state(2)) == []
 
 
 def test_checkpoint_ids() -> None:

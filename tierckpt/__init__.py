@@ -16,6 +16,7 @@ from tierckpt.errors import (
     UnknownCodec,
     UnsupportedObject,
 )
+from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.observe import CommitStats
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
@@ -23,6 +24,7 @@ from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
 __all__ = [
     "BackendError",
     "CheckpointFailed",
+    "CheckpointId",
     "CheckpointNotFound",
     "Checkpointer",
     "CommitStats",

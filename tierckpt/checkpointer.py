@@ -16,7 +16,7 @@ from tierckpt._version import __version__
 from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.capture import record_ready_events
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
-from tierckpt.format import Manifest, ShardRef, encode_manifest, manifest_name
+from tierckpt.format import CheckpointId, Manifest, ShardRef, encode_manifest, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
@@ -29,7 +29,14 @@ from tierckpt.restore import (
     read_shard,
     restore_into,
 )
-from tierckpt.retention import committed_steps
+from tierckpt.retention import (
+    committed_ids,
+    committed_steps,
+    lineage,
+    newest_committed,
+    steps_of,
+    timeline_for,
+)
 
 __all__ = ["Checkpointer"]
 
@@ -115,6 +122,11 @@ class Checkpointer(PipelineOwner):
             self._stats.add_callback(on_commit)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
+        #: the timeline saves go to; None: chosen from the tiers at the next save (the first
+        #: one, and the first after a load()), see _propose_timeline
+        self._timeline: int | None = None
+        #: the newest checkpoint this object started saving
+        self._last_saved: CheckpointId | None = None
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -164,21 +176,26 @@ class Checkpointer(PipelineOwner):
         tiers = [t for t in self._tiers if t.spec.receives(index)]
         busy = bool(pipeline.in_flight())
         attempt = ""
+        timeline, choose = self._propose_timeline(step)
         if self.world_size > 1:
             # an attempt id for the completion records (one all-reduce at the first save; at
-            # every save with on_busy="skip", so that all ranks skip together)
+            # every save with on_busy="skip", so that all ranks skip together; and wherever
+            # the timeline is chosen from the tiers, so that all ranks take the same one)
             from tierckpt.distributed import begin_save
 
-            attempt, busy = begin_save(self, step, busy)
+            attempt, busy, timeline = begin_save(
+                self, step, busy, timeline=timeline, agree_timeline=choose
+            )
+        self._timeline = timeline
         if self.on_busy == "skip" and busy:
             log.warning("step %d skipped: the previous checkpoint is still flushing", step)
-            handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True)
+            handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True, timeline=timeline)
             return handle
         # only the walk (validation + tensor references) runs here; the layout is computed by
         # the capture thread, so training pays microseconds per tensor, not the whole plan
         collected = collect_state(state)
 
-        handle = SaveHandle(step, tuple(t.name for t in tiers))
+        handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
         if not tiers:
             return handle
         job = SaveJob(
@@ -193,10 +210,33 @@ class Checkpointer(PipelineOwner):
             ready_events=record_ready_events(collected.devices),
             metadata=dict(metadata or {}),
             attempt=attempt,
+            timeline=timeline,
         )
         self._last = handle
+        self._last_saved = job.id
         pipeline.submit(job)
         return handle
+
+    # -- timelines ---------------------------------------------------------------------
+    def _propose_timeline(self, step: int) -> tuple[int, bool]:
+        """The timeline for a save of ``step``, and whether it was chosen from the tiers now
+        (False: the previous save's timeline goes on).
+
+        The timeline is chosen from the tiers at the first save, at the first save after a
+        ``load()``, and when ``step`` is below the previous save's (the run went back without
+        loading through this object), by :func:`~tierckpt.retention.timeline_for` from the
+        newest committed checkpoint on any tier — or the one this object last started saving,
+        if newer (it may still be in flight). A save of the same step as the previous one
+        stays on its timeline: a retry, refused where that checkpoint is committed already (a
+        manifest is never overwritten).
+        """
+        last = self._last_saved
+        if self._timeline is not None and (last is None or step >= last.step):
+            return self._timeline, False
+        newest = newest_committed((t.name, t.backend) for t in self._tiers)
+        if last is not None and (newest is None or last > newest):
+            newest = last
+        return timeline_for(step, newest), True
 
     def _report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
         if job.world_size != 1:
@@ -223,8 +263,9 @@ class Checkpointer(PipelineOwner):
             stored_bytes=stored,
             codecs=(tier.codec.codec_id,),
             metadata=job.metadata,
+            timeline=job.timeline,
         )
-        tier.backend.put_atomic(manifest_name(job.step), encode_manifest(m))
+        tier.backend.put_atomic(manifest_name(job.step, timeline=job.timeline), encode_manifest(m))
         return None
 
     def wait_captured(self, timeout: float | None = None) -> None:
@@ -265,20 +306,35 @@ class Checkpointer(PipelineOwner):
                     raise TimeoutError(f"step {job.step} not finished after {timeout} s")
 
     # -- listing -----------------------------------------------------------------------
-    def steps(self, tier: str | None = None) -> list[int]:
-        """Committed steps, ascending: on ``tier``, or on any tier."""
+    def checkpoints(self, tier: str | None = None) -> list[CheckpointId]:
+        """Committed checkpoints, oldest first: on ``tier``, or on any tier. The last one is
+        the newest, what ``load()`` returns. After a rollback this includes the abandoned
+        timeline's checkpoints that retention has not removed yet (older than every
+        checkpoint of the newer timeline, whatever their step numbers)."""
         if tier is not None:
-            return committed_steps(self._tier(tier).backend)
-        out: set[int] = set()
+            return committed_ids(self._tier(tier).backend)
+        out: set[CheckpointId] = set()
         for t in self._tiers:
             try:
-                out.update(committed_steps(t.backend))
+                out.update(committed_ids(t.backend))
             except TierCkptError as exc:
                 log.warning("cannot list tier %s: %s", t.name, exc)
         return sorted(out)
 
+    def steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps: on ``tier``, or on any tier; one entry per step.
+
+        In checkpoint order, oldest first: the last entry is the step ``load()`` returns.
+        While a run stays on one timeline (it never went back to an older step) this is
+        ascending step order. After a rollback, steps are ordered by timeline first, and a step
+        held by several timelines counts once, as the newest timeline's: e.g. ``[9, 10, 8]``
+        when step 8 was saved again after loading step 7 of a run that reached 10.
+        :meth:`checkpoints` lists every checkpoint with its timeline.
+        """
+        return steps_of(self.checkpoints(tier))
+
     def tier_steps(self) -> dict[str, list[int]]:
-        """Which steps are committed on which tier."""
+        """Which steps are committed on which tier (each list in :meth:`steps` order)."""
         return {t.name: committed_steps(t.backend) for t in self._tiers}
 
     # -- load --------------------------------------------------------------------------
@@ -290,46 +346,61 @@ class Checkpointer(PipelineOwner):
         tier: str | None = None,
         map_location: str | torch.device | None = None,
         fallback: Literal["error", "previous"] = "error",
+        timeline: int | None = None,
     ) -> Any:
         """Load the newest committed checkpoint (or ``step``) from the fastest tier holding it.
 
-        ``into``: copy into these existing tensors in place (shapes and dtypes must match)
-        and return it. ``fallback="previous"``: if every tier's copy of the newest step is
-        unreadable, try older committed steps. ``map_location``: device of the returned
-        tensors (default CPU).
+        The newest checkpoint is the newest step of the newest timeline (a run resumed from an
+        older step saves on a new timeline; see :class:`~tierckpt.format.CheckpointId`).
+        ``step``: that step, of the newest timeline holding it; ``timeline``: only that
+        timeline's checkpoints. ``into``: copy into these existing tensors in place (shapes
+        and dtypes must match) and return it. ``fallback="previous"``: if every tier's copy is
+        unreadable, try older checkpoints of the same history (older steps of its timeline,
+        then the steps of older timelines below the point where the newer one branched off;
+        never steps of an abandoned run). ``map_location``: device of the returned tensors
+        (default CPU).
+
+        The next ``save()`` after a load chooses its timeline again: a step after the newest
+        committed one continues its timeline; an older or equal one starts a new timeline.
         """
         if fallback not in ("error", "previous"):
             raise ValueError("fallback must be 'error' or 'previous'")
+        self._timeline = None  # the run may have gone back: the next save decides again
         tiers = [self._tier(tier)] if tier is not None else self._tiers
-        listing: dict[str, list[int]] = {}
+        listing: dict[str, list[CheckpointId]] = {}
         for t in tiers:
             try:
-                listing[t.name] = committed_steps(t.backend)
+                listing[t.name] = committed_ids(t.backend)
             except TierCkptError as exc:
                 log.warning("cannot list tier %s: %s", t.name, exc)
                 listing[t.name] = []
-        all_steps = sorted({s for v in listing.values() for s in v}, reverse=True)
+        all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
+        if timeline is not None:
+            all_ids = [c for c in all_ids if c.timeline == timeline]
+        where = ", ".join(t.name for t in tiers)
+        candidates: list[CheckpointId]
         if step is not None:
-            if step not in all_steps and self.world_size > 1:
-                candidates = [step]  # agree_on_step below raises on every rank, not just here
-            elif step not in all_steps:
+            holding = [c for c in all_ids if c.step == step]
+            if not holding and self.world_size > 1:
+                # agree_on_step below raises on every rank, not just here
+                candidates = [CheckpointId(step, timeline or 0)]
+            elif not holding:
+                what = f"step {step}" + (f" of timeline {timeline}" if timeline is not None else "")
                 raise CheckpointNotFound(
-                    f"step {step} is not committed on any tier "
-                    f"({', '.join(t.name for t in tiers)}); committed steps: "
-                    f"{sorted(all_steps)[-10:] or 'none'}"
+                    f"{what} is not committed on any tier ({where}); committed steps: "
+                    f"{steps_of(all_ids)[-10:] or 'none'}"
                 )
             else:
-                candidates = [step] + (
-                    [s for s in all_steps if s < step] if fallback == "previous" else []
-                )
+                candidates = lineage(all_ids, holding[0]) if fallback == "previous" else holding[:1]
         else:
-            if not all_steps and self.world_size == 1:
+            if not all_ids and self.world_size == 1:
                 raise CheckpointNotFound(
-                    f"no committed checkpoint on any tier ({', '.join(t.name for t in tiers)})"
+                    f"no committed checkpoint on any tier ({where})"
+                    + (f" of timeline {timeline}" if timeline is not None else "")
                 )
-            candidates = all_steps if fallback == "previous" else all_steps[:1]
+            candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
         if self.world_size > 1:
-            # every rank must load the same step: agree on the newest one all ranks can read
+            # every rank must load the same checkpoint: agree on the newest all ranks can read
             from tierckpt.distributed import agree_on_step, publish_repopulated, repopulates
 
             candidates = agree_on_step(self, candidates)
@@ -359,31 +430,31 @@ class Checkpointer(PipelineOwner):
     def _load_candidates(
         self,
         tiers: list[TierRuntime],
-        listing: dict[str, list[int]],
-        candidates: list[int],
+        listing: dict[str, list[CheckpointId]],
+        candidates: list[CheckpointId],
         *,
         publish: bool,
     ) -> LoadedShard:
-        """The first readable copy of the first candidate step, tiers fastest first."""
+        """The first readable copy of the first candidate, tiers fastest first."""
         errors: list[str] = []
         first_exc: BaseException | None = None
-        for s in candidates:
-            holders = [t for t in tiers if s in listing[t.name]]
+        for cid in candidates:
+            holders = [t for t in tiers if cid in listing[t.name]]
             for t in holders:
                 try:
-                    loaded = self._load_from(t, s, publish=publish)
+                    loaded = self._load_from(t, cid, publish=publish)
                 except BaseException as exc:
                     if not is_recoverable(exc):
                         raise
                     first_exc = first_exc or exc
-                    errors.append(f"step {s} on tier {t.name!r}: {exc}")
+                    errors.append(f"{cid} on tier {t.name!r}: {exc}")
                     log.warning(
-                        "load of step %d from tier %s failed, trying the next: %s", s, t.name, exc
+                        "load of %s from tier %s failed, trying the next: %s", cid, t.name, exc
                     )
                     continue
                 log.info(
-                    "loaded step %d from tier %s: %d bytes in %.3f s",
-                    s,
+                    "loaded %s from tier %s: %d bytes in %.3f s",
+                    cid,
                     t.name,
                     loaded.raw_bytes,
                     loaded.seconds,
@@ -396,11 +467,14 @@ class Checkpointer(PipelineOwner):
             raise type(first_exc)(msg) from first_exc
         raise CorruptCheckpoint(msg) from first_exc
 
-    def _load_from(self, tier: TierRuntime, step: int, *, publish: bool = True) -> LoadedShard:
-        manifest = read_manifest(tier.backend, step, tier.name)
+    def _load_from(
+        self, tier: TierRuntime, cid: CheckpointId, *, publish: bool = True
+    ) -> LoadedShard:
+        step = cid.step
+        manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
         if manifest.world_size != self.world_size:
             raise TierCkptError(
-                f"step {step} was saved by {manifest.world_size} ranks, this job has "
+                f"{cid} was saved by {manifest.world_size} ranks, this job has "
                 f"{self.world_size}; the native format needs the same world size — save with "
                 "tierckpt.dcp (torch.distributed.checkpoint) to reshard"
             )
@@ -411,7 +485,7 @@ class Checkpointer(PipelineOwner):
                     t.backend.is_durable
                     and not t.backend.is_remote
                     and t.backend.supports_random_write
-                    and not t.backend.exists(manifest_name(step))
+                    and not t.backend.exists(manifest_name(step, timeline=cid.timeline))
                 ):
                     repop.append(t.backend)
         if self._read_pool is None:

@@ -91,23 +91,34 @@ def opened(args: argparse.Namespace, url: str, *, create: bool = False) -> _Clos
 
 
 # -- commands -------------------------------------------------------------------------------------
+def _status(c: Any, newest: Any) -> str:
+    """``newest`` (what a load returns), ``abandoned`` (an older timeline's) or empty."""
+    return "newest" if c.id == newest else "abandoned" if c.abandoned else ""
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tierckpt.tools import list_checkpoints, uncommitted_steps
+    from tierckpt.tools import id_text, list_checkpoints, uncommitted_ids
 
     with opened(args, args.url) as backend:
         listed = list_checkpoints(backend)
-        pending = uncommitted_steps(backend)
+        pending = uncommitted_ids(backend)
+    newest = listed[-1].id if listed else None
     if args.json:
         doc = [
-            {"step": c.step, "error": c.error} if c.manifest is None else {
-                "step": c.step, "created": c.manifest.created, "tier": c.manifest.tier,
+            {"step": c.step, "timeline": c.timeline, "abandoned": c.abandoned, "error": c.error}
+            if c.manifest is None else {
+                "step": c.step, "timeline": c.timeline, "abandoned": c.abandoned,
+                "created": c.manifest.created, "tier": c.manifest.tier,
                 "world_size": c.manifest.world_size, "raw_bytes": c.manifest.raw_bytes,
                 "stored_bytes": c.manifest.stored_bytes, "codecs": list(c.manifest.codecs),
                 "files": sum(s.size for s in c.manifest.shards),
             }
             for c in listed
         ]
-        json.dump({"url": backend.url, "checkpoints": doc, "uncommitted": pending},
+        json.dump({"url": backend.url, "checkpoints": doc,
+                   "uncommitted": sorted({c.step for c in pending}),
+                   "uncommitted_checkpoints": [{"step": c.step, "timeline": c.timeline}
+                                               for c in pending]},
                   sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
@@ -118,17 +129,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for c in listed:
             m = c.manifest
             if m is None:
-                rows.append([c.step, "unreadable", "", "", "", "", "", c.error])
+                rows.append([c.step, "unreadable", "", "", "", "", "", c.error, c.timeline,
+                             _status(c, newest)])
                 continue
             ratio = m.raw_bytes / m.stored_bytes if m.stored_bytes else 1.0
             rows.append([m.step, fmt_time(m.created), fmt_bytes(m.raw_bytes),
                          fmt_bytes(m.stored_bytes), f"{ratio:.2f}x", m.world_size,
-                         m.tier or "?", ",".join(m.codecs) or "?"])
-        table(rows, ["STEP", "CREATED", "RAW", "STORED", "RATIO", "RANKS", "TIER", "CODECS"],
-              sys.stdout, right=(0, 2, 3, 4, 5))
+                         m.tier or "?", ",".join(m.codecs) or "?", c.timeline,
+                         _status(c, newest)])
+        table(rows, ["STEP", "CREATED", "RAW", "STORED", "RATIO", "RANKS", "TIER", "CODECS",
+                     "TIMELINE", "STATUS"], sys.stdout, right=(0, 2, 3, 4, 5, 8))
+        if any(c.abandoned for c in listed):
+            print("abandoned: checkpoints of an older timeline (the run went back to an older "
+                  "step and went on from there); retention removes them first, as older")
     if pending:
         print(f"uncommitted (in progress, or leftovers of killed saves): "
-              f"{', '.join(map(str, pending))}")
+              f"{', '.join(map(id_text, pending))}")
     return 0
 
 
@@ -136,11 +152,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from tierckpt.tools import inspect_checkpoint
 
     with opened(args, args.url) as backend:
-        ins = inspect_checkpoint(backend, args.step, by=args.by)
+        ins = inspect_checkpoint(backend, args.step, by=args.by, timeline=args.timeline)
     m = ins.manifest
     if args.json:
         json.dump({
-            "step": m.step, "world_size": m.world_size, "tier": m.tier, "created": m.created,
+            "step": m.step, "timeline": m.timeline, "world_size": m.world_size, "tier": m.tier,
+            "created": m.created,
             "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes, "codecs": ins.codecs,
             "metadata": m.metadata or {},
             "groups": [{"name": g.name, "tensors": g.tensors, "raw_bytes": g.raw_bytes,
@@ -152,7 +169,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     ratio = m.raw_bytes / m.stored_bytes if m.stored_bytes else 1.0
-    print(f"step {m.step} at {backend.url}")
+    print(f"{m.id} at {backend.url}")
     print(f"  created {fmt_time(m.created)} by tierckpt {m.library_version or '?'}, "
           f"{m.world_size} rank(s), tier {m.tier or '?'}")
     print(f"  {len(ins.tensors)} tensors in {ins.chunks} chunks; raw {fmt_bytes(m.raw_bytes)}, "
@@ -180,70 +197,70 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tierckpt.retention import committed_steps
-    from tierckpt.tools import checkpoint_bytes, resolve_step, verify_checkpoint
+    from tierckpt.retention import committed_ids
+    from tierckpt.tools import checkpoint_bytes, resolve_id, verify_checkpoint
 
     with opened(args, args.url) as backend:
-        if args.latest:
-            steps = [resolve_step(backend, None)]
-        elif args.step is not None:
-            steps = [resolve_step(backend, args.step)]
+        if args.latest or args.step is not None:
+            ids = [resolve_id(backend, args.step, args.timeline)]
         else:
-            steps = committed_steps(backend)
-        if not steps:
+            ids = [c for c in committed_ids(backend)
+                   if args.timeline is None or c.timeline == args.timeline]
+        if not ids:
             print(f"{backend.url}: no committed checkpoint to verify", file=sys.stderr)
             return 1
-        for step in steps:
-            bar = progress_bar(checkpoint_bytes(backend, step), f"verify step {step}")
+        for cid in ids:
+            bar = progress_bar(checkpoint_bytes(backend, cid), f"verify {cid}")
             t0 = time.perf_counter()
             try:
-                rep = verify_checkpoint(backend, step, progress=bar.update)
+                rep = verify_checkpoint(backend, cid, progress=bar.update)
             except CorruptChunk as exc:
                 bar.close()
-                print(f"FAILED step {step}: {exc}", file=sys.stderr)
+                print(f"FAILED {cid}: {exc}", file=sys.stderr)
                 if exc.file:
                     print(f"  file: {backend.url}/{exc.file}\n  chunk: {exc.chunk}",
                           file=sys.stderr)
                 return 1
             except TierCkptError as exc:
                 bar.close()
-                print(f"FAILED step {step}: {exc}", file=sys.stderr)
+                print(f"FAILED {cid}: {exc}", file=sys.stderr)
                 return 1
             bar.close()
             dt = time.perf_counter() - t0
-            print(f"ok  step {step}: {rep.shards} shard(s), {rep.chunks} chunks, "
+            print(f"ok  {cid}: {rep.shards} shard(s), {rep.chunks} chunks, "
                   f"{fmt_bytes(rep.stored_bytes)} stored -> {fmt_bytes(rep.raw_bytes)} raw, "
                   f"checksums and decoding ok ({dt:.2f} s)")
     return 0
 
 
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
-    from tierckpt.retention import committed_steps
-    from tierckpt.tools import checkpoint_bytes, copy_checkpoint, resolve_step
+    from tierckpt.retention import committed_ids
+    from tierckpt.tools import checkpoint_bytes, copy_checkpoint, resolve_id
 
     with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:
         if args.all:
-            steps = committed_steps(src)
-            if not steps:
+            ids = [c for c in committed_ids(src)
+                   if args.timeline is None or c.timeline == args.timeline]
+            if not ids:
                 print(f"{src.url}: no committed checkpoint", file=sys.stderr)
                 return 1
         else:
-            steps = [resolve_step(src, args.step)]
-        for step in steps:
-            total = checkpoint_bytes(src, step)
-            bar = progress_bar(total, f"step {step}")
+            ids = [resolve_id(src, args.step, args.timeline)]
+        for cid in ids:
+            total = checkpoint_bytes(src, cid)
+            bar = progress_bar(total, f"{cid}")
             t0 = time.perf_counter()
             try:
-                n = copy_checkpoint(src, dst, step, progress=bar.update)
+                n = copy_checkpoint(src, dst, cid, progress=bar.update)
             except FileExistsError:
                 bar.close()
-                print(f"skip step {step}: already committed at {dst.url}")
+                print(f"skip {cid}: already committed at {dst.url}")
                 continue
             finally:
                 bar.close()
             dt = time.perf_counter() - t0
             rate = n / dt / 2**20 if dt > 0 else 0.0
-            print(f"copied step {step}: {src.url} -> {dst.url}, {fmt_bytes(n)} in {dt:.2f} s "
+            print(f"copied {cid}: {src.url} -> {dst.url}, {fmt_bytes(n)} in {dt:.2f} s "
                   f"({rate:.1f} MiB/s), committed")
     return 0
 
@@ -267,7 +284,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from tierckpt.tools import gc
+    from tierckpt.tools import gc, id_text
 
     if args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
@@ -275,11 +292,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         plan = gc(backend, args.keep_last, dry_run=args.dry_run,
                   abort_incomplete=args.abort_incomplete)
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"{backend.url}: keeping step(s) {', '.join(map(str, plan.retained)) or 'none'}")
+    print(f"{backend.url}: keeping step(s) {', '.join(map(id_text, plan.retained)) or 'none'}")
     print(f"{verb} {len(plan.expired)} expired checkpoint(s)"
-          + (f": {', '.join(map(str, plan.expired))}" if plan.expired else ""))
+          + (f": {', '.join(map(id_text, plan.expired))}" if plan.expired else ""))
     print(f"{verb} {len(plan.leftovers)} uncommitted leftover(s)"
-          + (f": {', '.join(map(str, plan.leftovers))}" if plan.leftovers else ""))
+          + (f": {', '.join(map(id_text, plan.leftovers))}" if plan.leftovers else ""))
     if args.abort_incomplete and not args.dry_run:
         print("aborted unfinished writes under steps/")
     return 0
@@ -287,14 +304,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tierckpt.export import export_safetensors
-    from tierckpt.tools import resolve_step
+    from tierckpt.tools import resolve_id
 
     if args.format != "safetensors":  # pragma: no cover - argparse restricts choices
         raise UsageError(f"unsupported format {args.format!r}")
     with opened(args, args.url) as backend:
-        step = resolve_step(backend, args.step)
+        cid = resolve_id(backend, args.step, args.timeline)
+        step = cid.step
         results = export_safetensors(backend, step, args.out_dir, rank=args.rank,
-                                     single_file=args.single_file, source=args.url)
+                                     single_file=args.single_file, source=args.url,
+                                     timeline=cid.timeline)
     for res in results:
         print(f"exported step {step} rank {res.rank}: {res.tensors} tensors")
         for f in res.files:
@@ -337,6 +356,22 @@ def _step(text: str) -> int:
     return v
 
 
+def _timeline(text: str) -> int:
+    from tierckpt.format import MAX_TIMELINE
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a timeline number: {text!r}") from None
+    if not 0 <= v <= MAX_TIMELINE:
+        raise argparse.ArgumentTypeError(f"a timeline is in [0, {MAX_TIMELINE}]")
+    return v
+
+
+_TIMELINE_HELP = ("the checkpoint's timeline (default: the newest timeline holding the step; "
+                  "a run resumed from an older step saves on a new timeline)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--endpoint-url", metavar="URL", default=None,
@@ -358,7 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=fn)
         return sp
 
-    sp = add("ls", cmd_ls, "list committed checkpoints: step, created, sizes, tier, codecs")
+    sp = add("ls", cmd_ls, "list committed checkpoints: step, created, sizes, tier, codecs",
+             "List committed checkpoints, oldest first: step, created, sizes, tier, codecs, "
+             "timeline. A run resumed from an older step saves on a new timeline; the older "
+             "timeline's checkpoints are marked abandoned until retention removes them.")
     sp.add_argument("url", help="tier URL")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -367,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
              "(top-level key or dtype). Reads only the manifest and the shard indexes.")
     sp.add_argument("url", help="tier URL")
     sp.add_argument("--step", type=_step, help="step (default: newest committed)")
+    sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
     sp.add_argument("--by", choices=["key", "dtype"], default="key",
                     help="group tensors by top-level key (default) or dtype")
     sp.add_argument("--limit", type=int, default=40,
@@ -380,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sp.add_mutually_exclusive_group()
     g.add_argument("--step", type=_step, help="only this step (default: every committed step)")
     g.add_argument("--latest", action="store_true", help="only the newest committed step")
+    sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP + "; without --step or "
+                    "--latest: every checkpoint of that timeline")
 
     for name, fn, a, b, h in (
         ("pull", cmd_pull, "src", "dest", "copy a checkpoint from S3 into a local tier folder"),
@@ -392,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         g = sp.add_mutually_exclusive_group()
         g.add_argument("--step", type=_step, help="step (default: newest committed)")
         g.add_argument("--all", action="store_true", help="every committed step")
+        sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
 
     sp = add("gc", cmd_gc, "retention: keep the newest N checkpoints, remove leftovers",
              "Delete committed checkpoints beyond the newest N (manifest first, then data; the "
@@ -412,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("out_dir", metavar="OUT_DIR", help="output folder (created)")
     sp.add_argument("--format", choices=["safetensors"], default="safetensors")
     sp.add_argument("--step", type=_step, help="step (default: newest committed)")
+    sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
     sp.add_argument("--rank", type=int, default=None, help="one rank only (default: all)")
     sp.add_argument("--single-file", action="store_true",
                     help="one state.safetensors instead of one file per top-level key")

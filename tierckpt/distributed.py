@@ -1,7 +1,8 @@
 """Multi-rank commit and load agreement on ``torch.distributed``.
 
 Save
-    Every rank streams its own shard file (``steps/<step>/rank-<r>.tck``) to every tier in its
+    Every rank streams its own shard file (``steps/<step>/rank-<r>.tck``; on a timeline t >= 1
+    ``steps/<step>.t<t>/...``, see :class:`~tierckpt.format.CheckpointId`) to every tier in its
     own background threads. Once a rank's file is durable on a tier it writes a small
     *completion record* next to it (``rank-<r>.done.json``: the shard's size and index
     checksum, raw and stored bytes, and the *attempt id* of this save). Rank 0, once its own
@@ -39,8 +40,15 @@ Private tiers
 
 Load
     :func:`agree_on_step` — one ``all_gather`` of a fixed-size vector in the calling thread —
-    makes every rank load the same step: the newest one whose manifest and own shard index
-    every rank can read.
+    makes every rank load the same checkpoint: the newest (step and timeline) whose manifest
+    and own shard index every rank can read.
+
+Timelines
+    Every rank must write the same checkpoint id. Where a save chooses its timeline from the
+    tiers (the first save, the first after a load, a step below the previous save's: the same
+    saves on every rank) each rank proposes one from its own view of the tiers and
+    :func:`begin_save`'s all-reduce takes the largest; other saves keep the previous save's
+    timeline on every rank without a collective.
 
 Knobs (environment overrides, :func:`knobs` context manager for tests)
     ``TIERCKPT_COMMIT_TIMEOUT_S`` (600), ``TIERCKPT_COMMIT_POLL_MAX_S`` (2.0).
@@ -69,6 +77,9 @@ from tierckpt._version import __version__
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, TierCkptError
 from tierckpt.format import (
+    MAX_STEP,
+    MAX_TIMELINE,
+    CheckpointId,
     Manifest,
     ShardRef,
     decode_manifest,
@@ -91,6 +102,8 @@ __all__ = [
     "RankFailed",
     "RankRecord",
     "agree_on_step",
+    "checkpoint_key",
+    "checkpoint_of_key",
     "begin_save",
     "collective_device",
     "commit_multi_rank",
@@ -192,6 +205,8 @@ class RankRecord:
     raw_bytes: int
     stored_bytes: int
     codec: str
+    #: the checkpoint's timeline (written only when non-zero)
+    timeline: int = 0
 
     @property
     def ref(self) -> ShardRef:
@@ -200,6 +215,8 @@ class RankRecord:
 
 def encode_record(r: RankRecord) -> bytes:
     body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, **dataclasses.asdict(r)}
+    if not r.timeline:
+        del body["timeline"]  # timeline 0: the record of format v1, byte for byte
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -225,11 +242,21 @@ def _record_body(data: bytes, fmt: str, what: str, where: str) -> dict[str, Any]
     return body
 
 
+def _timeline_field(body: dict[str, Any], where: str) -> int:
+    timeline = body.get("timeline", 0)
+    if type(timeline) is not int or not 0 <= timeline <= MAX_TIMELINE:
+        raise FormatError(f"{where}: record field 'timeline' is not a timeline: {timeline!r}")
+    return timeline
+
+
 def decode_record(data: bytes, *, where: str) -> RankRecord:
     """Parse and validate a completion record (it comes from storage: trust nothing)."""
     body = _record_body(data, RECORD_FORMAT, "completion record", where)
+    step = _field(body, "step", int, where)
+    if not 0 <= step <= MAX_STEP:
+        raise FormatError(f"{where}: record names step {step}")
     rec = RankRecord(
-        step=_field(body, "step", int, where),
+        step=step,
         rank=_field(body, "rank", int, where),
         world_size=_field(body, "world_size", int, where),
         attempt=_field(body, "attempt", str, where),
@@ -240,8 +267,11 @@ def decode_record(data: bytes, *, where: str) -> RankRecord:
         raw_bytes=_field(body, "raw_bytes", int, where),
         stored_bytes=_field(body, "stored_bytes", int, where),
         codec=_field(body, "codec", str, where),
+        timeline=_timeline_field(body, where),
     )
-    if not 0 <= rec.rank < rec.world_size or rec.file != shard_name(rec.step, rec.rank):
+    if not 0 <= rec.rank < rec.world_size or rec.file != shard_name(
+        rec.step, rec.rank, timeline=rec.timeline
+    ):
         raise FormatError(f"{where}: record names rank {rec.rank} / file {rec.file!r}")
     if not _HEX16.match(rec.index_checksum) or not _ATTEMPT.match(rec.attempt):
         raise FormatError(f"{where}: malformed checksum or attempt id in record")
@@ -250,8 +280,10 @@ def decode_record(data: bytes, *, where: str) -> RankRecord:
     return rec
 
 
-def encode_failure(step: int, rank: int, attempt: str, tier: str, error: str) -> bytes:
-    body = {
+def encode_failure(
+    step: int, rank: int, attempt: str, tier: str, error: str, *, timeline: int = 0
+) -> bytes:
+    body: dict[str, Any] = {
         "format": FAILURE_FORMAT,
         "version": RECORD_VERSION,
         "step": step,
@@ -260,11 +292,14 @@ def encode_failure(step: int, rank: int, attempt: str, tier: str, error: str) ->
         "tier": tier,
         "error": error[:MAX_ERROR_CHARS],
     }
+    if timeline:
+        body["timeline"] = timeline
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
-def decode_failure(data: bytes, *, where: str) -> tuple[int, int, str, str]:
-    """``(step, rank, attempt, error)`` of a failure record (from storage: trust nothing)."""
+def decode_failure(data: bytes, *, where: str) -> tuple[int, int, str, str, int]:
+    """``(step, rank, attempt, error, timeline)`` of a failure record (from storage: trust
+    nothing)."""
     body = _record_body(data, FAILURE_FORMAT, "failure record", where)
     step = _field(body, "step", int, where)
     rank = _field(body, "rank", int, where)
@@ -272,7 +307,7 @@ def decode_failure(data: bytes, *, where: str) -> tuple[int, int, str, str]:
     error = _field(body, "error", str, where)
     if not _ATTEMPT.match(attempt):
         raise FormatError(f"{where}: malformed attempt id in failure record")
-    return step, rank, attempt, error[:MAX_ERROR_CHARS]
+    return step, rank, attempt, error[:MAX_ERROR_CHARS], _timeline_field(body, where)
 
 
 def _describe(exc: BaseException) -> str:
@@ -302,8 +337,12 @@ def report_failure(tier: TierRuntime, job: SaveJob, error: BaseException) -> Non
             return
         if job.rank == 0:
             return
-        body = encode_failure(job.step, job.rank, job.attempt, tier.name, _describe(error))
-        tier.backend.put_atomic(rank_failure_name(job.step, job.rank), body, overwrite=True)
+        body = encode_failure(
+            job.step, job.rank, job.attempt, tier.name, _describe(error), timeline=job.timeline
+        )
+        tier.backend.put_atomic(
+            rank_failure_name(job.step, job.rank, timeline=job.timeline), body, overwrite=True
+        )
     except Exception as exc:  # never mask the save's own error
         log.warning(
             "step %d tier %s: could not report rank %d's failure to the other ranks (%s); "
@@ -361,10 +400,13 @@ class _Session:
 _sessions: weakref.WeakKeyDictionary[Checkpointer, _Session] = weakref.WeakKeyDictionary()
 
 
-def begin_save(ck: Checkpointer, step: int, busy: bool) -> tuple[str, bool]:
-    """Agree on an attempt id (and, with ``on_busy="skip"``, on skipping); training thread.
+def begin_save(
+    ck: Checkpointer, step: int, busy: bool, *, timeline: int = 0, agree_timeline: bool = False
+) -> tuple[str, bool, int]:
+    """Agree on an attempt id (and, with ``on_busy="skip"``, on skipping; and on the
+    timeline); training thread.
 
-    Returns ``(attempt_id, skip_because_busy)``. The attempt id is ``<session>-<n>``: the
+    Returns ``(attempt_id, skip_because_busy, timeline)``. The attempt id is ``<session>-<n>``: the
     session id is drawn by rank 0 and spread by one all-reduce at the checkpointer's first
     multi-rank save; ``n`` counts saves, which every rank makes in the same order. So
     with ``on_busy="block"`` (the default) later saves need no collective at all. With
@@ -372,6 +414,11 @@ def begin_save(ck: Checkpointer, step: int, busy: bool) -> tuple[str, bool]:
     (and checks that they save the same step; a mismatch raises ``ValueError`` everywhere).
     Without an initialized process group (rank and world size given by hand) there is no
     collective: the session is ``TIERCKPT_ATTEMPT_ID`` (empty: any record is accepted).
+
+    ``agree_timeline``: ``timeline`` is this rank's choice from its own view of the tiers
+    (the first save, the first after a load, a step below the previous save's — the same
+    saves on every rank); the ranks take the largest, in the same all-reduce, so that every
+    rank writes the same checkpoint id. Otherwise ``timeline`` is returned as it is.
     """
     sess = _sessions.setdefault(ck, _Session())
     sess.saves += 1
@@ -384,17 +431,19 @@ def begin_save(ck: Checkpointer, step: int, busy: bool) -> tuple[str, bool]:
         attempt = os.environ.get("TIERCKPT_ATTEMPT_ID", "")
         if not _ATTEMPT.match(attempt) or len(attempt) > 100:
             raise ValueError("TIERCKPT_ATTEMPT_ID may hold only [0-9A-Za-z._-], 100 at most")
-        return (f"{attempt}-{sess.saves}" if attempt else ""), busy
+        return (f"{attempt}-{sess.saves}" if attempt else ""), busy, timeline
     skip_mode = ck.on_busy == "skip"
-    if sess.session == 0 or skip_mode:
+    if sess.session == 0 or skip_mode or agree_timeline:
         import torch.distributed as dist
 
         mine = secrets.randbits(62) + 1 if ck.rank == 0 and sess.session == 0 else 0
         t = torch.tensor(
-            [mine, step, -step, int(busy)], dtype=torch.int64, device=_collective_device()
+            [mine, step, -step, int(busy), timeline],
+            dtype=torch.int64,
+            device=_collective_device(),
         )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        drawn, hi, neg_lo, any_busy = (int(v) for v in t.tolist())
+        drawn, hi, neg_lo, any_busy, timeline = (int(v) for v in t.tolist())
         if sess.session == 0:
             sess.session = drawn
         if hi != -neg_lo:
@@ -403,7 +452,7 @@ def begin_save(ck: Checkpointer, step: int, busy: bool) -> tuple[str, bool]:
                 "call save() with the same step"
             )
         busy = bool(any_busy)
-    return f"{sess.session:016x}-{sess.saves}", busy
+    return f"{sess.session:016x}-{sess.saves}", busy, timeline
 
 
 # -- commit ------------------------------------------------------------------------------
@@ -437,6 +486,7 @@ def commit_multi_rank(
         raw_bytes=raw,
         stored_bytes=stored,
         codec=tier.codec.codec_id,
+        timeline=job.timeline,
     )
     if is_private_tier(tier):
         st = _publish_private(tier, job, rec)
@@ -446,7 +496,9 @@ def commit_multi_rank(
         return None
 
     def wait_and_commit() -> None:
-        records = wait_for_records(tier.backend, tier.name, job.step, job.world_size, job.attempt)
+        records = wait_for_records(
+            tier.backend, tier.name, job.step, job.world_size, job.attempt, timeline=job.timeline
+        )
         _put_manifest(tier.backend, _manifest(tier.name, job, records))
 
     return _defer(ck, wait_and_commit)
@@ -462,7 +514,11 @@ def _defer(ck: Checkpointer, fn: Callable[[], None]) -> Future[None] | None:
 
 def _write_record(backend: Backend, rec: RankRecord) -> None:
     # overwrite: a record of an earlier, killed attempt at this step may be there
-    backend.put_atomic(rank_record_name(rec.step, rec.rank), encode_record(rec), overwrite=True)
+    backend.put_atomic(
+        rank_record_name(rec.step, rec.rank, timeline=rec.timeline),
+        encode_record(rec),
+        overwrite=True,
+    )
 
 
 def _manifest(tier_name: str, job: SaveJob, records: Sequence[RankRecord]) -> Manifest:
@@ -477,11 +533,12 @@ def _manifest(tier_name: str, job: SaveJob, records: Sequence[RankRecord]) -> Ma
         stored_bytes=sum(r.stored_bytes for r in records),
         codecs=tuple(sorted({r.codec for r in records})),
         metadata=job.metadata,
+        timeline=job.timeline,
     )
 
 
 def _put_manifest(backend: Backend, m: Manifest) -> None:
-    name = manifest_name(m.step)
+    name = manifest_name(m.step, timeline=m.timeline)
     try:
         backend.put_atomic(name, encode_manifest(m))
     except FileExistsError:
@@ -489,13 +546,19 @@ def _put_manifest(backend: Backend, m: Manifest) -> None:
         existing = decode_manifest(backend.get(name), where=f"{backend.url}/{name}")
         if existing.shards != m.shards:
             raise FormatError(
-                f"{backend.url}/{name}: step {m.step} was committed meanwhile with other shard "
+                f"{backend.url}/{name}: {m.id} was committed meanwhile with other shard "
                 "files; refusing to overwrite it"
             ) from None
 
 
 def wait_for_records(
-    backend: Backend, tier_name: str, step: int, world_size: int, attempt: str
+    backend: Backend,
+    tier_name: str,
+    step: int,
+    world_size: int,
+    attempt: str,
+    *,
+    timeline: int = 0,
 ) -> list[RankRecord]:
     """Poll ``backend`` until every rank's record of this attempt is there (rank 0).
 
@@ -515,15 +578,15 @@ def wait_for_records(
         missing = [r for r in range(world_size) if r not in found]
         failed: list[int] | None = None  # None: probe every rank whose record is missing
         if len(missing) > k.direct_probe_max:
-            listed = set(backend.list(step_prefix(step)))
-            failed = [r for r in missing if rank_failure_name(step, r) in listed]
-            missing = [r for r in missing if rank_record_name(step, r) in listed]
+            listed = set(backend.list(step_prefix(step, timeline=timeline)))
+            failed = [r for r in missing if rank_failure_name(step, r, timeline=timeline) in listed]
+            missing = [r for r in missing if rank_record_name(step, r, timeline=timeline) in listed]
         absent: list[int] = []
-        for r, data in _get_records(backend, step, missing, k.record_readers):
+        for r, data in _get_records(backend, step, missing, k.record_readers, timeline=timeline):
             if data is None:
                 absent.append(r)
                 continue
-            name = rank_record_name(step, r)
+            name = rank_record_name(step, r, timeline=timeline)
             rec = decode_record(data, where=f"tier {tier_name!r} {backend.url}/{name}")
             if attempt and rec.attempt != attempt:
                 if r not in stale:
@@ -535,14 +598,20 @@ def wait_for_records(
                         r,
                     )
                 continue
-            if rec.step != step or rec.rank != r or rec.world_size != world_size:
+            if (
+                rec.step != step
+                or rec.timeline != timeline
+                or rec.rank != r
+                or rec.world_size != world_size
+            ):
                 raise FormatError(
-                    f"{backend.url}/{name}: record is for step {rec.step} rank "
+                    f"{backend.url}/{name}: record is for step {rec.step} timeline "
+                    f"{rec.timeline} rank "
                     f"{rec.rank} of {rec.world_size}"
                 )
             found[r] = rec
         _raise_reported_failures(
-            backend, tier_name, step, attempt, absent if failed is None else failed, k
+            backend, tier_name, step, attempt, absent if failed is None else failed, k, timeline
         )
         if len(found) == world_size:
             log.debug(
@@ -570,20 +639,33 @@ def wait_for_records(
 
 
 def _raise_reported_failures(
-    backend: Backend, tier_name: str, step: int, attempt: str, ranks: list[int], k: DistKnobs
+    backend: Backend,
+    tier_name: str,
+    step: int,
+    attempt: str,
+    ranks: list[int],
+    k: DistKnobs,
+    timeline: int = 0,
 ) -> None:
     """Raise :class:`RankFailed` if any of ``ranks`` left a failure record of this attempt."""
     if not ranks:
         return
     reports = []
-    for r, data in _get_records(backend, step, ranks, k.record_readers, rank_failure_name):
+    for r, data in _get_records(
+        backend, step, ranks, k.record_readers, rank_failure_name, timeline=timeline
+    ):
         if data is None:
             continue
-        name = rank_failure_name(step, r)
-        f_step, f_rank, f_attempt, error = decode_failure(
+        name = rank_failure_name(step, r, timeline=timeline)
+        f_step, f_rank, f_attempt, error, f_timeline = decode_failure(
             data, where=f"tier {tier_name!r} {backend.url}/{name}"
         )
-        if (attempt and f_attempt != attempt) or f_step != step or f_rank != r:
+        if (
+            (attempt and f_attempt != attempt)
+            or f_step != step
+            or f_rank != r
+            or f_timeline != timeline
+        ):
             continue  # an earlier attempt at this step failed; this one may not
         reports.append((r, error))
     if reports:
@@ -601,7 +683,9 @@ def _get_records(
     step: int,
     ranks: list[int],
     readers: int,
-    name_of: Callable[[int, int], str] = rank_record_name,
+    name_of: Callable[..., str] = rank_record_name,
+    *,
+    timeline: int = 0,
 ) -> list[tuple[int, bytes | None]]:
     """GET the records of ``ranks`` (None: not there yet).
 
@@ -612,7 +696,7 @@ def _get_records(
 
     def one(r: int) -> tuple[int, bytes | None]:
         try:
-            return r, backend.get(name_of(step, r))
+            return r, backend.get(name_of(step, r, timeline=timeline))
         except CheckpointNotFound:
             return r, None
 
@@ -628,19 +712,24 @@ def _ranks(ranks: Sequence[int]) -> str:
     )
 
 
-def wait_committed(backend: Backend, step: int, timeout: float | None = None) -> None:
+def wait_committed(
+    backend: Backend, step: int, timeout: float | None = None, *, timeline: int = 0
+) -> None:
     """Wait until ``step``'s manifest exists on ``backend`` (e.g. ``ck.backend("s3")``).
 
     On a non-zero rank a save handle's tier completion only means "my shard is durable";
-    this waits for rank 0's commit. Raises ``TimeoutError``.
+    this waits for rank 0's commit. ``timeline``: the save's (``handle.timeline``; it is
+    non-zero once the run went back to an older step). Raises ``TimeoutError``.
     """
     k = get_knobs()
     deadline = time.monotonic() + (k.commit_timeout if timeout is None else timeout)
     delay = k.poll_initial
-    while not backend.exists(manifest_name(step)):
+    while not backend.exists(manifest_name(step, timeline=timeline)):
         now = time.monotonic()
         if now >= deadline:
-            raise TimeoutError(f"step {step} not committed on {backend.url} after {timeout} s")
+            raise TimeoutError(
+                f"{CheckpointId(step, timeline)} not committed on {backend.url} after {timeout} s"
+            )
         time.sleep(min(delay, deadline - now))
         delay = min(delay * 2, k.poll_max)
 
@@ -740,7 +829,10 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
                 decode_record(bytes(b), where=f"store {key}")
                 for b, key in zip(blobs, rec_keys, strict=True)
             ]
-            if any(r.attempt != job.attempt or r.step != job.step for r in records):
+            if any(
+                r.attempt != job.attempt or r.step != job.step or r.timeline != job.timeline
+                for r in records
+            ):
                 raise FormatError(f"step {job.step}: a record in the store is of another attempt")
             body = encode_manifest(_manifest(tier.name, job, records))
         except BaseException as exc:
@@ -780,7 +872,7 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
         from tierckpt.retention import gc_tier
 
         pipeline = ck._pipeline
-        protect = {j.step for j in pipeline.in_flight() if j is not job} if pipeline else set()
+        protect = {j.id for j in pipeline.in_flight() if j is not job} if pipeline else set()
         try:
             gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
         except OSError as exc:
@@ -827,7 +919,8 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
     if loaded is None:
         return
     body = encode_manifest(loaded.manifest)
-    name = manifest_name(loaded.manifest.step)
+    cid = loaded.manifest.id
+    name = manifest_name(cid.step, timeline=cid.timeline)
     for i, t in enumerate(ck._tiers[:n]):
         if int(lo[i]) == 0 or int(lo[i]) != int(hi[i]):
             continue  # some rank did not copy here, or copied another tier's file
@@ -838,21 +931,21 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
             if not private:
                 # a tier said to be shared must really hold every rank's file (per-node
                 # folders belong in TIERCKPT_PRIVATE_TIERS)
-                there = set(t.backend.list(step_prefix(loaded.manifest.step)))
+                there = set(t.backend.list(step_prefix(cid.step, timeline=cid.timeline)))
                 absent = [r.rank for r in loaded.manifest.shards if r.file not in there]
                 if absent:
                     log.warning(
-                        "step %d: not committing the copy on tier %s: it lacks the files of "
+                        "%s: not committing the copy on tier %s: it lacks the files of "
                         "ranks %s (a per-node folder? name it in TIERCKPT_PRIVATE_TIERS)",
-                        loaded.manifest.step,
+                        cid,
                         t.name,
                         _ranks(absent),
                     )
                     continue
             t.backend.put_atomic(name, body)
             log.info(
-                "step %d is now also on tier %s (copied from %s by every rank)",
-                loaded.manifest.step,
+                "%s is now also on tier %s (copied from %s by every rank)",
+                cid,
                 t.name,
                 loaded.tier,
             )
@@ -860,8 +953,8 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
             pass
         except (OSError, TierCkptError) as exc:
             log.warning(
-                "step %d: could not commit the copy on tier %s: %s",
-                loaded.manifest.step,
+                "%s: could not commit the copy on tier %s: %s",
+                cid,
                 t.name,
                 exc,
             )
@@ -870,13 +963,13 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
 # -- load agreement ---------------------------------------------------------------------
 
 
-def _readable(ck: Checkpointer, step: int) -> str:
-    """Empty if this rank can read ``step`` (manifest + own shard index) on some tier, else
+def _readable(ck: Checkpointer, cid: CheckpointId) -> str:
+    """Empty if this rank can read ``cid`` (manifest + own shard index) on some tier, else
     why not."""
     reasons = []
     for t in ck._tiers:
         try:
-            m = read_manifest(t.backend, step, t.name)
+            m = read_manifest(t.backend, cid.step, t.name, timeline=cid.timeline)
             if m.world_size != ck.world_size:
                 reasons.append(
                     f"tier {t.name!r}: saved by {m.world_size} ranks, this job has "
@@ -895,12 +988,27 @@ def _readable(ck: Checkpointer, step: int) -> str:
     return "; ".join(reasons) or "not on any tier"
 
 
-def agree_on_step(ck: Checkpointer, candidates: Sequence[int]) -> list[int]:
-    """The step every rank loads: the newest of ``candidates`` that all ranks can read.
+#: a checkpoint id as one int64 for the load agreement: ordered like the ids
+_ID_BASE = MAX_STEP + 1
 
-    One ``all_gather`` of ``agree_max_candidates`` int64 per rank, in the calling thread; every
-    rank must call ``load()`` together. Returns a one-element list, or raises
-    ``CheckpointNotFound`` on every rank when the ranks share no readable step.
+
+def checkpoint_key(cid: CheckpointId) -> int:
+    """A checkpoint id as one int64 (for collectives): ordered as the ids are."""
+    return cid.timeline * _ID_BASE + cid.step
+
+
+def checkpoint_of_key(key: int) -> CheckpointId:
+    """The inverse of :func:`checkpoint_key`."""
+    return CheckpointId(key % _ID_BASE, key // _ID_BASE)
+
+
+def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
+    """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read.
+
+    One ``all_gather`` of ``agree_max_candidates`` int64 per rank (a checkpoint id each, in
+    the ids' order), in the calling thread; every rank must call ``load()`` together. Returns
+    a one-element list, or raises ``CheckpointNotFound`` on every rank when the ranks share
+    no readable checkpoint.
     """
     if not _group_ok(ck):
         _warn_once(
@@ -914,39 +1022,40 @@ def agree_on_step(ck: Checkpointer, candidates: Sequence[int]) -> list[int]:
     import torch.distributed as dist
 
     k = get_knobs()
-    mine: list[int] = []
-    why: dict[int, str] = {}
-    for s in list(candidates)[: k.agree_max_candidates]:
-        reason = _readable(ck, s)
+    mine: list[CheckpointId] = []
+    why: dict[CheckpointId, str] = {}
+    for cid in list(candidates)[: k.agree_max_candidates]:
+        reason = _readable(ck, cid)
         if reason:
-            why[s] = reason
+            why[cid] = reason
         else:
-            mine.append(s)
+            mine.append(cid)
     dev = _collective_device()
     vec = torch.full((k.agree_max_candidates,), -1, dtype=torch.int64, device=dev)
     if mine:
-        vec[: len(mine)] = torch.tensor(mine, dtype=torch.int64, device=dev)
+        keys = [checkpoint_key(c) for c in mine]
+        vec[: len(mine)] = torch.tensor(keys, dtype=torch.int64, device=dev)
     gathered = [torch.empty_like(vec) for _ in range(ck.world_size)]
     dist.all_gather(gathered, vec)
     sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
     common = set.intersection(*sets)
     if common:
-        chosen = max(common)
+        chosen = checkpoint_of_key(max(common))
         if mine and chosen != mine[0]:
             log.warning(
-                "rank %d: loading step %d, the newest step every rank can read (this rank "
+                "rank %d: loading %s, the newest checkpoint every rank can read (this rank "
                 "also has %s)",
                 ck.rank,
                 chosen,
-                [s for s in mine if s > chosen][:5],
+                ", ".join(str(c) for c in [c for c in mine if c > chosen][:5]),
             )
         return [chosen]
-    newest = {r: max(s) if s else None for r, s in enumerate(sets)}
+    newest = {r: str(checkpoint_of_key(max(s))) if s else None for r, s in enumerate(sets)}
     lacking = [r for r, s in newest.items() if s is None]
-    detail = "; ".join(f"step {s}: {w}" for s, w in list(why.items())[:3])
+    detail = "; ".join(f"{c}: {w}" for c, w in list(why.items())[:3])
     raise CheckpointNotFound(
         f"no checkpoint step is committed and readable on every rank (this rank looked at "
-        f"{list(candidates)[:5] or 'no committed step'}; newest readable step per "
-        f"rank: {dict(list(newest.items())[:16])}; ranks with none: {_ranks(lacking)})"
-        + (f"; this rank (rank {ck.rank}): {detail}" if detail else "")
+        f"{', '.join(map(str, list(candidates)[:5])) or 'no committed step'}; newest readable "
+        f"checkpoint per rank: {dict(list(newest.items())[:16])}; ranks with none: "
+        f"{_ranks(lacking)})" + (f"; this rank (rank {ck.rank}): {detail}" if detail else "")
     )

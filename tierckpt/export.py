@@ -120,11 +120,13 @@ def export_safetensors(
     rank: int | None = None,
     single_file: bool = False,
     source: str = "",
+    timeline: int = 0,
 ) -> list[ExportResult]:
     """Write one checkpoint as safetensors files plus ``state.json``; see the module docstring.
 
     ``rank``: export this rank only (default: every rank; with several ranks each goes to
-    ``out_dir/rank-NNNNNN/``).
+    ``out_dir/rank-NNNNNN/``). ``timeline``: the checkpoint's timeline (see
+    :func:`tierckpt.tools.resolve_id`).
     """
     try:
         from safetensors.torch import save_file
@@ -132,7 +134,7 @@ def export_safetensors(
         raise ImportError(f"export to safetensors needs the package: pip install safetensors "
                           f"({exc})") from exc
 
-    manifest = read_manifest(backend, step, backend.url)
+    manifest = read_manifest(backend, step, backend.url, timeline=timeline)
     ranks = [s.rank for s in manifest.shards] if rank is None else [rank]
     results = []
     with ThreadPoolExecutor(4, thread_name_prefix="tierckpt-export") as pool:

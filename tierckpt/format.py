@@ -40,6 +40,8 @@ __all__ = [
     "ALIGNMENT",
     "FOOTER_SIZE",
     "FORMAT_VERSION",
+    "MAX_TIMELINE",
+    "CheckpointId",
     "ChunkRecord",
     "Footer",
     "Manifest",
@@ -50,6 +52,8 @@ __all__ = [
     "encode_index",
     "encode_manifest",
     "manifest_name",
+    "parse_data_folder",
+    "parse_manifest_id",
     "parse_manifest_name",
     "shard_name",
     "step_prefix",
@@ -64,6 +68,8 @@ _FOOTER = struct.Struct("<8sIIQQQQQ8s")
 assert _FOOTER.size == FOOTER_SIZE
 
 MAX_STEP = 10**12 - 1
+#: timelines are written with 6 digits; timeline 0 has no suffix at all (the v1 names)
+MAX_TIMELINE = 10**6 - 1
 MAX_INDEX_BYTES = 1 << 30
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_WORLD_SIZE = 1 << 20
@@ -71,7 +77,10 @@ CHECKSUM_ALGO = "xxh3_64"
 
 MANIFEST_DIR = "manifests"
 DATA_DIR = "steps"
-_MANIFEST_RE = re.compile(r"^manifests/step-(\d{12})\.json$")
+# timeline 0: exactly the v1 names; timeline t >= 1: a ".t<6 digits>" suffix (never ".t000000",
+# so that every checkpoint has exactly one name)
+_MANIFEST_RE = re.compile(r"^manifests/step-(\d{12})(?:\.t(\d{6}))?\.json$")
+_DATA_RE = re.compile(r"^steps/(\d{12})(?:\.t(\d{6}))?/")
 
 
 def checksum(data: BytesLike) -> str:
@@ -83,7 +92,7 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-# -- names ----------------------------------------------------------------------------
+# -- checkpoint ids and names ---------------------------------------------------------
 
 
 def _check_step(step: object) -> int:
@@ -92,30 +101,102 @@ def _check_step(step: object) -> int:
     return step
 
 
-def manifest_name(step: int) -> str:
-    return f"{MANIFEST_DIR}/step-{_check_step(step):012d}.json"
+def _check_timeline(timeline: object) -> int:
+    if type(timeline) is not int or not 0 <= timeline <= MAX_TIMELINE:
+        raise FormatError(f"timeline must be an int in [0, {MAX_TIMELINE}], got {timeline!r}")
+    return timeline
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointId:
+    """Which checkpoint: a step on a timeline, ordered by ``(timeline, step)``.
+
+    A run resumed from an older step (a rollback) saves on a new timeline, one above the
+    newest, so its checkpoints are newer than every checkpoint of the run it abandoned even
+    where their step numbers are lower or equal. "The newest checkpoint" is the largest id;
+    retention keeps the newest ids. Timeline 0 is the one every run starts on, and its names
+    are exactly those of format v1.
+    """
+
+    step: int
+    timeline: int = 0
+
+    def __post_init__(self) -> None:
+        _check_step(self.step)
+        _check_timeline(self.timeline)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(timeline, step)``: the order of ids."""
+        return (self.timeline, self.step)
+
+    def __lt__(self, other: CheckpointId) -> bool:
+        return self.key < other.key
+
+    def __le__(self, other: CheckpointId) -> bool:
+        return self.key <= other.key
+
+    def __gt__(self, other: CheckpointId) -> bool:
+        return self.key > other.key
+
+    def __ge__(self, other: CheckpointId) -> bool:
+        return self.key >= other.key
+
+    def __str__(self) -> str:
+        return f"step {self.step}" + (f" (timeline {self.timeline})" if self.timeline else "")
+
+
+def _suffix(timeline: int) -> str:
+    return f".t{_check_timeline(timeline):06d}" if timeline else ""
+
+
+def manifest_name(step: int, *, timeline: int = 0) -> str:
+    """``manifests/step-<12 digits>.json``; on timeline t >= 1 ``...<12 digits>.t<6>.json``."""
+    return f"{MANIFEST_DIR}/step-{_check_step(step):012d}{_suffix(timeline)}.json"
+
+
+def parse_manifest_id(name: str) -> CheckpointId | None:
+    """The checkpoint a manifest name belongs to; None for any other name."""
+    m = _MANIFEST_RE.match(name)
+    return _id_of(m)
 
 
 def parse_manifest_name(name: str) -> int | None:
-    m = _MANIFEST_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The step of a manifest name (of any timeline); None for any other name."""
+    cid = parse_manifest_id(name)
+    return cid.step if cid is not None else None
 
 
-def step_prefix(step: int) -> str:
-    return f"{DATA_DIR}/{_check_step(step):012d}/"
+def parse_data_folder(name: str) -> CheckpointId | None:
+    """The checkpoint whose data folder (``steps/<step>[.t<timeline>]/``) holds ``name``."""
+    return _id_of(_DATA_RE.match(name))
 
 
-def shard_name(step: int, rank: int) -> str:
-    return f"{step_prefix(step)}rank-{rank:06d}.tck"
+def _id_of(m: re.Match[str] | None) -> CheckpointId | None:
+    if m is None:
+        return None
+    timeline = int(m.group(2)) if m.group(2) is not None else 0
+    if m.group(2) is not None and timeline == 0:
+        return None  # ".t000000" is not a name: timeline 0 has the suffix-free one
+    return CheckpointId(int(m.group(1)), timeline)
 
 
-def rank_record_name(step: int, rank: int) -> str:
-    return f"{step_prefix(step)}rank-{rank:06d}.done.json"
+def step_prefix(step: int, *, timeline: int = 0) -> str:
+    """The data folder of a checkpoint: ``steps/<12 digits>/`` (``.t<6 digits>`` on t >= 1)."""
+    return f"{DATA_DIR}/{_check_step(step):012d}{_suffix(timeline)}/"
 
 
-def rank_failure_name(step: int, rank: int) -> str:
+def shard_name(step: int, rank: int, *, timeline: int = 0) -> str:
+    return f"{step_prefix(step, timeline=timeline)}rank-{rank:06d}.tck"
+
+
+def rank_record_name(step: int, rank: int, *, timeline: int = 0) -> str:
+    return f"{step_prefix(step, timeline=timeline)}rank-{rank:06d}.done.json"
+
+
+def rank_failure_name(step: int, rank: int, *, timeline: int = 0) -> str:
     """Where a rank says "my shard of this step failed" (so rank 0 stops waiting for it)."""
-    return f"{step_prefix(step)}rank-{rank:06d}.failed.json"
+    return f"{step_prefix(step, timeline=timeline)}rank-{rank:06d}.failed.json"
 
 
 # -- footer ---------------------------------------------------------------------------
@@ -295,6 +376,12 @@ class Manifest:
     stored_bytes: int = 0
     codecs: tuple[str, ...] = ()
     metadata: dict[str, JSON] | None = None
+    #: the timeline of this checkpoint (0: the first; see :class:`CheckpointId`)
+    timeline: int = 0
+
+    @property
+    def id(self) -> CheckpointId:
+        return CheckpointId(self.step, self.timeline)
 
     def shard_for(self, rank: int) -> ShardRef:
         for s in self.shards:
@@ -319,6 +406,9 @@ def encode_manifest(m: Manifest) -> bytes:
         "shards": [s.to_json() for s in m.shards],
         "metadata": m.metadata or {},
     }
+    if m.timeline:
+        # only when non-zero: a timeline-0 manifest stays byte for byte a v1 one
+        body["timeline"] = _check_timeline(m.timeline)
     canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     body["checksum"] = checksum(canon.encode("utf-8"))
     return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode("utf-8")
@@ -344,6 +434,9 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
     if body.get("version") != FORMAT_VERSION:
         raise FormatError(f"{where}: unsupported manifest version {body.get('version')!r}")
     step = _check_step(body.get("step"))
+    timeline = body.get("timeline", 0)
+    if type(timeline) is not int or not 0 <= timeline <= MAX_TIMELINE:
+        raise FormatError(f"{where}: bad timeline {timeline!r}")
     world = body.get("world_size")
     if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
         raise FormatError(f"{where}: bad world_size {world!r}")
@@ -360,8 +453,11 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
             raise FormatError(f"{where}: bad or duplicate shard rank {rank!r}")
         seen.add(rank)
         file = validate_name(s.get("file"))  # type: ignore[arg-type]
-        if not file.startswith(step_prefix(step)):
-            raise FormatError(f"{where}: shard file {file!r} is outside step {step}'s folder")
+        if not file.startswith(step_prefix(step, timeline=timeline)):
+            raise FormatError(
+                f"{where}: shard file {file!r} is outside step {step}'s folder "
+                f"({step_prefix(step, timeline=timeline)})"
+            )
         size = s.get("size")
         if type(size) is not int or not FOOTER_SIZE <= size <= 1 << 50:
             raise FormatError(f"{where}: bad shard size {size!r}")
@@ -385,4 +481,5 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
         stored_bytes=body.get("stored_bytes", 0) if type(body.get("stored_bytes")) is int else 0,
         codecs=tuple(str(c) for c in codecs) if isinstance(codecs, list) else (),
         metadata=metadata if isinstance(metadata, dict) else {},
+        timeline=timeline,
     )

@@ -21,6 +21,8 @@ class TierResult:
     stored_bytes: int
     seconds: float  # from save() to committed on this tier
     codec: str
+    #: the checkpoint's timeline (see :class:`~tierckpt.format.CheckpointId`)
+    timeline: int = 0
 
     @property
     def ratio(self) -> float:
@@ -34,8 +36,12 @@ class TierResult:
 class SaveHandle:
     """Tracks one ``save()``: ``captured``, ``done(tier)``, ``wait(tier)``, ``result()``."""
 
-    def __init__(self, step: int, tiers: tuple[str, ...], *, skipped: bool = False) -> None:
+    def __init__(
+        self, step: int, tiers: tuple[str, ...], *, skipped: bool = False, timeline: int = 0
+    ) -> None:
         self.step = step
+        #: the timeline this save writes to (0 unless the run went back to an older step)
+        self.timeline = timeline
         self.tiers = tiers
         self.skipped = skipped
         self.started = time.perf_counter()
@@ -135,4 +141,5 @@ class SaveHandle:
             if self.skipped
             else ("done" if self.done() else ("captured" if self.captured else "capturing"))
         )
-        return f"<SaveHandle step={self.step} {state} tiers={list(self.tiers)}>"
+        where = f"step={self.step}" + (f" timeline={self.timeline}" if self.timeline else "")
+        return f"<SaveHandle {where} {state} tiers={list(self.tiers)}>"

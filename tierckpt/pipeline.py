@@ -43,6 +43,7 @@ from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
     FORMAT_VERSION,
+    CheckpointId,
     ChunkRecord,
     Footer,
     ShardRef,
@@ -156,6 +157,17 @@ class SaveJob:
     attempt: str = ""
     #: follower tier name -> its source; set by the capture thread
     follows: dict[str, _Follow] = field(default_factory=dict)
+    #: the timeline this checkpoint is saved on (chosen by the owner, see CheckpointId)
+    timeline: int = 0
+
+    @property
+    def id(self) -> CheckpointId:
+        return CheckpointId(self.step, self.timeline)
+
+    @property
+    def shard(self) -> str:
+        """This rank's shard file name."""
+        return shard_name(self.step, self.rank, timeline=self.timeline)
 
 
 @dataclass
@@ -417,13 +429,13 @@ class Pipeline:
                     self._finish(tier, job, None, exc)
 
     def _tier_start(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
-        if tier.backend.exists(manifest_name(job.step)):
+        if tier.backend.exists(manifest_name(job.step, timeline=job.timeline)):
             raise FileExistsError(
-                f"step {job.step} is already committed on tier {tier.name!r} "
+                f"{job.id} is already committed on tier {tier.name!r} "
                 f"({tier.backend.url}); refusing to overwrite it — save under another step or "
                 "delete the old one first (tierckpt gc)"
             )
-        tw.writer = tier.backend.open_writer(shard_name(job.step, job.rank))
+        tw.writer = tier.backend.open_writer(job.shard)
         tw.emit = self._emitter(job.step, tier.name)
 
     def _tier_chunk(
@@ -467,6 +479,7 @@ class Pipeline:
             "format": "tierckpt-shard",
             "version": FORMAT_VERSION,
             "step": job.step,
+            **({"timeline": job.timeline} if job.timeline else {}),
             "rank": job.rank,
             "world_size": job.world_size,
             "checksum_algo": CHECKSUM_ALGO,
@@ -491,12 +504,12 @@ class Pipeline:
         tw.write_seconds += seconds
         if tw.emit is not None:
             tw.emit("sync", size, seconds)
-        self._source_done(tier, job, (shard_name(job.step, job.rank), tw.records, tw.codecs), None)
+        self._source_done(tier, job, (job.shard, tw.records, tw.codecs), None)
         observe = getattr(tier.codec, "observe", None)
         if observe is not None:  # the auto policy learns the link's speed
             observe(tw.stored, tw.write_seconds)
         tw.writer = None
-        ref = ShardRef(job.rank, shard_name(job.step, job.rank), size, footer.index_checksum)
+        ref = ShardRef(job.rank, job.shard, size, footer.index_checksum)
         t0 = time.perf_counter() if tw.emit else 0.0
         pending = self.commit(tier, job, ref, job.laid_out.data_bytes, tw.stored)
         if tw.emit is not None:  # a deferred (multi-rank) commit: only its first part
@@ -591,11 +604,11 @@ class Pipeline:
         seconds = time.perf_counter() - job.handle.started
         codec_desc = ",".join(sorted({c["id"] for c in codecs})) or "raw"
         result = TierResult(
-            tier.name, job.step, job.laid_out.data_bytes, stored, seconds, codec_desc
+            tier.name, job.step, job.laid_out.data_bytes, stored, seconds, codec_desc, job.timeline
         )
         log.info(
-            "committed step %d on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
-            job.step,
+            "committed %s on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
+            job.id,
             tier.name,
             result.raw_bytes,
             seconds,
@@ -605,7 +618,7 @@ class Pipeline:
         )
         if job.rank == 0:
             try:
-                protect = {j.step for j in self.in_flight() if j is not job}
+                protect = {j.id for j in self.in_flight() if j is not job}
                 gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
             except (BackendError, OSError) as exc:
                 log.warning(

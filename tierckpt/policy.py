@@ -7,9 +7,10 @@ A *tier* is a backend placed in the hierarchy with a policy. Tiers are listed fa
 Per tier:
 
 ``keep_last``
-    keep this many newest committed checkpoints (``None`` keeps all). Older ones are
-    deleted after a newer one commits: manifest first, then data. The newest committed
-    checkpoint is never deleted.
+    keep this many newest committed checkpoints (``None`` keeps all); newest by timeline, then
+    step, so after a rollback the abandoned run's checkpoints go first (see
+    :class:`~tierckpt.format.CheckpointId`). Older ones are deleted after a newer one commits:
+    manifest first, then data. The newest committed checkpoint is never deleted.
 ``every``
     this tier receives every n-th checkpoint (by save call count): e.g. RAM and NVMe every
     checkpoint, S3 every 10th.

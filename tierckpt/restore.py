@@ -69,8 +69,9 @@ class LoadedShard:
     repopulated: list[Backend] = field(default_factory=list)
 
 
-def read_manifest(backend: Backend, step: int, tier: str) -> Manifest:
-    name = manifest_name(step)
+def read_manifest(backend: Backend, step: int, tier: str, *, timeline: int = 0) -> Manifest:
+    """The manifest of ``step`` on ``timeline``, validated; it must say it is that one's."""
+    name = manifest_name(step, timeline=timeline)
     where = f"tier {tier!r} {backend.url}/{name}"
     size = backend.size(name)
     if size > MAX_MANIFEST_BYTES:  # before reading it: a hostile manifest may be huge
@@ -78,6 +79,10 @@ def read_manifest(backend: Backend, step: int, tier: str) -> Manifest:
     manifest = decode_manifest(backend.get(name), where=where)
     if manifest.step != step:
         raise FormatError(f"{where}: the manifest is step {manifest.step}'s, not step {step}'s")
+    if manifest.timeline != timeline:
+        raise FormatError(
+            f"{where}: the manifest is timeline {manifest.timeline}'s, not timeline {timeline}'s"
+        )
     return manifest
 
 
@@ -333,7 +338,10 @@ class _Repopulation:
                 w.commit()
                 done.append(b)
                 if manifest is not None:
-                    b.put_atomic(manifest_name(manifest.step), encode_manifest(manifest))
+                    b.put_atomic(
+                        manifest_name(manifest.step, timeline=manifest.timeline),
+                        encode_manifest(manifest),
+                    )
             except FileExistsError:
                 pass
             except (OSError, TierCkptError) as exc:

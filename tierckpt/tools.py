@@ -10,6 +10,10 @@ thin layer over them; they are also usable from Python::
         print(m.step, m.stored_bytes)
     tools.verify_checkpoint(src, step=1000)           # raises CorruptChunk on a bad chunk
     tools.copy_checkpoint(src, tools.open_backend("/nvme/run1"), step=1000)
+
+A step names the checkpoint of the newest timeline holding it (a run resumed from an older
+step saves on a new timeline, see :class:`~tierckpt.format.CheckpointId`); pass ``timeline=``
+or a ``CheckpointId`` to name another one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tierckpt.backends.local import LocalBackend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.errors import CheckpointNotFound, CorruptChunk, FormatError, TierCkptError
 from tierckpt.format import (
+    CheckpointId,
     ChunkRecord,
     Manifest,
     checksum,
@@ -35,7 +40,7 @@ from tierckpt.format import (
 )
 from tierckpt.objects import decode_tree, dtype_from_name
 from tierckpt.restore import read_index, read_manifest
-from tierckpt.retention import committed_steps, data_steps, gc_tier
+from tierckpt.retention import committed_ids, data_ids, gc_tier
 
 __all__ = [
     "GroupStats",
@@ -47,6 +52,7 @@ __all__ = [
     "is_s3_url",
     "list_checkpoints",
     "open_backend",
+    "resolve_id",
     "resolve_step",
     "tensor_paths",
     "verify_checkpoint",
@@ -97,43 +103,94 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
 # -- listing -----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ListedCheckpoint:
-    """One committed step: its manifest, or why the manifest could not be read."""
+    """One committed checkpoint: its manifest, or why the manifest could not be read.
+
+    ``abandoned``: it is on an older timeline than the newest checkpoint there — the run went
+    back to an older step and went on from it; retention removes these first, as older."""
 
     step: int
     manifest: Manifest | None
     error: str = ""
+    timeline: int = 0
+    abandoned: bool = False
+
+    @property
+    def id(self) -> CheckpointId:
+        return CheckpointId(self.step, self.timeline)
 
 
 def list_checkpoints(backend: Backend) -> list[ListedCheckpoint]:
-    """Every committed step on ``backend``, oldest first, with its manifest."""
+    """Every committed checkpoint on ``backend``, oldest first (by timeline, then step), with
+    its manifest; the last one is the newest."""
     out = []
-    for step in committed_steps(backend):
+    ids = committed_ids(backend)
+    newest = ids[-1].timeline if ids else 0
+    for cid in ids:
+        abandoned = cid.timeline < newest
         try:
-            out.append(ListedCheckpoint(step, read_manifest(backend, step, backend.url)))
+            m = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
+            out.append(ListedCheckpoint(cid.step, m, "", cid.timeline, abandoned))
         except TierCkptError as exc:
-            out.append(ListedCheckpoint(step, None, str(exc)))
+            out.append(ListedCheckpoint(cid.step, None, str(exc), cid.timeline, abandoned))
     return out
 
 
+def uncommitted_ids(backend: Backend) -> list[CheckpointId]:
+    """Checkpoints with data but no manifest: saves in progress, or leftovers of killed ones."""
+    committed = set(committed_ids(backend))
+    return [c for c in data_ids(backend) if c not in committed]
+
+
 def uncommitted_steps(backend: Backend) -> list[int]:
-    """Steps with data but no manifest: saves in progress, or leftovers of killed ones."""
-    committed = set(committed_steps(backend))
-    return [s for s in data_steps(backend) if s not in committed]
+    """Steps with data but no manifest (on any timeline): saves in progress, or leftovers."""
+    return sorted({c.step for c in uncommitted_ids(backend)})
+
+
+def resolve_id(
+    backend: Backend, step: int | CheckpointId | None, timeline: int | None = None
+) -> CheckpointId:
+    """The committed checkpoint ``step`` names on ``backend``: of ``timeline`` if given, else of
+    the newest timeline holding it; the newest checkpoint (of ``timeline``) if ``step`` is None.
+    Raises ``CheckpointNotFound`` naming what is there."""
+    ids = committed_ids(backend)
+    if isinstance(step, CheckpointId):
+        timeline = step.timeline
+        step = step.step
+    pool = [c for c in ids if timeline is None or c.timeline == timeline]
+    of = "" if timeline is None else f" of timeline {timeline}"
+    if step is None:
+        if not pool:
+            raise CheckpointNotFound(f"{backend.url}: no committed checkpoint{of} here")
+        return pool[-1]
+    holding = [c for c in pool if c.step == step]
+    if not holding:
+        shown = ", ".join(id_text(c) for c in ids[-10:]) or "none"
+        raise CheckpointNotFound(
+            f"{backend.url}: step {step}{of} is not committed here (committed: {shown})"
+        )
+    return holding[-1]
 
 
 def resolve_step(backend: Backend, step: int | None) -> int:
-    """``step`` if it is committed on ``backend``; the newest committed step if None."""
-    steps = committed_steps(backend)
-    if step is None:
-        if not steps:
-            raise CheckpointNotFound(f"{backend.url}: no committed checkpoint here")
-        return steps[-1]
-    if step not in steps:
-        shown = ", ".join(map(str, steps[-10:])) or "none"
-        raise CheckpointNotFound(
-            f"{backend.url}: step {step} is not committed here (committed steps: {shown})"
-        )
-    return step
+    """``step`` if it is committed on ``backend``; the newest checkpoint's step if None."""
+    return resolve_id(backend, step).step
+
+
+def id_text(cid: CheckpointId) -> str:
+    """A short form for listings: ``"1200"`` on timeline 0, ``"1200 (timeline 2)"`` else."""
+    return f"{cid.step}" + (f" (timeline {cid.timeline})" if cid.timeline else "")
+
+
+def _id(backend: Backend, step: int | CheckpointId, timeline: int | None) -> CheckpointId:
+    """What a ``step`` argument names: a CheckpointId as it is; a step of ``timeline``; or a
+    bare step: of the newest timeline holding it (timeline 0 when none does, so that the
+    manifest read that follows says it is missing)."""
+    if isinstance(step, CheckpointId):
+        return step
+    if timeline is not None:
+        return CheckpointId(step, timeline)
+    holding = [c for c in committed_ids(backend) if c.step == step]
+    return holding[-1] if holding else CheckpointId(step)
 
 
 # -- the object tree -------------------------------------------------------------------------
@@ -211,7 +268,13 @@ def _group_key(path: str, dtype: str, by: str) -> str:
     return path.split(".", 1)[0] if path else "<root>"
 
 
-def inspect_checkpoint(backend: Backend, step: int | None = None, *, by: str = "key") -> Inspection:
+def inspect_checkpoint(
+    backend: Backend,
+    step: int | CheckpointId | None = None,
+    *,
+    by: str = "key",
+    timeline: int | None = None,
+) -> Inspection:
     """Tensors, dtypes, sizes and stored/raw bytes per group (``by="key"`` or ``"dtype"``).
 
     Reads only the manifest and each shard's index. A storage's stored bytes are its share of
@@ -220,8 +283,8 @@ def inspect_checkpoint(backend: Backend, step: int | None = None, *, by: str = "
     """
     if by not in ("key", "dtype"):
         raise ValueError(f"group by 'key' or 'dtype', not {by!r}")
-    step = resolve_step(backend, step)
-    manifest = read_manifest(backend, step, backend.url)
+    cid = resolve_id(backend, step, timeline)
+    manifest = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
     tensors: list[TensorInfo] = []
     groups: dict[str, GroupStats] = {}
     codec_ids: set[str] = set()
@@ -284,10 +347,15 @@ class VerifyReport:
     chunks: int
     raw_bytes: int
     stored_bytes: int
+    timeline: int = 0
 
 
 def verify_checkpoint(
-    backend: Backend, step: int, *, progress: Progress | None = None
+    backend: Backend,
+    step: int | CheckpointId,
+    *,
+    progress: Progress | None = None,
+    timeline: int | None = None,
 ) -> VerifyReport:
     """Read every chunk of every rank, check its checksum and decode it.
 
@@ -296,7 +364,8 @@ def verify_checkpoint(
     :class:`~tierckpt.errors.FormatError` for a bad manifest, footer or index. Memory use is
     one chunk, not the checkpoint.
     """
-    manifest = read_manifest(backend, step, backend.url)
+    cid = _id(backend, step, timeline)
+    manifest = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
     n_chunks = raw_total = stored_total = 0
     for ref in manifest.shards:
         where = f"{backend.url}/{ref.file}"
@@ -339,7 +408,9 @@ def verify_checkpoint(
         if covered != int(index["data_bytes"]):
             raise FormatError(f"{where}: chunks cover {covered} of {index['data_bytes']} bytes")
         _check_tree(index, where)
-    return VerifyReport(step, len(manifest.shards), n_chunks, raw_total, stored_total)
+    return VerifyReport(
+        cid.step, len(manifest.shards), n_chunks, raw_total, stored_total, cid.timeline
+    )
 
 
 def _check_tree(index: dict[str, Any], where: str) -> None:
@@ -354,9 +425,13 @@ def _check_tree(index: dict[str, Any], where: str) -> None:
 
 
 # -- copy --------------------------------------------------------------------------------------
-def checkpoint_bytes(backend: Backend, step: int) -> int:
+def checkpoint_bytes(
+    backend: Backend, step: int | CheckpointId, *, timeline: int | None = None
+) -> int:
     """Total size of the shard files of one committed checkpoint."""
-    return sum(s.size for s in read_manifest(backend, step, backend.url).shards)
+    cid = _id(backend, step, timeline)
+    m = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
+    return sum(s.size for s in m.shards)
 
 
 def _pieces(index: dict[str, Any], size: int) -> Iterator[tuple[int, int, int, int]]:
@@ -380,19 +455,28 @@ def _pieces(index: dict[str, Any], size: int) -> Iterator[tuple[int, int, int, i
 
 
 def copy_checkpoint(
-    src: Backend, dst: Backend, step: int, *, progress: Progress | None = None
+    src: Backend,
+    dst: Backend,
+    step: int | CheckpointId,
+    *,
+    progress: Progress | None = None,
+    timeline: int | None = None,
 ) -> int:
     """Copy one committed checkpoint from ``src`` to ``dst``; returns the bytes copied.
 
     Shard files stream through in pieces (each chunk's checksum checked on the way) and are
     committed first; the manifest is written last, create-only, so the copy exists on ``dst``
-    only once it is whole. Raises ``FileExistsError`` if ``dst`` already has the step.
+    only once it is whole. Raises ``FileExistsError`` if ``dst`` already has the checkpoint.
+    The copy keeps its step and timeline.
     """
-    name = manifest_name(step)
+    cid = _id(src, step, timeline)
+    name = manifest_name(cid.step, timeline=cid.timeline)
     manifest_bytes = src.get(name)
     manifest = decode_manifest(manifest_bytes, where=f"{src.url}/{name}")
+    if manifest.id != cid:
+        raise FormatError(f"{src.url}/{name}: the manifest is {manifest.id}'s, not {cid}'s")
     if dst.exists(name):
-        raise FileExistsError(f"{dst.url}: step {step} is already committed there")
+        raise FileExistsError(f"{dst.url}: {cid} is already committed there")
     copied = 0
     for ref in manifest.shards:
         index, _blob, _footer = read_index(src, ref, src.url)
@@ -425,33 +509,33 @@ def copy_checkpoint(
 # -- gc ----------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class GcPlan:
-    """What gc deletes: old committed steps (retention) and leftovers of uncommitted saves."""
+    """What gc deletes: old committed checkpoints (retention) and leftovers of uncommitted
+    saves."""
 
-    retained: list[int]
-    expired: list[int]
-    leftovers: list[int]
+    retained: list[CheckpointId]
+    expired: list[CheckpointId]
+    leftovers: list[CheckpointId]
 
 
 def gc(
     backend: Backend, keep_last: int, *, dry_run: bool = False, abort_incomplete: bool = False
 ) -> GcPlan:
-    """Keep the newest ``keep_last`` committed steps; remove older ones and leftovers.
+    """Keep the newest ``keep_last`` committed checkpoints; remove older ones and leftovers.
 
-    Leftovers are data folders without a manifest older than the newest committed step
-    (saves that never committed). ``abort_incomplete`` also discards unfinished writes
-    (temporary files, open multipart uploads) — only when no job is
-    writing to this location.
+    Newest means by timeline, then step: checkpoints of a timeline a run abandoned (it went
+    back to an older step) are older than every checkpoint of the newer timeline. Leftovers are
+    data folders without a manifest older than the newest committed checkpoint (saves that
+    never committed). ``abort_incomplete`` also discards unfinished writes (temporary files,
+    open multipart uploads) — only when no job is writing to this location.
     """
     if type(keep_last) is not int or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    committed = committed_steps(backend)
+    committed = committed_ids(backend)
     newest = committed[-1] if committed else None
     expired = committed[: max(len(committed) - keep_last, 0)]
     committed_set = set(committed)
     leftovers = [
-        s
-        for s in data_steps(backend)
-        if s not in committed_set and newest is not None and s < newest
+        c for c in data_ids(backend) if c not in committed_set and newest is not None and c < newest
     ]
     plan = GcPlan(committed[len(expired) :], expired, leftovers)
     if dry_run:

@@ -35,8 +35,8 @@ _MEMORY_FORMATS = {
 TiersArg = Sequence[TierSpec] | TierPolicy
 
 
-def dcp_metadata_name(step: int) -> str:
-    return f"{step_prefix(step)}dcp-metadata.json.zst"
+def dcp_metadata_name(step: int, *, timeline: int = 0) -> str:
+    return f"{step_prefix(step, timeline=timeline)}dcp-metadata.json.zst"
 
 
 def _parse_step(checkpoint_id: object) -> int:

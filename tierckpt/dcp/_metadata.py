@@ -50,6 +50,8 @@ class _PlanInfo:
     rank: int
     world_size: int
     save_id: str
+    #: the timeline the coordinator chose for this save (every rank writes the same id)
+    timeline: int = 0
 
 
 @dataclass(frozen=True, slots=True)

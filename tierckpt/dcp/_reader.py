@@ -30,7 +30,12 @@ from tierckpt.dcp._common import (
 )
 from tierckpt.dcp._metadata import ItemLocation, decode_metadata
 from tierckpt.dcp._writer import TierWriter
-from tierckpt.distributed import collective_device, get_knobs
+from tierckpt.distributed import (
+    checkpoint_key,
+    checkpoint_of_key,
+    collective_device,
+    get_knobs,
+)
 from tierckpt.errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -38,12 +43,12 @@ from tierckpt.errors import (
     FormatError,
     TierCkptError,
 )
-from tierckpt.format import ChunkRecord, Manifest, ShardRef, checksum
+from tierckpt.format import CheckpointId, ChunkRecord, Manifest, ShardRef, checksum
 from tierckpt.objects import decode_tree
 from tierckpt.pipeline import TierRuntime
 from tierckpt.policy import TierPolicy
 from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
-from tierckpt.retention import committed_steps
+from tierckpt.retention import committed_ids
 
 log = logging.getLogger("tierckpt")
 
@@ -177,6 +182,8 @@ class TierReader(StorageReader):
         self._holders: list[tuple[TierRuntime, Manifest]] = []
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.loaded_step: int | None = None
+        #: the checkpoint read (its step and timeline)
+        self.loaded_id: CheckpointId | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -192,13 +199,14 @@ class TierReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointNotFound("tierckpt DCP checkpoints hold global metadata only")
-        step = self.step if self.step is not None else self._newest_step()
+        cid = self._newest_id() if self.step is None else self._id_of_step(self.step)
+        step = cid.step
         errors: list[str] = []
         md: Metadata | None = None
         self._holders = []
         for t in self._tiers:
             try:
-                m = read_manifest(t.backend, step, t.name)
+                m = read_manifest(t.backend, step, t.name, timeline=cid.timeline)
                 if md is None:
                     md = self._read_metadata_object(t, m)
                 self._holders.append((t, m))
@@ -208,10 +216,10 @@ class TierReader(StorageReader):
                 if not is_recoverable(exc):
                     raise
                 errors.append(f"tier {t.name!r}: {exc}")
-                log.warning("DCP metadata of step %d on tier %s unreadable: %s", step, t.name, exc)
+                log.warning("DCP metadata of %s on tier %s unreadable: %s", cid, t.name, exc)
         if md is None:
             raise CheckpointNotFound(
-                f"DCP step {step} is not readable on any tier "
+                f"DCP {cid} is not readable on any tier "
                 f"({', '.join(t.name for t in self._tiers)})"
                 + (": " + "; ".join(errors) if errors else "")
             )
@@ -219,6 +227,7 @@ class TierReader(StorageReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         self.loaded_step = step
+        self.loaded_id = cid
         return md
 
     def _read_metadata_object(self, t: TierRuntime, m: Manifest) -> Metadata:
@@ -228,7 +237,7 @@ class TierReader(StorageReader):
             raise FormatError(
                 f"{where}: step {m.step} is not a DCP checkpoint (load it with Checkpointer.load)"
             )
-        name = dcp_metadata_name(m.step)
+        name = dcp_metadata_name(m.step, timeline=m.timeline)
         size = info.get("size")
         if info.get("file") != name or type(size) is not int or not 0 < size <= MAX_METADATA_BYTES:
             raise FormatError(f"{where}: malformed DCP entry in the manifest of step {m.step}")
@@ -237,27 +246,35 @@ class TierReader(StorageReader):
             raise CorruptCheckpoint(f"{where}/{name}: DCP metadata does not match its checksum")
         return decode_metadata(blob, where=f"{where}/{name}")
 
-    def _newest_step(self) -> int:
-        mine: list[int] = []
+    def _listing(self) -> list[CheckpointId]:
+        mine: set[CheckpointId] = set()
         for t in self._tiers:
             try:
-                mine.extend(committed_steps(t.backend))
+                mine.update(committed_ids(t.backend))
             except TierCkptError as exc:
                 log.warning("cannot list tier %s: %s", t.name, exc)
-        newest = sorted(set(mine), reverse=True)
+        return sorted(mine, reverse=True)
+
+    def _id_of_step(self, step: int) -> CheckpointId:
+        """``step`` of the newest timeline holding it (timeline 0 if none: not found later)."""
+        return next((c for c in self._listing() if c.step == step), CheckpointId(step))
+
+    def _newest_id(self) -> CheckpointId:
+        newest = self._listing()
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # every rank must read the same step: the newest one every rank sees
+            # every rank must read the same checkpoint: the newest one every rank sees
             k = get_knobs().agree_max_candidates
             dev = collective_device()
             vec = torch.full((k,), -1, dtype=torch.int64, device=dev)
             if newest:
-                vec[: min(k, len(newest))] = torch.tensor(newest[:k], dtype=torch.int64)
+                keys = [checkpoint_key(c) for c in newest[:k]]
+                vec[: len(keys)] = torch.tensor(keys, dtype=torch.int64)
             gathered = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, vec)
             common = set.intersection(*({int(v) for v in g.tolist() if v >= 0} for g in gathered))
-            newest = sorted(common, reverse=True)
+            newest = sorted((checkpoint_of_key(v) for v in common), reverse=True)
         if not newest:
             raise CheckpointNotFound(
                 f"no committed checkpoint on any tier ({', '.join(t.name for t in self._tiers)})"
@@ -323,7 +340,7 @@ class TierReader(StorageReader):
                     exc,
                 )
         raise CorruptCheckpoint(
-            f"no readable copy of rank {rank}'s shard of step {self.loaded_step}: "
+            f"no readable copy of rank {rank}'s shard of {self.loaded_id}: "
             + ("; ".join(errors) or "no tier holds it")
         )
 

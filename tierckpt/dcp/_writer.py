@@ -46,6 +46,7 @@ from tierckpt.errors import (
     UnsupportedObject,
 )
 from tierckpt.format import (
+    CheckpointId,
     Manifest,
     ShardRef,
     checksum,
@@ -56,7 +57,7 @@ from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy
-from tierckpt.retention import committed_steps, gc_tier
+from tierckpt.retention import gc_tier, newest_committed, timeline_for
 
 log = logging.getLogger("tierckpt")
 
@@ -115,6 +116,10 @@ class TierWriter(PipelineOwner, StorageWriter):
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
         self._info: _PlanInfo | None = None
         self._closed = False
+        #: the coordinator's timeline (None: chosen from the tiers at the next save) and the
+        #: newest checkpoint this writer saved; as for Checkpointer
+        self._timeline: int | None = None
+        self._last_saved: CheckpointId | None = None
 
     # -- DCP protocol ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -145,25 +150,35 @@ class TierWriter(PipelineOwner, StorageWriter):
         return StorageMeta(checkpoint_id=f"tierckpt:{self.step}", save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        step = self._require_step()
-        for t in self._tiers:
-            if t.backend.exists(manifest_name(step)):
-                raise FileExistsError(
-                    f"step {step} is already committed on tier {t.name!r} ({t.backend.url}); "
-                    "refusing to overwrite it — save under another step"
-                )
-            newest = committed_steps(t.backend)
-            if newest and newest[-1] > step:
-                raise ValueError(
-                    f"step {step} is older than step {newest[-1]}, committed on tier {t.name!r}; "
-                    "save DCP checkpoints under increasing steps"
-                )
+        self._require_step()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: choose the timeline (as :class:`~tierckpt.Checkpointer` does:
+        at the first save, and when the step is below the previous save's, from the newest
+        checkpoint on the tiers; a step not after it starts a new timeline) and hand it to
+        every rank with its plan."""
+        step = self._require_step()
+        last = self._last_saved
+        if self._timeline is not None and (last is None or step >= last.step):
+            timeline = self._timeline
+        else:
+            newest = newest_committed((t.name, t.backend) for t in self._tiers)
+            if last is not None and (newest is None or last > newest):
+                newest = last
+            timeline = timeline_for(step, newest)
+        cid = CheckpointId(step, timeline)
+        for t in self._tiers:
+            if t.backend.exists(manifest_name(step, timeline=timeline)):
+                raise FileExistsError(
+                    f"{cid} is already committed on tier {t.name!r} ({t.backend.url}); "
+                    "refusing to overwrite it — save under another step"
+                )
+        self._timeline = timeline
+        self._last_saved = cid
         world = len(plans)
         return [
-            dataclasses.replace(p, storage_data=_PlanInfo(i, world, self.save_id))
+            dataclasses.replace(p, storage_data=_PlanInfo(i, world, self.save_id, timeline))
             for i, p in enumerate(plans)
         ]
 
@@ -217,6 +232,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         blob = encode_metadata(metadata)
+        timeline = info.timeline if info is not None else 0
         committed: list[str] = []
         failed: dict[str, BaseException] = {}
         for t in self._tiers:
@@ -230,7 +246,11 @@ class TierWriter(PipelineOwner, StorageWriter):
                 continue
             try:
                 self._commit_tier(
-                    t, step, world, [shards[r].tiers[t.name] for r in range(world)], blob
+                    t,
+                    CheckpointId(step, timeline),
+                    world,
+                    [shards[r].tiers[t.name] for r in range(world)],
+                    blob,
                 )
                 committed.append(t.name)
             except (BackendError, OSError, FormatError) as exc:
@@ -275,7 +295,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             return _RankShards(info.rank, {}, {})
         pipeline = self._get_pipeline()
         plan = build_plan(state, self.chunk_bytes)
-        handle = SaveHandle(step, tuple(t.name for t in tiers))
+        handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=info.timeline)
         job = SaveJob(
             step=step,
             plan=plan,
@@ -286,6 +306,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             ready_events=record_ready_events(plan),
             metadata={},
             attempt=info.save_id,
+            timeline=info.timeline,
         )
         pipeline.submit(job)
         errors: dict[str, str] = {}
@@ -299,9 +320,15 @@ class TierWriter(PipelineOwner, StorageWriter):
         return _RankShards(info.rank, done, errors)
 
     def _commit_tier(
-        self, t: TierRuntime, step: int, world: int, shards: list[_ShardOnTier], blob: bytes
+        self,
+        t: TierRuntime,
+        cid: CheckpointId,
+        world: int,
+        shards: list[_ShardOnTier],
+        blob: bytes,
     ) -> None:
-        name = dcp_metadata_name(step)
+        step = cid.step
+        name = dcp_metadata_name(step, timeline=cid.timeline)
         t.backend.put_atomic(name, blob, overwrite=True)
         m = Manifest(
             step=step,
@@ -322,9 +349,10 @@ class TierWriter(PipelineOwner, StorageWriter):
                     "version": METADATA_VERSION,
                 }
             },
+            timeline=cid.timeline,
         )
-        t.backend.put_atomic(manifest_name(step), encode_manifest(m))
-        log.info("DCP step %d committed on tier %s (%d ranks)", step, t.name, world)
+        t.backend.put_atomic(manifest_name(step, timeline=cid.timeline), encode_manifest(m))
+        log.info("DCP %s committed on tier %s (%d ranks)", cid, t.name, world)
         try:
             gc_tier(t.backend, t.spec.keep_last)
         except OSError as exc:

@@ -119,7 +119,10 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self.unsupported = unsupported
         self._guarded: Any = None
         self._hook: Any = None
-        self._saved: set[int] | None = None
+        # steps this callback saved since it last materialized one, and that one: saving them
+        # again would repeat the same state. Not the steps committed on the tiers: after a
+        # resume from an older step those belong to the abandoned run (see Checkpointer.load)
+        self._saved: set[int] = set()
 
     # -- TrainerCallback -----------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
@@ -151,8 +154,6 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
              control: TrainerControl | None = None) -> None:
         """Start saving the training state as ``state.global_step`` (returns at once)."""
         step = int(state.global_step)
-        if self._saved is None:
-            self._saved = set(self.checkpointer.steps())
         if step in self._saved:
             return
         if model is None or optimizer is None:
@@ -184,6 +185,7 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self.checkpointer.wait()
         ckpt = self.checkpointer.load(step)
         step = int(ckpt["global_step"])
+        self._saved = {step}  # the run resumes here: later steps are saved again
         folder = os.path.join(output_dir, f"checkpoint-{step}")
         os.makedirs(folder, exist_ok=True)
         # one contiguous tensor per name (tied weights are written under both names)

@@ -111,7 +111,11 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         self.checkpointer = checkpointer or Checkpointer(tiers, **checkpointer_kwargs)  # type: ignore[arg-type]
         self.unsupported = unsupported
         self._hook: Any = None
-        self._steps: set[int] | None = None  # steps saved or committed, read on first save
+        # steps this plugin saved since it last loaded, and the step it loaded: asked to save
+        # one of them again, it would repeat the same state. Not the steps committed on the
+        # tiers: after a resume from an older step those belong to the abandoned run, and the
+        # resumed run must save its own (on a new timeline, see Checkpointer.load).
+        self._steps: set[int] = set()
         self._fallback = TorchCheckpointIO()
 
     def _install_guard(self) -> None:
@@ -134,8 +138,6 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             raise TypeError("TierCkptIO does not take storage_options; configure the tiers")
         step = int(checkpoint.get("global_step", 0))
         self._install_guard()
-        if self._steps is None:
-            self._steps = set(self.checkpointer.steps())
         if step not in self._steps:
             state = sanitize_state(checkpoint, unsupported=self.unsupported)
             self.checkpointer.save(state, step, metadata={"lightning_path": str(path)})
@@ -159,6 +161,7 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         self.checkpointer.wait()  # a save from this process may still be flushing
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         state: dict[str, Any] = self.checkpointer.load(pointer["step"], map_location=device)
+        self._steps = {int(pointer["step"])}
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
