@@ -68,6 +68,9 @@ class Checkpointer(PipelineOwner):
             tier (on a background thread; see :mod:`tierckpt.observe`). More with
             :meth:`add_callback`.
         stats_history: how many commits :meth:`stats` remembers (default 1000).
+        exit_timeout_s: when the interpreter exits with saves still in flight, how long they
+            get to finish before the unfinished ones are abandoned, never committed (default
+            60 s; ``TIERCKPT_EXIT_TIMEOUT_S``; 0 abandons at once). ``close()`` waits fully.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Checkpointer(PipelineOwner):
         repopulate: bool = True,
         on_commit: Callable[[TierResult], Any] | None = None,
         stats_history: int = 1000,
+        exit_timeout_s: float | None = None,
     ) -> None:
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
         if on_busy not in ("block", "skip"):
@@ -97,6 +101,9 @@ class Checkpointer(PipelineOwner):
         self.chunk_bytes = chunk
         self.io_threads = io_threads or _env_int("TIERCKPT_IO_THREADS", 2)
         self.repopulate = repopulate
+        if exit_timeout_s is not None and not exit_timeout_s >= 0:
+            raise ValueError(f"exit_timeout_s must be >= 0 seconds, got {exit_timeout_s!r}")
+        self.exit_timeout_s = exit_timeout_s
         dist_rank, dist_world = _dist_rank_world()
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world if world_size is None else world_size
