@@ -36,6 +36,8 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger("tierckpt")
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+#: loads of the newest step: how often load() lists again when the step it chose vanishes
+LOAD_ATTEMPTS = 5
 
 
 def _env_int(name: str, default: int) -> int:
@@ -304,7 +306,41 @@ class Checkpointer(PipelineOwner):
         and return it. ``fallback="previous"``: if every tier's copy of the newest step is
         unreadable, try older committed steps. ``map_location``: device of the returned
         tensors (default CPU).
+
+        Loading the newest step beside a writer (an evaluator next to a trainer with a small
+        ``keep_last``): when retention removes the chosen step while it is being read, the
+        tiers are listed again and the newest committed step is loaded instead (up to
+        ``LOAD_ATTEMPTS`` times; single-rank jobs).
         """
+        seen: int | None = None  # the newest step listed after the previous failure
+        for attempt in range(LOAD_ATTEMPTS):
+            try:
+                return self._load_once(
+                    step, into=into, tier=tier, map_location=map_location, fallback=fallback
+                )
+            except CheckpointNotFound:
+                if step is not None or self.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
+                    raise
+                try:
+                    newest = max(self.steps(tier), default=None)
+                except TierCkptError:
+                    newest = None
+                if newest is None or newest == seen:
+                    raise  # nothing newer appeared: the step is really unreadable
+                seen = newest
+                log.info("load: the chosen step vanished (retention?); listing again")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load_once(
+        self,
+        step: int | None,
+        *,
+        into: Any,
+        tier: str | None,
+        map_location: str | torch.device | None,
+        fallback: Literal["error", "previous"],
+    ) -> Any:
+        """One listing of the tiers and one load of the step chosen from it."""
         if fallback not in ("error", "previous"):
             raise ValueError("fallback must be 'error' or 'previous'")
         tiers = [self._tier(tier)] if tier is not None else self._tiers

@@ -88,11 +88,9 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
             "file:///path or s3://bucket/prefix"
         )
     path = url.removeprefix("file://")
-    if create:
-        os.makedirs(path, exist_ok=True)
-    elif not os.path.isdir(path):
+    if not create and not os.path.isdir(path):
         raise CheckpointNotFound(f"{path}: no such folder")
-    return LocalBackend(path)
+    return LocalBackend(path)  # creates the folder; a read-only location raises BackendError
 
 
 # -- listing -----------------------------------------------------------------------------------
