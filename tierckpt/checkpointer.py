@@ -62,7 +62,8 @@ class Checkpointer(PipelineOwner):
         io_threads: encoder / reader threads (default 2; ``TIERCKPT_IO_THREADS``).
         on_busy: ``"block"`` (default): a save requested while earlier ones are still
             flushing waits for arena space in the background; ``"skip"``: it is skipped
-            (the handle says ``skipped``) so training never waits on slow storage.
+            (the handle says ``skipped``; ``h.wait()`` raises ``CheckpointSkipped``) so training
+            never waits on slow storage.
         rank, world_size: default from ``torch.distributed`` when initialized, else 0 / 1.
         repopulate: when a load reads from a remote tier, also write the checkpoint to the
             local durable tiers so the next restart reads locally (default True).
