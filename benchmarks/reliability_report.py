@@ -107,6 +107,8 @@ MODULES = {
     "hostile": "test_hostile.py",
     "fuzz": "test_fuzz.py",
     "soak": "test_soak.py",
+    "secrets": "test_secrets.py",
+    "exit": "test_exit.py",
 }
 
 CATEGORIES = [
@@ -118,6 +120,8 @@ CATEGORIES = [
     ("hostile", "Hostile checkpoints"),
     ("fuzz", "Parser fuzzing (Hypothesis)"),
     ("soak", "Load, soak and backpressure"),
+    ("secrets", "Secrets in errors, logs and the command line"),
+    ("exit", "Interpreter exit with saves in flight"),
 ]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import assert_same
 
-from tierckpt import Checkpointer, CheckpointFailed, LocalTier, MemoryTier
+from tierckpt import Checkpointer, CheckpointFailed, CheckpointSkipped, LocalTier, MemoryTier
 from tierckpt.backends.local import LocalBackend
 from tierckpt.policy import LocalTier as _LocalTier
 
@@ -172,7 +172,8 @@ def test_skip_policy_skips_when_busy(tmp_path: Path) -> None:
         assert h2.skipped and not h1.skipped
         slow.set()
         h1.wait()
-        h2.wait()  # a skipped save has nothing to wait for
+        with pytest.raises(CheckpointSkipped):
+            h2.wait()  # a skipped save is never mistaken for a committed one
         assert ck.steps() == [1]
 
 

@@ -43,6 +43,8 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger("tierckpt")
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+#: loads of the newest step: how often load() lists again when the step it chose vanishes
+LOAD_ATTEMPTS = 5
 
 
 def _env_int(name: str, default: int) -> int:
@@ -67,7 +69,8 @@ class Checkpointer(PipelineOwner):
         io_threads: encoder / reader threads (default 2; ``TIERCKPT_IO_THREADS``).
         on_busy: ``"block"`` (default): a save requested while earlier ones are still
             flushing waits for arena space in the background; ``"skip"``: it is skipped
-            (the handle says ``skipped``) so training never waits on slow storage.
+            (the handle says ``skipped``; ``h.wait()`` raises ``CheckpointSkipped``) so training
+            never waits on slow storage.
         rank, world_size: default from ``torch.distributed`` when initialized, else 0 / 1.
         repopulate: when a load reads from a remote tier, also write the checkpoint to the
             local durable tiers so the next restart reads locally (default True).
@@ -75,6 +78,9 @@ class Checkpointer(PipelineOwner):
             tier (on a background thread; see :mod:`tierckpt.observe`). More with
             :meth:`add_callback`.
         stats_history: how many commits :meth:`stats` remembers (default 1000).
+        exit_timeout_s: when the interpreter exits with saves still in flight, how long they
+            get to finish before the unfinished ones are abandoned, never committed (default
+            60 s; ``TIERCKPT_EXIT_TIMEOUT_S``; 0 abandons at once). ``close()`` waits fully.
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class Checkpointer(PipelineOwner):
         repopulate: bool = True,
         on_commit: Callable[[TierResult], Any] | None = None,
         stats_history: int = 1000,
+        exit_timeout_s: float | None = None,
     ) -> None:
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
         if on_busy not in ("block", "skip"):
@@ -104,6 +111,9 @@ class Checkpointer(PipelineOwner):
         self.chunk_bytes = chunk
         self.io_threads = io_threads or _env_int("TIERCKPT_IO_THREADS", 2)
         self.repopulate = repopulate
+        if exit_timeout_s is not None and not exit_timeout_s >= 0:
+            raise ValueError(f"exit_timeout_s must be >= 0 seconds, got {exit_timeout_s!r}")
+        self.exit_timeout_s = exit_timeout_s
         dist_rank, dist_world = _dist_rank_world()
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world if world_size is None else world_size
@@ -362,7 +372,47 @@ class Checkpointer(PipelineOwner):
 
         The next ``save()`` after a load chooses its timeline again: a step after the newest
         committed one continues its timeline; an older or equal one starts a new timeline.
+
+        Loading the newest checkpoint beside a writer (an evaluator next to a trainer with a
+        small ``keep_last``): when retention removes the chosen checkpoint while it is being
+        read, the tiers are listed again and the newest committed one is loaded instead (up to
+        ``LOAD_ATTEMPTS`` times; single-rank jobs).
         """
+        seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
+        for attempt in range(LOAD_ATTEMPTS):
+            try:
+                return self._load_once(
+                    step,
+                    into=into,
+                    tier=tier,
+                    map_location=map_location,
+                    fallback=fallback,
+                    timeline=timeline,
+                )
+            except CheckpointNotFound:
+                if step is not None or self.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
+                    raise
+                try:
+                    newest = max(self.checkpoints(tier), default=None)
+                except TierCkptError:
+                    newest = None
+                if newest is None or newest == seen:
+                    raise  # nothing newer appeared: the step is really unreadable
+                seen = newest
+                log.info("load: the chosen step vanished (retention?); listing again")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load_once(
+        self,
+        step: int | None,
+        *,
+        into: Any,
+        tier: str | None,
+        map_location: str | torch.device | None,
+        fallback: Literal["error", "previous"],
+        timeline: int | None,
+    ) -> Any:
+        """One listing of the tiers and one load of the step chosen from it."""
         if fallback not in ("error", "previous"):
             raise ValueError("fallback must be 'error' or 'previous'")
         self._timeline = None  # the run may have gone back: the next save decides again

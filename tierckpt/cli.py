@@ -3,7 +3,10 @@
 Every command takes tier URLs: a local folder (``/nvme/run1``, ``file:///nvme/run1``) or
 ``s3://bucket/prefix`` (with ``--endpoint-url`` or ``AWS_ENDPOINT_URL`` for S3-compatible
 servers; credentials from boto3's usual chain). Exit status: 0 success, 1 failure (missing
-checkpoint, corrupt data, storage error), 2 usage error. ``--debug`` shows tracebacks.
+checkpoint, corrupt data, storage error), 2 usage error. ``--debug`` shows tracebacks and
+tierckpt's debug log; botocore's wire log (request headers, including session tokens) only with
+``--debug-botocore`` or ``TIERCKPT_DEBUG_BOTOCORE=1``. Messages never show the credentials of an
+endpoint URL (``http://KEY:SECRET@host`` is printed as ``http://***@host``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +24,7 @@ from typing import Any, NoReturn, TextIO
 from tierckpt._version import __version__
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CorruptChunk, TierCkptError
+from tierckpt.redact import redact, scrub_exception
 
 __all__ = ["build_parser", "main"]
 
@@ -28,6 +33,27 @@ log = logging.getLogger("tierckpt")
 
 class UsageError(Exception):
     """A command line that cannot work (exit status 2)."""
+
+
+#: loggers that print requests and responses, headers included (signatures, session tokens)
+WIRE_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3")
+
+
+def wire_debug_requested(flag: bool) -> bool:
+    """``--debug-botocore`` or ``TIERCKPT_DEBUG_BOTOCORE`` set to a true value."""
+    env = os.environ.get("TIERCKPT_DEBUG_BOTOCORE", "").strip().lower()
+    return flag or env not in ("", "0", "false", "no", "off")
+
+
+def configure_logging(debug: bool, wire: bool) -> None:
+    """WARNING for everyone; DEBUG for tierckpt with ``debug``; botocore's DEBUG (its wire log)
+    only when asked for by name (``wire``), since it prints credentials-bearing headers."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if debug or wire:
+        logging.getLogger("tierckpt").setLevel(logging.DEBUG)
+    if wire or debug:  # --debug alone keeps them quiet even if the root logger is at DEBUG
+        for name in WIRE_LOGGERS:
+            logging.getLogger(name).setLevel(logging.DEBUG if wire else logging.WARNING)
 
 
 # -- formatting ---------------------------------------------------------------------------------
@@ -216,14 +242,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 rep = verify_checkpoint(backend, cid, progress=bar.update)
             except CorruptChunk as exc:
                 bar.close()
-                print(f"FAILED {cid}: {exc}", file=sys.stderr)
+                print(f"FAILED {cid}: {redact(str(exc))}", file=sys.stderr)
                 if exc.file:
                     print(f"  file: {backend.url}/{exc.file}\n  chunk: {exc.chunk}",
                           file=sys.stderr)
                 return 1
             except TierCkptError as exc:
                 bar.close()
-                print(f"FAILED {cid}: {exc}", file=sys.stderr)
+                print(f"FAILED {cid}: {redact(str(exc))}", file=sys.stderr)
                 return 1
             bar.close()
             dt = time.perf_counter() - t0
@@ -376,7 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--endpoint-url", metavar="URL", default=None,
                         help="S3 endpoint (S3-compatible servers); default AWS_ENDPOINT_URL")
-    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    common.add_argument("--debug", action="store_true",
+                        help="show tracebacks and tierckpt's debug log")
+    common.add_argument("--debug-botocore", action="store_true",
+                        help="also log botocore's requests and responses (their headers hold "
+                             "session tokens and signatures: never share this output); "
+                             "or TIERCKPT_DEBUG_BOTOCORE=1")
 
     p = _Parser(prog="tierckpt",
                 description="Look at, check, copy, clean up and export the checkpoints "
@@ -475,26 +506,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `tierckpt bench ...` / `tierckpt demo ...`: everything after the command is theirs,
     # --help included (their own parsers describe their options)
     if argv and argv[0] in ("bench", "demo"):
-        ns = argparse.Namespace(command=argv[0], debug=False, endpoint_url=None,
+        ns = argparse.Namespace(command=argv[0], debug=False, debug_botocore=False,
+                                endpoint_url=None,
                                 bench_args=argv[1:], demo_args=argv[1:],
                                 func=cmd_bench if argv[0] == "bench" else cmd_demo)
     else:
         ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if ns.debug else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(ns.debug, wire_debug_requested(ns.debug_botocore))
     try:
         return int(ns.func(ns))
     except UsageError as exc:
-        print(f"tierckpt {ns.command}: error: {exc}", file=sys.stderr)
+        print(f"tierckpt {ns.command}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # expected failures end with a message, not a traceback
+        scrub_exception(exc)
         if ns.debug:
             raise
         kind = "" if isinstance(exc, TierCkptError) else f"{type(exc).__name__}: "
-        print(f"tierckpt {ns.command}: error: {kind}{exc}", file=sys.stderr)
+        print(f"tierckpt {ns.command}: error: {kind}{redact(str(exc))}", file=sys.stderr)
         return 1
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "BackendError",
     "CheckpointFailed",
     "CheckpointNotFound",
+    "CheckpointSkipped",
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
@@ -70,3 +71,8 @@ class CheckpointFailed(TierCkptError, RuntimeError):
     def __init__(self, message: str, errors: dict[str, BaseException] | None = None):
         super().__init__(message)
         self.errors = dict(errors or {})
+
+
+class CheckpointSkipped(CheckpointFailed):
+    """A save was skipped (``on_busy="skip"`` while an earlier one was still flushing): nothing
+    of it was written. ``h.wait()`` / ``h.result()`` raise it; ``h.skipped`` says so too."""

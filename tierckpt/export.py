@@ -19,10 +19,12 @@ written once per name; ``state.json`` lists such aliases. Dtypes safetensors can
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import math
 import os
 import re
+import tempfile
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from tierckpt.backends.base import Backend
+from tierckpt.errors import BackendError, FormatError
 from tierckpt.format import FORMAT_VERSION
 from tierckpt.objects import dtype_name
 from tierckpt.restore import read_manifest, read_shard
@@ -112,6 +115,24 @@ def _file_name(key: str) -> str:
     return f"{name}.safetensors"
 
 
+def _ensure_writable(where: str) -> None:
+    """Create ``where`` and check that files can be written there: a read-only location gets
+    a clear error before anything is written, instead of a raw OSError (or safetensors' own
+    error) halfway through."""
+    try:
+        os.makedirs(where, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tierckpt-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        hint = ""
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            hint = " (the folder is read-only or not writable by this user: pick a writable one)"
+        raise BackendError(
+            exc.errno or 0, f"{where}: cannot write the export there: {exc.strerror}{hint}"
+        ) from exc
+
+
 def export_safetensors(
     backend: Backend,
     step: int,
@@ -141,16 +162,26 @@ def export_safetensors(
         for r in ranks:
             loaded = read_shard(backend, backend.url, manifest, r, pool)
             where = out_dir if len(ranks) == 1 else os.path.join(out_dir, f"rank-{r:06d}")
-            os.makedirs(where, exist_ok=True)
+            _ensure_writable(where)
             res = ExportResult(step, r, where)
             state = loaded.state
             groups: OrderedDict[str, list[tuple[str, torch.Tensor]]] = OrderedDict()
             if (not single_file and isinstance(state, dict)
                     and all(isinstance(k, str) for k in state)):
+                owner: dict[str, str] = {}  # file name -> the top-level key it holds
                 for k, v in state.items():
                     items = flatten_state(v)
                     if items:
-                        groups[_file_name(k)] = [(n or k, t) for n, t in items]
+                        fname = _file_name(k)
+                        if fname in owner:  # never drop one key's tensors for the other's
+                            raise FormatError(
+                                f"step {step}: top-level keys {owner[fname]!r} and {k!r} both "
+                                f"export to {fname} (file names keep only [A-Za-z0-9._-]); "
+                                "export with --single-file (single_file=True: every tensor "
+                                "under its full key in one file) or rename one of the keys"
+                            )
+                        owner[fname] = k
+                        groups[fname] = [(n or k, t) for n, t in items]
             else:
                 groups["state.safetensors"] = flatten_state(state)
             ref: dict[int, dict[str, str]] = {}
@@ -160,8 +191,8 @@ def export_safetensors(
                 for name, t in items:
                     full = name
                     if name in tensors:
-                        raise ValueError(f"two tensors flatten to the same name {name!r} in "
-                                         f"{fname}; export with --single-file or rename keys")
+                        raise FormatError(f"two tensors flatten to the same name {name!r} in "
+                                          f"{fname}; export with --single-file or rename keys")
                     if t.dtype not in SAFETENSORS_DTYPES:
                         res.skipped.append(f"{fname}:{full} ({dtype_name(t.dtype)})")
                         continue

@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tierckpt.errors import CheckpointFailed
+from tierckpt.errors import CheckpointFailed, CheckpointSkipped
 
 __all__ = ["SaveHandle", "TierResult"]
 
@@ -105,7 +105,17 @@ class SaveHandle:
         return (tier,)
 
     def wait(self, tier: str | None = None, timeout: float | None = None) -> SaveHandle:
-        """Wait until committed on ``tier`` (all tiers if None); raise if it failed there."""
+        """Wait until committed on ``tier`` (all tiers if None); raise if it failed there.
+
+        A skipped save (``on_busy="skip"``) raises :class:`CheckpointSkipped`: it was never
+        written, and code that waits for a checkpoint must not take it for a committed one.
+        """
+        if self.skipped:
+            raise CheckpointSkipped(
+                f"step {self.step} was skipped: on_busy='skip' and the previous checkpoint was "
+                "still flushing, so nothing of it was written (check h.skipped, or use "
+                "on_busy='block' to wait for arena space instead)"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

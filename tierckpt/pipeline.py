@@ -18,14 +18,24 @@ slow tier never holds arena slots, and capture goes at the pace of the tiers fed
 Whoever wants to know where a save's time goes (``tierckpt bench``'s per-stage breakdown)
 subscribes to :class:`StageEvent` s with :meth:`Pipeline.subscribe`; with no subscriber no
 stage is timed for it.
+
+At interpreter exit (the main thread has returned or raised), saves still in flight are drained
+by :func:`_drain_at_exit`: each live pipeline gets ``exit_timeout_s`` (default 60 s,
+``TIERCKPT_EXIT_TIMEOUT_S``) to finish; what is still unfinished then is abandoned — never
+committed, its partial files removed by the writers' ``abort()`` — and the threads are stopped
+before the interpreter tears down, so a daemon thread is never frozen inside a tensor copy
+(which aborted the process with SIGABRT, exit status 134).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,10 +69,22 @@ from tierckpt.policy import TierSpec
 from tierckpt.restore import read_verified
 from tierckpt.retention import gc_tier
 
-__all__ = ["Pipeline", "SaveJob", "StageEvent", "TierRuntime"]
+__all__ = [
+    "DEFAULT_EXIT_TIMEOUT_S",
+    "Pipeline",
+    "SaveJob",
+    "StageEvent",
+    "TierRuntime",
+    "exit_timeout_s",
+]
 
 log = logging.getLogger("tierckpt")
 _ZEROS = bytes(4096)
+
+#: seconds in-flight saves get to finish at interpreter exit before they are abandoned
+DEFAULT_EXIT_TIMEOUT_S = 60.0
+#: after abandoning, how long the exit handler lets the threads abort their writes and stop
+_EXIT_ABORT_GRACE_S = 10.0
 
 
 #: the stages a save goes through, in order: ``plan`` (lay the chunks out), ``arena_wait``
@@ -222,6 +244,12 @@ class Pipeline:
         self._closed = False
         #: replaced, never mutated, so threads iterate a snapshot without the lock
         self._listeners: tuple[StageListener, ...] = ()
+        #: seconds to wait for in-flight saves at interpreter exit (None: exit_timeout_s())
+        self.exit_timeout_s: float | None = None
+        #: set at interpreter exit once the wait is over: no copy commits from then on
+        self._abandoned = False
+        #: (step, tier) copies inside their commit (a commit is atomic: whole or not at all)
+        self._committing: set[tuple[int, str]] = set()
         self._threads = [
             threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
         ]
@@ -233,6 +261,7 @@ class Pipeline:
             )
         for th in self._threads:
             th.start()
+        _track(self)
 
     # -- public ----------------------------------------------------------------------
     def submit(self, job: SaveJob) -> None:
@@ -287,6 +316,7 @@ class Pipeline:
             if self._closed:
                 return
             self._closed = True
+        _live.discard(self)
         self._capture_q.put(None)
         for th in self._threads:
             th.join()
@@ -298,6 +328,79 @@ class Pipeline:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+    # -- interpreter exit ------------------------------------------------------------
+    def _abandoned_error(self, job: SaveJob) -> TierCkptError:
+        return TierCkptError(
+            f"step {job.step}: abandoned at interpreter exit, unfinished after the exit "
+            "timeout (TIERCKPT_EXIT_TIMEOUT_S); not committed"
+        )
+
+    def _check_abandoned(self, job: SaveJob) -> None:
+        if self._abandoned:
+            raise self._abandoned_error(job)
+
+    def _drain_at_exit(self, started: float) -> None:
+        """Finish in-flight saves by ``started + exit timeout``, else abandon them; then stop
+        the threads (bounded). Called once, by :func:`_drain_at_exit`, on the main thread."""
+        timeout = exit_timeout_s(self.exit_timeout_s)
+        deadline = started + timeout
+        jobs = self.in_flight()
+        unfinished: list[SaveJob] = []
+        try:
+            for job in jobs:
+                for t in job.handle.tiers:
+                    left = max(0.0, deadline - time.monotonic())
+                    if not job.handle._tier_events[t].wait(left):
+                        unfinished.append(job)
+                        break
+        except BaseException:  # Ctrl-C while waiting: abandon now
+            unfinished = [j for j in jobs if not j.handle.done()]
+        if not unfinished:
+            if jobs:
+                log.warning(
+                    "at exit: finished %d in-flight save(s) (step %s)",
+                    len(jobs),
+                    ", ".join(str(j.step) for j in jobs),
+                )
+            self.close()
+            return
+        with self._lock:  # from here no tier copy starts its commit
+            self._abandoned = True
+            committing = set(self._committing)
+        for job in unfinished:
+            open_tiers = [t for t in job.handle.tiers if not job.handle.done(t)]
+            racing = [t for t in open_tiers if (job.step, t) in committing]
+            dropped = [t for t in open_tiers if t not in racing]
+            if dropped:
+                log.warning(
+                    "at exit: abandoned step %d on tier(s) %s after %.0f s "
+                    "(TIERCKPT_EXIT_TIMEOUT_S): not committed there; older checkpoints are "
+                    "untouched",
+                    job.step,
+                    ", ".join(dropped),
+                    timeout,
+                )
+            if racing:
+                log.warning(
+                    "at exit: step %d was committing on tier(s) %s; a commit is atomic, so it "
+                    "is there whole or not at all",
+                    job.step,
+                    ", ".join(racing),
+                )
+        self._pool.shutdown(wait=False, cancel_futures=True)  # queued encodes are not needed
+        with self._lock:
+            self._closed = True
+        _live.discard(self)
+        self._capture_q.put(None)
+        # let the writers abort (temporary files, multipart uploads) and the threads end, so
+        # none is frozen by the interpreter's teardown in the middle of a tensor copy
+        grace_end = time.monotonic() + _EXIT_ABORT_GRACE_S
+        for th in self._threads:
+            th.join(max(0.0, grace_end - time.monotonic()))
+        stuck = [th.name for th in self._threads if th.is_alive()]
+        if stuck:
+            log.warning("at exit: thread(s) %s still in a storage call; exiting anyway", stuck)
 
     # -- capture ---------------------------------------------------------------------
     def _ensure_arena(self, plan: SavePlan) -> HostArena:
@@ -333,14 +436,17 @@ class Pipeline:
             try:
                 self._capture(job)
             except BaseException as exc:
-                job.capture_error = exc
-                log.error("step %d: capture failed: %s", job.step, exc)
-                job.handle._set_captured(exc)
+                # at exit, say so (not e.g. that the encode pool, shut down, refused a chunk)
+                error = self._abandoned_error(job) if self._abandoned else exc
+                job.capture_error = error
+                log.error("step %d: capture failed: %s", job.step, error)
+                job.handle._set_captured(error)
             for t in job.tiers:
                 self._tier_q[t.name].put(("end", job, None))
 
     def _capture(self, job: SaveJob) -> None:
         emit = self._emitter(job.step, None)
+        self._check_abandoned(job)
         if job.plan is None:
             assert job.collected is not None
             t0 = time.perf_counter() if emit else 0.0
@@ -363,6 +469,7 @@ class Pipeline:
         events = []
         for chunk in plan.chunks:
             t0 = time.perf_counter() if emit else 0.0
+            self._check_abandoned(job)
             slot = a.acquire()
             try:
                 t1 = time.perf_counter() if emit else 0.0
@@ -412,6 +519,8 @@ class Pipeline:
                     self._tier_start(tier, job, tw)
                 elif kind == "chunk":
                     try:
+                        if tw.error is None and self._abandoned:
+                            tw.error = self._abandoned_error(job)
                         if tw.error is None:
                             self._tier_chunk(tier, job, tw, payload)
                     finally:
@@ -498,6 +607,7 @@ class Pipeline:
             tw.emit("write", len(blob) + FOOTER_SIZE, time.perf_counter() - t0)
         if tw.writer.size != size:
             raise FormatError(f"shard size {tw.writer.size} != expected {size}")
+        self._check_abandoned(job)
         t0 = time.perf_counter()
         tw.writer.commit()
         seconds = time.perf_counter() - t0
@@ -510,8 +620,17 @@ class Pipeline:
             observe(tw.stored, tw.write_seconds)
         tw.writer = None
         ref = ShardRef(job.rank, job.shard, size, footer.index_checksum)
+        key = (job.step, tier.name)
+        with self._lock:  # the exit handler abandons under the same lock: commit or abandon
+            if self._abandoned:
+                raise self._abandoned_error(job)
+            self._committing.add(key)
         t0 = time.perf_counter() if tw.emit else 0.0
-        pending = self.commit(tier, job, ref, job.laid_out.data_bytes, tw.stored)
+        try:
+            pending = self.commit(tier, job, ref, job.laid_out.data_bytes, tw.stored)
+        finally:
+            with self._lock:
+                self._committing.discard(key)
         if tw.emit is not None:  # a deferred (multi-rank) commit: only its first part
             tw.emit("commit", job.laid_out.data_bytes, time.perf_counter() - t0)
         if pending is not None:
@@ -559,6 +678,7 @@ class Pipeline:
         raw_buf: torch.Tensor | None = None
         source_codecs = [codec_from_config(c) for c in codecs]
         for i, fields in enumerate(records):
+            self._check_abandoned(job)
             rec = ChunkRecord(*fields)
             if stored_buf is None or stored_buf.numel() < rec.stored_size:
                 stored_buf = torch.empty(max(rec.stored_size, 1), dtype=torch.uint8)
@@ -678,6 +798,82 @@ def _encode(
     return Encoded(data, digest, config)
 
 
+def exit_timeout_s(configured: float | None = None) -> float:
+    """Seconds in-flight saves get at interpreter exit: ``configured``, else
+    ``TIERCKPT_EXIT_TIMEOUT_S``, else :data:`DEFAULT_EXIT_TIMEOUT_S` (0: abandon at once)."""
+    if configured is not None:
+        return max(0.0, float(configured))
+    text = os.environ.get("TIERCKPT_EXIT_TIMEOUT_S", "").strip()
+    if not text:
+        return DEFAULT_EXIT_TIMEOUT_S
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        log.warning(
+            "TIERCKPT_EXIT_TIMEOUT_S=%r is not a number of seconds; using %.0f",
+            text,
+            DEFAULT_EXIT_TIMEOUT_S,
+        )
+        return DEFAULT_EXIT_TIMEOUT_S
+
+
+#: pipelines not yet closed, drained at interpreter exit (weakly: a dropped one is gone)
+_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook_installed = False
+
+
+def _track(pipeline: Pipeline) -> None:
+    """Remember a live pipeline; install the exit handler on first use."""
+    global _exit_hook_installed
+    _live.add(pipeline)
+    with _exit_hook_lock:
+        if _exit_hook_installed:
+            return
+        _exit_hook_installed = True
+    # threading's exit hooks run when the main thread is done, before concurrent.futures
+    # shuts its executors down (it registered earlier, and these run last-registered first):
+    # the encode pool and S3's part uploads still work while saves finish. ``atexit`` would
+    # run only after that, too late.
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_drain_at_exit)
+        else:  # pragma: no cover - every supported Python has it
+            atexit.register(_drain_at_exit)
+    except RuntimeError:  # the interpreter is already shutting down
+        pass
+
+
+def _drain_at_exit() -> None:
+    """Interpreter exit: finish or abandon every live pipeline's in-flight saves (bounded).
+
+    Never raises and never changes the exit status: that stays the script's own.
+    """
+    try:
+        started = time.monotonic()
+        pipelines = [p for p in list(_live) if not p._closed]
+        busy = [(p, p.in_flight()) for p in pipelines]
+        steps = sorted({j.step for _p, jobs in busy for j in jobs})
+        if steps:
+            longest = max(exit_timeout_s(p.exit_timeout_s) for p, jobs in busy if jobs)
+            log.warning(
+                "interpreter exit with %d save(s) in flight (step %s): waiting up to %.0f s "
+                "for them (TIERCKPT_EXIT_TIMEOUT_S); call close() or wait() on the "
+                "checkpointer before exiting to wait for them yourself",
+                len(steps),
+                ", ".join(map(str, steps)),
+                longest,
+            )
+        for p in pipelines:
+            p._drain_at_exit(started)
+    except BaseException as exc:  # never let the exit hook change how the script ends
+        try:
+            log.warning("at exit: draining in-flight saves failed: %s", exc)
+        except BaseException:
+            pass
+
+
 _Owner = TypeVar("_Owner", bound="PipelineOwner")
 
 
@@ -692,6 +888,8 @@ class PipelineOwner:
     chunk_bytes: int
     host_buffer_bytes: int
     io_threads: int
+    #: seconds in-flight saves get at interpreter exit (None: TIERCKPT_EXIT_TIMEOUT_S or 60)
+    exit_timeout_s: float | None = None
 
     def _pipeline_hooks(self) -> dict[str, Any]:
         """``commit`` (and optionally ``on_result``, ``on_failure``) for the Pipeline."""
@@ -709,6 +907,7 @@ class PipelineOwner:
                 io_threads=self.io_threads,
                 **self._pipeline_hooks(),
             )
+            self._pipeline.exit_timeout_s = self.exit_timeout_s
         return self._pipeline
 
     def _release(self) -> None:

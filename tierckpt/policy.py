@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.redact import redact, refuse_credentials
 
 __all__ = ["LocalTier", "MemoryTier", "S3Tier", "TierPolicy", "TierSpec", "resolve_codec"]
 
@@ -139,10 +140,16 @@ class S3Tier(TierSpec):
         object.__setattr__(self, "codec", codec)
         TierSpec.__post_init__(self)
         if not url.startswith("s3://"):
-            raise ValueError(f"S3Tier needs an s3://bucket/prefix URL, got {url!r}")
+            raise ValueError(f"S3Tier needs an s3://bucket/prefix URL, got {redact(url)!r}")
+        refuse_credentials(url)
 
     def __hash__(self) -> int:
         return hash((self.name, self.url))
+
+    def __repr__(self) -> str:
+        # options may hold an endpoint URL with credentials in it: never print those
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return redact(f"S3Tier({shown})")
 
     def make_backend(self) -> Backend:
         try:

@@ -39,6 +39,7 @@ from tierckpt.format import (
     manifest_name,
 )
 from tierckpt.objects import decode_tree, dtype_from_name
+from tierckpt.redact import redact
 from tierckpt.restore import read_index, read_manifest
 from tierckpt.retention import committed_ids, data_ids, gc_tier
 
@@ -89,15 +90,13 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
     if "://" in url and not url.startswith("file://"):
         scheme = url.split("://", 1)[0]
         raise ValueError(
-            f"unsupported URL scheme {scheme!r} in {url!r}: use a local path, "
+            f"unsupported URL scheme {scheme!r} in {redact(url)!r}: use a local path, "
             "file:///path or s3://bucket/prefix"
         )
     path = url.removeprefix("file://")
-    if create:
-        os.makedirs(path, exist_ok=True)
-    elif not os.path.isdir(path):
+    if not create and not os.path.isdir(path):
         raise CheckpointNotFound(f"{path}: no such folder")
-    return LocalBackend(path)
+    return LocalBackend(path)  # creates the folder; a read-only location raises BackendError
 
 
 # -- listing -----------------------------------------------------------------------------------

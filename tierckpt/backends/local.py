@@ -81,9 +81,15 @@ def _os_error(url: str, name: str, what: str, exc: OSError) -> BackendError:
     hint = ""
     if exc.errno == errno.ENOSPC:
         hint = " (disk full: free space or lower keep_last)"
+    elif exc.errno == errno.EROFS:
+        hint = " (the location is read-only: a read-only mount; give the tier a writable folder)"
     elif exc.errno in (errno.EACCES, errno.EPERM):
-        hint = " (permission denied: check the folder's owner and mode)"
-    err = BackendError(exc.errno or 0, f"{url}/{name}: {what} failed: {exc.strerror}{hint}")
+        hint = (
+            " (not writable by this user: the folder is read-only or owned by someone else; "
+            "check its owner and mode, or give the tier a writable folder)"
+        )
+    where = f"{url}/{name}" if name else url
+    err = BackendError(exc.errno or 0, f"{where}: {what} failed: {exc.strerror}{hint}")
     return err
 
 
@@ -92,9 +98,9 @@ class _LocalWriter(ObjectWriter):
         super().__init__(name)
         self._backend = backend
         self._final = backend._path(name)
-        os.makedirs(os.path.dirname(self._final), exist_ok=True)
         self._tmp = f"{self._final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         try:
+            os.makedirs(os.path.dirname(self._final), exist_ok=True)
             self._fd: int | None = os.open(
                 self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
             )
@@ -200,7 +206,10 @@ class LocalBackend(Backend):
     def __init__(self, root: str | os.PathLike[str], *, direct_io: bool | None = None) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
-        os.makedirs(self.root, exist_ok=True)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise _os_error(self.url, "", "create folder", exc) from exc
         self._lock = threading.Lock()
         if direct_io is None:
             direct_io = os.environ.get("TIERCKPT_DIRECT_IO", "1").strip().lower() not in (
@@ -237,9 +246,9 @@ class LocalBackend(Backend):
 
     def put_atomic(self, name: str, data: BytesLike, *, overwrite: bool = False) -> None:
         final = self._path(name)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 view = memoryview(data).cast("B")

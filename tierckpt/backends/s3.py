@@ -26,7 +26,10 @@ Retries and errors
     :class:`~tierckpt.errors.CheckpointNotFound`, unsatisfiable or short ranges ->
     :class:`~tierckpt.errors.FormatError`, everything else -> :class:`S3Error` (a
     :class:`~tierckpt.errors.BackendError` naming the bucket, key and S3 error code).
-    Credentials never appear in messages or logs.
+    Credentials never appear in messages or logs: every message that holds an endpoint URL or
+    a botocore error goes through :func:`tierckpt.redact.redact` (``http://KEY:SECRET@host``
+    becomes ``http://***@host``), the chained botocore exception is scrubbed the same way, and
+    an ``s3://`` URL with credentials in it is refused.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
+from tierckpt.redact import redact, refuse_credentials, scrub_exception
 
 __all__ = ["MIN_PART_SIZE", "S3Backend", "S3Error"]
 
@@ -110,15 +114,18 @@ def _error_info(exc: ClientError) -> tuple[str, int, str]:
 
 
 def _parse_location(url_or_bucket: str, prefix: str) -> tuple[str, str]:
+    refuse_credentials(url_or_bucket if "://" in url_or_bucket else f"s3://{url_or_bucket}")
     if url_or_bucket.startswith("s3://"):
         parts = urlsplit(url_or_bucket)
         if parts.query or parts.fragment:
-            raise FormatError(f"invalid S3 URL {url_or_bucket!r}: no query or fragment allowed")
+            raise FormatError(
+                f"invalid S3 URL {redact(url_or_bucket)!r}: no query or fragment allowed"
+            )
         bucket, url_prefix = parts.netloc, parts.path
     else:
         bucket, url_prefix = url_or_bucket, ""
     if not bucket or "/" in bucket:
-        raise FormatError(f"invalid S3 bucket in {url_or_bucket!r}")
+        raise FormatError(f"invalid S3 bucket in {redact(url_or_bucket)!r}")
     full = "/".join(p for p in (url_prefix.strip("/"), prefix.strip("/")) if p)
     if full and any(c in ("", ".", "..") for c in full.split("/")):
         raise FormatError(f"invalid S3 prefix {full!r}: empty, '.' or '..' components")
@@ -248,7 +255,7 @@ class _S3Writer(ObjectWriter):
                 if self._upload_id is not None:
                     self._b._abort_upload(self._key, self._upload_id)
             except Exception as exc:  # abort never raises
-                log.warning("%s: abort failed: %s", self._where, exc)
+                log.warning("%s: abort failed: %s", self._where, redact(str(exc)))
 
     # -- internals --------------------------------------------------------------------
     def _release_buffer(self) -> None:
@@ -264,7 +271,8 @@ class _S3Writer(ObjectWriter):
         self.abort()
         code = getattr(cause, "code", "") or type(cause).__name__
         raise S3Error(
-            f"{self._where}: part {number} failed ({code}); multipart upload aborted: {cause}",
+            f"{self._where}: part {number} failed ({code}); multipart upload aborted: "
+            + redact(str(cause)),
             bucket=self._b.bucket,
             key=self._key,
             code=code,
@@ -337,7 +345,7 @@ class _S3Writer(ObjectWriter):
             with self._lock:
                 if self._failure is None:
                     self._failure = (number, exc)
-            log.warning("%s: part %d failed: %s", self._where, number, exc)
+            log.warning("%s: part %d failed: %s", self._where, number, redact(str(exc)))
         finally:
             self._b._slots.release()
             self._b._buffers.give(buf)
@@ -399,9 +407,12 @@ class S3Backend(Backend):
             )
             # a private session: boto3's default session is not thread-safe
             session = boto3.session.Session()
-            client = session.client(
-                "s3", endpoint_url=endpoint_url, region_name=region, config=config
-            )
+            try:
+                client = session.client(
+                    "s3", endpoint_url=endpoint_url, region_name=region, config=config
+                )
+            except ValueError as exc:  # botocore's "Invalid endpoint: <the URL>"
+                raise FormatError(f"S3 client for {self.url}: {redact(str(exc))}") from None
         self._client: Any = client
         # mirror s3transfer: CRC32 part checksums when the client computes them by default
         self._checksum_args: dict[str, str] = (
@@ -459,6 +470,8 @@ class S3Backend(Backend):
             return self._pool
 
     def _translate(self, exc: BaseException, what: str, key: str) -> BaseException:
+        """The error family's exception for a botocore error; no credentials in either."""
+        scrub_exception(exc)  # it stays chained as __cause__: tracebacks print it
         where = f"s3://{self.bucket}/{key}"
         if isinstance(exc, ClientError):
             code, status, message = _error_info(exc)
@@ -479,7 +492,7 @@ class S3Backend(Backend):
             if code in _AUTH_CODES or status == 403:
                 hint = " (check the credentials boto3 found: env, profile or instance role)"
             return S3Error(
-                f"{where}: {what} failed: {code or status} ({status}): {message}{hint}",
+                f"{where}: {what} failed: {code or status} ({status}): {redact(message)}{hint}",
                 bucket=self.bucket,
                 key=key,
                 code=code,
@@ -487,7 +500,7 @@ class S3Backend(Backend):
             )
         if isinstance(exc, BotoCoreError):
             return S3Error(
-                f"{where}: {what} failed after retries: {exc}",
+                f"{where}: {what} failed after retries: {redact(str(exc))}",
                 bucket=self.bucket,
                 key=key,
                 code=type(exc).__name__,
@@ -523,10 +536,14 @@ class S3Backend(Backend):
         except ClientError as exc:
             if _error_info(exc)[0] == "NoSuchUpload":
                 return False
-            log.warning("s3://%s/%s: abort of upload failed: %s", self.bucket, key, exc)
+            log.warning(
+                "s3://%s/%s: abort of upload failed: %s", self.bucket, key, redact(str(exc))
+            )
             return False
         except BotoCoreError as exc:
-            log.warning("s3://%s/%s: abort of upload failed: %s", self.bucket, key, exc)
+            log.warning(
+                "s3://%s/%s: abort of upload failed: %s", self.bucket, key, redact(str(exc))
+            )
             return False
         return True
 
@@ -607,7 +624,9 @@ class S3Backend(Backend):
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=key)
             except (ClientError, BotoCoreError) as exc:
-                log.warning("%s: could not delete probe object %s: %s", self.url, key, exc)
+                log.warning(
+                    "%s: could not delete probe object %s: %s", self.url, key, redact(str(exc))
+                )
 
     # -- reading -------------------------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> BytesLike:
@@ -666,16 +685,19 @@ class S3Backend(Backend):
                         raise IncompleteReadError(actual_bytes=got, expected_bytes=need)
                     got += n
             except _BODY_ERRORS as exc:
+                scrub_exception(exc)
                 attempt += 1
                 if attempt >= self.max_attempts:
                     raise S3Error(
                         f"s3://{self.bucket}/{key}: reading bytes {first}-{last} failed after "
-                        f"{attempt} attempts: {exc}",
+                        f"{attempt} attempts: {redact(str(exc))}",
                         bucket=self.bucket,
                         key=key,
                         code=type(exc).__name__,
                     ) from exc
-                log.debug("s3://%s/%s: body cut at %d (%s); resuming", self.bucket, key, got, exc)
+                log.debug(
+                    "s3://%s/%s: body cut at %d (%s); resuming", self.bucket, key, got, exc
+                )  # exc is scrubbed above
                 self._backoff(attempt)
             finally:
                 body.close()
@@ -720,7 +742,9 @@ class S3Backend(Backend):
                     break
                 got += n
         except _BODY_ERRORS as exc:
-            log.debug("s3://%s/%s: body cut at %d (%s); resuming", self.bucket, key, got, exc)
+            log.debug(
+                "s3://%s/%s: body cut at %d (%s); resuming", self.bucket, key, got, redact(str(exc))
+            )
         finally:
             body.close()
         if got < len(out):

@@ -1,0 +1,146 @@
+"""A script that ends with a save still in flight.
+
+Training scripts often end right after their last ``save()``, without ``close()`` — normally,
+or through an uncaught exception. The pipeline's threads are daemons: the interpreter used to
+tear down around them, killing the S3 copy silently or aborting the process (SIGABRT, exit
+status 134) while a thread was inside a tensor copy. Now an exit hook gives in-flight saves
+``TIERCKPT_EXIT_TIMEOUT_S`` to finish and abandons the rest — never committed — with a log
+line, and the exit status stays the script's own (0, or 1 after an uncaught exception).
+
+Each case is a real process saving to a local folder and to S3 (moto behind the fault proxy,
+which makes multipart parts slow): a small step 1 is committed first; a larger step 2 (more
+than the host arena, so capture itself waits for the slow tier) is in flight at exit. A fresh
+process then loads every committed step of each tier bit-exact, and the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rel_util import Recorder, local_leftovers, s3_leftovers
+
+from tierckpt.testing.faultproxy import Fault, FaultProxy
+from tierckpt.testing.s3servers import S3Server
+
+pytestmark = pytest.mark.s3
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = """
+import json, sys, torch
+from tierckpt import Checkpointer, LocalTier, S3Tier
+
+mode, local, endpoint, bucket = sys.argv[1:5]
+
+def state(step):
+    g = torch.Generator().manual_seed(step)
+    n = (40 << 20) // 4 if step == 2 else 1000  # step 2: 40 MiB, 2.5x the host arena
+    return {"w": torch.randn(n, generator=g), "step": step, "tag": ("t", step)}
+
+def s3(url_endpoint):
+    return S3Tier(f"s3://{bucket}/run", endpoint_url=url_endpoint, codec="raw",
+                  part_size=5 << 20, max_attempts=3, connect_timeout=5, read_timeout=30)
+
+if mode == "check":  # a fresh process: what is committed, and does it load bit-exact
+    out = {}
+    for name, tier in (("local", LocalTier(local)), ("s3", s3(endpoint))):
+        with Checkpointer([tier]) as ck:
+            out[name] = {}
+            for s in ck.steps():
+                got, want = ck.load(s), state(s)
+                out[name][s] = bool(torch.equal(got["w"], want["w"])
+                                    and got["step"] == s and got["tag"] == want["tag"])
+    with Checkpointer([LocalTier(local), s3(endpoint)]) as ck:
+        out["newest"] = ck.load()["step"]
+    print(json.dumps(out))
+    sys.exit(0)
+
+ck = Checkpointer([LocalTier(local, keep_last=None), s3(endpoint)],
+                  host_buffer_bytes=16 << 20, chunk_bytes=4 << 20)
+ck.save(state(1), 1).wait(timeout=120)
+h = ck.save(state(2), 2)
+print("step 2 in flight", flush=True)
+if mode == "raise":
+    raise RuntimeError("the training loop crashed")
+# mode "exit": the script just ends, without close()
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _child(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), *args],
+        capture_output=True,
+        text=True,
+        env=_env(**env),
+        cwd=REPO,
+        timeout=400,
+    )
+
+
+@pytest.mark.parametrize(
+    ("ending", "outcome"),
+    # the raising script abandons just like the ending one (checked by hand; 30 s a case)
+    [("exit", "finish"), ("raise", "finish"), ("exit", "abandon")],
+    ids=["exit-finish", "raise-finish", "exit-abandon"],
+)
+def test_exit_with_save_in_flight(
+    ending: str,
+    outcome: str,
+    tmp_path: Path,
+    moto_server: S3Server,
+    s3_bucket: Any,
+    record: Recorder,
+) -> None:
+    bucket = s3_bucket(moto_server)
+    local = tmp_path / "local"
+    # finish: parts are a little slow, the exit timeout generous; abandon: each part takes
+    # 4 s and the exit timeout is 1 s, so step 2 cannot commit anywhere in time
+    part_delay, timeout = (0.2, "300") if outcome == "finish" else (4.0, "1")
+    faults = [Fault("delay", method="PUT", path_contains="partNumber=", seconds=part_delay)]
+    with FaultProxy(moto_server.endpoint_url, faults, timeout=30) as proxy:
+        p = _child(ending, str(local), proxy.endpoint_url, bucket, TIERCKPT_EXIT_TIMEOUT_S=timeout)
+    expected_rc = 0 if ending == "exit" else 1
+    err = p.stderr
+    check = _child("check", str(local), moto_server.endpoint_url, bucket)
+    assert check.returncode == 0, check.stderr[-3000:]
+    got = json.loads(check.stdout.strip().splitlines()[-1])
+    committed = {t: sorted(int(s) for s in got[t]) for t in ("local", "s3")}
+    exact = all(all(v.values()) for t, v in got.items() if t in ("local", "s3"))
+    record(
+        "exit",
+        f"script {'ends' if ending == 'exit' else 'raises'} with a 40 MiB save in flight to "
+        f"local + slow S3; exit timeout {timeout} s",
+        f"exit status {p.returncode}; committed {committed}; loads "
+        f"{'bit-exact' if exact else 'WRONG'}, newest step {got['newest']}",
+        p.returncode == expected_rc and exact,
+    )
+    assert p.returncode == expected_rc, f"exit status {p.returncode}\n{err[-3000:]}"
+    if ending == "raise":
+        assert "RuntimeError: the training loop crashed" in err
+    assert "interpreter exit with 1 save(s) in flight (step 2)" in err, err[-3000:]
+    assert exact, got  # nothing torn: every committed step loads bit-exact
+    if outcome == "finish":
+        assert "at exit: finished 1 in-flight save(s) (step 2)" in err, err[-3000:]
+        assert committed == {"local": [1, 2], "s3": [1, 2]}
+        assert got["newest"] == 2
+        assert local_leftovers(local)["tmp_files"] == []
+        assert s3_leftovers(moto_server.admin, bucket, "run/")["open_uploads"] == []
+    else:
+        assert "at exit: abandoned step 2 on tier(s)" in err, err[-3000:]
+        assert 2 not in committed["s3"]  # abandoned: never committed
+        assert 1 in committed["local"] and 1 in committed["s3"]
+        assert got["newest"] in (1, 2)

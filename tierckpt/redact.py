@@ -1,0 +1,82 @@
+"""Keep credentials out of messages, logs and tracebacks.
+
+Credentials reach tierckpt by mistake in two places: the userinfo of an endpoint URL
+(``http://KEY:SECRET@host``, given as ``endpoint_url`` or through ``AWS_ENDPOINT_URL``, which
+botocore then repeats in its errors, e.g. "Could not connect to the endpoint URL: ...") and
+signing material in request text (``X-Amz-Security-Token=...``). :func:`redact` replaces both
+with ``***`` in any text; every place that formats a URL or an S3 client error goes through
+it, and :func:`scrub_exception` does the same to the messages of an exception's whole chain
+(its ``__cause__`` / ``__context__``), so a printed traceback holds no secret either.
+``s3://`` URLs never carry credentials: :func:`refuse_credentials` rejects them with a message
+that points at the environment or a profile.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tierckpt.errors import FormatError
+
+__all__ = ["redact", "refuse_credentials", "scrub_exception"]
+
+#: ``scheme://userinfo@``: everything between ``://`` and the last ``@`` of the URL token (a
+#: secret may itself hold ``/`` or ``+``); over-redacting a rare ``@`` in a path is harmless
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s\"'<>@]+@")
+#: signing secrets in query strings, headers or reprs of them
+_SIGNING = re.compile(
+    r"(?i)\b(x-amz-security-token|x-amz-signature|x-amz-credential|aws_secret_access_key|"
+    r"aws_session_token|aws_access_key_id)(['\"]?\s*[=:]\s*['\"]?)[^&\s\"',;}]+"
+)
+_MASK = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with URL userinfo and signing secrets replaced by ``***``."""
+    if "@" not in text and "amz" not in text.lower() and "aws_" not in text.lower():
+        return text  # the common case, without running the patterns
+    text = _USERINFO.sub(lambda m: f"{m.group(1)}{_MASK}@", text)
+    return _SIGNING.sub(lambda m: f"{m.group(1)}{m.group(2)}{_MASK}", text)
+
+
+def scrub_exception(exc: BaseException) -> BaseException:
+    """Redact the string arguments of ``exc`` and of every exception chained to it, in place.
+
+    botocore builds its messages from keyword arguments (``endpoint_url=...``) at
+    construction, so both ``args`` and ``kwargs`` are cleaned. Returns ``exc``.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        try:
+            if any(isinstance(a, str) and redact(a) != a for a in e.args):
+                e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
+            kwargs = getattr(e, "kwargs", None)
+            if isinstance(kwargs, dict):
+                for k, v in list(kwargs.items()):
+                    if isinstance(v, str):
+                        kwargs[k] = redact(v)
+        except Exception:  # an exotic exception type: its message stays as it is
+            pass
+        todo.extend((e.__cause__, e.__context__))
+    return exc
+
+
+def refuse_credentials(url: str) -> None:
+    """Raise :class:`FormatError` if an ``s3://`` URL carries credentials (``user:pass@``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return
+    netloc = rest.split("/", 1)[0]
+    path = rest.split("?", 1)[0].split("#", 1)[0]
+    # "KEY:SECRET@bucket", or a secret holding "/" that pushes the "@" past the first "/"
+    if "@" in netloc or ("@" in path and ":" in netloc):
+        raise FormatError(
+            f"{redact(url)}: credentials do not belong in an {scheme}:// URL (they would end up "
+            "in logs and process listings); give them through the environment "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), a profile (AWS_PROFILE, "
+            "~/.aws/credentials) or an instance role, and use s3://bucket/prefix"
+        )
