@@ -12,10 +12,12 @@ from tierckpt.errors import (
     CorruptCheckpoint,
     CorruptChunk,
     FormatError,
+    LeaseLost,
     StateMismatch,
     TierCkptError,
     UnknownCodec,
     UnsupportedObject,
+    WriterConflict,
 )
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.observe import CommitStats
@@ -30,6 +32,7 @@ __all__ = [
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
+    "LeaseLost",
     "LocalTier",
     "MemoryTier",
     "S3Tier",
@@ -41,5 +44,6 @@ __all__ = [
     "TierSpec",
     "UnknownCodec",
     "UnsupportedObject",
+    "WriterConflict",
     "__version__",
 ]

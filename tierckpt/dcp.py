@@ -8,8 +8,10 @@ tierckpt supplies the storage, with its own format and tiers::
     import torch.distributed.checkpoint as dcp
     from tierckpt.dcp import TierReader, TierWriter
 
-    dcp.save(state, storage_writer=TierWriter([LocalTier("/nvme/ck"), S3Tier("s3://b/run")], 100))
-    dcp.load(state, storage_reader=TierReader([LocalTier("/nvme/ck"), S3Tier("s3://b/run")]))
+    tiers = [LocalTier("/nvme/ck"), S3Tier("s3://b/run")]
+    with TierWriter(tiers) as writer:  # one writer for every save of the run
+        dcp.save(state, storage_writer=writer, checkpoint_id=100)
+    dcp.load(state, storage_reader=TierReader(tiers))
 
 On every tier the layout is the native one: each rank writes **one shard file**
 (``steps/<step>/rank-<r>.tck``: chunk checksums, the tier's codec, streamed as a multipart
@@ -456,7 +458,9 @@ class TierWriter(PipelineOwner, StorageWriter):
         chunk_bytes, host_buffer_bytes, io_threads: as for :class:`~tierckpt.Checkpointer`.
 
     Reuse one writer for every save of a run: its host buffer and threads stay warm. It
-    holds threads until :meth:`close` (or garbage collection).
+    holds threads, and its writer lease on every tier it wrote to, until :meth:`close` (or
+    garbage collection); another writer on the same location is refused with
+    :class:`~tierckpt.WriterConflict` meanwhile.
     """
 
     def __init__(
@@ -657,6 +661,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             metadata={},
             attempt=info.save_id,
         )
+        pipeline.acquire_leases(job)  # WriterConflict when another live writer is there
         pipeline.submit(job)
         errors: dict[str, str] = {}
         for t in tiers:
@@ -695,11 +700,13 @@ class TierWriter(PipelineOwner, StorageWriter):
         )
         t.backend.put_atomic(manifest_name(step), encode_manifest(m))
         log.info("DCP step %d committed on tier %s (%d ranks)", step, t.name, world)
+        rank = self._info.rank if self._info is not None else self.rank
+        if self._pipeline is None or not self._pipeline.may_collect(t, rank):
+            return  # retention only while this writer holds the location's lease
         try:
             gc_tier(t.backend, t.spec.keep_last)
         except OSError as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", t.name, exc)
-
 
 
 def _dist_rank() -> int:

@@ -14,16 +14,27 @@ A tier with a ``source`` (e.g. S3 behind the local disk) takes no chunks from th
 the source tier's file is durable, the follower's thread reads it back chunk by chunk, checks
 each chunk's checksum, re-encodes it for its own codec when that differs, and writes it. So a
 slow tier never holds arena slots, and capture goes at the pace of the tiers fed directly.
+
+One writer per location (:mod:`tierckpt.lease`): before a job is submitted, ``acquire_leases``
+has each tier's thread take this writer's lease there (the first time: a live other writer
+refuses the save at once). The tier threads renew their leases every ``ttl / 4`` (waking from
+their queue for it, and between chunks), check the lease before publishing a shard file and
+before retention, and release it at ``close()``. A tier whose lease was lost fails every later
+save there and is never garbage-collected by this writer again.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,7 +45,7 @@ from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.capture import CaptureStreams, copy_chunk
 from tierckpt.codecs import Codec, codec_from_config
-from tierckpt.errors import BackendError, FormatError, TierCkptError
+from tierckpt.errors import BackendError, FormatError, TierCkptError, WriterConflict
 from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
@@ -49,6 +60,7 @@ from tierckpt.format import (
     shard_name,
 )
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
 from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
 from tierckpt.policy import TierSpec
 from tierckpt.restore import read_verified
@@ -120,6 +132,8 @@ class SaveJob:
     attempt: str = ""
     #: follower tier name -> its source; set by the capture thread
     follows: dict[str, _Follow] = field(default_factory=dict)
+    #: tier name -> why this writer could not take its lease there for this job
+    lease_errors: dict[str, BaseException] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,6 +184,11 @@ class Pipeline:
         self._lock = threading.Lock()
         self._in_flight: list[SaveJob] = []
         self._closed = False
+        #: one owner id per writer object (a pipeline lives as long as its owner's writing)
+        self.owner = new_owner_id()
+        self.lease_ttl = lease_ttl()
+        self._leases: dict[tuple[str, int], WriterLease] = {}
+        _pipelines.add(self)
         self._threads = [
             threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
         ]
@@ -201,6 +220,102 @@ class Pipeline:
         with self._lock:
             return list(self._in_flight)
 
+    # -- leases (tierckpt.lease) -----------------------------------------------------------
+    def _lease(self, tier: TierRuntime, rank: int) -> WriterLease:
+        with self._lock:
+            lease = self._leases.get((tier.name, rank))
+            if lease is None:
+                lease = WriterLease(tier.backend, tier.name, rank, self.owner, self.lease_ttl)
+                self._leases[(tier.name, rank)] = lease
+            return lease
+
+    def _tier_leases(self, tier: str) -> list[WriterLease]:
+        with self._lock:
+            return [lease for (name, _), lease in self._leases.items() if name == tier]
+
+    def acquire_leases(self, job: SaveJob) -> None:
+        """Before ``submit(job)``, in the caller's thread: have the tier threads take this
+        writer's lease on every tier of ``job`` not yet held, and raise
+        :class:`WriterConflict` (nothing submitted, nothing written) when another live
+        writer holds one. Waits at most ``TIERCKPT_LEASE_WAIT_S``, and only for a first
+        attempt (or one after a conflict): a retry after an unreachable store goes on in the
+        background, and its failure fails only that tier's copy (``job.lease_errors``)."""
+        waits: dict[str, Future[BaseException | None]] = {}
+        for t in job.tiers:
+            lease = self._lease(t, job.rank)
+            if lease.held or lease.lost is not None:
+                continue
+            fut: Future[BaseException | None] = Future()
+            if not lease.attempted or isinstance(lease.last_error, WriterConflict):
+                waits[t.name] = fut
+            self._tier_q[t.name].put(("lease", job, fut))
+        if not waits:
+            return
+        done, _ = wait_futures(waits.values(), timeout=acquire_wait())
+        conflicts = [f.result() for f in done if isinstance(f.result(), WriterConflict)]
+        if not conflicts:
+            return
+        for t in job.tiers:  # give back what this call took: this save writes nothing
+            got = waits.get(t.name)
+            if got is not None and got in done and got.result() is None:
+                self._lease(t, job.rank).release()
+        raise conflicts[0]  # type: ignore[misc]
+
+    def _lease_request(
+        self, tier: TierRuntime, job: SaveJob, fut: Future[BaseException | None]
+    ) -> None:
+        """Tier thread: take this writer's lease on ``tier`` (a no-op when held)."""
+        try:
+            self._lease(tier, job.rank).acquire()
+        except WriterConflict as exc:
+            job.lease_errors[tier.name] = exc
+            fut.set_result(exc)
+            return
+        except Exception as exc:
+            job.lease_errors[tier.name] = exc
+            log.warning(
+                "step %d: cannot take this writer's lease on tier %s (its copy of this step "
+                "fails; tried again at the next save): %s",
+                job.step,
+                tier.name,
+                exc,
+            )
+        fut.set_result(None)
+
+    def _renew_leases(self, tier: TierRuntime) -> None:
+        """Tier thread: renew this tier's leases that are due (cheap when none is)."""
+        now = time.monotonic()
+        for lease in self._tier_leases(tier.name):
+            if lease.next_renewal() <= now:
+                lease.renew_if_due()
+
+    def _renewal_timeout(self, tier: TierRuntime) -> float | None:
+        due = min(
+            (lease.next_renewal() for lease in self._tier_leases(tier.name)), default=math.inf
+        )
+        return None if due == math.inf else max(0.0, due - time.monotonic())
+
+    def may_collect(self, tier: TierRuntime, rank: int) -> bool:
+        """Whether retention may delete on ``tier`` now: only while this writer still holds
+        its lease there, checked by reading it back."""
+        with self._lock:
+            lease = self._leases.get((tier.name, rank))
+        if lease is None:
+            return False
+        try:
+            lease.verify()
+        except Exception as exc:
+            log.warning("retention on tier %s skipped: %s", tier.name, exc)
+            return False
+        return True
+
+    def release_leases(self) -> None:
+        """Delete this writer's leases that are still its own (close, exit)."""
+        with self._lock:
+            leases = list(self._leases.values())
+        for lease in leases:
+            lease.release()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -214,6 +329,7 @@ class Pipeline:
         if commit_pool is not None:
             commit_pool.shutdown(wait=True)  # each deferred commit is bounded by its timeout
         self._pool.shutdown(wait=True)
+        self.release_leases()
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -310,10 +426,17 @@ class Pipeline:
         q = self._tier_q[tier.name]
         progress: dict[int, _TierWrite] = {}
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=self._renewal_timeout(tier))
+            except queue.Empty:
+                self._renew_leases(tier)
+                continue
             if item is None:
                 return
             kind, job, payload = item
+            if kind == "lease":
+                self._lease_request(tier, job, payload)
+                continue
             tw = progress.setdefault(id(job), _TierWrite())
             try:
                 if kind == "start":
@@ -337,6 +460,10 @@ class Pipeline:
                     self._finish(tier, job, None, exc)
 
     def _tier_start(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+        lease_error = job.lease_errors.get(tier.name)
+        if lease_error is not None:
+            raise lease_error
+        self._lease(tier, job.rank).acquire()  # a no-op while held; raises once lost
         if tier.backend.exists(manifest_name(job.step)):
             raise FileExistsError(
                 f"step {job.step} is already committed on tier {tier.name!r} "
@@ -353,6 +480,7 @@ class Pipeline:
     def _append(self, tier: TierRuntime, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
         """Write one encoded chunk at the next aligned offset and record it."""
         assert tw.writer is not None
+        self._renew_leases(tier)  # a long save (or copy from a source) must not let it lapse
         start = align_up(tw.offset)
         if start > tw.offset and not tier.backend.supports_random_write:
             tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
@@ -398,6 +526,8 @@ class Pipeline:
         tw.writer.write(index_offset + len(blob), footer.encode())
         if tw.writer.size != size:
             raise FormatError(f"shard size {tw.writer.size} != expected {size}")
+        # publishing replaces whatever has this name: only while the location is still ours
+        self._lease(tier, job.rank).verify()
         t0 = time.perf_counter()
         tw.writer.commit()
         tw.write_seconds += time.perf_counter() - t0
@@ -509,7 +639,7 @@ class Pipeline:
             codec_desc,
             result.ratio,
         )
-        if job.rank == 0:
+        if job.rank == 0 and self.may_collect(tier, job.rank):
             try:
                 protect = {j.step for j in self.in_flight() if j is not job}
                 gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
@@ -556,6 +686,21 @@ def _encode(tier_codec: Codec, dtype: str, view: memoryview, event: Any) -> Enco
         # incompressible: store raw bytes, never more than raw
         return Encoded(view, checksum(view), {"id": "raw"})
     return Encoded(out, checksum(out), codec.get_config())
+
+
+#: pipelines not yet closed: at exit, the idle ones give their leases back (a process that
+#: ends without close() would otherwise hold them until its ttl runs out on other machines)
+_pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_idle_leases() -> None:
+    for p in list(_pipelines):
+        try:
+            if not p._closed and not p.in_flight():
+                p.release_leases()
+        except Exception:  # never fail the interpreter's exit
+            pass
 
 
 _Owner = TypeVar("_Owner", bound="PipelineOwner")
