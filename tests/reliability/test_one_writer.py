@@ -140,11 +140,12 @@ def _put_lease(backend: Backend, data: bytes) -> None:
 def _child(argv: str) -> None:
     """A job in its own process. ``role``:
 
-    ``first``   saves steps ``start``, ``start+1``, ... (waiting for each to commit), touches
-                ``held`` after the first commit and goes on until ``stop`` exists (and at
-                least ``min_steps``); then closes and writes its committed steps to ``result``.
-    ``second``  tries to save ``steps``, each attempt beside the first job's saves; records
-                how each ended; touches ``stop`` when done.
+    ``first``   saves steps ``start``, ``start+1``, ... (waiting for each to commit); after the
+                first commit touches ``held`` and waits for ``ready``; goes on until ``stop``
+                exists (and at least ``min_steps``); then closes and writes its committed
+                steps to ``result``.
+    ``second``  touches ``ready`` and at once tries to save ``steps``, beside the first job's
+                saves of the same or other steps; records how each ended; touches ``stop``.
     ``hold``    saves step ``start``, touches ``held`` and sleeps until killed.
     """
     a = json.loads(argv)
@@ -160,8 +161,9 @@ def _child(argv: str) -> None:
             committed.append(step)
             if len(committed) == 1:
                 Path(a["held"]).touch()
-            if a["role"] == "hold":
-                time.sleep(3600)
+                if a["role"] == "hold":
+                    time.sleep(3600)
+                _wait_for(Path(a["ready"]))
             if os.path.exists(a["stop"]) and len(committed) >= a["min_steps"]:
                 break
             step += 1
@@ -171,10 +173,12 @@ def _child(argv: str) -> None:
     else:
         ck = Checkpointer(tiers, chunk_bytes=256 << 10, host_buffer_bytes=16 << 20)
         attempts = []
+        states = {step: _state(step, "B") for step in a["steps"]}
+        Path(a["ready"]).touch()
         for step in a["steps"]:
             t0 = time.perf_counter()
             try:
-                h = ck.save(_state(step, "B"), step)
+                h = ck.save(states[step], step)
             except Exception as exc:
                 attempts.append(
                     {
@@ -198,11 +202,17 @@ def _child(argv: str) -> None:
                             "message": str(exc),
                         }
                     )
-            time.sleep(0.05)
+            time.sleep(0.02)
         ck.close()
         out["attempts"] = attempts
         Path(a["stop"]).touch()
     Path(a["result"]).write_text(json.dumps(out))
+
+
+def _wait_for(path: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _spawn(args: dict[str, Any], log: Path, **env: str) -> subprocess.Popen[bytes]:
@@ -238,7 +248,8 @@ def _finish(proc: subprocess.Popen[bytes], log: Path, result: Path) -> dict[str,
 def _two_jobs(tmp_path: Path, spec: dict[str, Any], second_steps: list[int]) -> dict[str, Any]:
     """The issue's scenario: job A saves continuously; job B starts on the same location and
     tries to save ``second_steps`` meanwhile. Returns both results."""
-    files = {k: tmp_path / k for k in ("held", "stop", "result-a", "result-b", "a.log", "b.log")}
+    names = ("held", "ready", "stop", "result-a", "result-b", "a.log", "b.log")
+    files = {k: tmp_path / k for k in names}
     a = _spawn(
         {
             "role": "first",
@@ -246,6 +257,7 @@ def _two_jobs(tmp_path: Path, spec: dict[str, Any], second_steps: list[int]) -> 
             "start": 1,
             "min_steps": 12,
             "held": str(files["held"]),
+            "ready": str(files["ready"]),
             "stop": str(files["stop"]),
             "result": str(files["result-a"]),
         },
@@ -258,6 +270,7 @@ def _two_jobs(tmp_path: Path, spec: dict[str, Any], second_steps: list[int]) -> 
                 "role": "second",
                 "tier": spec,
                 "steps": second_steps,
+                "ready": str(files["ready"]),
                 "stop": str(files["stop"]),
                 "result": str(files["result-b"]),
             },
@@ -300,7 +313,8 @@ def _check_first_job_intact(spec: dict[str, Any], committed: list[int]) -> list[
 def _two_jobs_case(
     tmp_path: Path, spec: dict[str, Any], variant: str, record: Recorder, where: str
 ) -> None:
-    second_steps = list(range(1, 13)) if variant == "same" else list(range(1000, 1012))
+    # same: the steps the first job saves next, at the same time; different: newer steps
+    second_steps = list(range(2, 14)) if variant == "same" else list(range(1000, 1012))
     res = _two_jobs(tmp_path, spec, second_steps)
     attempts = res["b"]["attempts"]
     refused = [x for x in attempts if x["at"] == "save" and x["error"] == "WriterConflict"]
@@ -350,6 +364,7 @@ def test_second_job_on_an_s3_prefix_is_refused(
 
 
 @pytest.mark.s3
+@pytest.mark.slow  # ~40 s; the same code path as moto's, against a real S3 implementation
 def test_second_job_on_seaweedfs_is_refused(
     tmp_path: Path, seaweedfs_server: S3Server, s3_bucket: BucketFactory, record: Recorder
 ) -> None:
