@@ -691,16 +691,26 @@ def _encode(tier_codec: Codec, dtype: str, view: memoryview, event: Any) -> Enco
 #: pipelines not yet closed: at exit, the idle ones give their leases back (a process that
 #: ends without close() would otherwise hold them until its ttl runs out on other machines)
 _pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+#: how long exit waits for that (a store that cannot be reached must not hold the exit)
+EXIT_RELEASE_SECONDS = 10.0
 
 
 @atexit.register
 def _release_idle_leases() -> None:
-    for p in list(_pipelines):
-        try:
-            if not p._closed and not p.in_flight():
+    idle = [p for p in list(_pipelines) if not p._closed and not p.in_flight()]
+    if not idle:
+        return
+
+    def release() -> None:
+        for p in idle:
+            try:
                 p.release_leases()
-        except Exception:  # never fail the interpreter's exit
-            pass
+            except Exception:  # never fail the interpreter's exit
+                pass
+
+    th = threading.Thread(target=release, name="tierckpt-exit", daemon=True)
+    th.start()
+    th.join(EXIT_RELEASE_SECONDS)
 
 
 _Owner = TypeVar("_Owner", bound="PipelineOwner")

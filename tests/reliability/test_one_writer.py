@@ -42,6 +42,7 @@ from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.format import manifest_name, step_prefix
+from tierckpt.testing.faultproxy import Fault, FaultProxy
 from tierckpt.testing.s3servers import S3Server
 
 HERE = Path(__file__).resolve().parent
@@ -147,11 +148,17 @@ def _child(argv: str) -> None:
     ``second``  touches ``ready`` and at once tries to save ``steps``, beside the first job's
                 saves of the same or other steps; records how each ended; touches ``stop``.
     ``hold``    saves step ``start``, touches ``held`` and sleeps until killed.
+    ``exit``    saves step ``start`` and ends the process without ``close()``.
     """
     a = json.loads(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     tiers = [_tier_spec(a["tier"])]
     out: dict[str, Any] = {"pid": os.getpid()}
+    if a["role"] == "exit":
+        ck = Checkpointer(tiers, chunk_bytes=256 << 10, host_buffer_bytes=16 << 20)
+        ck.save(_state(a["start"], "A"), a["start"]).wait(timeout=120)
+        Path(a["result"]).write_text(json.dumps(out))
+        return  # no close(): the interpreter's exit gives the lease back
     if a["role"] in ("first", "hold"):
         ck = Checkpointer(tiers, chunk_bytes=256 << 10, host_buffer_bytes=16 << 20)
         committed = []
@@ -460,6 +467,55 @@ def test_lease_of_another_host_taken_over_only_once_stale(
         f"lease of another host ({location['kind']})",
         "fresh: refused with WriterConflict naming host and pid; stale: taken over",
     )
+
+
+def test_process_exiting_without_close_gives_its_lease_back(
+    tmp_path: Path, location: dict[str, Any]
+) -> None:
+    result, log = tmp_path / "result", tmp_path / "exit.log"
+    proc = _spawn({"role": "exit", "tier": location, "start": 3, "result": str(result)}, log)
+    _finish(proc, log, result)
+    backend = _backend(location)
+    try:
+        assert backend.list("leases/") == [], "the exited process kept its writer lease"
+        assert backend.exists(manifest_name(3))
+    finally:
+        backend.close()
+
+
+@pytest.mark.s3
+def test_unreachable_lease_fails_only_that_tier_and_is_retried(
+    tmp_path: Path, moto_server: S3Server, s3_bucket: BucketFactory, record: Recorder
+) -> None:
+    bucket = s3_bucket(moto_server)
+    with FaultProxy(
+        moto_server.endpoint_url, [Fault("error500", path_contains="/leases/")]
+    ) as proxy:
+        s3 = S3Tier(
+            f"s3://{bucket}/run", endpoint_url=proxy.endpoint_url, codec="raw", max_attempts=2
+        )
+        with Checkpointer([LocalTier(tmp_path / "run"), s3], chunk_bytes=256 << 10) as ck:
+            h = ck.save(_state(1, "A"), 1)  # no WriterConflict: the store just failed
+            with pytest.raises(CheckpointFailed) as info:
+                h.wait(timeout=120)
+            assert set(info.value.errors) == {"s3"}, info.value.errors
+            assert ck.steps("local") == [1] and ck.steps("s3") == []
+            assert [k for k in _keys(moto_server, bucket) if "/steps/" in k] == []
+            proxy.set_faults([])  # the store is back: the next save takes the lease
+            ck.save(_state(2, "A"), 2).wait(timeout=120)
+            assert ck.steps("s3") == [2]
+            assert f"run/{LEASE}" in _keys(moto_server, bucket)
+    assert f"run/{LEASE}" not in _keys(moto_server, bucket)
+    record(
+        "one_writer",
+        "S3 lease unreachable at the first save",
+        "only the S3 copy of that step failed; the next save took the lease and committed",
+    )
+
+
+def _keys(server: S3Server, bucket: str) -> list[str]:
+    listed = server.admin.list_objects_v2(Bucket=bucket).get("Contents", [])
+    return [o["Key"] for o in listed]
 
 
 # -- one process ---------------------------------------------------------------------------------
