@@ -741,6 +741,33 @@ def w_timeline_rollback(rank: int, world: int, root: str, phase: str) -> dict[st
     return out
 
 
+def w_one_writer(rank: int, world: int, root: str, gate: str, role: str) -> dict[str, Any]:
+    """One writer per location (tests/reliability/test_one_writer.py). ``first`` commits step
+    1, touches ``gate/held-<rank>``, waits for ``gate/go`` and commits steps 2 and 3;
+    ``second`` tries to save step 1 on the same folder and reports how it was refused."""
+    ck = Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    if role == "second":
+        error = None
+        try:
+            ck.save(rank_state(rank, 1), 1)
+        except Exception as exc:
+            error = type(exc).__name__
+        ck.close()
+        return {"error": error}
+    committed = []
+    for step in (1, 2, 3):
+        ck.save(rank_state(rank, step), step).wait(timeout=120)
+        tdist.wait_committed(ck.backend("local"), step, timeout=120)
+        committed.append(step)
+        if step == 1:
+            Path(gate, f"held-{rank}").touch()
+            deadline = time.monotonic() + 300
+            while not Path(gate, "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    ck.close()
+    return {"committed": committed}
+
+
 # -- command line: the blocking measurement -----------------------------------------------
 
 

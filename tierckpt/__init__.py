@@ -12,10 +12,12 @@ from tierckpt.errors import (
     CorruptCheckpoint,
     CorruptChunk,
     FormatError,
+    LeaseLost,
     StateMismatch,
     TierCkptError,
     UnknownCodec,
     UnsupportedObject,
+    WriterConflict,
 )
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
@@ -33,6 +35,7 @@ __all__ = [
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
+    "LeaseLost",
     "LocalTier",
     "MemoryTier",
     "S3Tier",
@@ -44,5 +47,6 @@ __all__ = [
     "TierSpec",
     "UnknownCodec",
     "UnsupportedObject",
+    "WriterConflict",
     "__version__",
 ]

@@ -165,7 +165,10 @@ class Checkpointer(PipelineOwner):
 
         The state must not change until ``wait_captured()`` returns (the optimizer step):
         ``guard(optimizer)`` enforces it. Unsupported objects raise ``UnsupportedObject``
-        here, before anything is written.
+        here, before anything is written. At the first save to a tier this checkpointer takes
+        its writer lease there: if another live writer (another job, or another
+        ``Checkpointer`` of this process) holds it, ``WriterConflict`` is raised here and
+        nothing is written.
         """
         t0 = time.perf_counter()
         handle = self._save(state, step, metadata)
@@ -222,6 +225,9 @@ class Checkpointer(PipelineOwner):
             attempt=attempt,
             timeline=timeline,
         )
+        # one writer per location: refused here, before anything is written, when another
+        # live writer holds a tier (tierckpt.lease)
+        pipeline.acquire_leases(job)
         self._last = handle
         self._last_saved = job.id
         pipeline.submit(job)

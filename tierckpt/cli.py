@@ -117,17 +117,27 @@ def opened(args: argparse.Namespace, url: str, *, create: bool = False) -> _Clos
 
 
 # -- commands -------------------------------------------------------------------------------------
+def _lease_doc(info: Any) -> dict[str, Any]:
+    rec = info.record
+    doc: dict[str, Any] = {"rank": info.rank, "alive": info.alive, "why": info.why}
+    if rec is not None:
+        doc.update(owner=rec.owner, host=rec.host, pid=rec.pid, started=rec.started,
+                   renewed=rec.renewed, ttl=rec.ttl)
+    return doc
+
+
 def _status(c: Any, newest: Any) -> str:
     """``newest`` (what a load returns), ``abandoned`` (an older timeline's) or empty."""
     return "newest" if c.id == newest else "abandoned" if c.abandoned else ""
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tierckpt.tools import id_text, list_checkpoints, uncommitted_ids
+    from tierckpt.tools import id_text, leases, list_checkpoints, uncommitted_ids
 
     with opened(args, args.url) as backend:
         listed = list_checkpoints(backend)
         pending = uncommitted_ids(backend)
+        writers = leases(backend)
     newest = listed[-1].id if listed else None
     if args.json:
         doc = [
@@ -144,7 +154,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         json.dump({"url": backend.url, "checkpoints": doc,
                    "uncommitted": sorted({c.step for c in pending}),
                    "uncommitted_checkpoints": [{"step": c.step, "timeline": c.timeline}
-                                               for c in pending]},
+                                               for c in pending],
+                   "leases": [_lease_doc(w) for w in writers]},
                   sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
@@ -171,6 +182,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if pending:
         print(f"uncommitted (in progress, or leftovers of killed saves): "
               f"{', '.join(map(id_text, pending))}")
+    for w in writers:
+        print(f"writer lease of rank {w.rank}: {w.describe()}")
     return 0
 
 
@@ -316,7 +329,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
     with opened(args, args.url) as backend:
         plan = gc(backend, args.keep_last, dry_run=args.dry_run,
-                  abort_incomplete=args.abort_incomplete)
+                  abort_incomplete=args.abort_incomplete, force=args.force)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{backend.url}: keeping step(s) {', '.join(map(id_text, plan.retained)) or 'none'}")
     print(f"{verb} {len(plan.expired)} expired checkpoint(s)"
@@ -325,6 +338,23 @@ def cmd_gc(args: argparse.Namespace) -> int:
           + (f": {', '.join(map(id_text, plan.leftovers))}" if plan.leftovers else ""))
     if args.abort_incomplete and not args.dry_run:
         print("aborted unfinished writes under steps/")
+    return 0
+
+
+def cmd_unlock(args: argparse.Namespace) -> int:
+    from tierckpt.tools import unlock
+
+    with opened(args, args.url) as backend:
+        removed = unlock(backend, args.rank)
+    if not removed:
+        which = f"rank {args.rank}'s " if args.rank is not None else ""
+        print(f"{backend.url}: no {which}writer lease here")
+        return 0
+    for w in removed:
+        print(f"removed the writer lease of rank {w.rank}: {w.describe()}")
+        if w.alive:
+            print("  that writer looked live: if it still runs, it stops writing and deleting "
+                  "here at its next lease check, and its later saves to this tier fail")
     return 0
 
 
@@ -476,6 +506,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--abort-incomplete", action="store_true",
                     help="also discard unfinished writes (temporary files, open multipart "
                          "uploads); only when no job is writing here")
+    sp.add_argument("--force", action="store_true",
+                    help="run even though a live job holds this location's writer lease "
+                         "(gc refuses then: it could delete that job's saves in progress)")
+
+    sp = add("unlock", cmd_unlock, "remove the writer lease of a dead job (show it first)",
+             "Show and remove the writer lease (leases/rank-<r>.json) that lets one job at a "
+             "time write to this location, so that a new job need not wait for the lease of a "
+             "job that died on another machine to expire. A job that is still running loses "
+             "the location: it stops writing there.")
+    sp.add_argument("url", help="tier URL")
+    sp.add_argument("--rank", type=int, default=None, help="only this rank's lease (default: all)")
 
     sp = add("export", cmd_export, "export a checkpoint as safetensors files + state.json",
              "Export one checkpoint for Hugging Face users: tensors flattened to dotted names "

@@ -872,7 +872,9 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
         from tierckpt.retention import gc_tier
 
         pipeline = ck._pipeline
-        protect = {j.id for j in pipeline.in_flight() if j is not job} if pipeline else set()
+        if pipeline is None or not pipeline.may_collect(tier, job.rank):
+            return  # retention only while this writer holds the location's lease
+        protect = {j.id for j in pipeline.in_flight() if j is not job}
         try:
             gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
         except OSError as exc:

@@ -8,6 +8,8 @@ working for code that does not know about tierckpt.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BackendError",
     "CheckpointFailed",
@@ -16,10 +18,12 @@ __all__ = [
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
+    "LeaseLost",
     "StateMismatch",
     "TierCkptError",
     "UnknownCodec",
     "UnsupportedObject",
+    "WriterConflict",
 ]
 
 
@@ -76,3 +80,21 @@ class CheckpointFailed(TierCkptError, RuntimeError):
 class CheckpointSkipped(CheckpointFailed):
     """A save was skipped (``on_busy="skip"`` while an earlier one was still flushing): nothing
     of it was written. ``h.wait()`` / ``h.result()`` raise it; ``h.skipped`` says so too."""
+
+
+class WriterConflict(TierCkptError, RuntimeError):
+    """Another live writer holds this tier location (its lease): this one writes nothing there.
+
+    ``tier`` and ``url`` name the location; ``holder`` is the other writer's lease record
+    (host, pid, start and last renewal) when it could be read.
+    """
+
+    def __init__(self, message: str, *, tier: str = "", url: str = "", holder: Any = None):
+        super().__init__(message)
+        self.tier = tier
+        self.url = url
+        self.holder = holder
+
+
+class LeaseLost(WriterConflict):
+    """This writer's lease on a tier was taken over (or removed): it no longer writes there."""

@@ -25,12 +25,20 @@ by :func:`_drain_at_exit`: each live pipeline gets ``exit_timeout_s`` (default 6
 committed, its partial files removed by the writers' ``abort()`` — and the threads are stopped
 before the interpreter tears down, so a daemon thread is never frozen inside a tensor copy
 (which aborted the process with SIGABRT, exit status 134).
+
+One writer per location (:mod:`tierckpt.lease`): before a job is submitted, ``acquire_leases``
+has each tier's thread take this writer's lease there (the first time: a live other writer
+refuses the save at once). The tier threads renew their leases every ``ttl / 4`` (waking from
+their queue for it, and between chunks), check the lease before publishing a shard file and
+before retention, and release it at ``close()``. A tier whose lease was lost fails every later
+save there and is never garbage-collected by this writer again.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import queue
 import threading
@@ -38,6 +46,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -48,7 +57,7 @@ from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.capture import CaptureStreams, copy_chunk
 from tierckpt.codecs import Codec, codec_from_config
-from tierckpt.errors import BackendError, FormatError, TierCkptError
+from tierckpt.errors import BackendError, FormatError, TierCkptError, WriterConflict
 from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
@@ -64,6 +73,7 @@ from tierckpt.format import (
     shard_name,
 )
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
 from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
 from tierckpt.policy import TierSpec
 from tierckpt.restore import read_verified
@@ -181,6 +191,8 @@ class SaveJob:
     follows: dict[str, _Follow] = field(default_factory=dict)
     #: the timeline this checkpoint is saved on (chosen by the owner, see CheckpointId)
     timeline: int = 0
+    #: tier name -> why this writer could not take its lease there for this job
+    lease_errors: dict[str, BaseException] = field(default_factory=dict)
 
     @property
     def id(self) -> CheckpointId:
@@ -250,6 +262,11 @@ class Pipeline:
         self._abandoned = False
         #: (step, tier) copies inside their commit (a commit is atomic: whole or not at all)
         self._committing: set[tuple[int, str]] = set()
+        #: one owner id per writer object (a pipeline lives as long as its owner's writing)
+        self.owner = new_owner_id()
+        self.lease_ttl = lease_ttl()
+        self._leases: dict[tuple[str, int], WriterLease] = {}
+        _pipelines.add(self)
         self._threads = [
             threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
         ]
@@ -311,6 +328,102 @@ class Pipeline:
         with self._lock:
             return list(self._in_flight)
 
+    # -- leases (tierckpt.lease) -----------------------------------------------------------
+    def _lease(self, tier: TierRuntime, rank: int) -> WriterLease:
+        with self._lock:
+            lease = self._leases.get((tier.name, rank))
+            if lease is None:
+                lease = WriterLease(tier.backend, tier.name, rank, self.owner, self.lease_ttl)
+                self._leases[(tier.name, rank)] = lease
+            return lease
+
+    def _tier_leases(self, tier: str) -> list[WriterLease]:
+        with self._lock:
+            return [lease for (name, _), lease in self._leases.items() if name == tier]
+
+    def acquire_leases(self, job: SaveJob) -> None:
+        """Before ``submit(job)``, in the caller's thread: have the tier threads take this
+        writer's lease on every tier of ``job`` not yet held, and raise
+        :class:`WriterConflict` (nothing submitted, nothing written) when another live
+        writer holds one. Waits at most ``TIERCKPT_LEASE_WAIT_S``, and only for a first
+        attempt (or one after a conflict): a retry after an unreachable store goes on in the
+        background, and its failure fails only that tier's copy (``job.lease_errors``)."""
+        waits: dict[str, Future[BaseException | None]] = {}
+        for t in job.tiers:
+            lease = self._lease(t, job.rank)
+            if lease.held or lease.lost is not None:
+                continue
+            fut: Future[BaseException | None] = Future()
+            if not lease.attempted or isinstance(lease.last_error, WriterConflict):
+                waits[t.name] = fut
+            self._tier_q[t.name].put(("lease", job, fut))
+        if not waits:
+            return
+        done, _ = wait_futures(waits.values(), timeout=acquire_wait())
+        conflicts = [f.result() for f in done if isinstance(f.result(), WriterConflict)]
+        if not conflicts:
+            return
+        for t in job.tiers:  # give back what this call took: this save writes nothing
+            got = waits.get(t.name)
+            if got is not None and got in done and got.result() is None:
+                self._lease(t, job.rank).release()
+        raise conflicts[0]  # type: ignore[misc]
+
+    def _lease_request(
+        self, tier: TierRuntime, job: SaveJob, fut: Future[BaseException | None]
+    ) -> None:
+        """Tier thread: take this writer's lease on ``tier`` (a no-op when held)."""
+        try:
+            self._lease(tier, job.rank).acquire()
+        except WriterConflict as exc:
+            job.lease_errors[tier.name] = exc
+            fut.set_result(exc)
+            return
+        except Exception as exc:
+            job.lease_errors[tier.name] = exc
+            log.warning(
+                "step %d: cannot take this writer's lease on tier %s (its copy of this step "
+                "fails; tried again at the next save): %s",
+                job.step,
+                tier.name,
+                exc,
+            )
+        fut.set_result(None)
+
+    def _renew_leases(self, tier: TierRuntime) -> None:
+        """Tier thread: renew this tier's leases that are due (cheap when none is)."""
+        now = time.monotonic()
+        for lease in self._tier_leases(tier.name):
+            if lease.next_renewal() <= now:
+                lease.renew_if_due()
+
+    def _renewal_timeout(self, tier: TierRuntime) -> float | None:
+        due = min(
+            (lease.next_renewal() for lease in self._tier_leases(tier.name)), default=math.inf
+        )
+        return None if due == math.inf else max(0.0, due - time.monotonic())
+
+    def may_collect(self, tier: TierRuntime, rank: int) -> bool:
+        """Whether retention may delete on ``tier`` now: only while this writer still holds
+        its lease there, checked by reading it back."""
+        with self._lock:
+            lease = self._leases.get((tier.name, rank))
+        if lease is None:
+            return False
+        try:
+            lease.verify()
+        except Exception as exc:
+            log.warning("retention on tier %s skipped: %s", tier.name, exc)
+            return False
+        return True
+
+    def release_leases(self) -> None:
+        """Delete this writer's leases that are still its own (close, exit)."""
+        with self._lock:
+            leases = list(self._leases.values())
+        for lease in leases:
+            lease.release()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -325,6 +438,7 @@ class Pipeline:
         if commit_pool is not None:
             commit_pool.shutdown(wait=True)  # each deferred commit is bounded by its timeout
         self._pool.shutdown(wait=True)
+        self.release_leases()
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -401,6 +515,11 @@ class Pipeline:
         stuck = [th.name for th in self._threads if th.is_alive()]
         if stuck:
             log.warning("at exit: thread(s) %s still in a storage call; exiting anyway", stuck)
+        else:  # nothing of this writer can publish any more: the location is free for the next
+            try:
+                self.release_leases()
+            except Exception as exc:
+                log.warning("at exit: could not give the writer leases back: %s", exc)
 
     # -- capture ---------------------------------------------------------------------
     def _ensure_arena(self, plan: SavePlan) -> HostArena:
@@ -509,10 +628,17 @@ class Pipeline:
         q = self._tier_q[tier.name]
         progress: dict[int, _TierWrite] = {}
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=self._renewal_timeout(tier))
+            except queue.Empty:
+                self._renew_leases(tier)
+                continue
             if item is None:
                 return
             kind, job, payload = item
+            if kind == "lease":
+                self._lease_request(tier, job, payload)
+                continue
             tw = progress.setdefault(id(job), _TierWrite())
             try:
                 if kind == "start":
@@ -538,6 +664,10 @@ class Pipeline:
                     self._finish(tier, job, None, exc)
 
     def _tier_start(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+        lease_error = job.lease_errors.get(tier.name)
+        if lease_error is not None:
+            raise lease_error
+        self._lease(tier, job.rank).acquire()  # a no-op while held; raises once lost
         if tier.backend.exists(manifest_name(job.step, timeline=job.timeline)):
             raise FileExistsError(
                 f"{job.id} is already committed on tier {tier.name!r} "
@@ -555,6 +685,7 @@ class Pipeline:
     def _append(self, tier: TierRuntime, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
         """Write one encoded chunk at the next aligned offset and record it."""
         assert tw.writer is not None
+        self._renew_leases(tier)  # a long save (or copy from a source) must not let it lapse
         start = align_up(tw.offset)
         if start > tw.offset and not tier.backend.supports_random_write:
             tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
@@ -608,6 +739,8 @@ class Pipeline:
         if tw.writer.size != size:
             raise FormatError(f"shard size {tw.writer.size} != expected {size}")
         self._check_abandoned(job)
+        # publishing replaces whatever has this name: only while the location is still ours
+        self._lease(tier, job.rank).verify()
         t0 = time.perf_counter()
         tw.writer.commit()
         seconds = time.perf_counter() - t0
@@ -736,7 +869,7 @@ class Pipeline:
             codec_desc,
             result.ratio,
         )
-        if job.rank == 0:
+        if job.rank == 0 and self.may_collect(tier, job.rank):
             try:
                 protect = {j.id for j in self.in_flight() if j is not job}
                 gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
@@ -872,6 +1005,31 @@ def _drain_at_exit() -> None:
             log.warning("at exit: draining in-flight saves failed: %s", exc)
         except BaseException:
             pass
+
+
+#: pipelines not yet closed: at exit, the idle ones give their leases back (a process that
+#: ends without close() would otherwise hold them until its ttl runs out on other machines)
+_pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+#: how long exit waits for that (a store that cannot be reached must not hold the exit)
+EXIT_RELEASE_SECONDS = 10.0
+
+
+@atexit.register
+def _release_idle_leases() -> None:
+    idle = [p for p in list(_pipelines) if not p._closed and not p.in_flight()]
+    if not idle:
+        return
+
+    def release() -> None:
+        for p in idle:
+            try:
+                p.release_leases()
+            except Exception:  # never fail the interpreter's exit
+                pass
+
+    th = threading.Thread(target=release, name="tierckpt-exit", daemon=True)
+    th.start()
+    th.join(EXIT_RELEASE_SECONDS)
 
 
 _Owner = TypeVar("_Owner", bound="PipelineOwner")

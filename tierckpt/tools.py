@@ -29,7 +29,13 @@ from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.codecs import Codec, codec_from_config
-from tierckpt.errors import CheckpointNotFound, CorruptChunk, FormatError, TierCkptError
+from tierckpt.errors import (
+    CheckpointNotFound,
+    CorruptChunk,
+    FormatError,
+    TierCkptError,
+    WriterConflict,
+)
 from tierckpt.format import (
     CheckpointId,
     ChunkRecord,
@@ -38,6 +44,7 @@ from tierckpt.format import (
     decode_manifest,
     manifest_name,
 )
+from tierckpt.lease import LeaseRecord, lease_name, list_leases, owner_status
 from tierckpt.objects import decode_tree, dtype_from_name
 from tierckpt.redact import redact
 from tierckpt.restore import read_index, read_manifest
@@ -46,16 +53,19 @@ from tierckpt.retention import committed_ids, data_ids, gc_tier
 __all__ = [
     "GroupStats",
     "Inspection",
+    "LeaseInfo",
     "TensorInfo",
     "copy_checkpoint",
     "gc",
     "inspect_checkpoint",
     "is_s3_url",
+    "leases",
     "list_checkpoints",
     "open_backend",
     "resolve_id",
     "resolve_step",
     "tensor_paths",
+    "unlock",
     "verify_checkpoint",
 ]
 
@@ -517,7 +527,12 @@ class GcPlan:
 
 
 def gc(
-    backend: Backend, keep_last: int, *, dry_run: bool = False, abort_incomplete: bool = False
+    backend: Backend,
+    keep_last: int,
+    *,
+    dry_run: bool = False,
+    abort_incomplete: bool = False,
+    force: bool = False,
 ) -> GcPlan:
     """Keep the newest ``keep_last`` committed checkpoints; remove older ones and leftovers.
 
@@ -526,9 +541,22 @@ def gc(
     data folders without a manifest older than the newest committed checkpoint (saves that
     never committed). ``abort_incomplete`` also discards unfinished writes (temporary files,
     open multipart uploads) — only when no job is writing to this location.
+
+    While a live writer holds the location's lease this raises :class:`WriterConflict`
+    (its saves in progress look like leftovers) unless ``force``; ``dry_run`` never refuses.
     """
     if type(keep_last) is not int or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    live = [info for info in leases(backend) if info.alive]
+    if live and not dry_run and not force:
+        first = live[0]
+        raise WriterConflict(
+            f"{backend.url} has a live writer: rank {first.rank}'s lease is held by "
+            f"{first.describe()}. Its own retention runs after every commit; a gc now could "
+            "delete its saves in progress. Stop that job first, or pass --force (force=True)",
+            url=backend.url,
+            holder=first.record,
+        )
     committed = committed_ids(backend)
     newest = committed[-1] if committed else None
     expired = committed[: max(len(committed) - keep_last, 0)]
@@ -544,3 +572,47 @@ def gc(
         backend.cleanup_incomplete("steps/")
         backend.cleanup_incomplete("manifests/")
     return plan
+
+
+# -- writer leases -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """One writer lease on a location (``leases/rank-<r>.json``) and whether its owner looks
+    alive from here; an unreadable lease object counts as alive (nobody can tell)."""
+
+    rank: int
+    record: LeaseRecord | None
+    alive: bool
+    why: str
+
+    def describe(self) -> str:
+        if self.record is None:
+            return f"an unreadable lease ({self.why})"
+        return f"{self.record.describe()}; {'live' if self.alive else 'dead'}: {self.why}"
+
+
+def leases(backend: Backend) -> list[LeaseInfo]:
+    """The writer leases on ``backend``, by rank."""
+    out = []
+    for rank, rec, error in list_leases(backend):
+        if rec is None:
+            out.append(LeaseInfo(rank, None, True, error))
+        else:
+            alive, why = owner_status(rec)
+            out.append(LeaseInfo(rank, rec, alive, why))
+    return out
+
+
+def unlock(backend: Backend, rank: int | None = None) -> list[LeaseInfo]:
+    """Remove the writer lease of ``rank`` (every rank's if None) and return what was removed.
+
+    For a writer that died on another machine, so a new job need not wait for the lease's
+    ttl. A writer still running loses the location at its next lease check: it stops writing
+    and deleting there, and its later saves on that tier fail.
+    """
+    found = leases(backend)
+    if rank is not None:
+        found = [info for info in found if info.rank == rank]
+    for info in found:
+        backend.delete(lease_name(info.rank))
+    return found

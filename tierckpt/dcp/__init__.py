@@ -8,8 +8,10 @@ tierckpt supplies the storage, with its own format and tiers::
     import torch.distributed.checkpoint as dcp
     from tierckpt.dcp import TierReader, TierWriter
 
-    dcp.save(state, storage_writer=TierWriter([LocalTier("/nvme/ck"), S3Tier("s3://b/run")], 100))
-    dcp.load(state, storage_reader=TierReader([LocalTier("/nvme/ck"), S3Tier("s3://b/run")]))
+    tiers = [LocalTier("/nvme/ck"), S3Tier("s3://b/run")]
+    with TierWriter(tiers) as writer:  # one writer for every save of the run
+        dcp.save(state, storage_writer=writer, checkpoint_id=100)
+    dcp.load(state, storage_reader=TierReader(tiers))
 
 On every tier the layout is the native one: each rank writes **one shard file**
 (``steps/<step>/rank-<r>.tck``: chunk checksums, the tier's codec, streamed as a multipart

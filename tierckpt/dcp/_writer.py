@@ -87,7 +87,9 @@ class TierWriter(PipelineOwner, StorageWriter):
         chunk_bytes, host_buffer_bytes, io_threads: as for :class:`~tierckpt.Checkpointer`.
 
     Reuse one writer for every save of a run: its host buffer and threads stay warm. It
-    holds threads until :meth:`close` (or garbage collection).
+    holds threads, and its writer lease on every tier it wrote to, until :meth:`close` (or
+    garbage collection); another writer on the same location is refused with
+    :class:`~tierckpt.WriterConflict` meanwhile.
     """
 
     def __init__(
@@ -308,6 +310,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             attempt=info.save_id,
             timeline=info.timeline,
         )
+        pipeline.acquire_leases(job)  # WriterConflict when another live writer is there
         pipeline.submit(job)
         errors: dict[str, str] = {}
         for t in tiers:
@@ -353,6 +356,9 @@ class TierWriter(PipelineOwner, StorageWriter):
         )
         t.backend.put_atomic(manifest_name(step, timeline=cid.timeline), encode_manifest(m))
         log.info("DCP %s committed on tier %s (%d ranks)", cid, t.name, world)
+        rank = self._info.rank if self._info is not None else self.rank
+        if self._pipeline is None or not self._pipeline.may_collect(t, rank):
+            return  # retention only while this writer holds the location's lease
         try:
             gc_tier(t.backend, t.spec.keep_last)
         except OSError as exc:

@@ -1,0 +1,510 @@
+"""Writer leases: one live writer per tier location and rank.
+
+Two jobs pointed at the same run folder or S3 prefix would overwrite each other's shard files
+and delete each other's saves in progress, so a writer (a ``Checkpointer`` or a
+``tierckpt.dcp.TierWriter``) takes a *lease* on every tier before it writes anything there:
+the object ``leases/rank-<r>.json`` (one per rank), created create-only. A second writer finds
+it, sees that its owner is alive and is refused at once with :class:`WriterConflict`, before
+writing a byte. Readers never take a lease.
+
+Whether the owner is alive
+    On the same machine (same host name, boot id and PID namespace): iff its process still
+    runs — ``/proc/<pid>`` exists with the same start time. So a job killed with SIGKILL and
+    restarted on the same node takes over at once. Elsewhere: iff the lease was renewed less
+    than its ``ttl`` ago; the holder renews it every ``ttl / 4``. This assumes the clocks of
+    the machines sharing a location agree to well within the ttl (NTP does).
+
+Takeover
+    A dead owner's lease is overwritten after re-reading that it is unchanged, then read back
+    to check that this writer won (two writers taking over at once: one wins, the other is
+    refused). It is logged as a warning.
+
+Losing a lease
+    Each renewal, and a check before every shard is published and before every retention pass,
+    reads the lease back. Once it names another owner (taken over after this writer stalled
+    for longer than the ttl, or removed by ``tierckpt unlock``), this writer has *lost* the
+    tier for good: every later save there fails with :class:`LeaseLost` and it never deletes
+    anything there again.
+
+Where the object store has no conditional PUT, the create is a best-effort check-then-put;
+the read-back after it still catches two writers unless they interleave exactly.
+
+This module holds no threads: :mod:`tierckpt.pipeline` calls :class:`WriterLease` from its
+tier threads. ``WriterLease`` is thread-safe (one lock; its backend calls block).
+
+Knobs: ``TIERCKPT_LEASE_TTL`` (seconds, default 60), ``TIERCKPT_LEASE_WAIT_S`` (how long a
+save waits for the first acquisition before going on without an answer, default 10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tierckpt.backends.base import Backend
+from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
+
+__all__ = [
+    "LEASE_DIR",
+    "HostIdentity",
+    "LeaseRecord",
+    "WriterLease",
+    "acquire_wait",
+    "lease_name",
+    "lease_ttl",
+    "list_leases",
+    "new_owner_id",
+    "owner_status",
+    "parse_lease_name",
+    "process_start",
+]
+
+log = logging.getLogger("tierckpt")
+
+LEASE_DIR = "leases"
+LEASE_FORMAT = "tierckpt-lease"
+LEASE_VERSION = 1
+MAX_LEASE_BYTES = 64 << 10
+DEFAULT_TTL = 60.0
+DEFAULT_ACQUIRE_WAIT = 10.0
+MAX_TTL = 7 * 86400.0
+_LEASE_RE = re.compile(r"^leases/rank-(\d{6})\.json$")
+
+
+def lease_name(rank: int) -> str:
+    if type(rank) is not int or not 0 <= rank < 10**6:
+        raise FormatError(f"rank must be an int in [0, 999999], got {rank!r}")
+    return f"{LEASE_DIR}/rank-{rank:06d}.json"
+
+
+def parse_lease_name(name: str) -> int | None:
+    m = _LEASE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not (math.isfinite(v) and 0 < v <= MAX_TTL):
+        raise ValueError(f"{name}={raw!r}: expected seconds in (0, {MAX_TTL:.0f}]")
+    return v
+
+
+def lease_ttl() -> float:
+    """Seconds a lease of a writer on another machine stays valid without renewal."""
+    return _env_seconds("TIERCKPT_LEASE_TTL", DEFAULT_TTL)
+
+
+def acquire_wait() -> float:
+    """Seconds a save waits for a first acquisition (a slow store) before going on."""
+    return _env_seconds("TIERCKPT_LEASE_WAIT_S", DEFAULT_ACQUIRE_WAIT)
+
+
+def new_owner_id() -> str:
+    """A fresh owner id: one per writer object (``Checkpointer``, ``TierWriter``)."""
+    return uuid.uuid4().hex
+
+
+# -- this machine and its processes ----------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class HostIdentity:
+    """What tells one machine (and PID namespace) from another: two containers on one kernel
+    share the boot id but not the PID namespace, so a PID means the same process only when
+    all three agree."""
+
+    host: str
+    boot_id: str
+    pid_ns: str
+
+    @staticmethod
+    @functools.cache
+    def current() -> HostIdentity:
+        try:
+            pid_ns = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            pid_ns = ""
+        return HostIdentity(socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), pid_ns)
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22),
+    or None when no such process runs (a zombie counts as gone)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ")"
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[19])
+    except ValueError:
+        return None
+
+
+# -- the lease object --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """The content of ``leases/rank-<r>.json`` (see ``docs/format.md``)."""
+
+    owner: str
+    host: str
+    boot_id: str
+    pid_ns: str
+    pid: int
+    pid_start: int | None
+    started: float
+    renewed: float
+    ttl: float
+
+    @staticmethod
+    def mine(owner: str, ttl: float, started: float | None = None) -> LeaseRecord:
+        me = HostIdentity.current()
+        now = time.time()
+        pid = os.getpid()
+        return LeaseRecord(
+            owner,
+            me.host,
+            me.boot_id,
+            me.pid_ns,
+            pid,
+            process_start(pid),
+            now if started is None else started,
+            now,
+            ttl,
+        )
+
+    def encode(self) -> bytes:
+        body: dict[str, Any] = {"format": LEASE_FORMAT, "version": LEASE_VERSION}
+        body.update(dataclasses.asdict(self))
+        return json.dumps(body, sort_keys=True, indent=1).encode("utf-8")
+
+    @staticmethod
+    def decode(data: bytes, *, where: str) -> LeaseRecord:
+        if len(data) > MAX_LEASE_BYTES:
+            raise FormatError(f"{where}: lease object of {len(data)} bytes is not a lease")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FormatError(f"{where}: not a tierckpt lease (invalid JSON: {exc})") from None
+        if not isinstance(body, dict) or body.get("format") != LEASE_FORMAT:
+            raise FormatError(f"{where}: not a tierckpt lease (format is not {LEASE_FORMAT!r})")
+        if body.get("version") != LEASE_VERSION:
+            raise FormatError(
+                f"{where}: lease version {body.get('version')!r} is not {LEASE_VERSION}; it was "
+                "written by another tierckpt version — upgrade tierckpt"
+            )
+
+        def get(key: str, typ: type | tuple[type, ...]) -> Any:
+            v = body.get(key)
+            if not isinstance(v, typ) or isinstance(v, bool):
+                raise FormatError(f"{where}: lease field {key!r} is missing or of the wrong type")
+            return v
+
+        start = body.get("pid_start")
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
+            raise FormatError(f"{where}: lease field 'pid_start' is of the wrong type")
+        ttl = float(get("ttl", (int, float)))
+        if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL):
+            raise FormatError(f"{where}: lease ttl {ttl!r} outside (0, {MAX_TTL:.0f}]")
+        return LeaseRecord(
+            get("owner", str),
+            get("host", str),
+            get("boot_id", str),
+            get("pid_ns", str),
+            get("pid", int),
+            start,
+            float(get("started", (int, float))),
+            float(get("renewed", (int, float))),
+            ttl,
+        )
+
+    def describe(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return (
+            f"host {self.host or '?'}, pid {self.pid}, started {started}, last renewed "
+            f"{max(0.0, now - self.renewed):.0f} s ago (ttl {self.ttl:.0f} s)"
+        )
+
+
+def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]:
+    """(alive, why) for the owner of ``rec``, judged from this process (module docstring)."""
+    now = time.time() if now is None else now
+    me = HostIdentity.current()
+    if rec.host == me.host and rec.boot_id and (rec.boot_id, rec.pid_ns) == (me.boot_id, me.pid_ns):
+        start = process_start(rec.pid)
+        if start is None:
+            return False, f"its process {rec.pid} no longer runs on this host"
+        if rec.pid_start is not None and start != rec.pid_start:
+            return False, f"its process {rec.pid} ended (the pid now belongs to another process)"
+        if rec.pid == os.getpid():
+            return True, "it is another writer in this process"
+        return True, "its process runs on this host"
+    age = now - rec.renewed
+    if age < rec.ttl:
+        return True, f"it was renewed {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s"
+    return False, f"it was not renewed for {age:.0f} s (ttl {rec.ttl:.0f} s)"
+
+
+def read_lease(backend: Backend, rank: int) -> tuple[bytes, LeaseRecord] | None:
+    """The lease of ``rank`` (raw bytes and record), or None when there is none.
+    An object there that is not a lease raises ``FormatError``."""
+    name = lease_name(rank)
+    try:
+        raw = bytes(backend.get(name))
+    except CheckpointNotFound:
+        return None
+    return raw, LeaseRecord.decode(raw, where=f"{backend.url}/{name}")
+
+
+def list_leases(backend: Backend) -> list[tuple[int, LeaseRecord | None, str]]:
+    """Every lease on ``backend``: (rank, record, "") or (rank, None, why unreadable)."""
+    out: list[tuple[int, LeaseRecord | None, str]] = []
+    for name in backend.list(f"{LEASE_DIR}/"):
+        rank = parse_lease_name(name)
+        if rank is None:
+            continue
+        try:
+            got = read_lease(backend, rank)
+        except (FormatError, OSError) as exc:
+            out.append((rank, None, str(exc)))
+            continue
+        if got is not None:
+            out.append((rank, got[1], ""))
+    return out
+
+
+def _unlock_hint(backend: Backend) -> str:
+    if not backend.is_durable:
+        return (
+            "close() the other Checkpointer (or TierWriter) of this process first, or give "
+            "this one another namespace"
+        )
+    return (
+        "point this job at another folder or prefix, or stop the other job; if that job is "
+        f"dead, wait for its lease to expire (ttl) or run `tierckpt unlock {backend.url}`"
+    )
+
+
+class WriterLease:
+    """This writer's lease on one tier location for one rank (see the module docstring).
+
+    ``acquire()`` at the first save, ``renew_if_due()`` from the tier's writer thread,
+    ``verify()`` before publishing a shard and before retention, ``release()`` at close.
+    """
+
+    def __init__(self, backend: Backend, tier: str, rank: int, owner: str, ttl: float) -> None:
+        self.backend = backend
+        self.tier = tier
+        self.rank = rank
+        self.owner = owner
+        self.ttl = ttl
+        self.name = lease_name(rank)
+        self.held = False
+        #: set once another owner took the lease over: this writer never writes here again
+        self.lost: LeaseLost | None = None
+        #: whether acquire() ran at least once, and how its last attempt failed
+        self.attempted = False
+        self.last_error: BaseException | None = None
+        self._started = 0.0
+        self._next_renewal = math.inf  # time.monotonic() of the next renewal
+        self._lock = threading.Lock()
+
+    @property
+    def where(self) -> str:
+        return f"tier {self.tier!r} ({self.backend.url})"
+
+    def next_renewal(self) -> float:
+        """``time.monotonic()`` at which :meth:`renew_if_due` has work (inf: none)."""
+        return self._next_renewal if self.held and self.lost is None else math.inf
+
+    # -- acquire -----------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Take the lease; no-op when held. Raises :class:`WriterConflict` when a live
+        owner holds it, :class:`LeaseLost` when this writer lost it earlier, and the
+        backend's error when the store cannot be reached (try again at the next save)."""
+        with self._lock:
+            if self.lost is not None:
+                raise self.lost
+            if self.held:
+                return
+            self.attempted = True
+            try:
+                self._acquire()
+            except BaseException as exc:
+                self.last_error = exc
+                raise
+            self.last_error = None
+            self.held = True
+            self._next_renewal = time.monotonic() + self.ttl / 4
+
+    def _acquire(self) -> None:
+        b, name = self.backend, self.name
+        for _ in range(5):
+            mine = LeaseRecord.mine(self.owner, self.ttl)
+            self._started = mine.started
+            try:
+                b.put_atomic(name, mine.encode())
+            except FileExistsError:
+                pass
+            else:
+                if self._owner_now() == self.owner:  # a server without conditional PUT
+                    return
+                continue
+            try:
+                got = read_lease(b, self.rank)
+            except FormatError as exc:
+                raise WriterConflict(
+                    f"{self.where}: {name} exists but is not a lease tierckpt can read ({exc}); "
+                    f"nothing was written. {_unlock_hint(b)}",
+                    tier=self.tier,
+                    url=b.url,
+                ) from None
+            if got is None:
+                continue  # released meanwhile: create again
+            raw, rec = got
+            if rec.owner == self.owner:
+                return
+            alive, why = owner_status(rec)
+            if alive:
+                raise WriterConflict(
+                    f"{self.where} already has a writer: rank {self.rank}'s lease {name} is "
+                    f"held by {rec.describe()}, and {why}. Two writers on one location would "
+                    f"overwrite each other's checkpoints, so this save wrote nothing. "
+                    f"{_unlock_hint(b)}",
+                    tier=self.tier,
+                    url=b.url,
+                    holder=rec,
+                )
+            again = read_lease(b, self.rank)
+            if again is None or again[0] != raw:
+                continue  # changed under us: judge the new content
+            log.warning(
+                "%s: taking over rank %d's lease from a dead writer (%s; %s)",
+                self.where,
+                self.rank,
+                rec.describe(),
+                why,
+            )
+            b.put_atomic(name, mine.encode(), overwrite=True)
+            if self._owner_now() == self.owner:
+                return
+        raise WriterConflict(
+            f"{self.where}: rank {self.rank}'s lease {name} kept changing while this writer "
+            f"tried to take it: another writer is starting here. {_unlock_hint(b)}",
+            tier=self.tier,
+            url=b.url,
+        )
+
+    def _owner_now(self) -> str | None:
+        """The owner named by the stored lease now (None: no lease; '?': unreadable)."""
+        try:
+            got = read_lease(self.backend, self.rank)
+        except FormatError:
+            return "?"
+        return None if got is None else got[1].owner
+
+    # -- hold --------------------------------------------------------------------------
+    def _lose(self, why: str) -> LeaseLost:
+        self.held = False
+        self._next_renewal = math.inf
+        self.lost = LeaseLost(
+            f"{self.where}: this writer lost rank {self.rank}'s lease {self.name}: {why}. It "
+            "no longer writes or deletes anything there; its later saves fail on this tier. "
+            "Two jobs are pointed at one location: stop one of them",
+            tier=self.tier,
+            url=self.backend.url,
+        )
+        log.error("%s", self.lost)
+        return self.lost
+
+    def _check_ours(self) -> None:
+        """Raise (and mark the lease lost) when the stored lease is not ours."""
+        try:
+            got = read_lease(self.backend, self.rank)
+        except FormatError as exc:
+            raise self._lose(f"it was replaced by an unreadable object ({exc})") from None
+        if got is None:
+            raise self._lose("it was removed (tierckpt unlock?)")
+        if got[1].owner != self.owner:
+            raise self._lose(f"another writer took it over: {got[1].describe()}")
+
+    def verify(self) -> None:
+        """Check that the stored lease is still ours; raise :class:`LeaseLost` if not (and
+        :class:`WriterConflict` when it was never acquired)."""
+        with self._lock:
+            if self.lost is not None:
+                raise self.lost
+            if not self.held:
+                raise WriterConflict(
+                    f"{self.where}: this writer holds no lease there (its acquisition failed)",
+                    tier=self.tier,
+                    url=self.backend.url,
+                )
+            self._check_ours()
+
+    def renew_if_due(self) -> None:
+        """Renew when ``ttl / 4`` has passed: check it is still ours, then overwrite it with
+        a fresh renewal time. A store that cannot be reached is logged and retried soon."""
+        with self._lock:
+            if not self.held or self.lost is not None:
+                return
+            now = time.monotonic()
+            if now < self._next_renewal:
+                return
+            try:
+                self._check_ours()
+                rec = LeaseRecord.mine(self.owner, self.ttl, started=self._started)
+                self.backend.put_atomic(self.name, rec.encode(), overwrite=True)
+            except LeaseLost:
+                return
+            except Exception as exc:
+                self._next_renewal = now + self.ttl / 16
+                log.warning(
+                    "%s: could not renew this writer's lease (will retry): %s", self.where, exc
+                )
+                return
+            self._next_renewal = now + self.ttl / 4
+
+    def release(self) -> None:
+        """Delete the lease if it is still ours (at close). Never raises."""
+        with self._lock:
+            if not self.held or self.lost is not None:
+                return
+            self.held = False
+            self.attempted = False  # a later save waits for its acquisition again
+            self._next_renewal = math.inf
+            try:
+                if self._owner_now() == self.owner:
+                    self.backend.delete(self.name)
+            except Exception as exc:
+                log.warning("%s: could not release this writer's lease: %s", self.where, exc)
