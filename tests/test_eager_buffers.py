@@ -394,3 +394,31 @@ def test_hf_callback_guards_with_the_model() -> None:
         h.wait()
     finally:
         cb.close()
+
+
+# -- CUDA: the copy is queued on the current stream, in order ---------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_buffers_are_copied_in_stream_order() -> None:
+    """A buffer write still queued at save() is in the checkpoint; the next forward's is not."""
+    torch.manual_seed(5)
+    model = _BigThenBN(width=4096).cuda()  # 64 MiB, then BatchNorm
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4096, device="cuda")
+    with Checkpointer([MemoryTier(namespace="eager-cuda")], **ARENA) as ck:
+        ck.guard(opt, model)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            a = a @ a / 64.0  # keep the GPU busy: the write below is still queued at save()
+        model.bn.running_mean.fill_(3.0)
+        expected = _clone(model.state_dict())  # queued in the same order as save()'s copies
+        h = ck.save({"model": model.state_dict()}, 1)
+        model(x).pow(2).mean().backward()  # the next forward writes the stats again
+        opt.step()
+        h.wait()
+        loaded = ck.load(map_location="cpu")
+    _assert_equal({k: v.cpu() for k, v in expected.items()}, loaded["model"])
+    assert loaded["model"]["bn.num_batches_tracked"].item() == 1
+    assert h.eager_bytes == 2 * 4096 * 4 + 8

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from tierckpt.plan import _extent
 
@@ -100,7 +101,7 @@ class LazySources:
         opts, mods = self._alive()
         keys: set[_Key] = set()
         for m in mods:
-            keys.update(_key(p) for p in m.parameters() if p.numel())
+            keys.update(_key(p) for p in m.parameters() if not is_lazy(p) and p.numel())
         for opt in opts:
             keys.update(_key(t) for t in _optimizer_tensors(opt) if t.numel())
         return keys
