@@ -5,7 +5,8 @@
     python examples/plain_loop.py --dir /tmp/run1 --s3 s3://bucket/run1 --endpoint-url URL
 
 ``save()`` returns at once; the copy runs beside the next forward/backward pass, and
-``ck.guard(optimizer)`` makes ``optimizer.step()`` wait only if that copy is unfinished.
+``ck.guard(optimizer, model)`` makes ``optimizer.step()`` wait only if that copy is unfinished
+(module buffers, which forward writes, are copied at ``save()`` itself).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.s3:
         tiers.append(tierckpt.S3Tier(args.s3, endpoint_url=args.endpoint_url, every=5))
     with tierckpt.Checkpointer(tiers) as ck:
-        ck.guard(opt)  # optimizer.step() waits for an unfinished capture: the one extra line
+        ck.guard(opt, model)  # optimizer.step() waits for an unfinished capture: one extra line
 
         start = 0
         if ck.steps():  # resume from the newest committed checkpoint on any tier

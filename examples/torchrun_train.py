@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=2 examples/torchrun_train.py --dir /tmp/tck-run
 
 Every rank saves its own state (model, optimizer, its RNG and step) to its own shard file on
-each tier; rank 0 commits a checkpoint once every rank's shard is durable. ``ck.guard(opt)``
+each tier; rank 0 commits a checkpoint once every rank's shard is durable. ``ck.guard(opt, model)``
 makes ``optimizer.step()`` wait only until the state is captured into host memory, so the
 writes overlap the next forward/backward. Run it again and it resumes from the newest step
 that every rank can read (add ``--s3 s3://bucket/prefix --endpoint-url ...`` for an S3 tier).
@@ -44,7 +44,7 @@ def main() -> None:
     if args.s3:
         tiers.append(tierckpt.S3Tier(args.s3, endpoint_url=args.endpoint_url, every=2))
     ck = tierckpt.Checkpointer(tiers)
-    ck.guard(opt)  # optimizer.step() waits until pending saves are captured
+    ck.guard(opt, model)  # optimizer.step() waits until pending saves are captured
 
     start = 0
     gen = torch.Generator().manual_seed(1000 + rank)

@@ -37,6 +37,7 @@ from tierckpt.retention import (
     steps_of,
     timeline_for,
 )
+from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
 
 __all__ = ["Checkpointer"]
 
@@ -56,9 +57,11 @@ class Checkpointer(PipelineOwner):
     """Saves training state through a list of tiers without stopping training.
 
     ``save(state, step)`` returns a :class:`SaveHandle` at once; the state is captured into
-    the host arena in the background. Call :meth:`wait_captured` before the optimizer changes
-    the state (``guard(optimizer)`` does it for you), and ``load()`` to restore the newest
-    committed checkpoint from the fastest tier that has it.
+    the host arena in the background. Call ``guard(optimizer, model)`` once: the optimizer
+    step then waits for an unfinished capture, and the tensors a forward pass can write (module
+    buffers, loose tensors) are copied at ``save()`` while parameters and optimizer state are
+    captured lazily. ``load()`` restores the newest committed checkpoint from the fastest tier
+    that has it.
 
     Args:
         tiers: tier specs fastest first, or a :class:`TierPolicy`.
@@ -137,6 +140,9 @@ class Checkpointer(PipelineOwner):
         self._timeline: int | None = None
         #: the newest checkpoint this object started saving
         self._last_saved: CheckpointId | None = None
+        #: what guard() named: its tensors are captured lazily, the rest copied at save()
+        self._lazy = LazySources()
+        self._warned: set[str] = set()
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -163,12 +169,14 @@ class Checkpointer(PipelineOwner):
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns at once with a :class:`SaveHandle`.
 
-        The state must not change until ``wait_captured()`` returns (the optimizer step):
-        ``guard(optimizer)`` enforces it. Unsupported objects raise ``UnsupportedObject``
-        here, before anything is written. At the first save to a tier this checkpointer takes
-        its writer lease there: if another live writer (another job, or another
-        ``Checkpointer`` of this process) holds it, ``WriterConflict`` is raised here and
-        nothing is written.
+        The checkpoint is the state at this call. Module buffers and loose tensors (which the
+        next forward pass may write) are copied here (``h.eager_bytes``); parameters and
+        optimizer state are captured lazily and must not change until ``wait_captured()``
+        returns: ``guard(optimizer, model)`` enforces it and tells which tensors are which.
+        Unsupported objects raise ``UnsupportedObject`` here, before anything is written.
+        At the first save to a tier this checkpointer takes its writer lease there: if another
+        live writer (another job, or another ``Checkpointer`` of this process) holds it,
+        ``WriterConflict`` is raised here and nothing is written.
         """
         t0 = time.perf_counter()
         handle = self._save(state, step, metadata)
@@ -211,6 +219,8 @@ class Checkpointer(PipelineOwner):
         handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
         if not tiers:
             return handle
+        # before the ready events: on CUDA the copies are queued ahead of the capture's wait
+        collected.tensors = self._snapshot(collected.tensors, handle)
         job = SaveJob(
             step=step,
             plan=None,
@@ -302,13 +312,94 @@ class Checkpointer(PipelineOwner):
             finally:
                 job.handle.blocked_seconds += time.perf_counter() - t0
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Make ``optimizer.step()`` wait for pending captures. Returns the hook handle."""
+    def guard(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+    ) -> Any:
+        """Make ``optimizer.step()`` wait for pending captures. Returns the hook handle.
+
+        It also tells ``save()`` which tensors change only in the optimizer step and can be
+        captured lazily: the parameters of ``model`` (one module or a list; frozen ones too)
+        and the optimizer's parameters and state. Every other tensor of a saved state —
+        module buffers such as BatchNorm statistics, loose tensors — is copied at ``save()``,
+        because the next forward pass may write it. Without ``model``, parameters that are not
+        in the optimizer (a frozen base) are copied too, with a warning. Call it once per
+        optimizer; the optimizer and modules are held weakly.
+        """
+        modules = _as_modules(model)
+        if not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            raise TypeError(
+                f"guard() needs a torch.optim.Optimizer, got {type(optimizer).__qualname__}"
+            )
+        self._lazy.add(optimizer, modules)
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
             self.wait_captured()
 
         return optimizer.register_step_pre_hook(hook)
+
+    def _learn(
+        self, optimizer: torch.optim.Optimizer | None, modules: Sequence[torch.nn.Module] = ()
+    ) -> None:
+        """What ``guard()`` learns, for integrations that install their own wait (Lightning)."""
+        self._lazy.add(optimizer, modules)
+
+    def _snapshot(self, tensors: list[torch.Tensor], handle: SaveHandle) -> list[torch.Tensor]:
+        """Copy what the next forward pass may write (see :mod:`tierckpt.snapshot`)."""
+        if not self._lazy.guarded:
+            # nothing tells parameters from buffers: copying all would copy the model at
+            # every save, so the whole state stays lazy, as the caller's wait_captured() implies
+            if tensors:
+                self._warn_once(
+                    "no-guard",
+                    "save() without guard(): tierckpt cannot tell parameters from buffers, so "
+                    "the whole state is captured lazily and must not change until "
+                    "wait_captured() returns — but the next forward pass writes module buffers "
+                    "(BatchNorm statistics, counters), which may then be saved with their values "
+                    "from after save(). Call ck.guard(optimizer, model) once: buffers are then "
+                    "copied at save(), parameters and optimizer state captured lazily",
+                )
+            return tensors
+        snap = snapshot_eager(tensors, self._lazy.storages())
+        handle.eager_bytes = snap.eager_bytes
+        self._warn_eager(snap)
+        return snap.tensors
+
+    def _warn_eager(self, snap: Snapshot) -> None:
+        """Say, once each, when save() copied what may be parameters, and what to pass."""
+        mib = snap.eager_bytes / 2**20
+        large = snap.eager_bytes > EAGER_WARN_BYTES
+        if not self._lazy.has_modules:
+            if large:
+                self._warn_once(
+                    "optimizer-only-large",
+                    f"guard(optimizer) without the model: {mib:.0f} MiB of tensors that are not "
+                    "in the optimizer were copied at save() — frozen parameters are being "
+                    "copied eagerly at every save. ck.guard(optimizer, model) keeps them lazy",
+                )
+            elif snap.eager_tensors:
+                self._warn_once(
+                    "optimizer-only",
+                    f"guard(optimizer) without the model: {snap.eager_tensors} tensors "
+                    f"({mib:.1f} MiB) of the state are neither optimizer parameters nor "
+                    "optimizer state, so they were copied at save() (needed for buffers that "
+                    "forward writes, needless for frozen parameters). Pass the model, "
+                    "ck.guard(optimizer, model), so frozen parameters are captured lazily",
+                )
+        elif large:
+            self._warn_once(
+                "large",
+                f"{mib:.0f} MiB of tensors that are neither parameters of a guarded module nor "
+                "optimizer state were copied at save() (module buffers and loose tensors are). "
+                "If they change only in optimizer.step() (another model's weights), pass "
+                "their module too: ck.guard(optimizer, [model, other])",
+            )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("%s", message)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every in-flight save to finish on every tier (errors stay on handles)."""
@@ -579,6 +670,24 @@ class Checkpointer(PipelineOwner):
         if self._read_pool is not None:
             self._read_pool.shutdown()
             self._read_pool = None
+
+
+def _as_modules(
+    model: torch.nn.Module | Sequence[torch.nn.Module] | None,
+) -> list[torch.nn.Module]:
+    if model is None:
+        return []
+    try:
+        modules = [model] if isinstance(model, torch.nn.Module) else list(model)
+    except TypeError:
+        modules = [model]  # type: ignore[list-item]  # refused below with a clear message
+    for m in modules:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(
+                f"guard(optimizer, model): model must be a torch.nn.Module or a list of them, "
+                f"got {type(m).__qualname__} (pass the module, not its parameters)"
+            )
+    return modules
 
 
 def _dist_rank_world() -> tuple[int, int]:

@@ -48,6 +48,9 @@ class SaveHandle:
         self.captured_at: float | None = None
         #: seconds training waited for this save: in ``save()`` and in ``wait_captured()``
         self.blocked_seconds = 0.0
+        #: bytes copied in ``save()`` itself: module buffers and loose tensors, which the next
+        #: forward pass may write (parameters and optimizer state are captured lazily)
+        self.eager_bytes = 0
         self._captured = threading.Event()
         self._capture_error: BaseException | None = None
         self._tier_events = {t: threading.Event() for t in tiers}

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                  seconds=r.seconds, codec=r.codec)
 
         ck = tierckpt.Checkpointer(tiers, host_buffer_bytes=64 << 20, on_commit=on_commit)
-        ck.guard(opt)
+        ck.guard(opt, model)
         if args.resume:
             t0 = time.perf_counter()
             loaded = ck.load()

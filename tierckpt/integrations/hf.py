@@ -133,7 +133,11 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         if isinstance(inner, torch.optim.Optimizer) and inner is not self._guarded:
             if self._hook is not None:
                 self._hook.remove()
-            self._hook = self.checkpointer.guard(inner)
+            # with the model: its frozen parameters (a LoRA base) stay lazy, buffers are copied
+            model = kwargs.get("model")
+            self._hook = self.checkpointer.guard(
+                inner, model if isinstance(model, torch.nn.Module) else None
+            )
             self._guarded = inner
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,

@@ -21,7 +21,11 @@ How it maps Lightning onto tierckpt:
   top-k file) share one checkpoint.
 * Lightning runs forward and backward inside ``optimizer.step(closure)``; the plugin installs
   a global optimizer pre-hook that waits for an unfinished capture after the closure, right
-  before the parameters change, so the copy overlaps the whole forward/backward pass.
+  before the parameters change, so the copy overlaps the whole forward/backward pass. The
+  hook also learns the optimizer and the LightningModule (from Lightning's closure), as
+  ``Checkpointer.guard(optimizer, model)`` would: at a save, the module's buffers (BatchNorm
+  statistics, which the next forward pass writes) are copied at once and its parameters,
+  frozen ones included, captured lazily.
 * ``load_checkpoint(path)`` reads the pointer and loads that step from the fastest tier that
   has it. A path that is not a pointer (a ``.ckpt`` written by ``torch.save``) is loaded with
   Lightning's own ``TorchCheckpointIO``, so older runs still resume.
@@ -36,6 +40,7 @@ How it maps Lightning onto tierckpt:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -86,6 +91,17 @@ def read_pointer(path: Any) -> dict[str, Any] | None:
     return doc
 
 
+def _closure_modules(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.nn.Module]:
+    """The LightningModule in Lightning's step closure, ``partial(_wrap_closure, model, ...)``.
+
+    Found by type, not position; an unknown closure yields none, and the checkpointer then
+    copies parameters missing from the optimizer at save() (and says so)."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if isinstance(closure, functools.partial):
+        return [a for a in closure.args if isinstance(a, torch.nn.Module)]
+    return []
+
+
 class TierCkptIO(CheckpointIO):  # type: ignore[misc]
     """Lightning ``CheckpointIO`` that saves through a tierckpt :class:`Checkpointer`.
 
@@ -117,14 +133,21 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         # resumed run must save its own (on a new timeline, see Checkpointer.load).
         self._steps: set[int] = set()
         self._fallback = TorchCheckpointIO()
+        # from the start, so the optimizer and the module are known at the first save
+        self._install_guard()
 
     def _install_guard(self) -> None:
         if self._hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            self._hook = register_optimizer_step_pre_hook(
-                closure_guard_hook(self.checkpointer.wait_captured)
-            )
+            wait = closure_guard_hook(self.checkpointer.wait_captured)
+            checkpointer = self.checkpointer
+
+            def learn_and_wait(opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                checkpointer._learn(opt, _closure_modules(args, kwargs))
+                return wait(opt, args, kwargs)
+
+            self._hook = register_optimizer_step_pre_hook(learn_and_wait)
 
     def _remove_guard(self) -> None:
         if self._hook is not None:

@@ -1,0 +1,180 @@
+"""Eager snapshots at ``save()``: the tensors a forward pass can write are copied before it returns.
+
+Lazy capture rests on one fact: parameters and optimizer state change only in
+``optimizer.step()``, and the guard holds that step until the capture is done. Other tensors
+change earlier: the forward pass that runs right after ``save()`` writes module buffers in place
+(BatchNorm running stats and ``num_batches_tracked``, EMA and cache buffers), and a state can
+hold loose tensors the loop changes at will (a running loss). Those are copied in ``save()``
+itself — they are small — so a checkpoint is the state at ``save()``.
+
+Which is which is learned from what ``Checkpointer.guard(optimizer, model)`` was given: a tensor
+is *lazy* iff its storage belongs to a parameter of a guarded module (trained or frozen), to a
+parameter of a guarded optimizer or to that optimizer's state. Tensors are matched by storage,
+not identity, because ``state_dict()`` returns detached tensors sharing storage with the
+parameters. A frozen base of billions of parameters (LoRA) is therefore never copied eagerly.
+
+A copy keeps the layout of what it copies: every storage the state views is copied once, as the
+byte range covering its views, into a storage of its own, and the views are rebuilt on it — so
+views stay views and the checkpoint's layout is what the lazy path would have written. On CUDA
+the copy is a device clone queued on the current stream; the capture's side stream waits for an
+event recorded after it, so ``save()`` does not wait for the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parameter import is_lazy
+
+from tierckpt.plan import _extent
+
+__all__ = [
+    "EAGER_WARN_BYTES",
+    "LazySources",
+    "Snapshot",
+    "snapshot_eager",
+]
+
+#: copying more than this at one ``save()`` earns a warning (once): frozen parameters, probably
+EAGER_WARN_BYTES = 64 << 20
+#: a copied span starts this aligned, so a view of any dtype keeps a whole-element offset
+_ALIGN = 16
+
+_Key = tuple[torch.device, int]
+
+
+def _key(t: torch.Tensor) -> _Key:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+class LazySources:
+    """The optimizers and modules ``guard()`` was given, held weakly.
+
+    Their storages are recomputed at every ``save()``: optimizer state appears at the first
+    step and ``module.to()`` or ``load_state_dict`` may replace a storage, so a cached set could
+    be stale in exactly the way that loses data.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._optimizers: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+        self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
+
+    def add(
+        self, optimizer: torch.optim.Optimizer | None, modules: Iterable[torch.nn.Module] = ()
+    ) -> None:
+        with self._lock:
+            if optimizer is not None:
+                known = self._optimizers.get(id(optimizer))
+                if known is None or known() is not optimizer:
+                    self._optimizers[id(optimizer)] = weakref.ref(optimizer)
+            for m in modules:
+                mknown = self._modules.get(id(m))
+                if mknown is None or mknown() is not m:
+                    self._modules[id(m)] = weakref.ref(m)
+
+    def _alive(self) -> tuple[list[torch.optim.Optimizer], list[torch.nn.Module]]:
+        with self._lock:
+            for table in (self._optimizers, self._modules):
+                for k in [k for k, r in table.items() if r() is None]:
+                    del table[k]
+            opts = [o for r in self._optimizers.values() if (o := r()) is not None]
+            mods = [m for r in self._modules.values() if (m := r()) is not None]
+        return opts, mods
+
+    @property
+    def guarded(self) -> bool:
+        """Whether ``guard()`` named anything that is still alive."""
+        opts, mods = self._alive()
+        return bool(opts or mods)
+
+    @property
+    def has_modules(self) -> bool:
+        return bool(self._alive()[1])
+
+    def storages(self) -> set[_Key]:
+        """Storages of the guarded modules' parameters and the guarded optimizers' tensors."""
+        opts, mods = self._alive()
+        keys: set[_Key] = set()
+        for m in mods:
+            keys.update(_key(p) for p in m.parameters() if not is_lazy(p) and p.numel())
+        for opt in opts:
+            keys.update(_key(t) for t in _optimizer_tensors(opt) if t.numel())
+        return keys
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in opt.param_groups:
+        yield from (p for p in group["params"] if isinstance(p, torch.Tensor))
+    for per_param in opt.state.values():
+        if isinstance(per_param, dict):
+            yield from (v for v in per_param.values() if isinstance(v, torch.Tensor))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What ``snapshot_eager`` did: the tensors to capture, and what it copied."""
+
+    #: the tensors in the state's order, the eager ones replaced by their copies
+    tensors: list[torch.Tensor]
+    #: bytes copied at ``save()``
+    eager_bytes: int
+    #: how many of the state's tensors were copied
+    eager_tensors: int
+
+
+def snapshot_eager(tensors: list[torch.Tensor], lazy: set[_Key]) -> Snapshot:
+    """Copy every tensor whose storage is not in ``lazy``; keep the others by reference.
+
+    ``nn.Parameter`` objects put in the state directly are parameters, hence lazy too.
+    """
+    out = list(tensors)
+    groups: dict[_Key, list[int]] = {}
+    eager_bytes = 0
+    eager_n = 0
+    for i, t in enumerate(tensors):
+        if type(t) is torch.nn.Parameter or t.numel() == 0:
+            continue
+        k = _key(t)
+        if k in lazy:
+            continue
+        if t.is_quantized or t.is_conj() or t.is_neg():
+            # no byte-level view for these: a copy of the tensor itself (quantization
+            # parameters kept; a conjugate or negative bit resolved, as capture would)
+            d = t.detach()
+            out[i] = d.clone() if t.is_quantized else d.resolve_conj().resolve_neg()
+            eager_bytes += t.numel() * t.element_size()
+            eager_n += 1
+            continue
+        groups.setdefault(k, []).append(i)
+
+    for members in groups.values():
+        if len(members) == 1 and tensors[members[0]].is_contiguous():
+            # the common case (a buffer alone on its storage): one call
+            t = tensors[members[0]]
+            out[members[0]] = t.detach().clone(memory_format=torch.contiguous_format)
+            eager_bytes += t.numel() * t.element_size()
+            eager_n += 1
+            continue
+        ranges = [_extent(tensors[i]) for i in members]
+        start = min(r[0] for r in ranges) // _ALIGN * _ALIGN
+        end = max(r[1] for r in ranges)
+        st = tensors[members[0]].untyped_storage()
+        src = torch.empty(0, dtype=torch.uint8, device=st.device)
+        src.set_(st, start, (end - start,), (1,))
+        # a storage of its own per source storage (not one shared buffer): the plan groups
+        # tensors by storage, so sharing would merge unrelated tensors into one span
+        copy = src.clone()
+        copied = copy.untyped_storage()
+        for i, (first, _) in zip(members, ranges, strict=True):
+            t = tensors[i]
+            v = torch.empty(0, dtype=t.dtype, device=copy.device)
+            v.set_(copied, (first - start) // t.element_size(), t.shape, t.stride())
+            out[i] = v
+        eager_bytes += end - start
+        eager_n += len(members)
+    return Snapshot(out, eager_bytes, eager_n)
