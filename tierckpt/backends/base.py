@@ -28,6 +28,24 @@ Reading
     ``read(name, offset, length)`` returns exactly ``length`` bytes or raises;
     ``read_into`` fills a caller's buffer (zero-copy where possible). A missing object
     raises :class:`~tierckpt.errors.CheckpointNotFound` (a ``FileNotFoundError``).
+
+The calls a backend receives, in order (``pipeline.py``, ``restore.py``, ``retention.py``)
+    Saving one checkpoint on a tier (the tier's writer thread, one job at a time; several
+    tiers' threads and the pipeline's commit threads call other methods concurrently):
+
+    1. ``exists(manifest)``: the step must not be committed already (never overwritten).
+    2. ``open_writer(shard)`` once per rank's shard file; then ``writer.write(offset, chunk)``
+       for every chunk, in increasing offsets, then the index and the footer.
+    3. ``writer.commit()``: the shard is durable; or ``writer.abort()`` on any failure (also
+       after a failed ``commit``), which must leave nothing behind under ``shard``.
+    4. Multi-rank only: ``put_atomic(record)`` per rank; rank 0 ``list``/``get``s the records.
+    5. ``put_atomic(manifest)`` with ``overwrite=False``: the commit point, always last.
+    6. Retention: ``list(prefix)``, then ``delete(manifest)`` before ``delete`` of its data,
+       ``incomplete``/``cleanup_incomplete`` for leftovers of killed writers.
+
+    Loading: ``list("manifests/")``, ``get(manifest)``, ``size(shard)``, then many concurrent
+    ``read``/``read_into`` of the footer, the index and the chunks (from a reader pool).
+    ``close()`` comes last, once, after every other call has returned.
 """
 
 from __future__ import annotations

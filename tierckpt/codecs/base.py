@@ -16,6 +16,17 @@ Contract
       dtype (e.g. a float-aware codec picks its element size); the default is ``self``.
     * Codecs are immutable values; equality and hashing follow the config.
 
+The calls a codec receives, in order
+    1. ``codec_from_config(config)`` / the tier policy builds it (once per tier).
+    2. Saving, per chunk, on the pipeline's encoder threads (several at once):
+       ``for_dtype(dtype)`` picks the codec for the chunk's values; if that codec
+       ``is_passthrough`` the raw bytes are stored, else ``encode(view)`` — and when the
+       result is not smaller than the input the pipeline stores the raw bytes instead and
+       records ``{"id": "raw"}``. ``get_config()`` of the codec used goes into the index.
+    3. Loading, per chunk, on reader threads: ``codec_from_config(index entry)`` (registry
+       only: a hostile index can name no code), then ``decode(stored, out)`` into a buffer of
+       exactly the chunk's raw size, after the stored bytes' checksum was verified.
+
 Registry
     Codec classes register under their ``codec_id``; ids must be unique (no silent
     overwrite). Optional codecs whose package may be missing are registered lazily by dotted
