@@ -33,6 +33,8 @@ The calls a backend receives, in order (``pipeline.py``, ``restore.py``, ``reten
     Saving one checkpoint on a tier (the tier's writer thread, one job at a time; several
     tiers' threads and the pipeline's commit threads call other methods concurrently):
 
+    0. At a writer's first save: ``put_atomic(lease, overwrite=False)`` then ``get(lease)``
+       (the writer lease, :mod:`tierckpt.lease`); renewed later with ``overwrite=True``.
     1. ``exists(manifest)``: the step must not be committed already (never overwritten).
     2. ``open_writer(shard)`` once per rank's shard file; then ``writer.write(offset, chunk)``
        for every chunk, in increasing offsets, then the index and the footer.
