@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier
 from tierckpt import distributed as tdist
+from tierckpt.distributed import _strategy
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound
 from tierckpt.format import manifest_name, rank_record_name, shard_name, step_prefix
 
@@ -340,7 +341,7 @@ def w_kill_save(
             def die(*_a: Any, **_k: Any) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            tdist._write_record = die  # type: ignore[assignment]
+            _strategy._write_record = die  # type: ignore[assignment]
         h = ck.save(rank_state(rank, 2), 2)
         t0 = time.monotonic()
         try:

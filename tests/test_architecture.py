@@ -22,7 +22,19 @@ NOT_RUNTIME = (*TOOLING, "tierckpt.cli")
 #: the cycles through function-local or type-only imports that are known, each removed by a
 #: planned step (issue 13: a commit strategy passed into Checkpointer, so that distributed never
 #: imports it)
-KNOWN_LOCAL_CYCLES = {frozenset({"tierckpt.checkpointer", "tierckpt.distributed"})}
+KNOWN_LOCAL_CYCLES = {
+    frozenset(
+        {
+            "tierckpt.checkpointer",
+            "tierckpt.distributed",
+            "tierckpt.distributed._agree",
+            "tierckpt.distributed._collectives",
+            "tierckpt.distributed._private",
+            "tierckpt.distributed._repopulate",
+            "tierckpt.distributed._strategy",
+        }
+    )
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,48 @@
+"""Collectives in the training thread: whether the process group matches the checkpointer,
+and the device a collective's tensors live on."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tierckpt.checkpointer import Checkpointer
+
+__all__ = ["collective_device"]
+
+log = logging.getLogger("tierckpt")
+
+
+def _group_ok(ck: Checkpointer) -> bool:
+    """Whether the default process group is up and matches the checkpointer's rank/world."""
+    import torch.distributed as dist
+
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() == ck.world_size
+        and dist.get_rank() == ck.rank
+    )
+
+
+def _collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    if "gloo" not in backend and "cpu" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+collective_device = _collective_device
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
