@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierckpt.distributed._collectives import _collective_device, _group_ok, _warn_once
+from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
 from tierckpt.distributed._knobs import get_knobs
 from tierckpt.distributed._records import _ranks
 from tierckpt.errors import CheckpointNotFound
@@ -91,7 +91,7 @@ def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[
             why[cid] = reason
         else:
             mine.append(cid)
-    dev = _collective_device()
+    dev = collective_device()
     vec = torch.full((k.agree_max_candidates,), -1, dtype=torch.int64, device=dev)
     if mine:
         keys = [checkpoint_key(c) for c in mine]

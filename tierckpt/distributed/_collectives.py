@@ -28,7 +28,14 @@ def _group_ok(ck: Checkpointer) -> bool:
     )
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
+    """The device the tensors of a collective on the default process group must live on.
+
+    NCCL moves only CUDA tensors: there it is the current CUDA device. Gloo (and any backend
+    string naming ``cpu``, such as ``"cpu:gloo,cuda:nccl"``) takes CPU tensors, and so does a
+    machine without CUDA. The small vectors the commit, the load agreement and the DCP
+    reader exchange are built there. Needs an initialized process group.
+    """
     import torch.distributed as dist
 
     backend = str(dist.get_backend())
@@ -36,8 +43,6 @@ def _collective_device() -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
-
-collective_device = _collective_device
 
 _warned: set[str] = set()
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierckpt.distributed._collectives import _collective_device, _group_ok
+from tierckpt.distributed._collectives import _group_ok, collective_device
 from tierckpt.distributed._private import is_private_tier
 from tierckpt.distributed._records import _ranks
 from tierckpt.errors import TierCkptError
@@ -53,7 +53,7 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
         for i, t in enumerate(ck._tiers[:n]):
             if any(b is t.backend for b in loaded.repopulated):
                 vec[i] = source
-    dev = _collective_device()
+    dev = collective_device()
     lo, hi = vec.to(dev), vec.to(dev)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)

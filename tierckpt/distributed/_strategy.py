@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierckpt.distributed._collectives import _collective_device, _group_ok, _warn_once
+from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
 from tierckpt.distributed._private import (
     _commit_private,
     _publish_private,
@@ -134,7 +134,7 @@ def begin_save(
         t = torch.tensor(
             [mine, step, -step, int(busy), timeline],
             dtype=torch.int64,
-            device=_collective_device(),
+            device=collective_device(),
         )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         drawn, hi, neg_lo, any_busy, timeline = (int(v) for v in t.tolist())
