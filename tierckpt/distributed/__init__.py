@@ -1,5 +1,10 @@
 """Multi-rank commit and load agreement on ``torch.distributed``.
 
+:class:`MultiRankCommit` is the :class:`~tierckpt.commit.CommitStrategy` a
+:class:`~tierckpt.Checkpointer` uses when the job has several ranks (it picks one in
+``__init__`` and hands it what it needs; this package never imports the checkpointer). The
+protocol says which call comes when, on which thread; this says what the calls do across ranks.
+
 Save
     Every rank streams its own shard file (``steps/<step>/rank-<r>.tck``; on a timeline t >= 1
     ``steps/<step>.t<t>/...``, see :class:`~tierckpt.format.CheckpointId`) to every tier in its
@@ -25,9 +30,9 @@ Attempt ids
     Records of an earlier, killed attempt at the same step must not be mistaken for this
     one's, so every record carries an attempt id ``<session>-<n>``: the session id is drawn by
     rank 0 and spread by one small all-reduce in the training thread at the checkpointer's
-    first multi-rank save (:func:`begin_save`); ``n`` counts saves. Later saves need no
-    collective — except with ``on_busy="skip"``, where every save runs that all-reduce so that
-    all ranks skip together.
+    first multi-rank save (:meth:`MultiRankCommit.begin_save`); ``n`` counts saves. Later
+    saves need no collective — except with ``on_busy="skip"``, where every save runs that
+    all-reduce so that all ranks skip together.
 
 Private tiers
     A tier whose storage other ranks cannot see (a RAM tier: each process has its own; or a
@@ -46,9 +51,9 @@ Load
 Timelines
     Every rank must write the same checkpoint id. Where a save chooses its timeline from the
     tiers (the first save, the first after a load, a step below the previous save's: the same
-    saves on every rank) each rank proposes one from its own view of the tiers and
-    :func:`begin_save`'s all-reduce takes the largest; other saves keep the previous save's
-    timeline on every rank without a collective.
+    saves on every rank) each rank proposes one from its own view of the tiers and the
+    all-reduce of :meth:`~MultiRankCommit.begin_save` takes the largest; other saves keep the
+    previous save's timeline on every rank without a collective.
 
 Knobs (environment overrides, :func:`knobs` context manager for tests)
     ``TIERCKPT_COMMIT_TIMEOUT_S`` (600), ``TIERCKPT_COMMIT_POLL_MAX_S`` (2.0).
@@ -69,21 +74,20 @@ from tierckpt.distributed._records import (
     encode_failure,
     encode_record,
 )
-from tierckpt.distributed._repopulate import publish_repopulated, repopulates
+from tierckpt.distributed._repopulate import publish_repopulated
 from tierckpt.distributed._shared import wait_committed, wait_for_records
-from tierckpt.distributed._strategy import begin_save, commit_multi_rank, report_failure
+from tierckpt.distributed._strategy import MultiRankCommit, report_failure
 
 __all__ = [
     "CommitTimeout",
     "DistKnobs",
+    "MultiRankCommit",
     "RankFailed",
     "RankRecord",
     "agree_on_step",
-    "begin_save",
     "checkpoint_key",
     "checkpoint_of_key",
     "collective_device",
-    "commit_multi_rank",
     "decode_failure",
     "decode_record",
     "encode_failure",
@@ -93,7 +97,6 @@ __all__ = [
     "knobs",
     "publish_repopulated",
     "report_failure",
-    "repopulates",
     "wait_committed",
     "wait_for_records",
 ]

@@ -17,28 +17,28 @@ from tierckpt.format import MAX_STEP, CheckpointId
 from tierckpt.restore import is_recoverable, read_index, read_manifest
 
 if TYPE_CHECKING:
-    from tierckpt.checkpointer import Checkpointer
+    from tierckpt.pipeline import TierRuntime
 
 __all__ = ["agree_on_step", "checkpoint_key", "checkpoint_of_key"]
 
 log = logging.getLogger("tierckpt")
 
 
-def _readable(ck: Checkpointer, cid: CheckpointId) -> str:
+def _readable(tiers: Sequence[TierRuntime], rank: int, world_size: int, cid: CheckpointId) -> str:
     """Empty if this rank can read ``cid`` (manifest + own shard index) on some tier, else
     why not."""
     reasons = []
-    for t in ck._tiers:
+    for t in tiers:
         try:
             m = read_manifest(t.backend, cid.step, t.name, timeline=cid.timeline)
-            if m.world_size != ck.world_size:
+            if m.world_size != world_size:
                 reasons.append(
                     f"tier {t.name!r}: saved by {m.world_size} ranks, this job has "
-                    f"{ck.world_size} (the native format needs the same world size; save with "
+                    f"{world_size} (the native format needs the same world size; save with "
                     "tierckpt.dcp to reshard)"
                 )
                 continue
-            read_index(t.backend, m.shard_for(ck.rank), t.name)
+            read_index(t.backend, m.shard_for(rank), t.name)
             return ""
         except CheckpointNotFound:
             continue
@@ -63,22 +63,29 @@ def checkpoint_of_key(key: int) -> CheckpointId:
     return CheckpointId(key % _ID_BASE, key // _ID_BASE)
 
 
-def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
-    """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read.
+def agree_on_step(
+    candidates: Sequence[CheckpointId],
+    *,
+    tiers: Sequence[TierRuntime],
+    rank: int,
+    world_size: int,
+) -> list[CheckpointId]:
+    """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read on
+    ``tiers``.
 
     One ``all_gather`` of ``agree_max_candidates`` int64 per rank (a checkpoint id each, in
     the ids' order), in the calling thread; every rank must call ``load()`` together. Returns
     a one-element list, or raises ``CheckpointNotFound`` on every rank when the ranks share
     no readable checkpoint.
     """
-    if not _group_ok(ck):
+    if not _group_ok(rank, world_size):
         _warn_once(
             "no-group-load",
             "multi-rank load without an initialized torch.distributed "
             "group: ranks cannot agree on a step; each loads its own newest",
         )
         if not candidates:
-            raise CheckpointNotFound(f"rank {ck.rank}: no committed checkpoint on any tier")
+            raise CheckpointNotFound(f"rank {rank}: no committed checkpoint on any tier")
         return list(candidates)
     import torch.distributed as dist
 
@@ -86,7 +93,7 @@ def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[
     mine: list[CheckpointId] = []
     why: dict[CheckpointId, str] = {}
     for cid in list(candidates)[: k.agree_max_candidates]:
-        reason = _readable(ck, cid)
+        reason = _readable(tiers, rank, world_size, cid)
         if reason:
             why[cid] = reason
         else:
@@ -96,7 +103,7 @@ def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[
     if mine:
         keys = [checkpoint_key(c) for c in mine]
         vec[: len(mine)] = torch.tensor(keys, dtype=torch.int64, device=dev)
-    gathered = [torch.empty_like(vec) for _ in range(ck.world_size)]
+    gathered = [torch.empty_like(vec) for _ in range(world_size)]
     dist.all_gather(gathered, vec)
     sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
     common = set.intersection(*sets)
@@ -106,7 +113,7 @@ def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[
             log.warning(
                 "rank %d: loading %s, the newest checkpoint every rank can read (this rank "
                 "also has %s)",
-                ck.rank,
+                rank,
                 chosen,
                 ", ".join(str(c) for c in [c for c in mine if c > chosen][:5]),
             )
@@ -118,5 +125,5 @@ def agree_on_step(ck: Checkpointer, candidates: Sequence[CheckpointId]) -> list[
         f"no checkpoint step is committed and readable on every rank (this rank looked at "
         f"{', '.join(map(str, list(candidates)[:5])) or 'no committed step'}; newest readable "
         f"checkpoint per rank: {dict(list(newest.items())[:16])}; ranks with none: "
-        f"{_ranks(lacking)})" + (f"; this rank (rank {ck.rank}): {detail}" if detail else "")
+        f"{_ranks(lacking)})" + (f"; this rank (rank {rank}): {detail}" if detail else "")
     )

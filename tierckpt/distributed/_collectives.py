@@ -1,30 +1,27 @@
-"""Collectives in the training thread: whether the process group matches the checkpointer,
-and the device a collective's tensors live on."""
+"""Collectives in the training thread: whether the process group matches this rank's view of
+the job, and the device a collective's tensors live on."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from tierckpt.checkpointer import Checkpointer
 
 __all__ = ["collective_device"]
 
 log = logging.getLogger("tierckpt")
 
 
-def _group_ok(ck: Checkpointer) -> bool:
-    """Whether the default process group is up and matches the checkpointer's rank/world."""
+def _group_ok(rank: int, world_size: int) -> bool:
+    """Whether the default process group is up and matches this rank and world size."""
     import torch.distributed as dist
 
     return (
         dist.is_available()
         and dist.is_initialized()
-        and dist.get_world_size() == ck.world_size
-        and dist.get_rank() == ck.rank
+        and dist.get_world_size() == world_size
+        and dist.get_rank() == rank
     )
 
 

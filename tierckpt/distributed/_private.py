@@ -24,7 +24,6 @@ from tierckpt.errors import FormatError, TierCkptError
 from tierckpt.format import decode_manifest, encode_manifest
 
 if TYPE_CHECKING:
-    from tierckpt.checkpointer import Checkpointer
     from tierckpt.pipeline import SaveJob, TierRuntime
 
 __all__ = ["is_private_tier"]
@@ -108,7 +107,7 @@ def _publish_private(tier: TierRuntime, job: SaveJob, rec: RankRecord) -> Any:
     return st
 
 
-def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) -> None:
+def _commit_private(tier: TierRuntime, job: SaveJob, st: Any) -> None:
     k = get_knobs()
     deadline = time.monotonic() + k.commit_timeout
     prefix = f"tierckpt/{job.attempt}/{tier.name}/"
@@ -171,12 +170,3 @@ def _commit_private(ck: Checkpointer, tier: TierRuntime, job: SaveJob, st: Any) 
             for key in [*rec_keys, m_key, f"{prefix}done"]:
                 with contextlib.suppress(RuntimeError):
                     st.delete_key(key)
-    if job.rank != 0:  # the pipeline applies retention on rank 0 only
-        from tierckpt.retention import gc_tier
-
-        pipeline = ck._pipeline
-        protect = {j.id for j in pipeline.in_flight() if j is not job} if pipeline else set()
-        try:
-            gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
-        except OSError as exc:
-            log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)

@@ -4,11 +4,12 @@ there once every rank's copy is in (:func:`publish_repopulated`)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from tierckpt.distributed._collectives import _group_ok, collective_device
+from tierckpt.distributed._collectives import collective_device
 from tierckpt.distributed._private import is_private_tier
 from tierckpt.distributed._records import _ranks
 from tierckpt.errors import TierCkptError
@@ -16,9 +17,9 @@ from tierckpt.format import encode_manifest, manifest_name, step_prefix
 from tierckpt.restore import LoadedShard
 
 if TYPE_CHECKING:
-    from tierckpt.checkpointer import Checkpointer
+    from tierckpt.pipeline import TierRuntime
 
-__all__ = ["publish_repopulated", "repopulates"]
+__all__ = ["publish_repopulated"]
 
 log = logging.getLogger("tierckpt")
 
@@ -27,12 +28,9 @@ log = logging.getLogger("tierckpt")
 _MAX_REPOP_TIERS = 16
 
 
-def repopulates(ck: Checkpointer) -> bool:
-    """Whether this job's loads copy shards to faster tiers (same answer on every rank)."""
-    return bool(ck.repopulate) and _group_ok(ck)
-
-
-def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
+def publish_repopulated(
+    loaded: LoadedShard | None, *, tiers: Sequence[TierRuntime], rank: int
+) -> None:
     """Commit the copies a multi-rank load made on faster tiers, once every rank's is there.
 
     Each rank copied its own shard file to its local durable tiers while reading it from a
@@ -46,11 +44,11 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
     import torch.distributed as dist
 
     # a fixed size: a rank configured with other tiers must not make the collective hang
-    n = min(len(ck._tiers), _MAX_REPOP_TIERS)
+    n = min(len(tiers), _MAX_REPOP_TIERS)
     vec = torch.zeros(_MAX_REPOP_TIERS, dtype=torch.int64)
     if loaded is not None:
-        source = next(i for i, t in enumerate(ck._tiers) if t.name == loaded.tier) + 1
-        for i, t in enumerate(ck._tiers[:n]):
+        source = next(i for i, t in enumerate(tiers) if t.name == loaded.tier) + 1
+        for i, t in enumerate(tiers[:n]):
             if any(b is t.backend for b in loaded.repopulated):
                 vec[i] = source
     dev = collective_device()
@@ -62,11 +60,11 @@ def publish_repopulated(ck: Checkpointer, loaded: LoadedShard | None) -> None:
     body = encode_manifest(loaded.manifest)
     cid = loaded.manifest.id
     name = manifest_name(cid.step, timeline=cid.timeline)
-    for i, t in enumerate(ck._tiers[:n]):
+    for i, t in enumerate(tiers[:n]):
         if int(lo[i]) == 0 or int(lo[i]) != int(hi[i]):
             continue  # some rank did not copy here, or copied another tier's file
         private = is_private_tier(t)
-        if ck.rank != 0 and not private:
+        if rank != 0 and not private:
             continue
         try:
             if not private:
