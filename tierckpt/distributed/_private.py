@@ -5,7 +5,6 @@ key-value store, and every rank writes the same manifest onto its own copy."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
@@ -27,8 +26,6 @@ if TYPE_CHECKING:
     from tierckpt.pipeline import SaveJob, TierRuntime
 
 __all__ = ["is_private_tier"]
-
-log = logging.getLogger("tierckpt")
 
 
 def is_private_tier(tier: TierRuntime) -> bool:

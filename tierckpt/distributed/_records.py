@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ __all__ = [
     "encode_failure",
     "encode_record",
 ]
-
-log = logging.getLogger("tierckpt")
 
 RECORD_FORMAT = "tierckpt-rank-record"
 RECORD_VERSION = 1
