@@ -29,6 +29,7 @@ MODULES = [
     ("tierckpt.codecs.base", "Codec contract and registry"),
     ("tierckpt.format", "On-disk format"),
     ("tierckpt.retention", "Retention"),
+    ("tierckpt.commit", "Commit strategy"),
     ("tierckpt.distributed", "Multi-rank"),
     ("tierckpt.dcp", "torch.distributed.checkpoint"),
     ("tierckpt.integrations.lightning", "PyTorch Lightning"),
@@ -111,7 +112,8 @@ def _markdown(doc: str) -> str:
             i = j
             continue
         if line and _indent(line) > 0 and out and out[-1].strip() and _indent(out[-1]) == 0 \
-                and not out[-1].startswith(("```", "-", "|")):
+                and not out[-1].startswith(("```", "-", "|")) \
+                and not re.match(r"\d+\. ", out[-1]):  # a numbered item's continuation
             # a definition body ("Term\n    text"): the term bold, the body its paragraph
             out[-1] = f"**{out[-1].strip()}**"
             out.append("")

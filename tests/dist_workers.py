@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier
 from tierckpt import distributed as tdist
+from tierckpt.distributed import _strategy
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound
 from tierckpt.format import manifest_name, rank_record_name, shard_name, step_prefix
 
@@ -225,15 +226,16 @@ def w_save_load(rank: int, world: int, root: str, s3: dict[str, str] | None) -> 
         for b in _shared_backends(ck):
             tdist.wait_committed(b, 1, timeout=60)
 
-        # step 2: rank 0 is the slowest rank; the others finish first
-        original = tdist.commit_multi_rank
+        # step 2: rank 0 is the slowest rank (its record, and so its commit, comes 2 s late on
+        # the shared tiers); the others finish first
+        original = _strategy._write_record
         if rank == 0:
 
             def slow(*a: Any, **k: Any) -> Any:
                 time.sleep(2.0)
                 return original(*a, **k)
 
-            tdist.commit_multi_rank = slow  # type: ignore[assignment]
+            _strategy._write_record = slow  # type: ignore[assignment]
         try:
             h2 = ck.save(rank_state(rank, 2), 2)
             h2.wait("local", timeout=60)
@@ -241,7 +243,7 @@ def w_save_load(rank: int, world: int, root: str, s3: dict[str, str] | None) -> 
             out["manifest2_after_own_wait"] = ck.backend("local").exists(manifest_name(2))
             h2.wait(timeout=60)
         finally:
-            tdist.commit_multi_rank = original  # type: ignore[assignment]
+            _strategy._write_record = original  # type: ignore[assignment]
         for b in _shared_backends(ck):
             tdist.wait_committed(b, 2, timeout=60)
 
@@ -340,7 +342,7 @@ def w_kill_save(
             def die(*_a: Any, **_k: Any) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            tdist._write_record = die  # type: ignore[assignment]
+            _strategy._write_record = die  # type: ignore[assignment]
         h = ck.save(rank_state(rank, 2), 2)
         t0 = time.monotonic()
         try:

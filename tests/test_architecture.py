@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parent.parent / "tierckpt"
 
 #: what exists for people, not for training runs: the runtime must never import these
@@ -20,9 +18,8 @@ TOOLING = ("tierckpt.bench", "tierckpt.demo", "tierckpt.testing")
 NOT_RUNTIME = (*TOOLING, "tierckpt.cli")
 
 #: the cycles through function-local or type-only imports that are known, each removed by a
-#: planned step (issue 13: a commit strategy passed into Checkpointer, so that distributed never
-#: imports it)
-KNOWN_LOCAL_CYCLES = {frozenset({"tierckpt.checkpointer", "tierckpt.distributed"})}
+#: planned step (none now: each entry names one, until that step removes it)
+KNOWN_LOCAL_CYCLES: set[frozenset[str]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,14 +204,15 @@ def test_no_new_cycle_through_function_local_or_type_only_imports() -> None:
     assert not new, "new import cycles:\n" + _describe(new, imports)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpointer imports distributed inside functions, distributed imports checkpointer "
-    "under TYPE_CHECKING; issue 13 step 1 "
-    "(a commit strategy passed into Checkpointer) removes it: then drop this marker and "
-    "KNOWN_LOCAL_CYCLES",
-)
 def test_checkpointer_and_distributed_do_not_import_each_other() -> None:
+    """The checkpointer hands its commits to a strategy it picks (tierckpt.commit): the
+    distributed package never imports the checkpointer, not even for type hints."""
     imports = _all_imports()
+    back = [
+        f"{i.source}:{i.line}"
+        for i in imports
+        if _under(i.source, ("tierckpt.distributed",)) and i.target == "tierckpt.checkpointer"
+    ]
+    assert not back, "tierckpt.distributed imports the checkpointer: " + ", ".join(back)
     cycles = _cycles({(i.source, i.target) for i in imports})
     assert not cycles, _describe(cycles, imports)

@@ -12,11 +12,12 @@ from typing import Any, Literal
 
 import torch
 
-from tierckpt._version import __version__
 from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.capture import record_ready_events
+from tierckpt.commit import CommitStrategy, SingleRankCommit
+from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
-from tierckpt.format import CheckpointId, Manifest, ShardRef, encode_manifest, manifest_name
+from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
@@ -127,6 +128,19 @@ class Checkpointer(PipelineOwner):
             for spec in self.policy
         ]
         self._pipeline: Pipeline | None = None
+        #: who commits and who agrees: this process alone, or with the job's other ranks
+        self._strategy: CommitStrategy = (
+            SingleRankCommit(repopulate=repopulate)
+            if self.world_size == 1
+            else MultiRankCommit(
+                self._tiers,
+                rank=self.rank,
+                world_size=self.world_size,
+                on_busy=on_busy,
+                repopulate=repopulate,
+                defer=self._defer,
+            )
+        )
         self._save_count = 0
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
@@ -160,10 +174,20 @@ class Checkpointer(PipelineOwner):
 
     def _pipeline_hooks(self) -> dict[str, Any]:
         return {
-            "commit": self._commit,
+            "commit": self._strategy.commit,
             "on_result": self._stats.record,
-            "on_failure": self._report_failure,
+            "on_failure": self._strategy.report_failure,
+            "retains": self._strategy.retains,
         }
+
+    def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
+        """Run a commit's waiting part on the pipeline's commit threads (the strategy's
+        ``defer``)."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            fn()
+            return None
+        return pipeline.defer(fn)
 
     # -- save ------------------------------------------------------------------------
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -196,17 +220,12 @@ class Checkpointer(PipelineOwner):
             self._save_count += 1
         tiers = [t for t in self._tiers if t.spec.receives(index)]
         busy = bool(pipeline.in_flight())
-        attempt = ""
         timeline, choose = self._propose_timeline(step)
-        if self.world_size > 1:
-            # an attempt id for the completion records (one all-reduce at the first save; at
-            # every save with on_busy="skip", so that all ranks skip together; and wherever
-            # the timeline is chosen from the tiers, so that all ranks take the same one)
-            from tierckpt.distributed import begin_save
-
-            attempt, busy, timeline = begin_save(
-                self, step, busy, timeline=timeline, agree_timeline=choose
-            )
+        # with several ranks: an attempt id for the completion records (one all-reduce at the
+        # first save; at every save with on_busy="skip", so that all ranks skip together; and
+        # wherever the timeline is chosen from the tiers, so that all ranks take the same one)
+        start = self._strategy.begin_save(step, busy, timeline=timeline, agree_timeline=choose)
+        attempt, busy, timeline = start.attempt, start.busy, start.timeline
         self._timeline = timeline
         if self.on_busy == "skip" and busy:
             log.warning("step %d skipped: the previous checkpoint is still flushing", step)
@@ -263,36 +282,6 @@ class Checkpointer(PipelineOwner):
         if last is not None and (newest is None or last > newest):
             newest = last
         return timeline_for(step, newest), True
-
-    def _report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
-        if job.world_size != 1:
-            from tierckpt.distributed import report_failure
-
-            report_failure(tier, job, error)
-
-    def _commit(
-        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
-    ) -> Future[None] | None:
-        """Single-rank commit: the manifest, written last and create-only."""
-        if job.world_size != 1:
-            from tierckpt.distributed import commit_multi_rank
-
-            return commit_multi_rank(self, tier, job, ref, raw, stored)
-        m = Manifest(
-            step=job.step,
-            world_size=1,
-            shards=(ref,),
-            created=time.time(),
-            library_version=__version__,
-            tier=tier.name,
-            raw_bytes=raw,
-            stored_bytes=stored,
-            codecs=(tier.codec.codec_id,),
-            metadata=job.metadata,
-            timeline=job.timeline,
-        )
-        tier.backend.put_atomic(manifest_name(job.step, timeline=job.timeline), encode_manifest(m))
-        return None
 
     def wait_captured(self, timeout: float | None = None) -> None:
         """Block until every pending save's bytes are in host memory.
@@ -528,41 +517,33 @@ class Checkpointer(PipelineOwner):
         candidates: list[CheckpointId]
         if step is not None:
             holding = [c for c in all_ids if c.step == step]
-            if not holding and self.world_size > 1:
-                # agree_on_step below raises on every rank, not just here
+            what = f"step {step}" + (f" of timeline {timeline}" if timeline is not None else "")
+            missing = (
+                f"{what} is not committed on any tier ({where}); committed steps: "
+                f"{steps_of(all_ids)[-10:] or 'none'}"
+            )
+            if not holding:
+                # held by no tier here: the load fails (with several ranks: on every rank, in
+                # agree_on_step)
                 candidates = [CheckpointId(step, timeline or 0)]
-            elif not holding:
-                what = f"step {step}" + (f" of timeline {timeline}" if timeline is not None else "")
-                raise CheckpointNotFound(
-                    f"{what} is not committed on any tier ({where}); committed steps: "
-                    f"{steps_of(all_ids)[-10:] or 'none'}"
-                )
             else:
                 candidates = lineage(all_ids, holding[0]) if fallback == "previous" else holding[:1]
         else:
-            if not all_ids and self.world_size == 1:
-                raise CheckpointNotFound(
-                    f"no committed checkpoint on any tier ({where})"
-                    + (f" of timeline {timeline}" if timeline is not None else "")
-                )
+            missing = f"no committed checkpoint on any tier ({where})" + (
+                f" of timeline {timeline}" if timeline is not None else ""
+            )
             candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
-        if self.world_size > 1:
-            # every rank must load the same checkpoint: agree on the newest all ranks can read
-            from tierckpt.distributed import agree_on_step, publish_repopulated, repopulates
-
-            candidates = agree_on_step(self, candidates)
-            if repopulates(self):
-                # the copies to faster tiers become a checkpoint there only once every rank's
-                # file is in: one collective, reached by every rank whether its load worked
-                got: LoadedShard | None = None
-                try:
-                    got = self._load_candidates(tiers, listing, candidates, publish=False)
-                finally:
-                    publish_repopulated(self, got)
-                assert got is not None
-                return self._deliver(got, into, map_location)
-        loaded = self._load_candidates(tiers, listing, candidates, publish=True)
-        return self._deliver(loaded, into, map_location)
+        # every rank must load the same checkpoint: the newest all ranks can read
+        candidates = self._strategy.agree_on_step(candidates)
+        got: LoadedShard | None = None
+        try:
+            got = self._load_candidates(tiers, listing, candidates, missing)
+        finally:
+            # the copies to faster tiers become a checkpoint there; with several ranks only
+            # once every rank's file is in: a collective, reached by every rank whether its
+            # load worked or not
+            self._strategy.publish_repopulated(got)
+        return self._deliver(got, into, map_location)
 
     def _deliver(
         self, loaded: LoadedShard, into: Any, map_location: str | torch.device | None
@@ -579,17 +560,17 @@ class Checkpointer(PipelineOwner):
         tiers: list[TierRuntime],
         listing: dict[str, list[CheckpointId]],
         candidates: list[CheckpointId],
-        *,
-        publish: bool,
+        missing: str,
     ) -> LoadedShard:
-        """The first readable copy of the first candidate, tiers fastest first."""
+        """The first readable copy of the first candidate, tiers fastest first.
+        ``CheckpointNotFound(missing)`` where no tier holds any candidate."""
         errors: list[str] = []
         first_exc: BaseException | None = None
         for cid in candidates:
             holders = [t for t in tiers if cid in listing[t.name]]
             for t in holders:
                 try:
-                    loaded = self._load_from(t, cid, publish=publish)
+                    loaded = self._load_from(t, cid)
                 except BaseException as exc:
                     if not is_recoverable(exc):
                         raise
@@ -607,6 +588,8 @@ class Checkpointer(PipelineOwner):
                     loaded.seconds,
                 )
                 return loaded
+        if not errors:
+            raise CheckpointNotFound(missing)
         msg = "no readable copy of the checkpoint: " + "; ".join(errors)
         if isinstance(first_exc, CorruptCheckpoint):
             raise CorruptCheckpoint(msg) from first_exc
@@ -614,9 +597,7 @@ class Checkpointer(PipelineOwner):
             raise type(first_exc)(msg) from first_exc
         raise CorruptCheckpoint(msg) from first_exc
 
-    def _load_from(
-        self, tier: TierRuntime, cid: CheckpointId, *, publish: bool = True
-    ) -> LoadedShard:
+    def _load_from(self, tier: TierRuntime, cid: CheckpointId) -> LoadedShard:
         step = cid.step
         manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
         if manifest.world_size != self.world_size:
@@ -626,7 +607,7 @@ class Checkpointer(PipelineOwner):
                 "tierckpt.dcp (torch.distributed.checkpoint) to reshard"
             )
         repop = []
-        if self.repopulate and tier.backend.is_remote and (self.world_size == 1 or not publish):
+        if self._strategy.repopulates and tier.backend.is_remote:
             for t in self._tiers:
                 if (
                     t.backend.is_durable
@@ -646,7 +627,7 @@ class Checkpointer(PipelineOwner):
             self.rank,
             self._read_pool,
             repopulate=repop,
-            publish=publish,
+            publish=False,  # the strategy's publish_repopulated commits the copies
         )
 
     # -- stats / lifecycle ------------------------------------------------------------

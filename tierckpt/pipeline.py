@@ -236,10 +236,14 @@ class Pipeline:
         commit: CommitFn,
         on_result: Callable[[TierResult, SaveHandle], None] | None = None,
         on_failure: Callable[[TierRuntime, SaveJob, BaseException], None] | None = None,
+        retains: Callable[[TierRuntime, SaveJob], bool] | None = None,
     ) -> None:
         self.tiers = tiers
         self.on_result = on_result
         self.on_failure = on_failure
+        #: whether this rank applies a tier's retention once a job committed there; default:
+        #: rank 0 (the other ranks' copies are on the same storage)
+        self.retains = retains or _rank_zero_retains
         self.chunk_bytes = chunk_bytes
         self.host_buffer_bytes = host_buffer_bytes
         self.commit = commit
@@ -869,7 +873,8 @@ class Pipeline:
             codec_desc,
             result.ratio,
         )
-        if job.rank == 0 and self.may_collect(tier, job.rank):
+        # the owner says which ranks apply retention where; only while holding the lease
+        if self.retains(tier, job) and self.may_collect(tier, job.rank):
             try:
                 protect = {j.id for j in self.in_flight() if j is not job}
                 gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
@@ -900,6 +905,10 @@ class Pipeline:
             if job.plan is not None:
                 job.plan.sources.clear()
             job.collected = None
+
+
+def _rank_zero_retains(tier: TierRuntime, job: SaveJob) -> bool:
+    return job.rank == 0
 
 
 def _encode(
@@ -1050,7 +1059,8 @@ class PipelineOwner:
     exit_timeout_s: float | None = None
 
     def _pipeline_hooks(self) -> dict[str, Any]:
-        """``commit`` (and optionally ``on_result``, ``on_failure``) for the Pipeline."""
+        """``commit`` (and optionally ``on_result``, ``on_failure``, ``retains``) for the
+        Pipeline."""
         raise NotImplementedError
 
     def _get_pipeline(self) -> Pipeline:

@@ -194,7 +194,8 @@ def read_shard(
     """Read, verify and decode one rank's shard from one tier.
 
     ``repopulate``: also copy the shard file to these tiers; ``publish``: and write the
-    manifest there (False with several ranks, whose manifest waits for every rank's file)."""
+    manifest there (False where the caller commits the copies: a Checkpointer's commit
+    strategy, which with several ranks waits for every rank's file)."""
     t0 = time.perf_counter()
     ref = manifest.shard_for(rank)
     where = f"tier {tier!r} {backend.url}/{ref.file}"
@@ -325,8 +326,8 @@ class _Repopulation:
 
     def finish(self, offset: int, tail: bytes, manifest: Manifest | None) -> list[Backend]:
         """Write index + footer and commit on every healthy tier, then the manifest (last)
-        unless ``manifest`` is None (several ranks: published once all ranks' files are
-        there, see ``tierckpt.distributed.publish_repopulated``). Returns the tiers whose
+        unless ``manifest`` is None (the caller publishes it: see
+        ``tierckpt.commit.CommitStrategy.publish_repopulated``). Returns the tiers whose
         shard file is now committed."""
         done = []
         for i, (b, w) in enumerate(self._writers):

@@ -1,0 +1,102 @@
+"""Multi-rank commit and load agreement on ``torch.distributed``.
+
+:class:`MultiRankCommit` is the :class:`~tierckpt.commit.CommitStrategy` a
+:class:`~tierckpt.Checkpointer` uses when the job has several ranks (it picks one in
+``__init__`` and hands it what it needs; this package never imports the checkpointer). The
+protocol says which call comes when, on which thread; this says what the calls do across ranks.
+
+Save
+    Every rank streams its own shard file (``steps/<step>/rank-<r>.tck``; on a timeline t >= 1
+    ``steps/<step>.t<t>/...``, see :class:`~tierckpt.format.CheckpointId`) to every tier in its
+    own background threads. Once a rank's file is durable on a tier it writes a small
+    *completion record* next to it (``rank-<r>.done.json``: the shard's size and index
+    checksum, raw and stored bytes, and the *attempt id* of this save). Rank 0, once its own
+    file is durable, polls the tier for the other ranks' records — storage requests only, never
+    a collective in a background thread, on the pipeline's commit threads so that the tier's
+    writer moves on to the next checkpoint — and writes the tier's manifest, listing every
+    rank's file, create-only. A non-zero rank returns as soon as its record is written: on
+    those ranks ``handle.done(tier)`` means "my shard is durable there", not "the checkpoint
+    is committed"; :func:`wait_committed` waits for the manifest.
+
+    A rank whose save fails on a tier (disk full, storage errors, a failed capture) writes a
+    *failure record* there instead (``rank-<r>.failed.json``: attempt id and error message):
+    rank 0 sees it at its next poll and fails that tier's save at once with
+    :class:`RankFailed`, naming the rank and its error. A rank that dies writes nothing, so
+    rank 0 writes no manifest: after ``commit_timeout`` it fails that tier's save with
+    :class:`CommitTimeout`, naming the missing ranks. Either way nothing is committed and the
+    previous checkpoint stays the newest committed one.
+
+Attempt ids
+    Records of an earlier, killed attempt at the same step must not be mistaken for this
+    one's, so every record carries an attempt id ``<session>-<n>``: the session id is drawn by
+    rank 0 and spread by one small all-reduce in the training thread at the checkpointer's
+    first multi-rank save (:meth:`MultiRankCommit.begin_save`); ``n`` counts saves. Later
+    saves need no collective — except with ``on_busy="skip"``, where every save runs that
+    all-reduce so that all ranks skip together.
+
+Private tiers
+    A tier whose storage other ranks cannot see (a RAM tier: each process has its own; or a
+    node-local disk named in ``TIERCKPT_PRIVATE_TIERS``) cannot be polled by rank 0. There the
+    records travel through the process group's key-value store (the ``TCPStore`` behind
+    ``init_process_group``, safe to use from background threads): each rank publishes its
+    record, rank 0 composes the manifest once and publishes it, and every rank writes that same
+    manifest onto its own copy of the tier. Each rank applies retention to its own copy. A
+    rank that fails there sets a failure key in the store, which every waiting rank checks.
+
+Load
+    :func:`agree_on_step` — one ``all_gather`` of a fixed-size vector in the calling thread —
+    makes every rank load the same checkpoint: the newest (step and timeline) whose manifest
+    and own shard index every rank can read.
+
+Timelines
+    Every rank must write the same checkpoint id. Where a save chooses its timeline from the
+    tiers (the first save, the first after a load, a step below the previous save's: the same
+    saves on every rank) each rank proposes one from its own view of the tiers and the
+    all-reduce of :meth:`~MultiRankCommit.begin_save` takes the largest; other saves keep the
+    previous save's timeline on every rank without a collective.
+
+Knobs (environment overrides, :func:`knobs` context manager for tests)
+    ``TIERCKPT_COMMIT_TIMEOUT_S`` (600), ``TIERCKPT_COMMIT_POLL_MAX_S`` (2.0).
+"""
+
+from __future__ import annotations
+
+from tierckpt.distributed._agree import agree_on_step, checkpoint_key, checkpoint_of_key
+from tierckpt.distributed._collectives import collective_device
+from tierckpt.distributed._knobs import DistKnobs, get_knobs, knobs
+from tierckpt.distributed._private import is_private_tier
+from tierckpt.distributed._records import (
+    CommitTimeout,
+    RankFailed,
+    RankRecord,
+    decode_failure,
+    decode_record,
+    encode_failure,
+    encode_record,
+)
+from tierckpt.distributed._repopulate import publish_repopulated
+from tierckpt.distributed._shared import wait_committed, wait_for_records
+from tierckpt.distributed._strategy import MultiRankCommit, report_failure
+
+__all__ = [
+    "CommitTimeout",
+    "DistKnobs",
+    "MultiRankCommit",
+    "RankFailed",
+    "RankRecord",
+    "agree_on_step",
+    "checkpoint_key",
+    "checkpoint_of_key",
+    "collective_device",
+    "decode_failure",
+    "decode_record",
+    "encode_failure",
+    "encode_record",
+    "get_knobs",
+    "is_private_tier",
+    "knobs",
+    "publish_repopulated",
+    "report_failure",
+    "wait_committed",
+    "wait_for_records",
+]

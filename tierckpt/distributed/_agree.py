@@ -1,0 +1,129 @@
+"""The load agreement: every rank loads the same checkpoint, the newest all can read
+(:func:`agree_on_step`); checkpoint ids as int64 for collectives (:func:`checkpoint_key`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
+from tierckpt.distributed._knobs import get_knobs
+from tierckpt.distributed._records import _ranks
+from tierckpt.errors import CheckpointNotFound
+from tierckpt.format import MAX_STEP, CheckpointId
+from tierckpt.restore import is_recoverable, read_index, read_manifest
+
+if TYPE_CHECKING:
+    from tierckpt.pipeline import TierRuntime
+
+__all__ = ["agree_on_step", "checkpoint_key", "checkpoint_of_key"]
+
+log = logging.getLogger("tierckpt")
+
+
+def _readable(tiers: Sequence[TierRuntime], rank: int, world_size: int, cid: CheckpointId) -> str:
+    """Empty if this rank can read ``cid`` (manifest + own shard index) on some tier, else
+    why not."""
+    reasons = []
+    for t in tiers:
+        try:
+            m = read_manifest(t.backend, cid.step, t.name, timeline=cid.timeline)
+            if m.world_size != world_size:
+                reasons.append(
+                    f"tier {t.name!r}: saved by {m.world_size} ranks, this job has "
+                    f"{world_size} (the native format needs the same world size; save with "
+                    "tierckpt.dcp to reshard)"
+                )
+                continue
+            read_index(t.backend, m.shard_for(rank), t.name)
+            return ""
+        except CheckpointNotFound:
+            continue
+        except BaseException as exc:
+            if not is_recoverable(exc):
+                raise
+            reasons.append(f"tier {t.name!r}: {exc}")
+    return "; ".join(reasons) or "not on any tier"
+
+
+#: a checkpoint id as one int64 for the load agreement: ordered like the ids
+_ID_BASE = MAX_STEP + 1
+
+
+def checkpoint_key(cid: CheckpointId) -> int:
+    """A checkpoint id as one int64 (for collectives): ordered as the ids are."""
+    return cid.timeline * _ID_BASE + cid.step
+
+
+def checkpoint_of_key(key: int) -> CheckpointId:
+    """The inverse of :func:`checkpoint_key`."""
+    return CheckpointId(key % _ID_BASE, key // _ID_BASE)
+
+
+def agree_on_step(
+    candidates: Sequence[CheckpointId],
+    *,
+    tiers: Sequence[TierRuntime],
+    rank: int,
+    world_size: int,
+) -> list[CheckpointId]:
+    """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read on
+    ``tiers``.
+
+    One ``all_gather`` of ``agree_max_candidates`` int64 per rank (a checkpoint id each, in
+    the ids' order), in the calling thread; every rank must call ``load()`` together. Returns
+    a one-element list, or raises ``CheckpointNotFound`` on every rank when the ranks share
+    no readable checkpoint.
+    """
+    if not _group_ok(rank, world_size):
+        _warn_once(
+            "no-group-load",
+            "multi-rank load without an initialized torch.distributed "
+            "group: ranks cannot agree on a step; each loads its own newest",
+        )
+        if not candidates:
+            raise CheckpointNotFound(f"rank {rank}: no committed checkpoint on any tier")
+        return list(candidates)
+    import torch.distributed as dist
+
+    k = get_knobs()
+    mine: list[CheckpointId] = []
+    why: dict[CheckpointId, str] = {}
+    for cid in list(candidates)[: k.agree_max_candidates]:
+        reason = _readable(tiers, rank, world_size, cid)
+        if reason:
+            why[cid] = reason
+        else:
+            mine.append(cid)
+    dev = collective_device()
+    vec = torch.full((k.agree_max_candidates,), -1, dtype=torch.int64, device=dev)
+    if mine:
+        keys = [checkpoint_key(c) for c in mine]
+        vec[: len(mine)] = torch.tensor(keys, dtype=torch.int64, device=dev)
+    gathered = [torch.empty_like(vec) for _ in range(world_size)]
+    dist.all_gather(gathered, vec)
+    sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
+    common = set.intersection(*sets)
+    if common:
+        chosen = checkpoint_of_key(max(common))
+        if mine and chosen != mine[0]:
+            log.warning(
+                "rank %d: loading %s, the newest checkpoint every rank can read (this rank "
+                "also has %s)",
+                rank,
+                chosen,
+                ", ".join(str(c) for c in [c for c in mine if c > chosen][:5]),
+            )
+        return [chosen]
+    newest = {r: str(checkpoint_of_key(max(s))) if s else None for r, s in enumerate(sets)}
+    lacking = [r for r, s in newest.items() if s is None]
+    detail = "; ".join(f"{c}: {w}" for c, w in list(why.items())[:3])
+    raise CheckpointNotFound(
+        f"no checkpoint step is committed and readable on every rank (this rank looked at "
+        f"{', '.join(map(str, list(candidates)[:5])) or 'no committed step'}; newest readable "
+        f"checkpoint per rank: {dict(list(newest.items())[:16])}; ranks with none: "
+        f"{_ranks(lacking)})" + (f"; this rank (rank {rank}): {detail}" if detail else "")
+    )

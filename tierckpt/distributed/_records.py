@@ -1,0 +1,174 @@
+"""Completion and failure records: what a rank writes next to its shard on a tier, and the
+errors rank 0 raises when records say a save cannot commit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierckpt.errors import FormatError, TierCkptError
+from tierckpt.format import MAX_STEP, MAX_TIMELINE, ShardRef, shard_name
+
+__all__ = [
+    "CommitTimeout",
+    "RankFailed",
+    "RankRecord",
+    "decode_failure",
+    "decode_record",
+    "encode_failure",
+    "encode_record",
+]
+
+RECORD_FORMAT = "tierckpt-rank-record"
+RECORD_VERSION = 1
+FAILURE_FORMAT = "tierckpt-rank-failure"
+MAX_RECORD_BYTES = 64 << 10
+#: a failure record keeps at most this many characters of the error message
+MAX_ERROR_CHARS = 2000
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_ATTEMPT = re.compile(r"^[0-9A-Za-z._-]{0,128}$")
+
+
+class CommitTimeout(TierCkptError, TimeoutError):
+    """Rank 0 gave up waiting for other ranks' completion records: nothing was committed."""
+
+
+class RankFailed(TierCkptError):
+    """Another rank reported that its shard failed on this tier: nothing was committed."""
+
+
+# -- completion records -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankRecord:
+    """One rank's statement "my shard of ``step`` is durable on ``tier``"."""
+
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    tier: str
+    file: str
+    size: int
+    index_checksum: str
+    raw_bytes: int
+    stored_bytes: int
+    codec: str
+    #: the checkpoint's timeline (written only when non-zero)
+    timeline: int = 0
+
+    @property
+    def ref(self) -> ShardRef:
+        return ShardRef(self.rank, self.file, self.size, self.index_checksum)
+
+
+def encode_record(r: RankRecord) -> bytes:
+    body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, **dataclasses.asdict(r)}
+    if not r.timeline:
+        del body["timeline"]  # timeline 0: the record of format v1, byte for byte
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _field(body: dict[str, Any], key: str, typ: type, where: str) -> Any:
+    v = body.get(key)
+    if type(v) is not typ:
+        raise FormatError(f"{where}: record field {key!r} missing or not a {typ.__name__}")
+    return v
+
+
+def _record_body(data: bytes, fmt: str, what: str, where: str) -> dict[str, Any]:
+    """The JSON object of a small record of format ``fmt``, size and version checked."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise FormatError(f"{where}: {what} larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{where}: {what} is not JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != fmt:
+        raise FormatError(f"{where}: not a tierckpt {what}")
+    if body.get("version") != RECORD_VERSION:
+        raise FormatError(f"{where}: unsupported {what} version {body.get('version')!r}")
+    return body
+
+
+def _timeline_field(body: dict[str, Any], where: str) -> int:
+    timeline = body.get("timeline", 0)
+    if type(timeline) is not int or not 0 <= timeline <= MAX_TIMELINE:
+        raise FormatError(f"{where}: record field 'timeline' is not a timeline: {timeline!r}")
+    return timeline
+
+
+def decode_record(data: bytes, *, where: str) -> RankRecord:
+    """Parse and validate a completion record (it comes from storage: trust nothing)."""
+    body = _record_body(data, RECORD_FORMAT, "completion record", where)
+    step = _field(body, "step", int, where)
+    if not 0 <= step <= MAX_STEP:
+        raise FormatError(f"{where}: record names step {step}")
+    rec = RankRecord(
+        step=step,
+        rank=_field(body, "rank", int, where),
+        world_size=_field(body, "world_size", int, where),
+        attempt=_field(body, "attempt", str, where),
+        tier=_field(body, "tier", str, where),
+        file=_field(body, "file", str, where),
+        size=_field(body, "size", int, where),
+        index_checksum=_field(body, "index_checksum", str, where),
+        raw_bytes=_field(body, "raw_bytes", int, where),
+        stored_bytes=_field(body, "stored_bytes", int, where),
+        codec=_field(body, "codec", str, where),
+        timeline=_timeline_field(body, where),
+    )
+    if not 0 <= rec.rank < rec.world_size or rec.file != shard_name(
+        rec.step, rec.rank, timeline=rec.timeline
+    ):
+        raise FormatError(f"{where}: record names rank {rec.rank} / file {rec.file!r}")
+    if not _HEX16.match(rec.index_checksum) or not _ATTEMPT.match(rec.attempt):
+        raise FormatError(f"{where}: malformed checksum or attempt id in record")
+    if min(rec.size, rec.raw_bytes, rec.stored_bytes) < 0:
+        raise FormatError(f"{where}: negative size in record")
+    return rec
+
+
+def encode_failure(
+    step: int, rank: int, attempt: str, tier: str, error: str, *, timeline: int = 0
+) -> bytes:
+    body: dict[str, Any] = {
+        "format": FAILURE_FORMAT,
+        "version": RECORD_VERSION,
+        "step": step,
+        "rank": rank,
+        "attempt": attempt,
+        "tier": tier,
+        "error": error[:MAX_ERROR_CHARS],
+    }
+    if timeline:
+        body["timeline"] = timeline
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def decode_failure(data: bytes, *, where: str) -> tuple[int, int, str, str, int]:
+    """``(step, rank, attempt, error, timeline)`` of a failure record (from storage: trust
+    nothing)."""
+    body = _record_body(data, FAILURE_FORMAT, "failure record", where)
+    step = _field(body, "step", int, where)
+    rank = _field(body, "rank", int, where)
+    attempt = _field(body, "attempt", str, where)
+    error = _field(body, "error", str, where)
+    if not _ATTEMPT.match(attempt):
+        raise FormatError(f"{where}: malformed attempt id in failure record")
+    return step, rank, attempt, error[:MAX_ERROR_CHARS], _timeline_field(body, where)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks[:20])) + (
+        f" and {len(ranks) - 20} more" if len(ranks) > 20 else ""
+    )

@@ -1,0 +1,247 @@
+"""The multi-rank :class:`~tierckpt.commit.CommitStrategy`: :class:`MultiRankCommit` owns the
+job's save handshake (session id, save counter) and routes each call to the shared-tier or
+private-tier commit, the load agreement or the repopulation; and :func:`report_failure`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from tierckpt.commit import Defer, SaveStart
+from tierckpt.distributed._agree import agree_on_step
+from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
+from tierckpt.distributed._private import (
+    _commit_private,
+    _publish_private,
+    _store,
+    _store_lock,
+    is_private_tier,
+)
+from tierckpt.distributed._records import (
+    _ATTEMPT,
+    CommitTimeout,
+    RankFailed,
+    RankRecord,
+    _describe,
+    encode_failure,
+)
+from tierckpt.distributed._repopulate import publish_repopulated
+from tierckpt.distributed._shared import _manifest, _put_manifest, _write_record, wait_for_records
+from tierckpt.format import CheckpointId, ShardRef, rank_failure_name
+
+if TYPE_CHECKING:
+    from tierckpt.pipeline import SaveJob, TierRuntime
+    from tierckpt.restore import LoadedShard
+
+__all__ = ["MultiRankCommit", "report_failure"]
+
+log = logging.getLogger("tierckpt")
+
+
+def report_failure(tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+    """Tell the ranks waiting on ``tier`` that this rank's part of ``job`` failed.
+
+    Called by the pipeline when a multi-rank save fails on a tier. On a shared tier a non-zero
+    rank writes its failure record (rank 0 is the one that waits; nobody waits for rank 0's
+    record); on a private tier any rank sets the attempt's failure key in the store. Best
+    effort: storage that just failed may fail again, and then rank 0 falls back on its
+    ``commit_timeout``.
+    """
+    if isinstance(error, (CommitTimeout, RankFailed)):
+        return  # a verdict on other ranks, not a failure of this rank's own part
+    try:
+        if is_private_tier(tier):
+            if job.attempt:
+                st = _store()
+                with _store_lock:
+                    st.set(
+                        f"tierckpt/{job.attempt}/{tier.name}/failed",
+                        f"rank {job.rank}: {_describe(error)}".encode("utf-8", "replace"),
+                    )
+            return
+        if job.rank == 0:
+            return
+        body = encode_failure(
+            job.step, job.rank, job.attempt, tier.name, _describe(error), timeline=job.timeline
+        )
+        tier.backend.put_atomic(
+            rank_failure_name(job.step, job.rank, timeline=job.timeline), body, overwrite=True
+        )
+    except Exception as exc:  # never mask the save's own error
+        log.warning(
+            "step %d tier %s: could not report rank %d's failure to the other ranks (%s); "
+            "rank 0 will wait out its commit timeout",
+            job.step,
+            tier.name,
+            job.rank,
+            exc,
+        )
+
+
+class MultiRankCommit:
+    """The :class:`~tierckpt.commit.CommitStrategy` of one rank of a multi-rank job.
+
+    A save commits on a tier once every rank's shard is durable there: on a tier all ranks
+    can read, through completion records that rank 0 polls for (:func:`wait_for_records`);
+    on a private tier, through the process group's store (see the package docstring). A load
+    reads the newest checkpoint every rank can read (:func:`agree_on_step`).
+
+    Everything it needs is handed in, so that it never reaches into its owner: ``tiers``
+    (the owner's tiers, fastest first, for the load agreement and repopulation), ``rank`` and
+    ``world_size``, ``on_busy`` (with ``"skip"`` every save runs the handshake's all-reduce so
+    that all ranks skip together), ``repopulate`` (loads copy onto faster tiers where every
+    rank can take part) and ``defer`` (the pipeline's commit threads, where rank 0's waiting
+    part of a commit runs). It owns the handshake's state: the session id agreed at the first
+    save and the count of saves, which every rank makes in the same order.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[TierRuntime],
+        *,
+        rank: int,
+        world_size: int,
+        on_busy: Literal["block", "skip"],
+        repopulate: bool,
+        defer: Defer,
+    ) -> None:
+        self._tiers = tuple(tiers)
+        self._rank = rank
+        self._world_size = world_size
+        self._on_busy = on_busy
+        self._repopulate = repopulate
+        self._defer = defer
+        #: drawn by rank 0 at the first save with a process group, spread by its all-reduce
+        self._session = 0
+        #: saves begun so far, the ``n`` of the attempt id ``<session>-<n>``
+        self._saves = 0
+
+    def begin_save(
+        self, step: int, busy: bool, *, timeline: int, agree_timeline: bool
+    ) -> SaveStart:
+        """Agree on an attempt id (and, with ``on_busy="skip"``, on skipping; and on the
+        timeline); training thread.
+
+        The attempt id is ``<session>-<n>``: the session id is drawn by rank 0 and spread by
+        one all-reduce at the first multi-rank save; ``n`` counts saves, which every rank makes
+        in the same order. So with ``on_busy="block"`` (the default) later saves need no
+        collective at all. With ``on_busy="skip"`` every save runs one small all-reduce so that
+        all ranks skip together (and checks that they save the same step; a mismatch raises
+        ``ValueError`` everywhere). Without an initialized process group (rank and world size
+        given by hand) there is no collective: the session is ``TIERCKPT_ATTEMPT_ID`` (empty:
+        any record is accepted).
+
+        ``agree_timeline``: ``timeline`` is this rank's choice from its own view of the tiers
+        (the first save, the first after a load, a step below the previous save's — the same
+        saves on every rank); the ranks take the largest, in the same all-reduce, so that every
+        rank writes the same checkpoint id. Otherwise ``timeline`` is returned as it is.
+        """
+        self._saves += 1
+        if not _group_ok(self._rank, self._world_size):
+            _warn_once(
+                "no-group",
+                "multi-rank save without an initialized torch.distributed group: ranks cannot "
+                "agree on an attempt id (set TIERCKPT_ATTEMPT_ID per job attempt) nor skip "
+                "together",
+            )
+            attempt = os.environ.get("TIERCKPT_ATTEMPT_ID", "")
+            if not _ATTEMPT.match(attempt) or len(attempt) > 100:
+                raise ValueError("TIERCKPT_ATTEMPT_ID may hold only [0-9A-Za-z._-], 100 at most")
+            return SaveStart((f"{attempt}-{self._saves}" if attempt else ""), busy, timeline)
+        skip_mode = self._on_busy == "skip"
+        if self._session == 0 or skip_mode or agree_timeline:
+            import torch.distributed as dist
+
+            mine = secrets.randbits(62) + 1 if self._rank == 0 and self._session == 0 else 0
+            t = torch.tensor(
+                [mine, step, -step, int(busy), timeline],
+                dtype=torch.int64,
+                device=collective_device(),
+            )
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            drawn, hi, neg_lo, any_busy, timeline = (int(v) for v in t.tolist())
+            if self._session == 0:
+                self._session = drawn
+            if hi != -neg_lo:
+                raise ValueError(
+                    f"ranks are saving different steps (from {-neg_lo} to {hi}); every rank "
+                    "must call save() with the same step"
+                )
+            busy = bool(any_busy)
+        return SaveStart(f"{self._session:016x}-{self._saves}", busy, timeline)
+
+    def commit(
+        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+    ) -> Future[None] | None:
+        """Runs on a tier's writer thread once this rank's shard is durable on ``tier``.
+
+        Writes this rank's record and returns; on rank 0 (and on private tiers) the waiting
+        part goes to the pipeline's commit threads (a Future), so the tier's writer thread
+        moves on to the next checkpoint and training never waits for other ranks' flushes.
+        """
+        rec = RankRecord(
+            step=job.step,
+            rank=job.rank,
+            world_size=job.world_size,
+            attempt=job.attempt,
+            tier=tier.name,
+            file=ref.file,
+            size=ref.size,
+            index_checksum=ref.index_checksum,
+            raw_bytes=raw,
+            stored_bytes=stored,
+            codec=tier.codec.codec_id,
+            timeline=job.timeline,
+        )
+        if is_private_tier(tier):
+            st = _publish_private(tier, job, rec)
+            return self._defer(lambda: _commit_private(tier, job, st))
+        _write_record(tier.backend, rec)
+        if job.rank != 0:
+            return None
+
+        def wait_and_commit() -> None:
+            records = wait_for_records(
+                tier.backend,
+                tier.name,
+                job.step,
+                job.world_size,
+                job.attempt,
+                timeline=job.timeline,
+            )
+            _put_manifest(tier.backend, _manifest(tier.name, job, records))
+
+        return self._defer(wait_and_commit)
+
+    def retains(self, tier: TierRuntime, job: SaveJob) -> bool:
+        """Rank 0 applies retention to a tier all ranks share; every rank to its own copy of
+        a private tier."""
+        return job.rank == 0 or is_private_tier(tier)
+
+    def report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+        """See :func:`report_failure`."""
+        report_failure(tier, job, error)
+
+    @property
+    def repopulates(self) -> bool:
+        """Only where every rank can take part in the collective that commits the copies (the
+        same answer on every rank)."""
+        return self._repopulate and _group_ok(self._rank, self._world_size)
+
+    def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
+        """See :func:`agree_on_step`."""
+        return agree_on_step(
+            candidates, tiers=self._tiers, rank=self._rank, world_size=self._world_size
+        )
+
+    def publish_repopulated(self, loaded: LoadedShard | None) -> None:
+        """See :func:`publish_repopulated`; nothing (and no collective) where loads do not
+        repopulate."""
+        if self.repopulates:
+            publish_repopulated(loaded, tiers=self._tiers, rank=self._rank)
