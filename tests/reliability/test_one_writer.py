@@ -558,7 +558,7 @@ def test_lost_lease_stops_writes_and_retention_on_that_tier(
     backend = LocalBackend(root)
     other = _lease_json(host="node-b", pid=4242, renewed=time.time() + 3600)
     ck = Checkpointer([LocalTier(root, keep_last=1)], chunk_bytes=256 << 10)
-    commit = ck._commit
+    commit = ck._strategy.commit  # the pipeline takes its commit hook at the first save
 
     def commit_then_taken_over(*args: Any) -> Any:
         out = commit(*args)
@@ -566,7 +566,7 @@ def test_lost_lease_stops_writes_and_retention_on_that_tier(
             _put_lease(backend, other)
         return out
 
-    ck._commit = commit_then_taken_over  # type: ignore[method-assign]
+    ck._strategy.commit = commit_then_taken_over  # type: ignore[method-assign]
     try:
         ck.save(_state(1, "A"), 1).wait(timeout=60)
         # the heartbeat: the lease's renewal time moves on while the writer idles
