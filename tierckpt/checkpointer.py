@@ -18,6 +18,7 @@ from tierckpt.capture import record_ready_events
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import Manifest, ShardRef, encode_manifest, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.objects import encode_metadata
 from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import collect_state
@@ -142,8 +143,8 @@ class Checkpointer(PipelineOwner):
         """Start saving ``state`` as ``step``; returns at once with a :class:`SaveHandle`.
 
         The state must not change until ``wait_captured()`` returns (the optimizer step):
-        ``guard(optimizer)`` enforces it. Unsupported objects raise ``UnsupportedObject``
-        here, before anything is written.
+        ``guard(optimizer)`` enforces it. Unsupported objects (and ``metadata`` that is not
+        plain JSON) raise ``UnsupportedObject`` here, before anything is written.
         """
         t0 = time.perf_counter()
         handle = self._save(state, step, metadata)
@@ -154,6 +155,8 @@ class Checkpointer(PipelineOwner):
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         manifest_name(step)  # validates the range
+        # checked (and copied) now, with the limits a reader applies: not after the data
+        metadata = encode_metadata(metadata)
         pipeline = self._get_pipeline()
         with self._lock:
             for job in pipeline.in_flight():
@@ -191,7 +194,7 @@ class Checkpointer(PipelineOwner):
             rank=self.rank,
             world_size=self.world_size,
             ready_events=record_ready_events(collected.devices),
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             attempt=attempt,
         )
         self._last = handle

@@ -32,9 +32,11 @@ from typing import Any
 
 import xxhash
 
+from tierckpt import limits
 from tierckpt._types import JSON, BytesLike
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import CorruptCheckpoint, FormatError
+from tierckpt.jsonbound import loads_within, scan
 
 __all__ = [
     "ALIGNMENT",
@@ -49,6 +51,8 @@ __all__ = [
     "decode_manifest",
     "encode_index",
     "encode_manifest",
+    "check_index_head",
+    "index_counts",
     "manifest_name",
     "parse_manifest_name",
     "shard_name",
@@ -64,8 +68,8 @@ _FOOTER = struct.Struct("<8sIIQQQQQ8s")
 assert _FOOTER.size == FOOTER_SIZE
 
 MAX_STEP = 10**12 - 1
-MAX_INDEX_BYTES = 1 << 30
-MAX_MANIFEST_BYTES = 64 << 20
+MAX_INDEX_BYTES = limits.MAX_INDEX_BYTES
+MAX_MANIFEST_BYTES = limits.MAX_MANIFEST_BYTES
 MAX_WORLD_SIZE = 1 << 20
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -194,8 +198,169 @@ class ChunkRecord:
         ]
 
 
+#: the index's first bytes as tierckpt writes them: a reader finds the declared counts here
+#: before parsing anything (an index that does not begin so is read with the legacy limit)
+_COUNTS_HEAD = re.compile(
+    rb'\{"format":"tierckpt-shard","version":(\d{1,9}),"counts":(\{[^{}\[\]]{0,400}\})'
+)
+_COUNT_KEYS = ("codecs", "chunks", "storages", "tensors", "dims", "tree", "text")
+#: an index longer than this is checked against its declared counts before it is read
+HEAD_PROBE_BYTES = 64 << 10
+_HEAD_BYTES = 512
+
+
+def _list(v: object) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _dims(tensors: list[Any]) -> int:
+    """Shape elements of a tensor table (records that are not 6-lists count none)."""
+    return sum(
+        len(e[3]) for e in tensors if isinstance(e, list) and len(e) == 6 and isinstance(e[3], list)
+    )
+
+
+def index_counts(index: dict[str, Any]) -> dict[str, JSON]:
+    """The ``counts`` an index declares: table lengths, the tensor table's dimensions, and the
+    object tree's JSON items and string bytes. A reader derives from them how many bytes and
+    JSON items the index may hold, so its memory budget, before reading or parsing it."""
+    tree = scan(json.dumps(index.get("tree"), separators=(",", ":")).encode("utf-8"))
+    return {
+        "codecs": len(_list(index.get("codecs"))),
+        "chunks": len(_list(index.get("chunks"))),
+        "storages": len(_list(index.get("storages"))),
+        "tensors": len(_list(index.get("tensors"))),
+        "dims": _dims(_list(index.get("tensors"))),
+        "tree": tree.items,
+        "text": tree.text,
+    }
+
+
+def with_counts(index: dict[str, Any]) -> dict[str, Any]:
+    """``index`` with freshly computed ``counts`` right after ``format`` and ``version`` (where
+    a reader looks for them); without ``format`` or ``version`` there is no header to put them
+    in and stale counts are dropped."""
+    rest = {k: v for k, v in index.items() if k not in ("format", "version", "counts")}
+    if "format" not in index or "version" not in index:
+        return rest
+    return {
+        "format": index["format"],
+        "version": index["version"],
+        "counts": index_counts(index),
+        **rest,
+    }
+
+
 def encode_index(index: dict[str, JSON]) -> bytes:
-    return json.dumps(index, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return json.dumps(with_counts(index), separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _declared_counts(data: BytesLike, index_offset: int, where: str) -> dict[str, int] | None:
+    """The counts in the index's first bytes, checked against the limits; None if absent."""
+    m = _COUNTS_HEAD.match(bytes(memoryview(data)[:_HEAD_BYTES]))
+    if m is None:
+        return None
+    try:
+        counts = json.loads(m.group(2))
+    except ValueError:
+        counts = None
+    if (
+        not isinstance(counts, dict)
+        or sorted(counts) != sorted(_COUNT_KEYS)
+        or not all(type(v) is int and v >= 0 for v in counts.values())
+    ):
+        raise FormatError(f"{where}: index counts malformed: {m.group(2)[:200]!r}")
+    caps = {
+        "codecs": counts["chunks"] + 8,
+        # chunks start at distinct multiples of ALIGNMENT before the index
+        "chunks": max(index_offset, 0) // ALIGNMENT + 1,
+        "storages": limits.MAX_NODES,
+        "tensors": limits.MAX_NODES,
+        "dims": limits.MAX_DIMS * counts["tensors"],
+        "tree": limits.TREE_ITEMS_PER_NODE * limits.MAX_NODES,
+        "text": limits.MAX_INDEX_BYTES,
+    }
+    for key, cap in caps.items():
+        if counts[key] > cap:
+            raise FormatError(
+                f"{where}: index declares {counts[key]:,} {key}, more than {cap:,} allowed"
+            )
+    return counts
+
+
+def _index_budget(counts: dict[str, int]) -> int:
+    """JSON items an index with these counts may hold (see tierckpt.limits)."""
+    return (
+        limits.INDEX_ITEMS_BASE
+        + limits.INDEX_ITEMS_PER_CODEC * counts["codecs"]
+        + limits.INDEX_ITEMS_PER_CHUNK * counts["chunks"]
+        + limits.INDEX_ITEMS_PER_STORAGE * counts["storages"]
+        + limits.INDEX_ITEMS_PER_TENSOR * counts["tensors"]
+        + limits.INDEX_ITEMS_PER_DIM * counts["dims"]
+        + counts["tree"]
+    )
+
+
+def _index_limits(
+    head: BytesLike, index_length: int, index_offset: int, where: str
+) -> tuple[dict[str, int] | None, int, str]:
+    """(declared counts or None, JSON items allowed, why) for an index of ``index_length``
+    bytes whose first bytes are ``head``; refuses one longer than its counts allow."""
+    counts = _declared_counts(head, index_offset, where)
+    if counts is None:
+        items, max_bytes = limits.LEGACY_INDEX_ITEMS, limits.LEGACY_INDEX_BYTES
+        why = "allowed in an index without declared counts"
+    else:
+        items = _index_budget(counts)
+        max_bytes = limits.INDEX_BYTES_PER_ITEM * items + counts["text"]
+        why = (
+            f"its declared counts allow ({counts['tensors']:,} tensors, {counts['chunks']:,} "
+            f"chunks, {counts['storages']:,} storages, {counts['tree']:,} tree items)"
+        )
+    if index_length > max_bytes:
+        raise FormatError(
+            f"{where}: index is {index_length:,} bytes, more than the {max_bytes:,} {why}; "
+            "refused before reading it (a damaged or hostile file)"
+        )
+    return counts, items, why
+
+
+def check_index_head(head: BytesLike, *, index_length: int, file_size: int, where: str) -> None:
+    """Refuse, from its first bytes only, an index longer than its declared counts allow, so
+    that a reader does not even read it (see ``restore.read_index``)."""
+    _index_limits(head, index_length, file_size - FOOTER_SIZE - index_length, where)
+
+
+def _parse_index(data: BytesLike, file_size: int, where: str) -> tuple[Any, dict[str, int] | None]:
+    """Parse an index within the bytes and items its declared counts (or the legacy limits)
+    allow, and at most MAX_INDEX_DEPTH deep."""
+    length = len(memoryview(data))
+    counts, items, why = _index_limits(data, length, file_size - FOOTER_SIZE - length, where)
+    index = loads_within(
+        data, max_items=items, max_depth=limits.MAX_INDEX_DEPTH, where=where, what="index", why=why
+    )
+    return index, counts
+
+
+def _check_counts(index: dict[str, Any], counts: dict[str, int], where: str) -> None:
+    """What the index holds must be what it declared (its budget was computed from it)."""
+    held = {
+        "codecs": len(index["codecs"]),
+        "chunks": len(index["chunks"]),
+        "storages": len(index["storages"]),
+        "tensors": len(index["tensors"]),
+        "dims": _dims(index["tensors"]),
+    }
+    for key, n in held.items():
+        if n != counts[key]:
+            raise FormatError(f"{where}: index declares {counts[key]:,} {key} but holds {n:,}")
+
+
+def tree_items(index: dict[str, Any]) -> int | None:
+    """The JSON items the index declares for its object tree (None: an index without counts);
+    pass it to ``decode_tree(..., items=)``."""
+    counts = index.get("counts")
+    return counts["tree"] if isinstance(counts, dict) and type(counts.get("tree")) is int else None
 
 
 def _int(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -205,11 +370,13 @@ def _int(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
 
 
 def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, Any]:
-    """Parse and validate a shard index. Chunks are checked for bounds and overlap."""
-    try:
-        index = json.loads(bytes(data))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{where}: index is not valid JSON ({exc})") from None
+    """Parse and validate a shard index. Chunks are checked for bounds and overlap.
+
+    The parse is bounded before it starts: the index may hold only as many JSON items as its
+    declared counts allow and nest at most MAX_INDEX_DEPTH deep (:mod:`tierckpt.jsonbound`);
+    after it, each declared count must match (the tree's in ``decode_tree(items=...)``).
+    """
+    index, counts = _parse_index(data, file_size, where)
     if not isinstance(index, dict) or index.get("format") != "tierckpt-shard":
         raise FormatError(f"{where}: not a tierckpt shard index")
     if index.get("version") != FORMAT_VERSION:
@@ -222,6 +389,11 @@ def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, An
     ):
         if not isinstance(index.get(key), typ):
             raise FormatError(f"{where}: index field {key!r} missing or not a {typ.__name__}")
+    if counts is not None:
+        _check_counts(index, counts, where)
+        index["counts"] = counts
+    else:
+        index.pop("counts", None)  # not a header: an unknown field
     if index.get("checksum_algo") != CHECKSUM_ALGO:
         raise FormatError(f"{where}: unknown checksum algorithm {index.get('checksum_algo')!r}")
     data_bytes = _int(index.get("data_bytes"), "data_bytes")
@@ -324,14 +496,41 @@ def encode_manifest(m: Manifest) -> bytes:
     return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode("utf-8")
 
 
+#: a manifest's last member as tierckpt writes it (keys sorted): its world size, found before
+#: parsing (the closing brace is the document's, so the member is the top-level one)
+_WORLD_TAIL = re.compile(rb'"world_size"\s*:\s*(\d{1,7})\s*\}\s*$')
+
+
+def _manifest_budget(raw: bytes) -> tuple[int, str]:
+    m = _WORLD_TAIL.search(raw[-64:])
+    world = min(int(m.group(1)), MAX_WORLD_SIZE) if m else 1
+    budget = (
+        limits.MANIFEST_ITEMS_BASE
+        + limits.MANIFEST_ITEMS_PER_SHARD * world
+        + limits.MAX_METADATA_BYTES
+        + 1
+    )
+    return (
+        budget,
+        f"allowed for {world} shard(s) and {limits.MAX_METADATA_BYTES:,} bytes of metadata",
+    )
+
+
 def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
+    """Parse and validate a manifest; the parse is bounded by the items its world size and the
+    metadata limit allow (see :mod:`tierckpt.limits`)."""
     raw = bytes(data)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise FormatError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{where}: manifest is not valid JSON ({exc})") from None
+    budget, why = _manifest_budget(raw)
+    body = loads_within(
+        raw,
+        max_items=budget,
+        max_depth=limits.MAX_MANIFEST_DEPTH,
+        where=where,
+        what="manifest",
+        why=why,
+    )
     if not isinstance(body, dict) or body.get("format") != "tierckpt-manifest":
         raise FormatError(f"{where}: not a tierckpt manifest")
     stored = body.pop("checksum", None)
