@@ -36,7 +36,8 @@ from tierckpt import limits
 from tierckpt._types import JSON, BytesLike
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import CorruptCheckpoint, FormatError
-from tierckpt.jsonbound import loads_within, scan
+from tierckpt.jsonbound import JsonShape, loads_within, scan
+from tierckpt.objects import tree_side_table
 
 __all__ = [
     "ALIGNMENT",
@@ -168,7 +169,7 @@ class Footer:
             raise CorruptCheckpoint(
                 f"{where}: file is {file_size} bytes but its footer says {fsize} (truncated?)"
             )
-        if ilen > MAX_INDEX_BYTES or ioff + ilen + FOOTER_SIZE != file_size:
+        if ilen > limits.MAX_INDEX_BYTES or ioff + ilen + FOOTER_SIZE != file_size:
             raise CorruptCheckpoint(f"{where}: index range {ioff}+{ilen} does not end at footer")
         return cls(ioff, ilen, f"{icrc:016x}", fsize, version)
 
@@ -225,6 +226,10 @@ def index_counts(index: dict[str, Any]) -> dict[str, JSON]:
     object tree's JSON items and string bytes. A reader derives from them how many bytes and
     JSON items the index may hold, so its memory budget, before reading or parsing it."""
     tree = scan(json.dumps(index.get("tree"), separators=(",", ":")).encode("utf-8"))
+    side = _side_table(index)
+    if side is not None:  # decoded and counted with the tree
+        more = scan(json.dumps(side, separators=(",", ":")).encode("utf-8"))
+        tree = JsonShape(tree.items + more.items, 0, tree.text + more.text)
     return {
         "codecs": len(_list(index.get("codecs"))),
         "chunks": len(_list(index.get("chunks"))),
@@ -236,11 +241,20 @@ def index_counts(index: dict[str, Any]) -> dict[str, JSON]:
     }
 
 
+def _side_table(index: dict[str, Any]) -> JSON:
+    """The object tree's side table: carried by a freshly encoded tree, or an index field."""
+    side = tree_side_table(index.get("tree"))
+    return side if side is not None else index.get("odict_metadata")
+
+
 def with_counts(index: dict[str, Any]) -> dict[str, Any]:
     """``index`` with freshly computed ``counts`` right after ``format`` and ``version`` (where
     a reader looks for them); without ``format`` or ``version`` there is no header to put them
     in and stale counts are dropped."""
     rest = {k: v for k, v in index.items() if k not in ("format", "version", "counts")}
+    side = tree_side_table(index.get("tree"))
+    if side is not None:
+        rest["odict_metadata"] = side
     if "format" not in index or "version" not in index:
         return rest
     return {
@@ -356,11 +370,12 @@ def _check_counts(index: dict[str, Any], counts: dict[str, int], where: str) -> 
             raise FormatError(f"{where}: index declares {counts[key]:,} {key} but holds {n:,}")
 
 
-def tree_items(index: dict[str, Any]) -> int | None:
-    """The JSON items the index declares for its object tree (None: an index without counts);
-    pass it to ``decode_tree(..., items=)``."""
+def tree_args(index: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``decode_tree`` for this index's tree: its side table and the
+    JSON items declared for both (None for an index without counts)."""
     counts = index.get("counts")
-    return counts["tree"] if isinstance(counts, dict) and type(counts.get("tree")) is int else None
+    items = counts["tree"] if isinstance(counts, dict) and type(counts.get("tree")) is int else None
+    return {"items": items, "odict_metadata": index.get("odict_metadata")}
 
 
 def _int(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

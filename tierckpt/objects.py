@@ -66,6 +66,7 @@ __all__ = [
     "dtype_name",
     "encode_metadata",
     "encode_tree",
+    "tree_side_table",
 ]
 
 #: kept for importers; the limits themselves live in :mod:`tierckpt.limits`
@@ -94,6 +95,9 @@ _QSCHEMES: dict[str, torch.qscheme] = {
 #: per dimension), its storage record and a share of the chunk table
 _TENSOR_INDEX_BYTES = 256
 _DIM_INDEX_BYTES = 40
+#: index bytes of a node besides its strings (a number is at most 24 characters, a tag such as
+#: {"$dtype":"float8_e4m3fnuz"} 29, a [key, value] pair's brackets are shared by two nodes)
+_NODE_INDEX_BYTES = 40
 #: index bytes that are not the tree or the tensor table (header, codecs, chunks)
 _INDEX_HEADROOM = 1 << 20
 _STORED_TYPES = (
@@ -137,8 +141,8 @@ class KeyPath:
 def _int_text(x: int, where: str) -> str:
     """``str(x)`` for an int a reader converts back (at most MAX_INT_DIGITS digits)."""
     digits = limits.MAX_INT_DIGITS
-    # 3.33 bits per digit: bigger ints are refused without converting them at all
-    if x.bit_length() <= digits * 3:
+    # at most 3.33 bits per digit: far bigger ints are refused without converting them
+    if x.bit_length() <= digits * 4:
         try:
             text = str(x)
         except ValueError:  # this interpreter converts fewer digits (sys.set_int_max_str_digits)
@@ -159,7 +163,11 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
     """
     max_nodes, max_depth = limits.MAX_NODES, limits.MAX_DEPTH
     nodes = 0
-    size = 0  # an upper bound of the index bytes so far
+    size = 0  # index bytes beyond _NODE_INDEX_BYTES per node: strings, bytes, tensor records
+    odicts = 0  # OrderedDicts so far, in the order decode_tree meets them
+    side: list[JSON] = []  # [ordinal, _metadata] of the OrderedDicts that carry one
+    pending: list[tuple[int, object, tuple[object, ...]]] = []  # encoded after the tree
+    in_side = False
 
     def refuse_nodes(path: tuple[object, ...]) -> UnsupportedObject:
         return UnsupportedObject(
@@ -169,7 +177,7 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
         )
 
     def enc(x: Any, path: tuple[object, ...], depth: int) -> JSON:
-        nonlocal nodes, size
+        nonlocal nodes, size, odicts
         nodes += 1
         if nodes > max_nodes:
             raise refuse_nodes(path)
@@ -177,48 +185,50 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
             raise UnsupportedObject(f"state nested deeper than {max_depth} at {_path_str(path)}")
         t = type(x)
         if x is None or t is bool:
-            size += 6
             return x
         if t is str:
-            size += len(encode_basestring_ascii(x)) + 1
+            size += len(encode_basestring_ascii(x))
             return x
         if t is int:
             if -_INT64 <= x < _INT64:
-                size += 21
                 return x
             text = _int_text(x, _path_str(path))
-            size += len(text) + 12
+            size += len(text)
             return {"$int": text}
         if t is float:
-            size += 26
             if math.isfinite(x):
                 return x
             return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
         if isinstance(x, torch.Tensor):
+            if in_side:
+                raise UnsupportedObject(f"a tensor in the _metadata at {_path_str(path)}")
             size += _TENSOR_INDEX_BYTES + _DIM_INDEX_BYTES * x.dim()
             if x.is_quantized:
                 payload = _quantized(x, path, on_tensor)
                 nodes += len(payload)  # each parameter is a node, as decode_tree counts them
                 if nodes > max_nodes:
                     raise refuse_nodes(path)
-                size += 128 + 2 * _TENSOR_INDEX_BYTES
+                size += 2 * _TENSOR_INDEX_BYTES
                 return {"$qtensor": payload}
             return {"$tensor": on_tensor(x, KeyPath(path))}
         if t is list:
-            size += 2
             return [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]
         if t is tuple:
-            size += 14
             return {"$tuple": [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]}
         if t is dict or t is OrderedDict:
-            size += 12 + 4 * len(x)
+            meta = None
+            if t is OrderedDict:
+                ordinal, odicts = odicts, odicts + 1
+                meta = _odict_metadata(x, path)
             items = [
                 [enc(k, (*path, f"<key {k!r}>"), depth + 1), enc(v, (*path, k), depth + 1)]
                 for k, v in x.items()
             ]
+            if meta is not None:
+                pending.append((ordinal, meta, (*path, "<_metadata>")))
             return {"$odict" if t is OrderedDict else "$dict": items}
         if t is bytes:
-            size += 4 * ((len(x) + 2) // 3) + 14
+            size += 4 * ((len(x) + 2) // 3)
             return {"$bytes": base64.b64encode(x).decode("ascii")}
         if t is torch.Size:
             dims = [int(v) for v in x]
@@ -230,21 +240,35 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
             nodes += len(dims)  # each size is a node, as decode_tree counts them
             if nodes > max_nodes:
                 raise refuse_nodes(path)
-            size += 12 + 21 * len(dims)
             return {"$size": dims}
         if t is torch.dtype:
-            size += 36
             return {"$dtype": dtype_name(x)}
         if t is torch.device:
-            size += 80
-            return {"$device": str(x)}
+            text = str(x)
+            size += len(text)
+            return {"$device": text}
         raise UnsupportedObject(
             f"cannot store {t.__module__}.{t.__qualname__} at {_path_str(path)}: tierckpt stores "
             f"{_STORED_TYPES} without pickle; convert this value (e.g. with .state_dict(), "
             ".tolist() or str()) before saving"
         )
 
+    def side_value(meta: object, path: tuple[object, ...]) -> JSON:
+        # decoded as a side table of its own, at depth 1: encoded the same way
+        nonlocal in_side, size
+        in_side, outer = True, in_side
+        try:
+            return enc(meta, path, 1)
+        finally:
+            in_side = outer
+
     tree = enc(obj, (), 0)
+    # after the tree, in order, as decode_tree reads them (a _metadata may add more)
+    for ordinal, meta, path in pending:
+        side.append([ordinal, side_value(meta, path)])
+    if side:
+        tree = _WithSideTable.wrap(tree, side)
+    size += _NODE_INDEX_BYTES * nodes  # an upper bound of the index's size
     if size > limits.MAX_INDEX_BYTES - _INDEX_HEADROOM:
         raise UnsupportedObject(
             f"state needs an index of up to {size:,} bytes (strings, bytes and {nodes:,} "
@@ -252,6 +276,50 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
             "bytes or sequences as tensors (torch.frombuffer(...), torch.tensor(...))"
         )
     return tree
+
+
+def _odict_metadata(x: OrderedDict[Any, Any], path: tuple[object, ...]) -> object | None:
+    """The ``_metadata`` of an OrderedDict (``state_dict()`` puts the module versions there;
+    ``load_state_dict`` of quantized modules needs them), or None. Other attributes would be
+    lost: refused."""
+    extra = vars(x)
+    if not extra:
+        return None
+    other = sorted(k for k in extra if k != "_metadata")
+    if other:
+        raise UnsupportedObject(
+            f"OrderedDict at {_path_str(path)} has attributes {other}; tierckpt keeps only "
+            "state_dict()'s _metadata: move them into the dict"
+        )
+    meta: object = extra["_metadata"]
+    return meta
+
+
+class _WithSideTable:
+    """An encoded tree that carries its side table (``[ordinal, _metadata]`` of OrderedDicts)
+    to the index writer, which stores it as the index field ``odict_metadata``: a field old
+    readers ignore (they load the dicts without ``_metadata``), unlike a new tag."""
+
+    @staticmethod
+    def wrap(tree: JSON, side: list[JSON]) -> JSON:
+        # a tree with an OrderedDict in it is a JSON object or array
+        out: Any = _TreeDict(tree) if isinstance(tree, dict) else _TreeList(tree)
+        out.odict_metadata = side
+        return out
+
+
+class _TreeDict(dict):  # type: ignore[type-arg]
+    odict_metadata: list[JSON]
+
+
+class _TreeList(list):  # type: ignore[type-arg]
+    odict_metadata: list[JSON]
+
+
+def tree_side_table(tree: JSON) -> list[JSON] | None:
+    """The ``odict_metadata`` side table an encoded tree carries (None: none)."""
+    side = getattr(tree, "odict_metadata", None)
+    return side if isinstance(side, list) else None
 
 
 def _quantized(
@@ -351,16 +419,23 @@ def encode_metadata(metadata: object) -> dict[str, JSON]:
 
 
 def decode_tree(
-    data: JSON, tensors: list[torch.Tensor] | Callable[[int], Any], *, items: int | None = None
+    data: JSON,
+    tensors: list[torch.Tensor] | Callable[[int], Any],
+    *,
+    items: int | None = None,
+    odict_metadata: JSON = None,
 ) -> Any:
     """Inverse of :func:`encode_tree`; ``tensors`` maps a tensor index to its value.
 
-    ``items``: the number of JSON items (values and keys) the index declares for the tree;
-    the tree must hold exactly that many (the index's memory budget was computed from it).
+    ``odict_metadata``: the index's side table, ``[[ordinal, _metadata], ...]``: the
+    ``_metadata`` of the ordinal-th OrderedDict (in the order they are met). ``items``: the
+    JSON items (values and keys) the index declares for the tree and its side table; they must
+    hold exactly that many (the index's memory budget was computed from it).
     """
     max_nodes, max_depth = limits.MAX_NODES, limits.MAX_DEPTH
     count = 0
     seen = 0  # JSON items, counted as jsonbound.scan counts them
+    odicts: list[Any] = []
 
     def tensor(i: object) -> Any:
         if type(i) is not int or i < 0:
@@ -422,7 +497,10 @@ def decode_tree(
         if tag == "$dict":
             return dict(pairs(v, depth))
         if tag == "$odict":
-            return OrderedDict(pairs(v, depth))
+            odicts.append(None)  # its ordinal is taken before its children's
+            at = len(odicts) - 1
+            odicts[at] = OrderedDict(pairs(v, depth))
+            return odicts[at]
         if tag == "$int":
             if not isinstance(v, str) or len(v) > limits.MAX_INT_DIGITS + 1:
                 raise FormatError(
@@ -467,6 +545,20 @@ def decode_tree(
         raise FormatError(f"unknown tag {tag!r} in object tree")
 
     out = dec(data, 0)
+    if odict_metadata is not None:
+        if not isinstance(odict_metadata, list):
+            raise FormatError("odict_metadata must be a list of [ordinal, _metadata]")
+        seen += 1 + (not odict_metadata)
+        last = -1
+        for entry in odict_metadata:
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise FormatError("odict_metadata entries must be [ordinal, _metadata]")
+            k = entry[0]
+            if type(k) is not int or not last < k < len(odicts):
+                raise FormatError(f"odict_metadata: bad ordinal {k!r} ({len(odicts)} OrderedDicts)")
+            seen += 2
+            odicts[k]._metadata = dec(entry[1], 1)
+            last = k
     if items is not None and seen != items:
         raise FormatError(f"object tree holds {seen:,} JSON items, the index declares {items:,}")
     return out

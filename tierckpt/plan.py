@@ -134,9 +134,11 @@ def _check_tensor(t: torch.Tensor, path: object) -> torch.Tensor:
 def _check_storage(t: torch.Tensor, path: object) -> None:
     """The tensor's bytes must lie inside its storage: a freed or shrunk storage (an FSDP flat
     parameter between gathers, ``untyped_storage().resize_(0)``) would be read out of bounds."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return
-    end = _extent(t)[1]
+    # contiguous, the common case, without _extent's walk over the dimensions
+    end = (t.storage_offset() + n) * t.element_size() if t.is_contiguous() else _extent(t)[1]
     have = t.untyped_storage().nbytes()
     if end > have:
         raise UnsupportedObject(

@@ -48,7 +48,7 @@ from tierckpt.format import (
     decode_manifest,
     encode_manifest,
     manifest_name,
-    tree_items,
+    tree_args,
 )
 from tierckpt.limits import MAX_DIMS
 from tierckpt.objects import decode_tree, dtype_from_name
@@ -278,7 +278,7 @@ def read_shard(
         tensors = [
             _rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
         ]
-        state = decode_tree(index.get("tree"), tensors, items=tree_items(index))
+        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
     except BaseException:
         repop.abort()
         raise

@@ -32,7 +32,7 @@ from tierckpt.format import (
     checksum,
     decode_manifest,
     manifest_name,
-    tree_items,
+    tree_args,
 )
 from tierckpt.objects import decode_tree, dtype_from_name
 from tierckpt.restore import read_index, read_manifest
@@ -351,7 +351,7 @@ def _check_tree(index: dict[str, Any], where: str) -> None:
         if not 0 <= i < n:
             raise FormatError(f"{where}: object tree refers to tensor {i} of {n}")
 
-    decode_tree(index.get("tree"), ref, items=tree_items(index))
+    decode_tree(index.get("tree"), ref, **tree_args(index))
 
 
 # -- copy --------------------------------------------------------------------------------------
