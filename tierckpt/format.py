@@ -204,7 +204,16 @@ class ChunkRecord:
 _COUNTS_HEAD = re.compile(
     rb'\{"format":"tierckpt-shard","version":(\d{1,9}),"counts":(\{[^{}\[\]]{0,400}\})'
 )
-_COUNT_KEYS = ("codecs", "chunks", "storages", "tensors", "dims", "tree", "text")
+_COUNT_WORDS = {
+    "codecs": "codecs",
+    "chunks": "chunks",
+    "storages": "storages",
+    "tensors": "tensors",
+    "dims": "tensor dimensions",
+    "tree": "object-tree JSON items",
+    "text": "bytes of object-tree strings",
+}
+_COUNT_KEYS = tuple(_COUNT_WORDS)
 #: an index longer than this is checked against its declared counts before it is read
 HEAD_PROBE_BYTES = 64 << 10
 _HEAD_BYTES = 512
@@ -280,8 +289,7 @@ def _declared_counts(data: BytesLike, index_offset: int, where: str) -> dict[str
         counts = None
     if (
         not isinstance(counts, dict)
-        or sorted(counts) != sorted(_COUNT_KEYS)
-        or not all(type(v) is int and v >= 0 for v in counts.values())
+        or not all(type(counts.get(k)) is int and counts[k] >= 0 for k in _COUNT_KEYS)
     ):
         raise FormatError(f"{where}: index counts malformed: {m.group(2)[:200]!r}")
     caps = {
@@ -297,7 +305,8 @@ def _declared_counts(data: BytesLike, index_offset: int, where: str) -> dict[str
     for key, cap in caps.items():
         if counts[key] > cap:
             raise FormatError(
-                f"{where}: index declares {counts[key]:,} {key}, more than {cap:,} allowed"
+                f"{where}: index declares {counts[key]:,} {_COUNT_WORDS[key]}, more than the "
+                f"{cap:,} a reader allows; refused before reading it (a damaged or hostile file)"
             )
     return counts
 
@@ -367,7 +376,9 @@ def _check_counts(index: dict[str, Any], counts: dict[str, int], where: str) -> 
     }
     for key, n in held.items():
         if n != counts[key]:
-            raise FormatError(f"{where}: index declares {counts[key]:,} {key} but holds {n:,}")
+            raise FormatError(
+                f"{where}: index declares {counts[key]:,} {_COUNT_WORDS[key]} but holds {n:,}"
+            )
 
 
 def tree_args(index: dict[str, Any]) -> dict[str, Any]:
@@ -516,7 +527,7 @@ def encode_manifest(m: Manifest) -> bytes:
 _WORLD_TAIL = re.compile(rb'"world_size"\s*:\s*(\d{1,7})\s*\}\s*$')
 
 
-def _manifest_budget(raw: bytes) -> tuple[int, str]:
+def _manifest_budget(raw: bytes | bytearray) -> tuple[int, str]:
     m = _WORLD_TAIL.search(raw[-64:])
     world = min(int(m.group(1)), MAX_WORLD_SIZE) if m else 1
     budget = (
@@ -534,7 +545,7 @@ def _manifest_budget(raw: bytes) -> tuple[int, str]:
 def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
     """Parse and validate a manifest; the parse is bounded by the items its world size and the
     metadata limit allow (see :mod:`tierckpt.limits`)."""
-    raw = bytes(data)
+    raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # no copy of a big one
     if len(raw) > MAX_MANIFEST_BYTES:
         raise FormatError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
     budget, why = _manifest_budget(raw)
