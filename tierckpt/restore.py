@@ -78,7 +78,7 @@ def read_manifest(backend: Backend, step: int, tier: str) -> Manifest:
     size = backend.size(name)
     if size > MAX_MANIFEST_BYTES:  # before reading it: a hostile manifest may be huge
         raise FormatError(f"{where}: manifest is {size} bytes, more than {MAX_MANIFEST_BYTES}")
-    manifest = decode_manifest(backend.read(name, 0, size), where=where)
+    manifest = decode_manifest(backend.get(name), where=where)
     if manifest.step != step:
         raise FormatError(f"{where}: the manifest is step {manifest.step}'s, not step {step}'s")
     return manifest

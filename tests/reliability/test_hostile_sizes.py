@@ -213,10 +213,10 @@ def test_manifest_of_tiny_nodes_is_refused_early(
     )
     assert rc != 0, stdout
     assert "step-000000000007.json" in stderr and "refused before parsing" in stderr, stderr
-    # the manifest is read (64 MiB at most), never parsed into objects
-    assert ls_rss - ls_base < (60 << 20) + GROWTH_BOUND, f"ls peak RSS {ls_rss >> 20} MiB"
+    # the manifest is read (64 MiB at most; the bytes and one copy), never parsed into objects
+    assert ls_rss - ls_base < (120 << 20) + GROWTH_BOUND, f"ls peak RSS {ls_rss >> 20} MiB"
     assert out.startswith("FormatError") and "step-000000000007.json" in out, out
-    assert rss - base_rss < (60 << 20) + GROWTH_BOUND
+    assert rss - base_rss < (120 << 20) + GROWTH_BOUND
 
 
 def test_reading_a_genuine_index_costs_little_per_tensor(tmp_path: Path, record: Recorder) -> None:
