@@ -569,14 +569,14 @@ def _dequantized_ref(v: list[Any], tensor: Callable[[object], Any], placeholders
     ints = tensor(v[0])
     name, scheme = v[1], v[2]
     qdtype = DTYPES.get(name) if isinstance(name, str) else None
-    if qdtype not in _QUANTIZED_INT or scheme not in _QSCHEMES:
+    if qdtype not in _QUANTIZED_INT or not isinstance(scheme, str) or scheme not in _QSCHEMES:
         raise FormatError(f"$qtensor: bad quantized dtype {name!r} or qscheme {scheme!r}")
     per_tensor = scheme == "per_tensor_affine"
     if len(v) != (5 if per_tensor else 6):
         raise FormatError(f"$qtensor: {scheme} takes {3 if per_tensor else 4} fields, not {len(v)}")
     if per_tensor:
         scale, zero_point = v[3], v[4]
-        if type(scale) not in (int, float) or not math.isfinite(scale):
+        if type(scale) is not float or not math.isfinite(scale):
             raise FormatError(f"$qtensor: bad scale {scale!r}")
         if type(zero_point) is not int or not -_INT64 <= zero_point < _INT64:
             raise FormatError(f"$qtensor: bad zero point {zero_point!r}")
