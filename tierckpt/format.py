@@ -52,8 +52,11 @@ __all__ = [
     "decode_manifest",
     "encode_index",
     "encode_manifest",
+    "HEAD_PROBE_BYTES",
     "check_index_head",
     "index_counts",
+    "tree_args",
+    "with_counts",
     "manifest_name",
     "parse_manifest_name",
     "shard_name",
@@ -230,14 +233,21 @@ def _dims(tensors: list[Any]) -> int:
     )
 
 
-def index_counts(index: dict[str, Any]) -> dict[str, JSON]:
+def _compact(value: JSON, allow_nan: bool = True) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=allow_nan)
+
+
+def index_counts(index: dict[str, Any], tree_text: str | None = None) -> dict[str, JSON]:
     """The ``counts`` an index declares: table lengths, the tensor table's dimensions, and the
     object tree's JSON items and string bytes. A reader derives from them how many bytes and
-    JSON items the index may hold, so its memory budget, before reading or parsing it."""
-    tree = scan(json.dumps(index.get("tree"), separators=(",", ":")).encode("utf-8"))
+    JSON items the index may hold, so its memory budget, before reading or parsing it.
+    ``tree_text``: the tree's compact JSON, when the caller has it already."""
+    if tree_text is None:
+        tree_text = _compact(index.get("tree"))
+    tree = scan(tree_text.encode("utf-8"))
     side = _side_table(index)
     if side is not None:  # decoded and counted with the tree
-        more = scan(json.dumps(side, separators=(",", ":")).encode("utf-8"))
+        more = scan(_compact(side).encode("utf-8"))
         tree = JsonShape(tree.items + more.items, 0, tree.text + more.text)
     return {
         "codecs": len(_list(index.get("codecs"))),
@@ -256,7 +266,7 @@ def _side_table(index: dict[str, Any]) -> JSON:
     return side if side is not None else index.get("odict_metadata")
 
 
-def with_counts(index: dict[str, Any]) -> dict[str, Any]:
+def with_counts(index: dict[str, Any], tree_text: str | None = None) -> dict[str, Any]:
     """``index`` with freshly computed ``counts`` right after ``format`` and ``version`` (where
     a reader looks for them); without ``format`` or ``version`` there is no header to put them
     in and stale counts are dropped."""
@@ -269,13 +279,20 @@ def with_counts(index: dict[str, Any]) -> dict[str, Any]:
     return {
         "format": index["format"],
         "version": index["version"],
-        "counts": index_counts(index),
+        "counts": index_counts(index, tree_text),
         **rest,
     }
 
 
 def encode_index(index: dict[str, JSON]) -> bytes:
-    return json.dumps(with_counts(index), separators=(",", ":"), allow_nan=False).encode("utf-8")
+    """The index as compact JSON, its declared counts first (the object tree, which may be
+    large, is serialized once: for the counts and for the file)."""
+    tree_text = _compact(index.get("tree"), allow_nan=False)
+    members = [
+        f"{_compact(k)}:{tree_text if k == 'tree' else _compact(v, allow_nan=False)}"
+        for k, v in with_counts(index, tree_text).items()
+    ]
+    return ("{" + ",".join(members) + "}").encode("utf-8")
 
 
 def _declared_counts(data: BytesLike, index_offset: int, where: str) -> dict[str, int] | None:
@@ -287,9 +304,8 @@ def _declared_counts(data: BytesLike, index_offset: int, where: str) -> dict[str
         counts = json.loads(m.group(2))
     except ValueError:
         counts = None
-    if (
-        not isinstance(counts, dict)
-        or not all(type(counts.get(k)) is int and counts[k] >= 0 for k in _COUNT_KEYS)
+    if not isinstance(counts, dict) or not all(
+        type(counts.get(k)) is int and counts[k] >= 0 for k in _COUNT_KEYS
     ):
         raise FormatError(f"{where}: index counts malformed: {m.group(2)[:200]!r}")
     caps = {
