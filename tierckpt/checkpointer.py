@@ -19,6 +19,7 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.objects import encode_metadata
 from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import collect_state
@@ -197,7 +198,8 @@ class Checkpointer(PipelineOwner):
         next forward pass may write) are copied here (``h.eager_bytes``); parameters and
         optimizer state are captured lazily and must not change until ``wait_captured()``
         returns: ``guard(optimizer, model)`` enforces it and tells which tensors are which.
-        Unsupported objects raise ``UnsupportedObject`` here, before anything is written.
+        Unsupported objects (and ``metadata`` that is not plain JSON) raise
+        ``UnsupportedObject`` here, before anything is written.
         At the first save to a tier this checkpointer takes its writer lease there: if another
         live writer (another job, or another ``Checkpointer`` of this process) holds it,
         ``WriterConflict`` is raised here and nothing is written.
@@ -211,6 +213,8 @@ class Checkpointer(PipelineOwner):
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         manifest_name(step)  # validates the range
+        # checked (and copied) now, with the limits a reader applies: not after the data
+        metadata = encode_metadata(metadata)
         pipeline = self._get_pipeline()
         with self._lock:
             for job in pipeline.in_flight():
@@ -250,7 +254,7 @@ class Checkpointer(PipelineOwner):
             rank=self.rank,
             world_size=self.world_size,
             ready_events=record_ready_events(collected.devices),
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             attempt=attempt,
             timeline=timeline,
         )

@@ -158,7 +158,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                    "leases": [_lease_doc(w) for w in writers]},
                   sys.stdout, indent=1)
         sys.stdout.write("\n")
-        return 0
+        return _unreadable(listed)
     if not listed:
         print(f"{backend.url}: no committed checkpoint")
     else:
@@ -184,7 +184,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
               f"{', '.join(map(id_text, pending))}")
     for w in writers:
         print(f"writer lease of rank {w.rank}: {w.describe()}")
-    return 0
+    return _unreadable(listed)
+
+
+def _unreadable(listed: Sequence[Any]) -> int:
+    """Exit status of ``ls``: 1, with the reasons on stderr, when a manifest is unreadable."""
+    bad = [c for c in listed if c.manifest is None]
+    for c in bad:
+        print(f"tierckpt ls: step {c.step} is unreadable: {c.error}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

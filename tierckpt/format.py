@@ -32,9 +32,12 @@ from typing import Any
 
 import xxhash
 
+from tierckpt import limits
 from tierckpt._types import JSON, BytesLike
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import CorruptCheckpoint, FormatError
+from tierckpt.jsonbound import JsonShape, loads_within, scan
+from tierckpt.objects import tree_side_table
 
 __all__ = [
     "ALIGNMENT",
@@ -51,6 +54,11 @@ __all__ = [
     "decode_manifest",
     "encode_index",
     "encode_manifest",
+    "HEAD_PROBE_BYTES",
+    "check_index_head",
+    "index_counts",
+    "tree_args",
+    "with_counts",
     "manifest_name",
     "parse_data_folder",
     "parse_manifest_id",
@@ -70,8 +78,8 @@ assert _FOOTER.size == FOOTER_SIZE
 MAX_STEP = 10**12 - 1
 #: timelines are written with 6 digits; timeline 0 has no suffix at all (the v1 names)
 MAX_TIMELINE = 10**6 - 1
-MAX_INDEX_BYTES = 1 << 30
-MAX_MANIFEST_BYTES = 64 << 20
+MAX_INDEX_BYTES = limits.MAX_INDEX_BYTES
+MAX_MANIFEST_BYTES = limits.MAX_MANIFEST_BYTES
 MAX_WORLD_SIZE = 1 << 20
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -245,7 +253,7 @@ class Footer:
             raise CorruptCheckpoint(
                 f"{where}: file is {file_size} bytes but its footer says {fsize} (truncated?)"
             )
-        if ilen > MAX_INDEX_BYTES or ioff + ilen + FOOTER_SIZE != file_size:
+        if ilen > limits.MAX_INDEX_BYTES or ioff + ilen + FOOTER_SIZE != file_size:
             raise CorruptCheckpoint(f"{where}: index range {ioff}+{ilen} does not end at footer")
         return cls(ioff, ilen, f"{icrc:016x}", fsize, version)
 
@@ -275,8 +283,207 @@ class ChunkRecord:
         ]
 
 
+#: the index's first bytes as tierckpt writes them: a reader finds the declared counts here
+#: before parsing anything (an index that does not begin so is read with the legacy limit)
+_COUNTS_HEAD = re.compile(
+    rb'\{"format":"tierckpt-shard","version":(\d{1,9}),"counts":(\{[^{}\[\]]{0,400}\})'
+)
+_COUNT_WORDS = {
+    "codecs": "codecs",
+    "chunks": "chunks",
+    "storages": "storages",
+    "tensors": "tensors",
+    "dims": "tensor dimensions",
+    "tree": "object-tree JSON items",
+    "text": "bytes of object-tree strings",
+}
+_COUNT_KEYS = tuple(_COUNT_WORDS)
+#: an index longer than this is checked against its declared counts before it is read
+HEAD_PROBE_BYTES = 64 << 10
+_HEAD_BYTES = 512
+
+
+def _list(v: object) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _dims(tensors: list[Any]) -> int:
+    """Shape elements of a tensor table (records that are not 6-lists count none)."""
+    return sum(
+        len(e[3]) for e in tensors if isinstance(e, list) and len(e) == 6 and isinstance(e[3], list)
+    )
+
+
+def _compact(value: JSON, allow_nan: bool = True) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=allow_nan)
+
+
+def index_counts(index: dict[str, Any], tree_text: str | None = None) -> dict[str, JSON]:
+    """The ``counts`` an index declares: table lengths, the tensor table's dimensions, and the
+    object tree's JSON items and string bytes. A reader derives from them how many bytes and
+    JSON items the index may hold, so its memory budget, before reading or parsing it.
+    ``tree_text``: the tree's compact JSON, when the caller has it already."""
+    if tree_text is None:
+        tree_text = _compact(index.get("tree"))
+    tree = scan(tree_text.encode("utf-8"))
+    side = _side_table(index)
+    if side is not None:  # decoded and counted with the tree
+        more = scan(_compact(side).encode("utf-8"))
+        tree = JsonShape(tree.items + more.items, 0, tree.text + more.text)
+    return {
+        "codecs": len(_list(index.get("codecs"))),
+        "chunks": len(_list(index.get("chunks"))),
+        "storages": len(_list(index.get("storages"))),
+        "tensors": len(_list(index.get("tensors"))),
+        "dims": _dims(_list(index.get("tensors"))),
+        "tree": tree.items,
+        "text": tree.text,
+    }
+
+
+def _side_table(index: dict[str, Any]) -> JSON:
+    """The object tree's side table: carried by a freshly encoded tree, or an index field."""
+    side = tree_side_table(index.get("tree"))
+    return side if side is not None else index.get("odict_metadata")
+
+
+def with_counts(index: dict[str, Any], tree_text: str | None = None) -> dict[str, Any]:
+    """``index`` with freshly computed ``counts`` right after ``format`` and ``version`` (where
+    a reader looks for them); without ``format`` or ``version`` there is no header to put them
+    in and stale counts are dropped."""
+    rest = {k: v for k, v in index.items() if k not in ("format", "version", "counts")}
+    side = tree_side_table(index.get("tree"))
+    if side is not None:
+        rest["odict_metadata"] = side
+    if "format" not in index or "version" not in index:
+        return rest
+    return {
+        "format": index["format"],
+        "version": index["version"],
+        "counts": index_counts(index, tree_text),
+        **rest,
+    }
+
+
 def encode_index(index: dict[str, JSON]) -> bytes:
-    return json.dumps(index, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    """The index as compact JSON, its declared counts first (the object tree, which may be
+    large, is serialized once: for the counts and for the file)."""
+    tree_text = _compact(index.get("tree"), allow_nan=False)
+    members = [
+        f"{_compact(k)}:{tree_text if k == 'tree' else _compact(v, allow_nan=False)}"
+        for k, v in with_counts(index, tree_text).items()
+    ]
+    return ("{" + ",".join(members) + "}").encode("utf-8")
+
+
+def _declared_counts(data: BytesLike, index_offset: int, where: str) -> dict[str, int] | None:
+    """The counts in the index's first bytes, checked against the limits; None if absent."""
+    m = _COUNTS_HEAD.match(bytes(memoryview(data)[:_HEAD_BYTES]))
+    if m is None:
+        return None
+    try:
+        counts = json.loads(m.group(2))
+    except ValueError:
+        counts = None
+    if not isinstance(counts, dict) or not all(
+        type(counts.get(k)) is int and counts[k] >= 0 for k in _COUNT_KEYS
+    ):
+        raise FormatError(f"{where}: index counts malformed: {m.group(2)[:200]!r}")
+    caps = {
+        "codecs": counts["chunks"] + 8,
+        # chunks start at distinct multiples of ALIGNMENT before the index
+        "chunks": max(index_offset, 0) // ALIGNMENT + 1,
+        "storages": limits.MAX_NODES,
+        "tensors": limits.MAX_NODES,
+        "dims": limits.MAX_DIMS * counts["tensors"],
+        "tree": limits.TREE_ITEMS_PER_NODE * limits.MAX_NODES,
+        "text": limits.MAX_INDEX_BYTES,
+    }
+    for key, cap in caps.items():
+        if counts[key] > cap:
+            raise FormatError(
+                f"{where}: index declares {counts[key]:,} {_COUNT_WORDS[key]}, more than the "
+                f"{cap:,} a reader allows; refused before reading it (a damaged or hostile file)"
+            )
+    return counts
+
+
+def _index_budget(counts: dict[str, int]) -> int:
+    """JSON items an index with these counts may hold (see tierckpt.limits)."""
+    return (
+        limits.INDEX_ITEMS_BASE
+        + limits.INDEX_ITEMS_PER_CODEC * counts["codecs"]
+        + limits.INDEX_ITEMS_PER_CHUNK * counts["chunks"]
+        + limits.INDEX_ITEMS_PER_STORAGE * counts["storages"]
+        + limits.INDEX_ITEMS_PER_TENSOR * counts["tensors"]
+        + limits.INDEX_ITEMS_PER_DIM * counts["dims"]
+        + counts["tree"]
+    )
+
+
+def _index_limits(
+    head: BytesLike, index_length: int, index_offset: int, where: str
+) -> tuple[dict[str, int] | None, int, str]:
+    """(declared counts or None, JSON items allowed, why) for an index of ``index_length``
+    bytes whose first bytes are ``head``; refuses one longer than its counts allow."""
+    counts = _declared_counts(head, index_offset, where)
+    if counts is None:
+        items, max_bytes = limits.LEGACY_INDEX_ITEMS, limits.LEGACY_INDEX_BYTES
+        why = "allowed in an index without declared counts"
+    else:
+        items = _index_budget(counts)
+        max_bytes = limits.INDEX_BYTES_PER_ITEM * items + counts["text"]
+        why = (
+            f"its declared counts allow ({counts['tensors']:,} tensors, {counts['chunks']:,} "
+            f"chunks, {counts['storages']:,} storages, {counts['tree']:,} tree items)"
+        )
+    if index_length > max_bytes:
+        raise FormatError(
+            f"{where}: index is {index_length:,} bytes, more than the {max_bytes:,} {why}; "
+            "refused before reading it (a damaged or hostile file)"
+        )
+    return counts, items, why
+
+
+def check_index_head(head: BytesLike, *, index_length: int, file_size: int, where: str) -> None:
+    """Refuse, from its first bytes only, an index longer than its declared counts allow, so
+    that a reader does not even read it (see ``restore.read_index``)."""
+    _index_limits(head, index_length, file_size - FOOTER_SIZE - index_length, where)
+
+
+def _parse_index(data: BytesLike, file_size: int, where: str) -> tuple[Any, dict[str, int] | None]:
+    """Parse an index within the bytes and items its declared counts (or the legacy limits)
+    allow, and at most MAX_INDEX_DEPTH deep."""
+    length = len(memoryview(data))
+    counts, items, why = _index_limits(data, length, file_size - FOOTER_SIZE - length, where)
+    index = loads_within(
+        data, max_items=items, max_depth=limits.MAX_INDEX_DEPTH, where=where, what="index", why=why
+    )
+    return index, counts
+
+
+def _check_counts(index: dict[str, Any], counts: dict[str, int], where: str) -> None:
+    """What the index holds must be what it declared (its budget was computed from it)."""
+    held = {
+        "codecs": len(index["codecs"]),
+        "chunks": len(index["chunks"]),
+        "storages": len(index["storages"]),
+        "tensors": len(index["tensors"]),
+        "dims": _dims(index["tensors"]),
+    }
+    for key, n in held.items():
+        if n != counts[key]:
+            raise FormatError(
+                f"{where}: index declares {counts[key]:,} {_COUNT_WORDS[key]} but holds {n:,}"
+            )
+
+
+def tree_args(index: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``decode_tree`` for this index's tree: its side table and the
+    JSON items declared for both (None for an index without counts)."""
+    counts = index.get("counts")
+    items = counts["tree"] if isinstance(counts, dict) and type(counts.get("tree")) is int else None
+    return {"items": items, "odict_metadata": index.get("odict_metadata")}
 
 
 def _int(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -286,11 +493,13 @@ def _int(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
 
 
 def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, Any]:
-    """Parse and validate a shard index. Chunks are checked for bounds and overlap."""
-    try:
-        index = json.loads(bytes(data))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{where}: index is not valid JSON ({exc})") from None
+    """Parse and validate a shard index. Chunks are checked for bounds and overlap.
+
+    The parse is bounded before it starts: the index may hold only as many JSON items as its
+    declared counts allow and nest at most MAX_INDEX_DEPTH deep (:mod:`tierckpt.jsonbound`);
+    after it, each declared count must match (the tree's in ``decode_tree(items=...)``).
+    """
+    index, counts = _parse_index(data, file_size, where)
     if not isinstance(index, dict) or index.get("format") != "tierckpt-shard":
         raise FormatError(f"{where}: not a tierckpt shard index")
     if index.get("version") != FORMAT_VERSION:
@@ -303,6 +512,11 @@ def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, An
     ):
         if not isinstance(index.get(key), typ):
             raise FormatError(f"{where}: index field {key!r} missing or not a {typ.__name__}")
+    if counts is not None:
+        _check_counts(index, counts, where)
+        index["counts"] = counts
+    else:
+        index.pop("counts", None)  # not a header: an unknown field
     if index.get("checksum_algo") != CHECKSUM_ALGO:
         raise FormatError(f"{where}: unknown checksum algorithm {index.get('checksum_algo')!r}")
     data_bytes = _int(index.get("data_bytes"), "data_bytes")
@@ -414,14 +628,41 @@ def encode_manifest(m: Manifest) -> bytes:
     return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode("utf-8")
 
 
+#: a manifest's last member as tierckpt writes it (keys sorted): its world size, found before
+#: parsing (the closing brace is the document's, so the member is the top-level one)
+_WORLD_TAIL = re.compile(rb'"world_size"\s*:\s*(\d{1,7})\s*\}\s*$')
+
+
+def _manifest_budget(raw: bytes | bytearray) -> tuple[int, str]:
+    m = _WORLD_TAIL.search(raw[-64:])
+    world = min(int(m.group(1)), MAX_WORLD_SIZE) if m else 1
+    budget = (
+        limits.MANIFEST_ITEMS_BASE
+        + limits.MANIFEST_ITEMS_PER_SHARD * world
+        + limits.MAX_METADATA_BYTES
+        + 1
+    )
+    return (
+        budget,
+        f"allowed for {world} shard(s) and {limits.MAX_METADATA_BYTES:,} bytes of metadata",
+    )
+
+
 def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
-    raw = bytes(data)
+    """Parse and validate a manifest; the parse is bounded by the items its world size and the
+    metadata limit allow (see :mod:`tierckpt.limits`)."""
+    raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # no copy of a big one
     if len(raw) > MAX_MANIFEST_BYTES:
         raise FormatError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{where}: manifest is not valid JSON ({exc})") from None
+    budget, why = _manifest_budget(raw)
+    body = loads_within(
+        raw,
+        max_items=budget,
+        max_depth=limits.MAX_MANIFEST_DEPTH,
+        where=where,
+        what="manifest",
+        why=why,
+    )
     if not isinstance(body, dict) or body.get("format") != "tierckpt-manifest":
         raise FormatError(f"{where}: not a tierckpt manifest")
     stored = body.pop("checksum", None)

@@ -115,6 +115,11 @@ def _check_tensor(t: torch.Tensor, path: object) -> torch.Tensor:
         )
     if t.is_meta:
         raise UnsupportedObject(f"tensor at {path} is on the meta device and holds no data")
+    if t.is_nested:
+        raise UnsupportedObject(
+            f"tensor at {path} is a nested tensor; store its components (t.unbind()) or a "
+            "padded tensor (t.to_padded_tensor(0)) and the lengths"
+        )
     if type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not isinstance(
         t, torch.nn.Parameter
     ):
@@ -122,7 +127,25 @@ def _check_tensor(t: torch.Tensor, path: object) -> torch.Tensor:
             f"tensor at {path} is a {type(t).__qualname__}; distributed (DTensor/sharded) "
             "state goes through tierckpt.dcp (torch.distributed.checkpoint), plain tensors here"
         )
+    _check_storage(t, path)
     return t
+
+
+def _check_storage(t: torch.Tensor, path: object) -> None:
+    """The tensor's bytes must lie inside its storage: a freed or shrunk storage (an FSDP flat
+    parameter between gathers, ``untyped_storage().resize_(0)``) would be read out of bounds."""
+    n = t.numel()
+    if n == 0:
+        return
+    # contiguous, the common case, without _extent's walk over the dimensions
+    end = (t.storage_offset() + n) * t.element_size() if t.is_contiguous() else _extent(t)[1]
+    have = t.untyped_storage().nbytes()
+    if end > have:
+        raise UnsupportedObject(
+            f"tensor at {path} needs bytes up to {end} of its storage, which holds {have}: "
+            "its storage was freed or resized (e.g. an FSDP parameter outside forward); save "
+            "the state where its tensors hold their data"
+        )
 
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:

@@ -36,23 +36,26 @@ from tierckpt.errors import (
 )
 from tierckpt.format import (
     FOOTER_SIZE,
+    HEAD_PROBE_BYTES,
     MAX_MANIFEST_BYTES,
     ChunkRecord,
     Footer,
     Manifest,
     ShardRef,
+    check_index_head,
     checksum,
     decode_index,
     decode_manifest,
     encode_manifest,
     manifest_name,
+    tree_args,
 )
+from tierckpt.limits import MAX_DIMS
 from tierckpt.objects import decode_tree, dtype_from_name
 
 __all__ = ["LoadedShard", "read_manifest", "read_shard", "restore_into"]
 
 log = logging.getLogger("tierckpt")
-MAX_DIMS = 64
 #: errors that make the reader try the next tier (or step)
 RECOVERABLE = (CorruptCheckpoint, FormatError, BackendError, CheckpointNotFound, UnknownCodec)
 
@@ -86,7 +89,9 @@ def read_manifest(backend: Backend, step: int, tier: str, *, timeline: int = 0) 
     return manifest
 
 
-def read_index(backend: Backend, ref: ShardRef, tier: str) -> tuple[dict[str, Any], bytes, bytes]:
+def read_index(
+    backend: Backend, ref: ShardRef, tier: str
+) -> tuple[dict[str, Any], bytes | bytearray, bytes]:
     where = f"tier {tier!r} {backend.url}/{ref.file}"
     size = backend.size(ref.file)
     if size != ref.size:
@@ -97,7 +102,12 @@ def read_index(backend: Backend, ref: ShardRef, tier: str) -> tuple[dict[str, An
     footer = Footer.decode(footer_bytes, file_size=size, where=where)
     if footer.index_checksum != ref.index_checksum:
         raise CorruptCheckpoint(f"{where}: index checksum differs from the manifest's")
-    blob = bytes(backend.read(ref.file, footer.index_offset, footer.index_length))
+    if footer.index_length > HEAD_PROBE_BYTES:  # a large index: its counts first
+        head = backend.read(ref.file, footer.index_offset, 512)
+        check_index_head(head, index_length=footer.index_length, file_size=size, where=where)
+    blob = backend.read(ref.file, footer.index_offset, footer.index_length)
+    if not isinstance(blob, (bytes, bytearray)):
+        blob = bytes(blob)
     if checksum(blob) != footer.index_checksum:
         raise CorruptCheckpoint(f"{where}: index bytes do not match their checksum")
     return decode_index(blob, file_size=size, where=where), blob, footer_bytes
@@ -274,7 +284,7 @@ def read_shard(
         tensors = [
             _rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
         ]
-        state = decode_tree(index.get("tree"), tensors)
+        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
     except BaseException:
         repop.abort()
         raise
@@ -324,7 +334,9 @@ class _Repopulation:
                 except (OSError, TierCkptError) as exc:
                     self._drop(i, exc)
 
-    def finish(self, offset: int, tail: bytes, manifest: Manifest | None) -> list[Backend]:
+    def finish(
+        self, offset: int, tail: bytes | bytearray, manifest: Manifest | None
+    ) -> list[Backend]:
         """Write index + footer and commit on every healthy tier, then the manifest (last)
         unless ``manifest`` is None (the caller publishes it: see
         ``tierckpt.commit.CommitStrategy.publish_repopulated``). Returns the tiers whose

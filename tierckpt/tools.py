@@ -43,6 +43,7 @@ from tierckpt.format import (
     checksum,
     decode_manifest,
     manifest_name,
+    tree_args,
 )
 from tierckpt.lease import LeaseRecord, lease_name, list_leases, owner_status
 from tierckpt.objects import decode_tree, dtype_from_name
@@ -430,7 +431,7 @@ def _check_tree(index: dict[str, Any], where: str) -> None:
         if not 0 <= i < n:
             raise FormatError(f"{where}: object tree refers to tensor {i} of {n}")
 
-    decode_tree(index.get("tree"), ref)
+    decode_tree(index.get("tree"), ref, **tree_args(index))
 
 
 # -- copy --------------------------------------------------------------------------------------

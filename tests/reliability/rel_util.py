@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from tierckpt.backends.base import Backend
-from tierckpt.format import FOOTER_SIZE, Footer, checksum, manifest_name, shard_name
+from tierckpt.format import (
+    FOOTER_SIZE,
+    Footer,
+    checksum,
+    manifest_name,
+    shard_name,
+    with_counts,
+)
 
 __all__ = [
     "RssSampler",
@@ -131,7 +138,8 @@ def reseal(
     if index_bytes is not None:
         new_idx = index_bytes
     elif index is not None:
-        new_idx = json.dumps(parsed, separators=(",", ":")).encode()
+        # the counts in the header are re-sealed too, as a writer would compute them
+        new_idx = json.dumps(with_counts(parsed), separators=(",", ":")).encode()
     else:
         new_idx = idx_raw
     size = len(region) + len(new_idx) + FOOTER_SIZE
