@@ -13,13 +13,15 @@ allocator, which rounds every block up to a power of two: a 20 GB arena would pi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
 from typing import Any
 
 import torch
+
+from tierckpt import config
+from tierckpt.config import total_ram as total_ram
 
 __all__ = ["HostArena", "default_host_buffer_bytes"]
 
@@ -54,22 +56,12 @@ def _unpin(_memory: torch.Tensor, ptr: int) -> None:
     unregister_host(ptr)  # _memory: kept alive until the registration is gone
 
 
-def total_ram() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 << 30
-
-
 def default_host_buffer_bytes() -> int:
     """The default arena budget: 1/8 of physical RAM, at most 32 GiB, at least 256 MiB.
 
-    ``TIERCKPT_HOST_BUFFER_BYTES`` overrides it.
+    ``TIERCKPT_HOST_BUFFER_BYTES`` overrides it (:func:`tierckpt.config.host_buffer_bytes`).
     """
-    env = os.environ.get("TIERCKPT_HOST_BUFFER_BYTES")
-    if env:
-        return int(env)
-    return max(256 << 20, min(total_ram() // 8, 32 << 30))
+    return config.host_buffer_bytes()
 
 
 class HostArena:

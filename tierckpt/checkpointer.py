@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,18 +11,19 @@ from typing import Any, Literal
 
 import torch
 
-from tierckpt.arena import default_host_buffer_bytes
+from tierckpt import config
 from tierckpt.capture import record_ready_events
 from tierckpt.commit import CommitStrategy, SingleRankCommit
+from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.objects import encode_metadata
 from tierckpt.observe import CommitStats, StatsRecorder
-from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
+from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime, open_tiers
 from tierckpt.plan import collect_state
-from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
+from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.restore import (
     LoadedShard,
     is_recoverable,
@@ -45,14 +45,9 @@ __all__ = ["Checkpointer"]
 
 log = logging.getLogger("tierckpt")
 
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = config.DEFAULT_CHUNK_BYTES
 #: loads of the newest step: how often load() lists again when the step it chose vanishes
 LOAD_ATTEMPTS = 5
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v else default
 
 
 class Checkpointer(PipelineOwner):
@@ -107,14 +102,10 @@ class Checkpointer(PipelineOwner):
         if on_busy not in ("block", "skip"):
             raise ValueError(f"on_busy must be 'block' or 'skip', got {on_busy!r}")
         self.on_busy = on_busy
-        self.host_buffer_bytes = host_buffer_bytes or default_host_buffer_bytes()
-        chunk = chunk_bytes or _env_int("TIERCKPT_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
-        # keep at least 4 slots in the arena so capture and writes overlap
-        chunk = min(chunk, max(4096, self.host_buffer_bytes // 4 // 4096 * 4096))
-        if chunk < 4096 or chunk % 4096:
-            raise ValueError(f"chunk_bytes must be a multiple of 4096, got {chunk}")
-        self.chunk_bytes = chunk
-        self.io_threads = io_threads or _env_int("TIERCKPT_IO_THREADS", 2)
+        sizes = resolve_writer_config(host_buffer_bytes, chunk_bytes, io_threads)
+        self.host_buffer_bytes = sizes.host_buffer_bytes
+        self.chunk_bytes = sizes.chunk_bytes
+        self.io_threads = sizes.io_threads
         self.repopulate = repopulate
         if exit_timeout_s is not None and not exit_timeout_s >= 0:
             raise ValueError(f"exit_timeout_s must be >= 0 seconds, got {exit_timeout_s!r}")
@@ -124,10 +115,7 @@ class Checkpointer(PipelineOwner):
         self.world_size = dist_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        self._tiers = [
-            TierRuntime(spec, backend := spec.make_backend(), resolve_codec(spec.codec, backend))
-            for spec in self.policy
-        ]
+        self._tiers = open_tiers(self.policy)
         self._pipeline: Pipeline | None = None
         #: who commits and who agrees: this process alone, or with the job's other ranks
         self._strategy: CommitStrategy = (

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn, TextIO
 
+from tierckpt import config
 from tierckpt._version import __version__
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CorruptChunk, TierCkptError
@@ -41,8 +41,7 @@ WIRE_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3")
 
 def wire_debug_requested(flag: bool) -> bool:
     """``--debug-botocore`` or ``TIERCKPT_DEBUG_BOTOCORE`` set to a true value."""
-    env = os.environ.get("TIERCKPT_DEBUG_BOTOCORE", "").strip().lower()
-    return flag or env not in ("", "0", "false", "no", "off")
+    return config.debug_botocore(flag)
 
 
 def configure_logging(debug: bool, wire: bool) -> None:
@@ -561,7 +560,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 func=cmd_bench if argv[0] == "bench" else cmd_demo)
     else:
         ns = parser.parse_args(argv)
-    configure_logging(ns.debug, wire_debug_requested(ns.debug_botocore))
+    try:
+        wire = wire_debug_requested(ns.debug_botocore)
+    except ValueError as exc:
+        print(f"tierckpt {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(ns.debug, wire)
     try:
         return int(ns.func(ns))
     except UsageError as exc:

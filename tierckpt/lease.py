@@ -52,6 +52,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tierckpt import config
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
 
@@ -76,9 +77,9 @@ LEASE_DIR = "leases"
 LEASE_FORMAT = "tierckpt-lease"
 LEASE_VERSION = 1
 MAX_LEASE_BYTES = 64 << 10
-DEFAULT_TTL = 60.0
-DEFAULT_ACQUIRE_WAIT = 10.0
-MAX_TTL = 7 * 86400.0
+DEFAULT_TTL = config.DEFAULT_LEASE_TTL_S
+DEFAULT_ACQUIRE_WAIT = config.DEFAULT_LEASE_WAIT_S
+MAX_TTL = config.LEASE_MAX_S
 _LEASE_RE = re.compile(r"^leases/rank-(\d{6})\.json$")
 
 
@@ -93,27 +94,14 @@ def parse_lease_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
-    if not (math.isfinite(v) and 0 < v <= MAX_TTL):
-        raise ValueError(f"{name}={raw!r}: expected seconds in (0, {MAX_TTL:.0f}]")
-    return v
-
-
 def lease_ttl() -> float:
     """Seconds a lease of a writer on another machine stays valid without renewal."""
-    return _env_seconds("TIERCKPT_LEASE_TTL", DEFAULT_TTL)
+    return config.lease_ttl_s()
 
 
 def acquire_wait() -> float:
     """Seconds a save waits for a first acquisition (a slow store) before going on."""
-    return _env_seconds("TIERCKPT_LEASE_WAIT_S", DEFAULT_ACQUIRE_WAIT)
+    return config.lease_wait_s()
 
 
 def new_owner_id() -> str:

@@ -39,12 +39,11 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import os
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from tierckpt import config
 from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
@@ -75,7 +75,7 @@ from tierckpt.format import (
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
 from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
-from tierckpt.policy import TierSpec
+from tierckpt.policy import TierSpec, resolve_codec
 from tierckpt.restore import read_verified
 from tierckpt.retention import gc_tier
 
@@ -85,6 +85,7 @@ __all__ = [
     "SaveJob",
     "StageEvent",
     "TierRuntime",
+    "open_tiers",
     "exit_timeout_s",
 ]
 
@@ -92,7 +93,7 @@ log = logging.getLogger("tierckpt")
 _ZEROS = bytes(4096)
 
 #: seconds in-flight saves get to finish at interpreter exit before they are abandoned
-DEFAULT_EXIT_TIMEOUT_S = 60.0
+DEFAULT_EXIT_TIMEOUT_S = config.DEFAULT_EXIT_TIMEOUT_S
 #: after abandoning, how long the exit handler lets the threads abort their writes and stop
 _EXIT_ABORT_GRACE_S = 10.0
 
@@ -138,6 +139,16 @@ class TierRuntime:
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+def open_tiers(specs: Iterable[TierSpec]) -> list[TierRuntime]:
+    """Each tier's backend opened and its codec resolved, in order (``Checkpointer`` and the
+    DCP writer and reader build their tiers the same way)."""
+    out = []
+    for spec in specs:
+        backend = spec.make_backend()
+        out.append(TierRuntime(spec, backend, resolve_codec(spec.codec, backend)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -943,19 +954,10 @@ def _encode(
 def exit_timeout_s(configured: float | None = None) -> float:
     """Seconds in-flight saves get at interpreter exit: ``configured``, else
     ``TIERCKPT_EXIT_TIMEOUT_S``, else :data:`DEFAULT_EXIT_TIMEOUT_S` (0: abandon at once)."""
-    if configured is not None:
-        return max(0.0, float(configured))
-    text = os.environ.get("TIERCKPT_EXIT_TIMEOUT_S", "").strip()
-    if not text:
-        return DEFAULT_EXIT_TIMEOUT_S
     try:
-        return max(0.0, float(text))
-    except ValueError:
-        log.warning(
-            "TIERCKPT_EXIT_TIMEOUT_S=%r is not a number of seconds; using %.0f",
-            text,
-            DEFAULT_EXIT_TIMEOUT_S,
-        )
+        return config.exit_timeout_s(configured)
+    except ValueError as exc:  # read at interpreter exit too: never raise there
+        log.warning("%s; using %.0f", exc, DEFAULT_EXIT_TIMEOUT_S)
         return DEFAULT_EXIT_TIMEOUT_S
 
 

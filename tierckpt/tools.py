@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tierckpt import config
 from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
@@ -91,13 +92,7 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
     if is_s3_url(url):
         from tierckpt.backends.s3 import S3Backend
 
-        endpoint = (
-            endpoint_url
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or None
-        )
-        return S3Backend(url, endpoint_url=endpoint)
+        return S3Backend(url, endpoint_url=config.s3_endpoint_url(endpoint_url))
     if "://" in url and not url.startswith("file://"):
         scheme = url.split("://", 1)[0]
         raise ValueError(

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tierckpt import config
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
@@ -211,13 +212,7 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise _os_error(self.url, "", "create folder", exc) from exc
         self._lock = threading.Lock()
-        if direct_io is None:
-            direct_io = os.environ.get("TIERCKPT_DIRECT_IO", "1").strip().lower() not in (
-                "0",
-                "false",
-                "no",
-                "off",
-            )
+        direct_io = config.direct_io(direct_io)
         #: False once the filesystem refused O_DIRECT (then every write uses the page cache)
         self._direct_ok = bool(direct_io and _O_DIRECT)
 

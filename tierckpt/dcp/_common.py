@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from tierckpt.format import manifest_name, step_prefix
-from tierckpt.pipeline import TierRuntime
-from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
+from tierckpt.pipeline import TierRuntime, open_tiers
+from tierckpt.policy import TierPolicy, TierSpec
 
 METADATA_FORMAT = "tierckpt-dcp-metadata"
 METADATA_VERSION = 1
@@ -57,8 +57,4 @@ def _parse_step(checkpoint_id: object) -> int:
 
 
 def _runtimes(policy: TierPolicy) -> list[TierRuntime]:
-    out = []
-    for spec in policy:
-        backend = spec.make_backend()
-        out.append(TierRuntime(spec, backend, resolve_codec(spec.codec, backend)))
-    return out
+    return open_tiers(policy)

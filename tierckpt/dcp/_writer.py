@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierckpt._version import __version__
-from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.capture import record_ready_events
+from tierckpt.config import resolve_writer_config
 from tierckpt.dcp._common import (
     _DCP_VERSION,
     _SHARDS_FQN,
@@ -104,10 +104,10 @@ class TierWriter(PipelineOwner, StorageWriter):
         super().__init__()
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
         self.step: int | None = None if step is None else _parse_step(step)
-        self.host_buffer_bytes = host_buffer_bytes or default_host_buffer_bytes()
-        chunk = chunk_bytes or int(os.environ.get("TIERCKPT_CHUNK_BYTES") or 64 << 20)
-        self.chunk_bytes = min(chunk, max(4096, self.host_buffer_bytes // 4 // 4096 * 4096))
-        self.io_threads = io_threads or int(os.environ.get("TIERCKPT_IO_THREADS") or 2)
+        sizes = resolve_writer_config(host_buffer_bytes, chunk_bytes, io_threads)
+        self.host_buffer_bytes = sizes.host_buffer_bytes
+        self.chunk_bytes = sizes.chunk_bytes
+        self.io_threads = sizes.io_threads
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True

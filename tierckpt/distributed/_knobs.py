@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from tierckpt import config
 
 __all__ = ["DistKnobs", "get_knobs", "knobs"]
 
@@ -18,10 +19,10 @@ class DistKnobs:
     """Tuning of the multi-rank commit; see :func:`get_knobs`."""
 
     #: how long rank 0 waits for every rank's record before failing the tier's save
-    commit_timeout: float = 600.0
+    commit_timeout: float = config.DEFAULT_COMMIT_TIMEOUT_S
     #: first and largest pause between two polls (the pause doubles up to the largest)
     poll_initial: float = 0.05
-    poll_max: float = 2.0
+    poll_max: float = config.DEFAULT_COMMIT_POLL_MAX_S
     #: at most this many missing records: GET each by name; more: one LIST of the step folder
     direct_probe_max: int = 16
     #: records GET in parallel by rank 0 when many arrive at once
@@ -38,12 +39,12 @@ def get_knobs() -> DistKnobs:
     if _knobs_override is not None:
         return _knobs_override
     k = DistKnobs()
-    env_timeout = os.environ.get("TIERCKPT_COMMIT_TIMEOUT_S")
-    env_poll = os.environ.get("TIERCKPT_COMMIT_POLL_MAX_S")
-    if env_timeout:
-        k = dataclasses.replace(k, commit_timeout=float(env_timeout))
-    if env_poll:
-        k = dataclasses.replace(k, poll_max=float(env_poll))
+    env_timeout = config.commit_timeout_s()
+    env_poll = config.commit_poll_max_s()
+    if env_timeout is not None:
+        k = dataclasses.replace(k, commit_timeout=env_timeout)
+    if env_poll is not None:
+        k = dataclasses.replace(k, poll_max=env_poll)
     return k
 
 

@@ -5,11 +5,11 @@ key-value store, and every rank writes the same manifest onto its own copy."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from tierckpt import config
 from tierckpt.distributed._knobs import get_knobs
 from tierckpt.distributed._records import (
     CommitTimeout,
@@ -31,8 +31,7 @@ __all__ = ["is_private_tier"]
 def is_private_tier(tier: TierRuntime) -> bool:
     """A tier other ranks cannot read: not durable (per-process RAM), or named in
     ``TIERCKPT_PRIVATE_TIERS`` (comma-separated tier names, e.g. node-local NVMe)."""
-    names = {n.strip() for n in os.environ.get("TIERCKPT_PRIVATE_TIERS", "").split(",")}
-    return (not tier.backend.is_durable) or tier.name in names
+    return (not tier.backend.is_durable) or tier.name in config.private_tiers()
 
 
 _store_lock = threading.Lock()

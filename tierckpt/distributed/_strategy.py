@@ -5,7 +5,6 @@ private-tier commit, the load agreement or the repopulation; and :func:`report_f
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from tierckpt import config
 from tierckpt.commit import Defer, SaveStart
 from tierckpt.distributed._agree import agree_on_step
 from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
@@ -24,7 +24,6 @@ from tierckpt.distributed._private import (
     is_private_tier,
 )
 from tierckpt.distributed._records import (
-    _ATTEMPT,
     CommitTimeout,
     RankFailed,
     RankRecord,
@@ -150,9 +149,7 @@ class MultiRankCommit:
                 "agree on an attempt id (set TIERCKPT_ATTEMPT_ID per job attempt) nor skip "
                 "together",
             )
-            attempt = os.environ.get("TIERCKPT_ATTEMPT_ID", "")
-            if not _ATTEMPT.match(attempt) or len(attempt) > 100:
-                raise ValueError("TIERCKPT_ATTEMPT_ID may hold only [0-9A-Za-z._-], 100 at most")
+            attempt = config.attempt_id()
             return SaveStart((f"{attempt}-{self._saves}" if attempt else ""), busy, timeline)
         skip_mode = self._on_busy == "skip"
         if self._session == 0 or skip_mode or agree_timeline:

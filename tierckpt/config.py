@@ -1,0 +1,364 @@
+"""Every knob of tierckpt in one place: the table :data:`KNOBS` and one function per knob that
+resolves it (an argument, else the environment variable, else the default).
+
+The runtime package reads the environment only here (a test parses the package to hold that),
+so each variable is parsed one way and a bad value gives one clear :class:`ValueError` that
+names the variable, the value and what it expects. ``docs/configuration.md`` shows the table
+(:func:`knobs_markdown` renders it; a test keeps the page and the table equal).
+
+This module imports nothing from tierckpt: every other module may import it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "CHUNK_ALIGN",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_COMMIT_POLL_MAX_S",
+    "DEFAULT_COMMIT_TIMEOUT_S",
+    "DEFAULT_EXIT_TIMEOUT_S",
+    "DEFAULT_IO_THREADS",
+    "DEFAULT_LEASE_TTL_S",
+    "DEFAULT_LEASE_WAIT_S",
+    "KNOBS",
+    "LEASE_MAX_S",
+    "Knob",
+    "WriterConfig",
+    "attempt_id",
+    "commit_poll_max_s",
+    "commit_timeout_s",
+    "debug_botocore",
+    "direct_io",
+    "exit_timeout_s",
+    "host_buffer_bytes",
+    "knobs_markdown",
+    "lease_ttl_s",
+    "lease_wait_s",
+    "private_tiers",
+    "resolve_writer_config",
+    "s3_endpoint_url",
+    "total_ram",
+]
+
+#: chunks and arena slots are multiples of this (O_DIRECT writes straight from the arena)
+CHUNK_ALIGN = 4096
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_IO_THREADS = 2
+DEFAULT_EXIT_TIMEOUT_S = 60.0
+DEFAULT_COMMIT_TIMEOUT_S = 600.0
+DEFAULT_COMMIT_POLL_MAX_S = 2.0
+DEFAULT_LEASE_TTL_S = 60.0
+DEFAULT_LEASE_WAIT_S = 10.0
+#: the longest lease ttl / wait accepted (a week)
+LEASE_MAX_S = 7 * 86400.0
+#: an attempt id goes into completion-record names: a short, path-safe word
+_ATTEMPT_RE = re.compile(r"^[0-9A-Za-z._-]{0,100}$")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One row of the configuration table."""
+
+    #: the argument (or field) that sets it in code; "" when only the environment does
+    argument: str
+    #: the environment variable(s) read when the argument is not given
+    env: str
+    default: str
+    kind: str
+    what: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        "Checkpointer / TierWriter(host_buffer_bytes=)",
+        "TIERCKPT_HOST_BUFFER_BYTES",
+        "1/8 of RAM, at least 256 MiB, at most 32 GiB",
+        "int > 0 (bytes)",
+        "the host arena budget: state is captured into it and written out from it",
+    ),
+    Knob(
+        "Checkpointer / TierWriter(chunk_bytes=)",
+        "TIERCKPT_CHUNK_BYTES",
+        "64 MiB",
+        "int > 0 (bytes), a multiple of 4096",
+        "target chunk size; lowered to a quarter of the arena (4096-aligned) so at least four "
+        "chunks are in flight",
+    ),
+    Knob(
+        "Checkpointer / TierWriter(io_threads=)",
+        "TIERCKPT_IO_THREADS",
+        "2",
+        "int >= 1",
+        "encoder threads per tier and reader threads at load",
+    ),
+    Knob(
+        "LocalBackend(direct_io=)",
+        "TIERCKPT_DIRECT_IO",
+        "on",
+        "bool (1/true/yes/on, 0/false/no/off)",
+        "raw chunks are written to local tiers with O_DIRECT (off: through the page cache)",
+    ),
+    Knob(
+        "Checkpointer(exit_timeout_s=)",
+        "TIERCKPT_EXIT_TIMEOUT_S",
+        "60",
+        "float (seconds; negative: 0)",
+        "at interpreter exit, how long in-flight saves get to finish before they are "
+        "abandoned, never committed (0: at once); a bad value is logged and the default used",
+    ),
+    Knob(
+        "distributed.knobs(commit_timeout=)",
+        "TIERCKPT_COMMIT_TIMEOUT_S",
+        "600",
+        "float > 0 (seconds)",
+        "multi-rank: how long rank 0 waits for every rank's completion record before failing "
+        "the tier's save",
+    ),
+    Knob(
+        "distributed.knobs(poll_max=)",
+        "TIERCKPT_COMMIT_POLL_MAX_S",
+        "2",
+        "float > 0 (seconds)",
+        "multi-rank: the largest pause between two polls for completion records",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_PRIVATE_TIERS",
+        "none",
+        "comma-separated tier names",
+        "multi-rank: tiers other ranks cannot read (node-local disks); each rank commits its "
+        "own copy there (RAM tiers are always private)",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_ATTEMPT_ID",
+        "empty",
+        "[0-9A-Za-z._-], at most 100",
+        "multi-rank without a torch.distributed group: names this job attempt in completion "
+        "records (set one per attempt)",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_LEASE_TTL",
+        "60",
+        "float in (0, 604800] (seconds)",
+        "how long a writer lease held from another machine stays valid without renewal",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_LEASE_WAIT_S",
+        "10",
+        "float in (0, 604800] (seconds)",
+        "how long a save waits for the first lease acquisition (a slow store) before going on",
+    ),
+    Knob(
+        "tierckpt --debug-botocore",
+        "TIERCKPT_DEBUG_BOTOCORE",
+        "off",
+        "bool (1/true/yes/on, 0/false/no/off)",
+        "CLI: print botocore's wire log (request headers: credentials-bearing)",
+    ),
+    Knob(
+        "open_backend(endpoint_url=)",
+        "AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL",
+        "AWS",
+        "URL",
+        "offline tools and the CLI: the S3-compatible endpoint for s3:// URLs",
+    ),
+)
+
+
+def knobs_markdown() -> str:
+    """:data:`KNOBS` as a Markdown table (the one in ``docs/configuration.md``)."""
+    rows = ["| environment | argument | default | type | what it does |", "|---|---|---|---|---|"]
+    for k in KNOBS:
+        env = ", ".join(f"`{e.strip()}`" for e in k.env.split(","))
+        arg = f"`{k.argument}`" if k.argument else "-"
+        rows.append(f"| {env} | {arg} | {k.default} | {k.kind} | {k.what} |")
+    return "\n".join(rows) + "\n"
+
+
+# -- parsing the environment ------------------------------------------------------------------
+def _raw(name: str) -> str | None:
+    """The variable's value stripped; None when unset or blank (blank means the default)."""
+    text = os.environ.get(name, "").strip()
+    return text or None
+
+
+def _env_int(name: str, minimum: int) -> int | None:
+    text = _raw(name)
+    if text is None:
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a whole number (e.g. {1 << 26})") from None
+    if v < minimum:
+        raise ValueError(f"{name}={text!r}: expected a number >= {minimum}")
+    return v
+
+
+def _env_seconds(name: str, *, low: float, high: float, low_ok: bool) -> float | None:
+    """A number of seconds in [low, high] (``low_ok``) or (low, high]; None when unset."""
+    text = _raw(name)
+    if text is None:
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a number of seconds") from None
+    above = v >= low if low_ok else v > low
+    if math.isnan(v) or not above or v > high:
+        bounds = f"{'[' if low_ok else '('}{low:g}, {high:g}]"
+        raise ValueError(f"{name}={text!r}: expected seconds in {bounds}")
+    return v
+
+
+def _env_bool(name: str) -> bool | None:
+    text = _raw(name)
+    if text is None:
+        return None
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name}={text!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+# -- one function per knob --------------------------------------------------------------------
+def total_ram() -> int:
+    """Physical memory in bytes (16 GiB where the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 << 30
+
+
+def host_buffer_bytes(arg: int | None = None) -> int:
+    """The host arena budget: ``arg`` (0 or None: not given), else
+    ``TIERCKPT_HOST_BUFFER_BYTES``, else 1/8 of physical RAM, at most 32 GiB, at least 256 MiB."""
+    if arg:
+        if arg < 0:
+            raise ValueError(f"host_buffer_bytes must be > 0, got {arg}")
+        return arg
+    env = _env_int("TIERCKPT_HOST_BUFFER_BYTES", 1)
+    if env is not None:
+        return env
+    return max(256 << 20, min(total_ram() // 8, 32 << 30))
+
+
+@dataclass(frozen=True, slots=True)
+class WriterConfig:
+    """The resolved sizes of a writer (``Checkpointer`` or DCP ``TierWriter``)."""
+
+    host_buffer_bytes: int
+    #: a multiple of :data:`CHUNK_ALIGN`, at most a quarter of the arena
+    chunk_bytes: int
+    io_threads: int
+
+
+def resolve_writer_config(
+    host_buffer_bytes: int | None = None,
+    chunk_bytes: int | None = None,
+    io_threads: int | None = None,
+) -> WriterConfig:
+    """Arena budget, chunk size and encoder threads from the arguments (0 or None: not given),
+    else ``TIERCKPT_HOST_BUFFER_BYTES`` / ``TIERCKPT_CHUNK_BYTES`` / ``TIERCKPT_IO_THREADS``,
+    else the defaults.
+
+    The chunk size is lowered to a quarter of the arena (rounded down to 4096, at least 4096)
+    so that capture and writes overlap; a chunk size that is not a multiple of 4096 is refused
+    (local tiers write chunks straight from the 4096-aligned arena with O_DIRECT).
+    """
+    host = _host_buffer(host_buffer_bytes)
+    if chunk_bytes and chunk_bytes < 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    chunk = chunk_bytes or _env_int("TIERCKPT_CHUNK_BYTES", 1) or DEFAULT_CHUNK_BYTES
+    # keep at least 4 slots in the arena so capture and writes overlap
+    chunk = min(chunk, max(CHUNK_ALIGN, host // 4 // CHUNK_ALIGN * CHUNK_ALIGN))
+    if chunk < CHUNK_ALIGN or chunk % CHUNK_ALIGN:
+        raise ValueError(
+            f"chunk_bytes must be a multiple of {CHUNK_ALIGN}, got {chunk} (the chunk_bytes "
+            "argument or TIERCKPT_CHUNK_BYTES)"
+        )
+    if io_threads and io_threads < 0:
+        raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+    threads = io_threads or _env_int("TIERCKPT_IO_THREADS", 1) or DEFAULT_IO_THREADS
+    return WriterConfig(host, chunk, threads)
+
+
+_host_buffer = host_buffer_bytes  # resolve_writer_config's argument shadows the function
+
+
+def direct_io(arg: bool | None = None) -> bool:
+    """Local tiers write raw chunks with O_DIRECT: ``arg``, else ``TIERCKPT_DIRECT_IO``, else
+    on."""
+    if arg is not None:
+        return arg
+    env = _env_bool("TIERCKPT_DIRECT_IO")
+    return True if env is None else env
+
+
+def exit_timeout_s(arg: float | None = None) -> float:
+    """Seconds in-flight saves get at interpreter exit: ``arg`` (negative: 0), else
+    ``TIERCKPT_EXIT_TIMEOUT_S`` (a number; negative: 0), else :data:`DEFAULT_EXIT_TIMEOUT_S`."""
+    if arg is not None:
+        return max(0.0, float(arg))
+    env = _env_seconds("TIERCKPT_EXIT_TIMEOUT_S", low=-math.inf, high=math.inf, low_ok=True)
+    return DEFAULT_EXIT_TIMEOUT_S if env is None else max(0.0, env)
+
+
+def commit_timeout_s() -> float | None:
+    """``TIERCKPT_COMMIT_TIMEOUT_S``, or None (the multi-rank knobs' default applies)."""
+    return _env_seconds("TIERCKPT_COMMIT_TIMEOUT_S", low=0.0, high=math.inf, low_ok=False)
+
+
+def commit_poll_max_s() -> float | None:
+    """``TIERCKPT_COMMIT_POLL_MAX_S``, or None (the multi-rank knobs' default applies)."""
+    return _env_seconds("TIERCKPT_COMMIT_POLL_MAX_S", low=0.0, high=math.inf, low_ok=False)
+
+
+def private_tiers() -> frozenset[str]:
+    """Tier names in ``TIERCKPT_PRIVATE_TIERS`` (comma-separated; blanks ignored)."""
+    text = _raw("TIERCKPT_PRIVATE_TIERS") or ""
+    return frozenset(n.strip() for n in text.split(",") if n.strip())
+
+
+def attempt_id() -> str:
+    """``TIERCKPT_ATTEMPT_ID`` ("" when unset): at most 100 of [0-9A-Za-z._-]."""
+    text = _raw("TIERCKPT_ATTEMPT_ID") or ""
+    if not _ATTEMPT_RE.match(text):
+        raise ValueError(
+            f"TIERCKPT_ATTEMPT_ID={text[:120]!r}: may hold only [0-9A-Za-z._-], 100 at most"
+        )
+    return text
+
+
+def lease_ttl_s() -> float:
+    """``TIERCKPT_LEASE_TTL`` (seconds in (0, a week]), else :data:`DEFAULT_LEASE_TTL_S`."""
+    env = _env_seconds("TIERCKPT_LEASE_TTL", low=0.0, high=LEASE_MAX_S, low_ok=False)
+    return DEFAULT_LEASE_TTL_S if env is None else env
+
+
+def lease_wait_s() -> float:
+    """``TIERCKPT_LEASE_WAIT_S`` (seconds in (0, a week]), else :data:`DEFAULT_LEASE_WAIT_S`."""
+    env = _env_seconds("TIERCKPT_LEASE_WAIT_S", low=0.0, high=LEASE_MAX_S, low_ok=False)
+    return DEFAULT_LEASE_WAIT_S if env is None else env
+
+
+def debug_botocore(flag: bool = False) -> bool:
+    """botocore's wire log: ``flag`` (``--debug-botocore``) or ``TIERCKPT_DEBUG_BOTOCORE``."""
+    return flag or bool(_env_bool("TIERCKPT_DEBUG_BOTOCORE"))
+
+
+def s3_endpoint_url(arg: str | None = None) -> str | None:
+    """The S3 endpoint: ``arg``, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else
+    None (AWS)."""
+    return arg or _raw("AWS_ENDPOINT_URL_S3") or _raw("AWS_ENDPOINT_URL") or None
