@@ -130,6 +130,9 @@ def test_chunk_is_lowered_to_a_quarter_of_the_arena() -> None:
         ("TIERCKPT_EXIT_TIMEOUT_S", "7.5", lambda: config.exit_timeout_s(), 7.5),
         ("TIERCKPT_EXIT_TIMEOUT_S", "-3", lambda: config.exit_timeout_s(), 0.0),
         ("TIERCKPT_EXIT_TIMEOUT_S", "7.5", lambda: config.exit_timeout_s(2.0), 2.0),
+        ("TIERCKPT_SAVE_DEADLINE", "2.5", lambda: config.save_deadline_s(), 2.5),
+        ("TIERCKPT_SAVE_DEADLINE", "inf", lambda: config.save_deadline_s(), float("inf")),
+        ("TIERCKPT_SAVE_DEADLINE", "2.5", lambda: config.save_deadline_s(4), 4.0),
         ("TIERCKPT_LEASE_TTL", "3", lambda: config.lease_ttl_s(), 3.0),
         ("TIERCKPT_LEASE_WAIT_S", "4", lambda: config.lease_wait_s(), 4.0),
         ("TIERCKPT_COMMIT_TIMEOUT_S", "12.5", lambda: get_knobs().commit_timeout, 12.5),
@@ -157,6 +160,7 @@ def test_defaults_when_unset_or_blank(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.direct_io() is True
     assert config.exit_timeout_s() == config.DEFAULT_EXIT_TIMEOUT_S
     assert config.lease_ttl_s() == config.DEFAULT_LEASE_TTL_S
+    assert config.save_deadline_s() == config.DEFAULT_SAVE_DEADLINE_S
     assert config.lease_wait_s() == config.DEFAULT_LEASE_WAIT_S
     assert get_knobs().commit_timeout == config.DEFAULT_COMMIT_TIMEOUT_S
     assert get_knobs().poll_max == config.DEFAULT_COMMIT_POLL_MAX_S
@@ -182,6 +186,8 @@ def test_defaults_when_unset_or_blank(monkeypatch: pytest.MonkeyPatch) -> None:
         ("TIERCKPT_IO_THREADS", "-1", config.resolve_writer_config),
         ("TIERCKPT_DIRECT_IO", "maybe", config.direct_io),
         ("TIERCKPT_EXIT_TIMEOUT_S", "soon", config.exit_timeout_s),
+        ("TIERCKPT_SAVE_DEADLINE", "0", config.save_deadline_s),
+        ("TIERCKPT_SAVE_DEADLINE", "soon", config.save_deadline_s),
         ("TIERCKPT_COMMIT_TIMEOUT_S", "0", get_knobs),
         ("TIERCKPT_COMMIT_TIMEOUT_S", "ten", get_knobs),
         ("TIERCKPT_COMMIT_POLL_MAX_S", "nan", get_knobs),

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_IO_THREADS",
     "DEFAULT_LEASE_TTL_S",
     "DEFAULT_LEASE_WAIT_S",
+    "DEFAULT_SAVE_DEADLINE_S",
     "KNOBS",
     "LEASE_MAX_S",
     "Knob",
@@ -42,6 +43,7 @@ __all__ = [
     "private_tiers",
     "resolve_writer_config",
     "s3_endpoint_url",
+    "save_deadline_s",
     "total_ram",
 ]
 
@@ -50,6 +52,7 @@ CHUNK_ALIGN = 4096
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_IO_THREADS = 2
 DEFAULT_EXIT_TIMEOUT_S = 60.0
+DEFAULT_SAVE_DEADLINE_S = 30.0
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
 DEFAULT_COMMIT_POLL_MAX_S = 2.0
 DEFAULT_LEASE_TTL_S = 60.0
@@ -112,6 +115,14 @@ KNOBS: tuple[Knob, ...] = (
         "float (seconds; negative: 0)",
         "at interpreter exit, how long in-flight saves get to finish before they are "
         "abandoned, never committed (0: at once); a bad value is logged and the default used",
+    ),
+    Knob(
+        "Checkpointer(save_deadline=)",
+        "TIERCKPT_SAVE_DEADLINE",
+        "30",
+        "float > 0 (seconds; inf: no deadline)",
+        "the longest a save holds training behind a tier fed from the arena that makes no "
+        "progress; past it that tier's copy of the save is given up, never committed",
     ),
     Knob(
         "distributed.knobs(commit_timeout=)",
@@ -313,6 +324,19 @@ def exit_timeout_s(arg: float | None = None) -> float:
         return max(0.0, float(arg))
     env = _env_seconds("TIERCKPT_EXIT_TIMEOUT_S", low=-math.inf, high=math.inf, low_ok=True)
     return DEFAULT_EXIT_TIMEOUT_S if env is None else max(0.0, env)
+
+
+def save_deadline_s(arg: float | None = None) -> float:
+    """Seconds a save may wait behind a tier that makes no progress: ``arg``, else
+    ``TIERCKPT_SAVE_DEADLINE`` (``inf``: no deadline), else :data:`DEFAULT_SAVE_DEADLINE_S`."""
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not arg > 0:
+            raise ValueError(
+                f"save_deadline must be a number of seconds > 0 (inf: no deadline), got {arg!r}"
+            )
+        return float(arg)
+    env = _env_seconds("TIERCKPT_SAVE_DEADLINE", low=0.0, high=math.inf, low_ok=False)
+    return DEFAULT_SAVE_DEADLINE_S if env is None else env
 
 
 def commit_timeout_s() -> float | None:

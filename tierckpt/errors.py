@@ -15,10 +15,12 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointNotFound",
     "CheckpointSkipped",
+    "CopySkipped",
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
     "LeaseLost",
+    "SaveDeadlineExceeded",
     "StateMismatch",
     "TierCkptError",
     "UnknownCodec",
@@ -98,3 +100,13 @@ class WriterConflict(TierCkptError, RuntimeError):
 
 class LeaseLost(WriterConflict):
     """This writer's lease on a tier was taken over (or removed): it no longer writes there."""
+
+
+class SaveDeadlineExceeded(TierCkptError, TimeoutError):
+    """A tier made no progress for ``save_deadline`` seconds while training waited for it:
+    that tier's copy of the step was given up (never committed there) so training goes on."""
+
+
+class CopySkipped(TierCkptError, RuntimeError):
+    """A tier that copies from another (``source=``) fell more than ``max_behind`` steps
+    behind it: its copy of an older step was skipped so the source's retention can go on."""
