@@ -12,14 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt.distributed._knobs import get_knobs
 from tierckpt.distributed._records import (
-    CommitTimeout,
-    RankFailed,
     RankRecord,
     decode_record,
     encode_record,
 )
 from tierckpt.distributed._shared import _manifest, _put_manifest
-from tierckpt.errors import FormatError, TierCkptError
+from tierckpt.errors import CommitTimeout, FormatError, RankFailed, TierCkptError
 from tierckpt.format import decode_manifest, encode_manifest
 
 if TYPE_CHECKING:

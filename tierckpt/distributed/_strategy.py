@@ -25,14 +25,13 @@ from tierckpt.distributed._private import (
 )
 from tierckpt.distributed._records import (
     _ATTEMPT,
-    CommitTimeout,
-    RankFailed,
     RankRecord,
     _describe,
     encode_failure,
 )
 from tierckpt.distributed._repopulate import publish_repopulated
 from tierckpt.distributed._shared import _manifest, _put_manifest, _write_record, wait_for_records
+from tierckpt.errors import CommitTimeout, RankFailed
 from tierckpt.format import CheckpointId, ShardRef, rank_failure_name
 
 if TYPE_CHECKING:

@@ -1,0 +1,28 @@
+"""Public names live where their docs say: every error in ``tierckpt.errors`` (with its
+built-in base), importable from ``tierckpt`` and from the modules that used to define them."""
+
+from __future__ import annotations
+
+import tierckpt
+import tierckpt.distributed as tdist
+from tierckpt import errors
+
+
+def test_rank_errors_are_in_the_error_family_with_a_builtin_base() -> None:
+    assert tdist.CommitTimeout is errors.CommitTimeout is tierckpt.CommitTimeout
+    assert tdist.RankFailed is errors.RankFailed is tierckpt.RankFailed
+    assert issubclass(errors.CommitTimeout, errors.TierCkptError)
+    assert issubclass(errors.CommitTimeout, TimeoutError)
+    assert issubclass(errors.RankFailed, errors.TierCkptError)
+    assert issubclass(errors.RankFailed, RuntimeError)
+    assert {"CommitTimeout", "RankFailed"} <= set(tierckpt.__all__)
+
+
+def test_every_error_has_a_builtin_base() -> None:
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.TierCkptError), name
+        if cls is errors.TierCkptError:
+            continue
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b is not object]
+        assert any(b is not Exception and b is not BaseException for b in builtin), name
