@@ -26,3 +26,14 @@ def test_every_error_has_a_builtin_base() -> None:
             continue
         builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b is not object]
         assert any(b is not Exception and b is not BaseException for b in builtin), name
+
+
+def test_codec_hooks_are_typed_protocols() -> None:
+    from tierckpt.codecs import RawCodec, SupportsObserve, SupportsProfile, ZstdCodec
+    from tierckpt.codecs.adaptive import AdaptiveCodec
+
+    auto = AdaptiveCodec(remote=True)
+    assert isinstance(auto, SupportsProfile) and isinstance(auto, SupportsObserve)
+    for plain in (RawCodec(), ZstdCodec()):
+        assert not isinstance(plain, SupportsProfile)
+        assert not isinstance(plain, SupportsObserve)

@@ -56,7 +56,7 @@ from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.capture import CaptureStreams, copy_chunk
-from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.codecs import Codec, SupportsObserve, SupportsProfile, codec_from_config
 from tierckpt.errors import BackendError, FormatError, TierCkptError, WriterConflict
 from tierckpt.format import (
     CHECKSUM_ALGO,
@@ -752,9 +752,8 @@ class Pipeline:
         if tw.emit is not None:
             tw.emit("sync", size, seconds)
         self._source_done(tier, job, (job.shard, tw.records, tw.codecs), None)
-        observe = getattr(tier.codec, "observe", None)
-        if observe is not None:  # the auto policy learns the link's speed
-            observe(tw.stored, tw.write_seconds)
+        if isinstance(tier.codec, SupportsObserve):  # the auto policy learns the link's speed
+            tier.codec.observe(tw.stored, tw.write_seconds)
         tw.writer = None
         ref = ShardRef(job.rank, job.shard, size, footer.index_checksum)
         key = (job.step, tier.name)
@@ -916,9 +915,8 @@ def _encode(
 ) -> Encoded:
     if event is not None:
         event.synchronize()
-    profile = getattr(tier_codec, "profile", None)
-    if profile is not None:  # the auto policy measures its candidate on real data, once
-        profile(dtype, view)
+    if isinstance(tier_codec, SupportsProfile):  # the auto policy measures its candidate, once
+        tier_codec.profile(dtype, view)
     codec = tier_codec.for_dtype(dtype)
     data: BytesLike
     if codec.is_passthrough:
