@@ -28,6 +28,7 @@ MODULES = [
     ("tierckpt.backends.base", "Backend contract"),
     ("tierckpt.codecs.base", "Codec contract and registry"),
     ("tierckpt.format", "On-disk format"),
+    ("tierckpt.catalog", "Catalog (what is committed on a tier)"),
     ("tierckpt.retention", "Retention"),
     ("tierckpt.commit", "Commit strategy"),
     ("tierckpt.distributed", "Multi-rank"),

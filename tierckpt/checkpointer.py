@@ -14,6 +14,14 @@ import torch
 
 from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.capture import record_ready_events
+from tierckpt.catalog import (
+    committed_ids,
+    committed_steps,
+    lineage,
+    newest_committed,
+    steps_of,
+    timeline_for,
+)
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
@@ -30,14 +38,6 @@ from tierckpt.restore import (
     read_manifest,
     read_shard,
     restore_into,
-)
-from tierckpt.retention import (
-    committed_ids,
-    committed_steps,
-    lineage,
-    newest_committed,
-    steps_of,
-    timeline_for,
 )
 from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
 
@@ -273,7 +273,7 @@ class Checkpointer(PipelineOwner):
 
         The timeline is chosen from the tiers at the first save, at the first save after a
         ``load()``, and when ``step`` is below the previous save's (the run went back without
-        loading through this object), by :func:`~tierckpt.retention.timeline_for` from the
+        loading through this object), by :func:`~tierckpt.catalog.timeline_for` from the
         newest committed checkpoint on any tier — or the one this object last started saving,
         if newer (it may still be in flight). A save of the same step as the previous one
         stays on its timeline: a retry, refused where that checkpoint is committed already (a

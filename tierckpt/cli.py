@@ -244,7 +244,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tierckpt.retention import committed_ids
+    from tierckpt.catalog import committed_ids
     from tierckpt.tools import checkpoint_bytes, resolve_id, verify_checkpoint
 
     with opened(args, args.url) as backend:
@@ -281,7 +281,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
-    from tierckpt.retention import committed_ids
+    from tierckpt.catalog import committed_ids
     from tierckpt.tools import checkpoint_bytes, copy_checkpoint, resolve_id
 
     with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:

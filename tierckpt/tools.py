@@ -28,6 +28,7 @@ import torch
 from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
+from tierckpt.catalog import committed_ids, data_ids
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.errors import (
     CheckpointNotFound,
@@ -49,7 +50,7 @@ from tierckpt.lease import LeaseRecord, lease_name, list_leases, owner_status
 from tierckpt.objects import decode_tree, dtype_from_name
 from tierckpt.redact import redact
 from tierckpt.restore import read_index, read_manifest
-from tierckpt.retention import committed_ids, data_ids, gc_tier
+from tierckpt.retention import gc_tier
 
 __all__ = [
     "GroupStats",

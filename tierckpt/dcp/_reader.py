@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierckpt.backends.base import Backend
+from tierckpt.catalog import committed_ids
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
@@ -48,7 +49,6 @@ from tierckpt.objects import decode_tree
 from tierckpt.pipeline import TierRuntime
 from tierckpt.policy import TierPolicy
 from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
-from tierckpt.retention import committed_ids
 
 log = logging.getLogger("tierckpt")
 

@@ -21,6 +21,7 @@ from torch.futures import Future
 from tierckpt._version import __version__
 from tierckpt.arena import default_host_buffer_bytes
 from tierckpt.capture import record_ready_events
+from tierckpt.catalog import newest_committed, timeline_for
 from tierckpt.dcp._common import (
     _DCP_VERSION,
     _SHARDS_FQN,
@@ -57,7 +58,7 @@ from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy
-from tierckpt.retention import gc_tier, newest_committed, timeline_for
+from tierckpt.retention import gc_tier
 
 log = logging.getLogger("tierckpt")
 

@@ -309,7 +309,7 @@ def _demo(
     args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, str], t_start: float
 ) -> int:
     from tierckpt.backends.s3 import S3Backend
-    from tierckpt.retention import committed_steps
+    from tierckpt.catalog import committed_steps
     from tierckpt.tools import verify_checkpoint
 
     admin = server.client()
