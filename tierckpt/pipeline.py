@@ -76,8 +76,8 @@ from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
 from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
 from tierckpt.policy import TierSpec
-from tierckpt.restore import read_verified
 from tierckpt.retention import gc_tier
+from tierckpt.verify import read_verified
 
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT_S",
