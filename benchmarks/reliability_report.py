@@ -82,7 +82,7 @@ FIXED = [
         "`tierckpt verify` (tools.verify_checkpoint) allocated each chunk's declared raw size "
         "as a zero-filled bytearray before decoding: a 200 KB file declaring a 4 GiB zstd "
         "chunk cost 4 GiB of RSS (a 20 GiB one would exhaust this machine)",
-        "tierckpt/tools.py verify_checkpoint",
+        "tierckpt/offline.py verify_checkpoint",
         ["test_hostile_checkpoints_through_tierckpt_verify"],
     ),
     (

@@ -23,8 +23,8 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.observe import CommitStats
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
+from tierckpt.stats import CommitStats
 
 __all__ = [
     "BackendError",

@@ -27,8 +27,6 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.objects import encode_metadata
-from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
@@ -40,6 +38,8 @@ from tierckpt.restore import (
     restore_into,
 )
 from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
+from tierckpt.stats import CommitStats, StatsRecorder
+from tierckpt.tree import encode_metadata
 
 __all__ = ["Checkpointer"]
 
@@ -80,7 +80,7 @@ class Checkpointer(PipelineOwner):
         repopulate: when a load reads from a remote tier, also write the checkpoint to the
             local durable tiers so the next restart reads locally (default True).
         on_commit: called with a :class:`TierResult` each time a checkpoint commits on a
-            tier (on a background thread; see :mod:`tierckpt.observe`). More with
+            tier (on a background thread; see :mod:`tierckpt.stats`). More with
             :meth:`add_callback`.
         stats_history: how many commits :meth:`stats` remembers (default 1000).
         exit_timeout_s: when the interpreter exits with saves still in flight, how long they
@@ -645,7 +645,7 @@ class Checkpointer(PipelineOwner):
         return self._stats.stats()
 
     def add_callback(self, fn: Callable[[TierResult], Any]) -> Callable[[TierResult], Any]:
-        """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.observe`)."""
+        """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.stats`)."""
         return self._stats.add_callback(fn)
 
     def remove_callback(self, fn: Callable[[TierResult], Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from tierckpt._types import JSON
 from tierckpt.errors import UnsupportedObject
-from tierckpt.objects import dtype_name, encode_tree
+from tierckpt.tree import dtype_name, encode_tree
 
 __all__ = [
     "ChunkPlan",

@@ -51,7 +51,7 @@ from tierckpt.format import (
     tree_args,
 )
 from tierckpt.limits import MAX_DIMS
-from tierckpt.objects import decode_tree, dtype_from_name
+from tierckpt.tree import decode_tree, dtype_from_name
 from tierckpt.verify import read_verified
 
 __all__ = ["LoadedShard", "read_manifest", "read_shard", "restore_into"]

@@ -45,10 +45,10 @@ from tierckpt.errors import (
     TierCkptError,
 )
 from tierckpt.format import CheckpointId, ChunkRecord, Manifest, ShardRef, checksum
-from tierckpt.objects import decode_tree
 from tierckpt.pipeline import TierRuntime
 from tierckpt.policy import TierPolicy
 from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
+from tierckpt.tree import decode_tree
 
 log = logging.getLogger("tierckpt")
 

@@ -310,7 +310,7 @@ def _demo(
 ) -> int:
     from tierckpt.backends.s3 import S3Backend
     from tierckpt.catalog import committed_steps
-    from tierckpt.tools import verify_checkpoint
+    from tierckpt.offline import verify_checkpoint
 
     admin = server.client()
     admin.create_bucket(Bucket=BUCKET)

@@ -4,12 +4,12 @@ These work on any tier's storage given its URL (a local folder or ``s3://bucket/
 with no :class:`~tierckpt.Checkpointer` and no training job. The ``tierckpt`` command is a
 thin layer over them; they are also usable from Python::
 
-    from tierckpt import tools
-    src = tools.open_backend("s3://bucket/run1")
-    for m in tools.list_checkpoints(src):
+    from tierckpt import offline
+    src = offline.open_backend("s3://bucket/run1")
+    for m in offline.list_checkpoints(src):
         print(m.step, m.stored_bytes)
-    tools.verify_checkpoint(src, step=1000)           # raises CorruptChunk on a bad chunk
-    tools.copy_checkpoint(src, tools.open_backend("/nvme/run1"), step=1000)
+    offline.verify_checkpoint(src, step=1000)         # raises CorruptChunk on a bad chunk
+    offline.copy_checkpoint(src, offline.open_backend("/nvme/run1"), step=1000)
 
 A step names the checkpoint of the newest timeline holding it (a run resumed from an older
 step saves on a new timeline, see :class:`~tierckpt.format.CheckpointId`); pass ``timeline=``
@@ -47,10 +47,10 @@ from tierckpt.format import (
     tree_args,
 )
 from tierckpt.lease import LeaseRecord, lease_name, list_leases, owner_status
-from tierckpt.objects import decode_tree, dtype_from_name
 from tierckpt.redact import redact
 from tierckpt.restore import read_index, read_manifest
 from tierckpt.retention import gc_tier
+from tierckpt.tree import decode_tree, dtype_from_name
 
 __all__ = [
     "GroupStats",
