@@ -37,3 +37,17 @@ def test_codec_hooks_are_typed_protocols() -> None:
     for plain in (RawCodec(), ZstdCodec()):
         assert not isinstance(plain, SupportsProfile)
         assert not isinstance(plain, SupportsObserve)
+
+
+def test_old_module_names_still_import_the_same_objects() -> None:
+    import importlib
+
+    for old, new in (
+        ("tierckpt.observe", "tierckpt.stats"),
+        ("tierckpt.tools", "tierckpt.offline"),
+        ("tierckpt.objects", "tierckpt.tree"),
+    ):
+        old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
+        assert old_mod.__all__ == new_mod.__all__, old
+        for name in new_mod.__all__:
+            assert getattr(old_mod, name) is getattr(new_mod, name), f"{old}.{name}"
