@@ -27,7 +27,7 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
+from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 from tierckpt.restore import (
@@ -125,7 +125,7 @@ class Checkpointer(PipelineOwner):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         self._tiers = [
-            TierRuntime(spec, backend := spec.make_backend(), resolve_codec(spec.codec, backend))
+            Tier(spec, backend := spec.make_backend(), resolve_codec(spec.codec, backend))
             for spec in self.policy
         ]
         self._pipeline: Pipeline | None = None
@@ -167,7 +167,7 @@ class Checkpointer(PipelineOwner):
     def backend(self, tier: str) -> Any:
         return self._tier(tier).backend
 
-    def _tier(self, name: str) -> TierRuntime:
+    def _tier(self, name: str) -> Tier:
         for t in self._tiers:
             if t.name == name:
                 return t
@@ -561,7 +561,7 @@ class Checkpointer(PipelineOwner):
 
     def _load_candidates(
         self,
-        tiers: list[TierRuntime],
+        tiers: list[Tier],
         listing: dict[str, list[CheckpointId]],
         candidates: list[CheckpointId],
         missing: str,
@@ -601,7 +601,7 @@ class Checkpointer(PipelineOwner):
             raise type(first_exc)(msg) from first_exc
         raise CorruptCheckpoint(msg) from first_exc
 
-    def _load_from(self, tier: TierRuntime, cid: CheckpointId) -> LoadedShard:
+    def _load_from(self, tier: Tier, cid: CheckpointId) -> LoadedShard:
         step = cid.step
         manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
         if manifest.world_size != self.world_size:

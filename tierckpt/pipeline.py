@@ -74,7 +74,7 @@ from tierckpt.format import (
 )
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
-from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
+from tierckpt.plan import ChunkPlan, CollectedState, ShardLayout, layout_plan
 from tierckpt.policy import TierSpec
 from tierckpt.retention import gc_tier
 from tierckpt.verify import read_verified
@@ -84,7 +84,7 @@ __all__ = [
     "Pipeline",
     "SaveJob",
     "StageEvent",
-    "TierRuntime",
+    "Tier",
     "exit_timeout_s",
 ]
 
@@ -130,7 +130,9 @@ _Emit = Callable[[Stage, int, float], None]
 
 
 @dataclass
-class TierRuntime:
+class Tier:
+    """One tier at run time: its spec, the backend it writes to and the codec it encodes with."""
+
     spec: TierSpec
     backend: Backend
     codec: Codec
@@ -159,7 +161,7 @@ class _ChunkState:
 class _Follow:
     """A follower tier's wait for its source tier's durable file of one job."""
 
-    source: TierRuntime
+    source: Tier
     #: (file name, chunk records, codec table) of the source's file, or the source's error
     done: Future[tuple[str, list[list[Any]], list[dict[str, Any]]]] = field(default_factory=Future)
 
@@ -168,8 +170,8 @@ class _Follow:
 class SaveJob:
     step: int
     #: the layout; None until the capture thread lays ``collected`` out
-    plan: SavePlan | None
-    tiers: list[TierRuntime]
+    plan: ShardLayout | None
+    tiers: list[Tier]
     handle: SaveHandle
     rank: int
     world_size: int
@@ -181,7 +183,7 @@ class SaveJob:
     chunk_bytes: int = 0
 
     @property
-    def laid_out(self) -> SavePlan:
+    def laid_out(self) -> ShardLayout:
         assert self.plan is not None, "the capture thread lays the plan out first"
         return self.plan
 
@@ -222,21 +224,21 @@ class _TierWrite:
 #: commits one tier's copy; returns None when done, or a Future (from ``Pipeline.defer``) that
 #: completes once committed — multi-rank rank 0 waits for the other ranks that way, without
 #: holding the tier's writer thread
-CommitFn = Callable[[TierRuntime, SaveJob, ShardRef, int, int], "Future[None] | None"]
+CommitFn = Callable[[Tier, SaveJob, ShardRef, int, int], "Future[None] | None"]
 
 
 class Pipeline:
     def __init__(
         self,
-        tiers: list[TierRuntime],
+        tiers: list[Tier],
         *,
         chunk_bytes: int,
         host_buffer_bytes: int,
         io_threads: int,
         commit: CommitFn,
         on_result: Callable[[TierResult, SaveHandle], None] | None = None,
-        on_failure: Callable[[TierRuntime, SaveJob, BaseException], None] | None = None,
-        retains: Callable[[TierRuntime, SaveJob], bool] | None = None,
+        on_failure: Callable[[Tier, SaveJob, BaseException], None] | None = None,
+        retains: Callable[[Tier, SaveJob], bool] | None = None,
     ) -> None:
         self.tiers = tiers
         self.on_result = on_result
@@ -333,7 +335,7 @@ class Pipeline:
             return list(self._in_flight)
 
     # -- leases (tierckpt.lease) -----------------------------------------------------------
-    def _lease(self, tier: TierRuntime, rank: int) -> WriterLease:
+    def _lease(self, tier: Tier, rank: int) -> WriterLease:
         with self._lock:
             lease = self._leases.get((tier.name, rank))
             if lease is None:
@@ -373,9 +375,7 @@ class Pipeline:
                 self._lease(t, job.rank).release()
         raise conflicts[0]  # type: ignore[misc]
 
-    def _lease_request(
-        self, tier: TierRuntime, job: SaveJob, fut: Future[BaseException | None]
-    ) -> None:
+    def _lease_request(self, tier: Tier, job: SaveJob, fut: Future[BaseException | None]) -> None:
         """Tier thread: take this writer's lease on ``tier`` (a no-op when held)."""
         try:
             self._lease(tier, job.rank).acquire()
@@ -394,20 +394,20 @@ class Pipeline:
             )
         fut.set_result(None)
 
-    def _renew_leases(self, tier: TierRuntime) -> None:
+    def _renew_leases(self, tier: Tier) -> None:
         """Tier thread: renew this tier's leases that are due (cheap when none is)."""
         now = time.monotonic()
         for lease in self._tier_leases(tier.name):
             if lease.next_renewal() <= now:
                 lease.renew_if_due()
 
-    def _renewal_timeout(self, tier: TierRuntime) -> float | None:
+    def _renewal_timeout(self, tier: Tier) -> float | None:
         due = min(
             (lease.next_renewal() for lease in self._tier_leases(tier.name)), default=math.inf
         )
         return None if due == math.inf else max(0.0, due - time.monotonic())
 
-    def may_collect(self, tier: TierRuntime, rank: int) -> bool:
+    def may_collect(self, tier: Tier, rank: int) -> bool:
         """Whether retention may delete on ``tier`` now: only while this writer still holds
         its lease there, checked by reading it back."""
         with self._lock:
@@ -526,7 +526,7 @@ class Pipeline:
                 log.warning("at exit: could not give the writer leases back: %s", exc)
 
     # -- capture ---------------------------------------------------------------------
-    def _ensure_arena(self, plan: SavePlan) -> HostArena:
+    def _ensure_arena(self, plan: ShardLayout) -> HostArena:
         """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
         biggest = max((c.raw_size for c in plan.chunks), default=0)
         slot = align_up(max(biggest, 4096))
@@ -628,7 +628,7 @@ class Pipeline:
             assert self.arena is not None
             self.arena.release(state.slot)
 
-    def _tier_loop(self, tier: TierRuntime) -> None:
+    def _tier_loop(self, tier: Tier) -> None:
         q = self._tier_q[tier.name]
         progress: dict[int, _TierWrite] = {}
         while True:
@@ -667,7 +667,7 @@ class Pipeline:
                     self._source_done(tier, job, None, exc)
                     self._finish(tier, job, None, exc)
 
-    def _tier_start(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+    def _tier_start(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
         lease_error = job.lease_errors.get(tier.name)
         if lease_error is not None:
             raise lease_error
@@ -681,12 +681,10 @@ class Pipeline:
         tw.writer = tier.backend.open_writer(job.shard)
         tw.emit = self._emitter(job.step, tier.name)
 
-    def _tier_chunk(
-        self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, state: _ChunkState
-    ) -> None:
+    def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
         self._append(tier, tw, state.plan, state.encoded[tier.codec].result())
 
-    def _append(self, tier: TierRuntime, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
+    def _append(self, tier: Tier, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
         """Write one encoded chunk at the next aligned offset and record it."""
         assert tw.writer is not None
         self._renew_leases(tier)  # a long save (or copy from a source) must not let it lapse
@@ -710,7 +708,7 @@ class Pipeline:
         tw.offset = start + n
         tw.stored += n
 
-    def _tier_end(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+    def _tier_end(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
         if job.capture_error is not None:
             raise job.capture_error
         if tw.error is not None:
@@ -778,7 +776,7 @@ class Pipeline:
 
     def _source_done(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         result: tuple[str, list[list[Any]], list[dict[str, Any]]] | None,
         error: BaseException | None,
@@ -792,9 +790,7 @@ class Pipeline:
                     assert result is not None
                     f.done.set_result(result)
 
-    def _copy_from_source(
-        self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, follow: _Follow
-    ) -> None:
+    def _copy_from_source(self, tier: Tier, job: SaveJob, tw: _TierWrite, follow: _Follow) -> None:
         """Read the source tier's durable file chunk by chunk into this tier's writer."""
         src = follow.source
         try:
@@ -834,7 +830,7 @@ class Pipeline:
 
     def _after_deferred(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         stored: int,
         codecs: list[dict[str, Any]],
@@ -848,7 +844,7 @@ class Pipeline:
 
     def _after_commit(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         stored: int,
         codecs: list[dict[str, Any]],
@@ -885,7 +881,7 @@ class Pipeline:
 
     def _finish(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         result: TierResult | None,
         error: BaseException | None,
@@ -906,7 +902,7 @@ class Pipeline:
             job.collected = None
 
 
-def _rank_zero_retains(tier: TierRuntime, job: SaveJob) -> bool:
+def _rank_zero_retains(tier: Tier, job: SaveJob) -> bool:
     return job.rank == 0
 
 
@@ -1048,7 +1044,7 @@ class PipelineOwner:
     best-effort close when collected unclosed."""
 
     _pipeline: Pipeline | None
-    _tiers: list[TierRuntime]
+    _tiers: list[Tier]
     _closed: bool
     chunk_bytes: int
     host_buffer_bytes: int

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from tierckpt.format import manifest_name, step_prefix
-from tierckpt.pipeline import TierRuntime
+from tierckpt.pipeline import Tier
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 
 METADATA_FORMAT = "tierckpt-dcp-metadata"
@@ -56,9 +56,9 @@ def _parse_step(checkpoint_id: object) -> int:
     return s
 
 
-def _runtimes(policy: TierPolicy) -> list[TierRuntime]:
+def _runtimes(policy: TierPolicy) -> list[Tier]:
     out = []
     for spec in policy:
         backend = spec.make_backend()
-        out.append(TierRuntime(spec, backend, resolve_codec(spec.codec, backend)))
+        out.append(Tier(spec, backend, resolve_codec(spec.codec, backend)))
     return out

@@ -55,7 +55,7 @@ from tierckpt.format import (
     manifest_name,
 )
 from tierckpt.handle import SaveHandle
-from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
+from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy
 from tierckpt.retention import gc_tier
@@ -112,7 +112,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        self._tiers: list[TierRuntime] = _runtimes(self.policy)
+        self._tiers: list[Tier] = _runtimes(self.policy)
         self._pipeline: Pipeline | None = None
         self._save_count = 0
         self._lock = threading.Lock()
@@ -272,7 +272,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         return {"commit": self._on_shard_durable}
 
     def _on_shard_durable(
-        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+        self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
     ) -> None:
         # no manifest here: finish() on the coordinator commits once every rank is durable
         with self._lock:
@@ -325,7 +325,7 @@ class TierWriter(PipelineOwner, StorageWriter):
 
     def _commit_tier(
         self,
-        t: TierRuntime,
+        t: Tier,
         cid: CheckpointId,
         world: int,
         shards: list[_ShardOnTier],
