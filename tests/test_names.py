@@ -51,3 +51,18 @@ def test_old_module_names_still_import_the_same_objects() -> None:
         assert old_mod.__all__ == new_mod.__all__, old
         for name in new_mod.__all__:
             assert getattr(old_mod, name) is getattr(new_mod, name), f"{old}.{name}"
+
+
+def test_pipeline_owners_hand_typed_frozen_hooks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    import pytest
+
+    from tierckpt.pipeline import PipelineHooks
+
+    with tierckpt.Checkpointer([tierckpt.LocalTier(str(tmp_path))]) as ck:
+        hooks = ck._pipeline_hooks()
+        assert isinstance(hooks, PipelineHooks)
+        assert hooks.commit is not None and hooks.on_result is not None
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            hooks.commit = None  # type: ignore[misc]

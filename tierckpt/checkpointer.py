@@ -27,7 +27,7 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, Tier
+from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 from tierckpt.restore import (
@@ -173,13 +173,13 @@ class Checkpointer(PipelineOwner):
                 return t
         raise KeyError(f"no tier named {name!r}; tiers are {self.tier_names}")
 
-    def _pipeline_hooks(self) -> dict[str, Any]:
-        return {
-            "commit": self._strategy.commit,
-            "on_result": self._stats.record,
-            "on_failure": self._strategy.report_failure,
-            "retains": self._strategy.retains,
-        }
+    def _pipeline_hooks(self) -> PipelineHooks:
+        return PipelineHooks(
+            commit=self._strategy.commit,
+            on_result=self._stats.record,
+            on_failure=self._strategy.report_failure,
+            retains=self._strategy.retains,
+        )
 
     def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
         """Run a commit's waiting part on the pipeline's commit threads (the strategy's

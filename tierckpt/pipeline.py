@@ -82,6 +82,7 @@ from tierckpt.verify import read_verified
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT_S",
     "Pipeline",
+    "PipelineHooks",
     "SaveJob",
     "StageEvent",
     "Tier",
@@ -225,6 +226,19 @@ class _TierWrite:
 #: completes once committed — multi-rank rank 0 waits for the other ranks that way, without
 #: holding the tier's writer thread
 CommitFn = Callable[[Tier, SaveJob, ShardRef, int, int], "Future[None] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineHooks:
+    """What a :class:`PipelineOwner` plugs into its :class:`Pipeline` (see its arguments):
+    ``commit`` once a shard file is durable on a tier; ``on_result`` once a save committed on a
+    tier; ``on_failure`` when it failed there; ``retains`` whether this rank applies the tier's
+    retention after a commit (None: rank 0 does)."""
+
+    commit: CommitFn
+    on_result: Callable[[TierResult, SaveHandle], None] | None = None
+    on_failure: Callable[[Tier, SaveJob, BaseException], None] | None = None
+    retains: Callable[[Tier, SaveJob], bool] | None = None
 
 
 class Pipeline:
@@ -1052,9 +1066,8 @@ class PipelineOwner:
     #: seconds in-flight saves get at interpreter exit (None: TIERCKPT_EXIT_TIMEOUT_S or 60)
     exit_timeout_s: float | None = None
 
-    def _pipeline_hooks(self) -> dict[str, Any]:
-        """``commit`` (and optionally ``on_result``, ``on_failure``, ``retains``) for the
-        Pipeline."""
+    def _pipeline_hooks(self) -> PipelineHooks:
+        """What this owner plugs into the Pipeline (``commit`` at least)."""
         raise NotImplementedError
 
     def _get_pipeline(self) -> Pipeline:
@@ -1062,12 +1075,16 @@ class PipelineOwner:
         if self._closed:
             raise TierCkptError(f"this {type(self).__name__} is closed")
         if self._pipeline is None:
+            hooks = self._pipeline_hooks()
             self._pipeline = Pipeline(
                 self._tiers,
                 chunk_bytes=self.chunk_bytes,
                 host_buffer_bytes=self.host_buffer_bytes,
                 io_threads=self.io_threads,
-                **self._pipeline_hooks(),
+                commit=hooks.commit,
+                on_result=hooks.on_result,
+                on_failure=hooks.on_failure,
+                retains=hooks.retains,
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
         return self._pipeline

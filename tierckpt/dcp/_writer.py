@@ -55,7 +55,7 @@ from tierckpt.format import (
     manifest_name,
 )
 from tierckpt.handle import SaveHandle
-from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, Tier
+from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy
 from tierckpt.retention import gc_tier
@@ -268,8 +268,8 @@ class TierWriter(PipelineOwner, StorageWriter):
             raise ValueError("TierWriter needs a step: TierWriter(tiers, step) or checkpoint_id")
         return self.step
 
-    def _pipeline_hooks(self) -> dict[str, Any]:
-        return {"commit": self._on_shard_durable}
+    def _pipeline_hooks(self) -> PipelineHooks:
+        return PipelineHooks(commit=self._on_shard_durable)
 
     def _on_shard_durable(
         self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
