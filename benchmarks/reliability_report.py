@@ -162,6 +162,49 @@ FIXED += [
     ),
 ]
 
+FIXED += [
+    (
+        "An S3 outage behind the local tier (source='local') stopped all checkpointing for "
+        "good: retention kept every local step the follower still read (114 local steps in a "
+        "44 s blackhole) until the disk filled",
+        "tierckpt/pipeline.py (follower bound, retention after failure)",
+        [
+            "test_follower_behind_a_blackholed_s3_keeps_local_bounded_and_recovers",
+            "test_a_full_local_disk_frees_itself_in_a_fresh_process[quota]",
+        ],
+    ),
+    (
+        "A silent S3 fed from the arena held training for minutes per save (485 s for a 16 MiB "
+        "state through a 4 MiB arena)",
+        "tierckpt/pipeline.py (save_deadline), backends/s3.py (timeouts)",
+        [
+            "test_a_blackholed_s3_holds_training_at_most_the_deadline",
+            "test_a_given_up_copy_never_commits_the_bytes_its_blocked_thread_writes_late",
+            "test_wait_gives_up_a_stalled_tier_instead_of_hanging",
+        ],
+    ),
+    (
+        "States that commit but cannot be read back: 10,000,001 ints, quantized tensors "
+        "without scale and zero point, nested tensors, huge ints, non-JSON metadata",
+        "tierckpt/objects.py, limits.py, plan.py",
+        [
+            "test_list_of_10_000_001_ints_is_refused_at_save",
+            "test_quantized_tensors_round_trip_with_their_parameters",
+            "test_nested_tensor_is_refused_at_save",
+        ],
+    ),
+    (
+        "A re-sealed 256 MiB index of tiny JSON nodes took 7 GB of RSS to parse (and verify said "
+        "ok); a 60 MiB manifest took 1.9 GB for tierckpt ls",
+        "tierckpt/format.py, jsonbound.py",
+        [
+            "test_index_of_tiny_nodes_is_refused_early[index: 72 MiB of empty lists as the object "
+            "tree, counts re-sealed]",
+            "test_manifest_of_tiny_nodes_is_refused_early",
+        ],
+    ),
+]
+
 #: the test module behind each area; its docstring says how the area is tested
 MODULES = {
     "crash": "test_crash_consistency.py",

@@ -196,7 +196,9 @@ def test_many_saves_in_flight_with_a_follower(tmp_path: Path) -> None:
     tiers = [
         MemoryTier(namespace=uuid.uuid4().hex, keep_last=2),
         LocalTier(tmp_path / "a", name="a", keep_last=1),
-        LocalTier(tmp_path / "b", name="b", source="a", keep_last=None),
+        # every copy, however far behind (by default a follower skips older waiting copies
+        # beyond max_behind=2; tests/reliability/test_outages.py checks that bound)
+        LocalTier(tmp_path / "b", name="b", source="a", keep_last=None, max_behind=6),
     ]
     states = [{"x": torch.full((300_000,), float(i)), "i": i} for i in range(6)]
     with Checkpointer(tiers, chunk_bytes=256 << 10, host_buffer_bytes=1 << 20) as ck:

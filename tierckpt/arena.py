@@ -138,11 +138,17 @@ class HostArena:
             self._free.append(i)
             self._cond.notify_all()  # acquirers and wait_idle() share the condition
 
-    def wait_idle(self) -> None:
-        """Block until every slot is free again (all chunks written by every tier)."""
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every slot is free again (all chunks written by every tier); False
+        if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while len(self._free) < self.n_slots and not self._closed:
-                self._cond.wait()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
 
     @property
     def free_slots(self) -> int:

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
@@ -27,7 +28,16 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
+from tierckpt.pipeline import (
+    OUTCOMES,
+    Pipeline,
+    PipelineHooks,
+    PipelineOwner,
+    SaveJob,
+    Tier,
+    check_save_deadline,
+    default_save_deadline,
+)
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec, resolve_codec
 from tierckpt.restore import (
@@ -86,6 +96,12 @@ class Checkpointer(PipelineOwner):
         exit_timeout_s: when the interpreter exits with saves still in flight, how long they
             get to finish before the unfinished ones are abandoned, never committed (default
             60 s; ``TIERCKPT_EXIT_TIMEOUT_S``; 0 abandons at once). ``close()`` waits fully.
+        save_deadline: seconds a save may hold training behind a tier fed from the host
+            arena that makes no progress (default 30; ``TIERCKPT_SAVE_DEADLINE``;
+            ``float("inf")``: wait for it). Past it that tier's copy of the save is given up
+            (``SaveDeadlineExceeded`` on the handle, never committed there), its arena slots
+            are freed and training goes on; the next save tries the tier again. ``wait()``
+            and ``close()`` give up a tier stalled for as long the same way.
     """
 
     def __init__(
@@ -102,6 +118,7 @@ class Checkpointer(PipelineOwner):
         on_commit: Callable[[TierResult], Any] | None = None,
         stats_history: int = 1000,
         exit_timeout_s: float | None = None,
+        save_deadline: float | None = None,
     ) -> None:
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
         if on_busy not in ("block", "skip"):
@@ -115,6 +132,9 @@ class Checkpointer(PipelineOwner):
             raise ValueError(f"chunk_bytes must be a multiple of 4096, got {chunk}")
         self.chunk_bytes = chunk
         self.io_threads = io_threads or _env_int("TIERCKPT_IO_THREADS", 2)
+        self.save_deadline = (
+            default_save_deadline() if save_deadline is None else check_save_deadline(save_deadline)
+        )
         self.repopulate = repopulate
         if exit_timeout_s is not None and not exit_timeout_s >= 0:
             raise ValueError(f"exit_timeout_s must be >= 0 seconds, got {exit_timeout_s!r}")
@@ -146,6 +166,7 @@ class Checkpointer(PipelineOwner):
         self._lock = threading.Lock()
         self._last: SaveHandle | None = None
         self._stats = StatsRecorder(stats_history)
+        self._counts: dict[str, Counter[str]] = {t.name: Counter() for t in self._tiers}
         if on_commit is not None:
             self._stats.add_callback(on_commit)
         self._closed = False
@@ -179,6 +200,7 @@ class Checkpointer(PipelineOwner):
             on_result=self._stats.record,
             on_failure=self._strategy.report_failure,
             retains=self._strategy.retains,
+            counts=self._counts,
         )
 
     def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
@@ -395,15 +417,17 @@ class Checkpointer(PipelineOwner):
             log.warning("%s", message)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for every in-flight save to finish on every tier (errors stay on handles)."""
+        """Wait for every in-flight save to finish on every tier (errors stay on handles).
+
+        A tier that makes no progress for ``save_deadline`` seconds meanwhile has its
+        pending copies given up (``SaveDeadlineExceeded``), so a dead tier is waited for
+        about that long, not its timeouts times the saves queued for it.
+        """
         if self._pipeline is None:
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for job in self._pipeline.in_flight():
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for t in job.handle.tiers:
-                if not job.handle._tier_events[t].wait(remaining):
-                    raise TimeoutError(f"step {job.step} not finished after {timeout} s")
+        if not self._pipeline.drain(timeout):
+            steps = sorted(j.step for j in self._pipeline.in_flight())
+            raise TimeoutError(f"steps {steps} not finished after {timeout} s")
 
     # -- listing -----------------------------------------------------------------------
     def checkpoints(self, tier: str | None = None) -> list[CheckpointId]:
@@ -635,6 +659,16 @@ class Checkpointer(PipelineOwner):
         )
 
     # -- stats / lifecycle ------------------------------------------------------------
+    def tier_counts(self) -> dict[str, dict[str, int]]:
+        """Per tier, how many copies of saves this Checkpointer ``committed``, how many
+        ``failed``, how many were ``skipped`` (a follower more than ``max_behind`` steps behind
+        its source) and how many were given up at the ``deadline``; each failure is also on
+        its save's handle and in the log."""
+        pipeline = self._pipeline
+        if pipeline is not None:
+            return pipeline.counts()  # read under the lock the pipeline counts under
+        return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
+
     def stats(self) -> list[CommitStats]:
         """One :class:`CommitStats` per checkpoint per tier committed so far, oldest first.
 

@@ -16,11 +16,13 @@ __all__ = [
     "CheckpointNotFound",
     "CheckpointSkipped",
     "CommitTimeout",
+    "CopySkipped",
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
     "LeaseLost",
     "RankFailed",
+    "SaveDeadlineExceeded",
     "StateMismatch",
     "TierCkptError",
     "UnknownCodec",
@@ -108,3 +110,13 @@ class CommitTimeout(TierCkptError, TimeoutError):
 
 class RankFailed(TierCkptError, RuntimeError):
     """Another rank reported that its shard failed on this tier: nothing was committed."""
+
+
+class SaveDeadlineExceeded(TierCkptError, TimeoutError):
+    """A tier made no progress for ``save_deadline`` seconds while training waited for it:
+    that tier's copy of the step was given up (never committed there) so training goes on."""
+
+
+class CopySkipped(TierCkptError, RuntimeError):
+    """A tier that copies from another (``source=``) fell more than ``max_behind`` steps
+    behind it: its copy of an older step was skipped so the source's retention can go on."""

@@ -32,6 +32,19 @@ refuses the save at once). The tier threads renew their leases every ``ttl / 4``
 their queue for it, and between chunks), check the lease before publishing a shard file and
 before retention, and release it at ``close()``. A tier whose lease was lost fails every later
 save there and is never garbage-collected by this writer again.
+
+Every wait has a bound. A tier fed from the arena that makes no progress (no chunk written, no
+item finished) for ``save_deadline`` seconds while capture waits for arena space it holds is
+*given up* for the saves whose chunks it holds: their slots are released at once (capture and
+training go on), the copy is reported failed (:class:`SaveDeadlineExceeded`), and that copy can
+never commit: the tier's thread, blocked in a call with a view of a slot that may since hold
+other bytes, checks the verdict before every write and before its commit, and aborts. The next
+save hands its chunks to the tier again. ``drain()`` (``Checkpointer.wait()``, ``close()``)
+gives up the queued copies of a tier stalled for as long the same way. A follower holds at most
+``max_behind`` of its source's steps (the one it copies and the newest waiting ones); an older
+waiting copy is skipped (:class:`CopySkipped`), so the source's retention is never held back
+for more than that, and retention runs after a failed save too, so a disk that filled up frees
+itself.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -57,7 +71,14 @@ from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.capture import CaptureStreams, copy_chunk
 from tierckpt.codecs import Codec, SupportsObserve, SupportsProfile, codec_from_config
-from tierckpt.errors import BackendError, FormatError, TierCkptError, WriterConflict
+from tierckpt.errors import (
+    BackendError,
+    CopySkipped,
+    FormatError,
+    SaveDeadlineExceeded,
+    TierCkptError,
+    WriterConflict,
+)
 from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
@@ -81,12 +102,14 @@ from tierckpt.verify import read_verified
 
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT_S",
+    "DEFAULT_SAVE_DEADLINE_S",
     "Pipeline",
     "PipelineHooks",
     "SaveJob",
     "StageEvent",
     "Tier",
     "exit_timeout_s",
+    "default_save_deadline",
 ]
 
 log = logging.getLogger("tierckpt")
@@ -96,6 +119,26 @@ _ZEROS = bytes(4096)
 DEFAULT_EXIT_TIMEOUT_S = 60.0
 #: after abandoning, how long the exit handler lets the threads abort their writes and stop
 _EXIT_ABORT_GRACE_S = 10.0
+#: seconds a save may wait behind a tier that makes no progress (``TIERCKPT_SAVE_DEADLINE``)
+DEFAULT_SAVE_DEADLINE_S = 30.0
+#: what a save waits, at most, behind a tier whose last work failed without progress since
+RETRY_GRACE_S = 5.0
+
+
+def default_save_deadline() -> float:
+    """``TIERCKPT_SAVE_DEADLINE`` (seconds; ``inf`` turns the deadline off), else 30 s."""
+    env = os.environ.get("TIERCKPT_SAVE_DEADLINE", "").strip()
+    if not env:
+        return DEFAULT_SAVE_DEADLINE_S
+    return check_save_deadline(float(env), "TIERCKPT_SAVE_DEADLINE")
+
+
+def check_save_deadline(value: float, what: str = "save_deadline") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"{what} must be a number of seconds > 0 (inf: no deadline), got {value!r}"
+        )
+    return float(value)
 
 
 #: the stages a save goes through, in order: ``plan`` (lay the chunks out), ``arena_wait``
@@ -150,11 +193,14 @@ class Encoded:
     codec_config: dict[str, Any]
 
 
-@dataclass
+@dataclass(eq=False)
 class _ChunkState:
     plan: ChunkPlan
     slot: int
-    remaining: int
+    job: SaveJob
+    #: names of the tiers that have not yet written (or given up) this chunk; the slot is
+    #: released when the last one goes (changed under the pipeline's lock)
+    holders: set[str]
     encoded: dict[Codec, Future[Encoded]] = field(default_factory=dict)
 
 
@@ -196,6 +242,12 @@ class SaveJob:
     timeline: int = 0
     #: tier name -> why this writer could not take its lease there for this job
     lease_errors: dict[str, BaseException] = field(default_factory=dict)
+    #: tier name -> why its copy was given up (deadline, follower behind); set under the
+    #: pipeline's lock, only before the tier starts committing; such a copy never commits
+    given_up: dict[str, BaseException] = field(default_factory=dict)
+    #: tiers whose copy of this job can no longer be given up: committing, or failed on
+    #: their own (changed under the pipeline's lock)
+    settled: set[str] = field(default_factory=set)
 
     @property
     def id(self) -> CheckpointId:
@@ -239,6 +291,12 @@ class PipelineHooks:
     on_result: Callable[[TierResult, SaveHandle], None] | None = None
     on_failure: Callable[[Tier, SaveJob, BaseException], None] | None = None
     retains: Callable[[Tier, SaveJob], bool] | None = None
+    #: outcomes counted per tier, shared with the owner (``Checkpointer.tier_counts()``)
+    counts: dict[str, Counter[str]] | None = None
+
+
+#: outcomes counted per tier (``Pipeline.counts``, ``Checkpointer.tier_counts()``)
+OUTCOMES = ("committed", "failed", "skipped", "deadline")
 
 
 class Pipeline:
@@ -253,6 +311,8 @@ class Pipeline:
         on_result: Callable[[TierResult, SaveHandle], None] | None = None,
         on_failure: Callable[[Tier, SaveJob, BaseException], None] | None = None,
         retains: Callable[[Tier, SaveJob], bool] | None = None,
+        save_deadline: float | None = None,
+        counts: dict[str, Counter[str]] | None = None,
     ) -> None:
         self.tiers = tiers
         self.on_result = on_result
@@ -263,6 +323,10 @@ class Pipeline:
         self.chunk_bytes = chunk_bytes
         self.host_buffer_bytes = host_buffer_bytes
         self.commit = commit
+        #: seconds a tier may make no progress while a save waits for it (inf: no deadline)
+        self.save_deadline = (
+            default_save_deadline() if save_deadline is None else check_save_deadline(save_deadline)
+        )
         self.arena: HostArena | None = None
         self._streams = CaptureStreams()
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tierckpt-encode")
@@ -271,8 +335,22 @@ class Pipeline:
         self._tier_q: dict[str, queue.Queue[tuple[str, SaveJob, Any] | None]] = {
             t.name: queue.Queue() for t in tiers
         }
+        self._by_name = {t.name: t for t in tiers}
         self._lock = threading.Lock()
         self._in_flight: list[SaveJob] = []
+        #: chunks whose arena slot some tier still holds (at most the arena's slot count)
+        self._held_chunks: list[_ChunkState] = []
+        #: tier name -> since when its thread has made no progress (kept while it is idle
+        #: after a failure: presumed down); tiers whose thread is working on an item
+        self._stalled_since: dict[str, float] = {}
+        self._busy: set[str] = set()
+        #: follower tier name -> the jobs whose source step it holds (copying or waiting)
+        self._following: dict[str, list[SaveJob]] = {}
+        #: follower tier name -> the job its thread is working on
+        self._follow_active: dict[str, SaveJob] = {}
+        self._counts = counts if counts is not None else {}
+        for t in tiers:
+            self._counts.setdefault(t.name, Counter())
         self._closed = False
         #: replaced, never mutated, so threads iterate a snapshot without the lock
         self._listeners: tuple[StageListener, ...] = ()
@@ -442,14 +520,46 @@ class Pipeline:
         for lease in leases:
             lease.release()
 
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per tier, how many copies committed, failed, were skipped or given up."""
+        with self._lock:
+            return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no save is in flight; False if ``timeout`` seconds passed first.
+
+        Meanwhile a tier that makes no progress for ``save_deadline`` seconds has its copies
+        that have not started committing given up, so a dead tier costs about that long here
+        (plus the call it is blocked in, bounded by its backend's timeouts), not its timeouts
+        times the saves queued for it.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        poll = min(1.0, self.save_deadline / 4)
+        while True:
+            jobs = self.in_flight()
+            if not jobs:
+                return True
+            now = time.monotonic()
+            if end is not None and now >= end:
+                return False
+            wait = poll if end is None else max(0.0, min(poll, end - now))
+            events = jobs[0].handle._tier_events
+            for name in jobs[0].handle.tiers:
+                if not events[name].wait(wait):
+                    break
+            self._give_up_stalled(drain=True)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         _live.discard(self)
+        self.drain()
         self._capture_q.put(None)
         for th in self._threads:
+            # after drain() each thread has at most the call it is blocked in left (bounded by
+            # its backend's timeouts), then only skips and aborts of given-up copies
             th.join()
         with self._lock:
             commit_pool = self._commit_pool
@@ -539,6 +649,169 @@ class Pipeline:
             except Exception as exc:
                 log.warning("at exit: could not give the writer leases back: %s", exc)
 
+    # -- deadlines and follower bounds -------------------------------------------------
+    def _stall_timeout(self) -> float | None:
+        """How long capture may wait for arena space before the next stalled-tier check."""
+        d = self.save_deadline
+        if math.isinf(d):
+            return None
+        now = time.monotonic()
+        with self._lock:
+            holding = {name for st in self._held_chunks for name in st.holders}
+            due = [self._stalled_since.get(name, now) + d - now for name in holding]
+        return max(0.01, min(due)) if due else min(d, 1.0)
+
+    def _give_up_stalled(self, *, drain: bool = False) -> None:
+        """Give up the copies of the tiers that made no progress for ``save_deadline`` s.
+
+        From capture (``drain=False``): the copies whose arena slots such a tier holds, which
+        frees those slots. From :meth:`drain`: every copy of such a tier not yet committing.
+        """
+        d = self.save_deadline
+        if math.isinf(d):
+            return
+        now = time.monotonic()
+        verdicts: list[tuple[Tier, SaveJob, BaseException]] = []
+        released: list[_ChunkState] = []
+        with self._lock:
+            stalled = {n: now - t for n, t in self._stalled_since.items() if now - t >= d}
+            if not stalled:
+                return
+            if drain:
+                pairs = [(t, j) for j in self._in_flight for t in j.tiers if t.name in stalled]
+                what = "close()/wait() waited for it"
+            else:
+                pairs = [
+                    (self._by_name[n], st.job)
+                    for st in self._held_chunks
+                    for n in st.holders
+                    if n in stalled
+                ]
+                what = "training waited for host arena space it holds"
+            seen: set[tuple[str, int]] = set()
+            for tier, job in pairs:
+                if (tier.name, id(job)) in seen:
+                    continue
+                seen.add((tier.name, id(job)))
+                err = SaveDeadlineExceeded(
+                    f"{job.id}: tier {tier.name!r} ({tier.backend.url}) made no progress "
+                    f"for {stalled[tier.name]:.1f} s, past save_deadline={d:g} s, while {what}; "
+                    "its copy of this step is given up (it never commits there) so training "
+                    "goes on, and the next save tries the tier again. If the tier is down, its "
+                    "own errors are in the log; if it is only slow, raise save_deadline "
+                    "(TIERCKPT_SAVE_DEADLINE) or let it copy from a local tier (source=...)"
+                )
+                if self._give_up_locked(tier, job, err, released):
+                    verdicts.append((tier, job, err))
+        self._release_slots(released)
+        for t, j, why in verdicts:
+            self._report_given_up(t, j, why)
+
+    def _give_up_locked(
+        self, tier: Tier, job: SaveJob, err: BaseException, released: list[_ChunkState]
+    ) -> bool:
+        """Record that ``tier`` gives ``job`` up and drop its holds on arena slots (the lock is
+        held). False if it is too late: the copy started committing or is done already."""
+        name = tier.name
+        if name in job.given_up or name in job.settled or job.handle.done(name):
+            return False
+        job.given_up[name] = err
+        self._unfollow_locked(name, job)
+        for st in list(self._held_chunks):
+            if st.job is job and name in st.holders:
+                st.holders.discard(name)
+                if not st.holders:
+                    self._held_chunks.remove(st)
+                    released.append(st)
+        return True
+
+    def _release_slots(self, states: list[_ChunkState]) -> None:
+        for st in states:
+            st.encoded.clear()
+            assert self.arena is not None
+            self.arena.release(st.slot)
+
+    def _report_given_up(self, tier: Tier, job: SaveJob, err: BaseException) -> None:
+        """Report a given-up copy now (the tier's thread may stay blocked for a while)."""
+        self._source_done(tier, job, None, err)
+        outcome = "skipped" if isinstance(err, CopySkipped) else "deadline"
+        self._finish(tier, job, None, err, outcome=outcome, defer_hooks=True)
+
+    def _check_given_up(self, tier: Tier, job: SaveJob) -> None:
+        with self._lock:
+            err = job.given_up.get(tier.name)
+        if err is not None:
+            raise err
+
+    def _enter_commit(self, tier: Tier, job: SaveJob) -> None:
+        """From here on ``tier``'s copy of ``job`` can no longer be given up (or it was)."""
+        with self._lock:
+            err = job.given_up.get(tier.name)
+            if err is None:
+                job.settled.add(tier.name)
+                self._unfollow_locked(tier.name, job)  # the source's file is read: let it go
+        if err is not None:
+            raise err
+
+    def _register_follows(self, job: SaveJob) -> None:
+        """A follower holds at most ``max_behind`` source steps: skip its oldest waiting ones."""
+        skipped: list[tuple[Tier, SaveJob, BaseException]] = []
+        released: list[_ChunkState] = []
+        with self._lock:
+            for name, follow in job.follows.items():
+                tier = self._by_name[name]
+                held = self._following.setdefault(name, [])
+                held.append(job)
+                active = self._follow_active.get(name)
+                waiting = [j for j in held if j is not active]
+                for old in waiting[: max(0, len(held) - tier.spec.max_behind)]:
+                    src = follow.source.name
+                    doing = f"still on {active.id}" if active is not None else "busy"
+                    err = CopySkipped(
+                        f"{old.id}: tier {name!r} skipped its copy from tier {src!r}: it "
+                        f"would hold more than max_behind={tier.spec.max_behind} steps of tier "
+                        f"{src!r} ({doing}); tier {src!r} keeps {old.id} only under its "
+                        f"own retention and tier {name!r} copies a newer step next. Its own "
+                        "errors, if any, are in the log"
+                    )
+                    if self._give_up_locked(tier, old, err, released):
+                        skipped.append((tier, old, err))
+        self._release_slots(released)
+        for t, j, why in skipped:
+            self._report_given_up(t, j, why)
+
+    def _unfollow_locked(self, name: str, job: SaveJob) -> None:
+        held = self._following.get(name)
+        if held is not None and job in held:
+            held.remove(job)
+        if self._follow_active.get(name) is job:
+            del self._follow_active[name]
+
+    def _protected(self, tier: Tier, job: SaveJob) -> set[CheckpointId]:
+        """Checkpoints retention on ``tier`` must keep besides its newest: those still being
+        saved there, and (for a source) those its followers hold, at most ``max_behind`` each."""
+        with self._lock:
+            ids = {
+                j.id
+                for j in self._in_flight
+                if j is not job
+                and tier.name in j.handle.tiers
+                and tier.name not in j.given_up
+                and not j.handle.done(tier.name)
+            }
+            for name, held in self._following.items():
+                if self._by_name[name].spec.source == tier.name:
+                    ids.update(j.id for j in held)
+        return ids
+
+    def _retain(self, tier: Tier, job: SaveJob) -> None:
+        if not self.may_collect(tier, job.rank):
+            return
+        try:
+            gc_tier(tier.backend, tier.spec.keep_last, protect=self._protected(tier, job))
+        except (BackendError, OSError) as exc:
+            log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+
     # -- capture ---------------------------------------------------------------------
     def _ensure_arena(self, plan: ShardLayout) -> HostArena:
         """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
@@ -552,7 +825,9 @@ class Pipeline:
         if a is not None and a.slot_bytes >= slot and a.n_slots >= want:
             return a
         if a is not None:
-            a.wait_idle()  # a bigger state than any before: grow once, between saves
+            # a bigger state than any before: grow once, between saves
+            while not a.wait_idle(self._stall_timeout()):
+                self._give_up_stalled()
             a.close()
         self.arena = HostArena(want, slot)
         log.debug(
@@ -562,6 +837,15 @@ class Pipeline:
             self.arena.alloc_seconds,
         )
         return self.arena
+
+    def _acquire(self, a: HostArena) -> int:
+        """A free arena slot; a tier that holds slots without progress past the deadline is
+        given up meanwhile, so this waits at most about ``save_deadline`` per stalled tier."""
+        while True:
+            try:
+                return a.acquire(timeout=self._stall_timeout())
+            except TimeoutError:
+                self._give_up_stalled()
 
     def _capture_loop(self) -> None:
         while True:
@@ -599,15 +883,19 @@ class Pipeline:
             if t.spec.source is not None and t.spec.source in by_name
         }
         direct = [t for t in job.tiers if t.name not in job.follows]
+        self._register_follows(job)
         a = self._ensure_arena(plan)
+        self._grace(job)
         for t in job.tiers:
             self._tier_q[t.name].put(("start", job, None))
-        codecs = {t.codec for t in direct}
         events = []
         for chunk in plan.chunks:
+            with self._lock:
+                if all(t.name in job.given_up for t in direct):
+                    break  # every tier fed from the arena gave this save up: nothing to copy
             t0 = time.perf_counter() if emit else 0.0
             self._check_abandoned(job)
-            slot = a.acquire()
+            slot = self._acquire(a)
             try:
                 t1 = time.perf_counter() if emit else 0.0
                 slot_t = a.slot(slot)
@@ -620,27 +908,71 @@ class Pipeline:
                 emit("capture", chunk.raw_size, time.perf_counter() - t1)
             if event is not None:
                 events.append(event)
-            state = _ChunkState(chunk, slot, remaining=len(direct))
             view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
-            for codec in codecs:
-                state.encoded[codec] = self._pool.submit(
-                    _encode, codec, chunk.dtype, view, event, emit
-                )
-            for t in direct:
+            with self._lock:  # a tier given up meanwhile gets no more chunks of this save
+                takers = [t for t in direct if t.name not in job.given_up]
+                state = _ChunkState(chunk, slot, job, {t.name for t in takers})
+                for codec in {t.codec for t in takers}:
+                    state.encoded[codec] = self._pool.submit(
+                        _encode, codec, chunk.dtype, view, event, emit
+                    )
+                if takers:
+                    self._held_chunks.append(state)
+                now = time.monotonic()
+                for t in takers:  # a tier's clock runs from when it has work it has not done
+                    self._stalled_since.setdefault(t.name, now)
+            if not takers:
+                a.release(slot)
+                break
+            for t in takers:
                 self._tier_q[t.name].put(("chunk", job, state))
         for ev in events:
             ev.synchronize()
         job.handle._set_captured()
 
     # -- tiers -----------------------------------------------------------------------
-    def _release(self, state: _ChunkState) -> None:
+    def _release(self, state: _ChunkState, tier: str) -> None:
+        """``tier`` is done with this chunk; the last holder frees its slot (a given-up tier
+        no longer holds it, so this is then a no-op)."""
         with self._lock:
-            state.remaining -= 1
-            last = state.remaining == 0
+            if tier not in state.holders:
+                return
+            state.holders.discard(tier)
+            last = not state.holders
+            if last:
+                self._held_chunks.remove(state)
         if last:
-            state.encoded.clear()
-            assert self.arena is not None
-            self.arena.release(state.slot)
+            self._release_slots([state])
+
+    def _tier_busy(self, tier: Tier, *, progressed: bool, idle: bool) -> None:
+        """Track the tier thread's progress for the deadline. A clock runs from when it is
+        handed work while it makes none: each chunk written or item finished resets it, failures and
+        skips do not. Idle after progress the clock stops; idle after a failure (presumed
+        down) it keeps running, and the next save gives the tier a short grace instead of a
+        whole deadline (:meth:`_grace`)."""
+        now = time.monotonic()
+        with self._lock:
+            if idle:
+                self._busy.discard(tier.name)
+                if progressed:
+                    self._stalled_since.pop(tier.name, None)
+            else:
+                self._busy.add(tier.name)
+                if progressed or tier.name not in self._stalled_since:
+                    self._stalled_since[tier.name] = now
+
+    def _grace(self, job: SaveJob) -> None:
+        """A new save for an idle tier presumed down (its last work failed, no progress
+        since): it has ``min(save_deadline, 5 s)`` to show progress before capture gives it
+        up, so an outage costs each save that long, not a whole deadline; while its thread
+        is still blocked in a call, the old clock runs on and later saves give it up at once."""
+        d = self.save_deadline
+        floor = time.monotonic() - d + min(d, RETRY_GRACE_S)
+        with self._lock:
+            for t in job.tiers:
+                since = self._stalled_since.get(t.name)
+                if since is not None and t.name not in self._busy:
+                    self._stalled_since[t.name] = max(since, floor)
 
     def _tier_loop(self, tier: Tier) -> None:
         q = self._tier_q[tier.name]
@@ -657,7 +989,9 @@ class Pipeline:
             if kind == "lease":
                 self._lease_request(tier, job, payload)
                 continue
+            self._tier_busy(tier, progressed=False, idle=False)
             tw = progress.setdefault(id(job), _TierWrite())
+            ok = False
             try:
                 if kind == "start":
                     self._tier_start(tier, job, tw)
@@ -668,20 +1002,42 @@ class Pipeline:
                         if tw.error is None:
                             self._tier_chunk(tier, job, tw, payload)
                     finally:
-                        self._release(payload)
+                        self._release(payload, tier.name)
                 elif kind == "end":
                     del progress[id(job)]
                     self._tier_end(tier, job, tw)
+                ok = tw.error is None
             except BaseException as exc:
                 tw.error = exc
                 if tw.writer is not None:
                     tw.writer.abort()
                     tw.writer = None
                 if kind == "end":
-                    self._source_done(tier, job, None, exc)
-                    self._finish(tier, job, None, exc)
+                    self._tier_failed(tier, job, exc)
+            finally:
+                self._tier_busy(tier, progressed=ok, idle=q.empty())
+
+    def _tier_failed(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
+        with self._lock:
+            given_up = job.given_up.get(tier.name)
+            if given_up is None:
+                job.settled.add(tier.name)  # failed on its own: reported once, as that
+        self._source_done(tier, job, None, given_up or error)
+        if given_up is not None:
+            return  # reported when it was given up
+        self._finish(tier, job, None, error)
+        if self.retains(tier, job) and not tier.backend.is_remote:
+            # a failed save (disk full) runs retention too, so the disk frees itself; a
+            # remote tier that just failed would likely fail again: its next commit does it
+            self._retain(tier, job)
 
     def _tier_start(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
+        with self._lock:
+            err = job.given_up.get(tier.name)
+            if err is None and tier.name in job.follows:
+                self._follow_active[tier.name] = job
+        if err is not None:
+            raise err
         lease_error = job.lease_errors.get(tier.name)
         if lease_error is not None:
             raise lease_error
@@ -696,7 +1052,15 @@ class Pipeline:
         tw.emit = self._emitter(job.step, tier.name)
 
     def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
-        self._append(tier, tw, state.plan, state.encoded[tier.codec].result())
+        with self._lock:
+            err = job.given_up.get(tier.name)
+            enc = state.encoded.get(tier.codec) if tier.name in state.holders else None
+        if err is not None:
+            raise err
+        assert enc is not None, "a tier writes only chunks it holds"
+        self._append(tier, tw, state.plan, enc.result())
+        # given up during the write: the slot may hold other bytes by now; stop here
+        self._check_given_up(tier, job)
 
     def _append(self, tier: Tier, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
         """Write one encoded chunk at the next aligned offset and record it."""
@@ -709,6 +1073,7 @@ class Pipeline:
         tw.writer.write(start, enc.data)
         seconds = time.perf_counter() - t0
         tw.write_seconds += seconds
+        self._tier_busy(tier, progressed=True, idle=False)
         n = len(memoryview(enc.data).cast("B"))
         if tw.emit is not None:
             tw.emit("write", n, seconds)
@@ -730,6 +1095,7 @@ class Pipeline:
         follow = job.follows.get(tier.name)
         if follow is not None:
             self._copy_from_source(tier, job, tw, follow)
+        self._enter_commit(tier, job)
         assert tw.writer is not None
         index = {
             "format": "tierckpt-shard",
@@ -825,6 +1191,7 @@ class Pipeline:
         source_codecs = [codec_from_config(c) for c in codecs]
         for i, fields in enumerate(records):
             self._check_abandoned(job)
+            self._check_given_up(tier, job)
             rec = ChunkRecord(*fields)
             if stored_buf is None or stored_buf.numel() < rec.stored_size:
                 stored_buf = torch.empty(max(rec.stored_size, 1), dtype=torch.uint8)
@@ -883,14 +1250,8 @@ class Pipeline:
             result.ratio,
         )
         # the owner says which ranks apply retention where; only while holding the lease
-        if self.retains(tier, job) and self.may_collect(tier, job.rank):
-            try:
-                protect = {j.id for j in self.in_flight() if j is not job}
-                gc_tier(tier.backend, tier.spec.keep_last, protect=protect)
-            except (BackendError, OSError) as exc:
-                log.warning(
-                    "retention on tier %s failed (will retry next save): %s", tier.name, exc
-                )
+        if self.retains(tier, job):
+            self._retain(tier, job)
         self._finish(tier, job, result, None)
 
     def _finish(
@@ -899,11 +1260,28 @@ class Pipeline:
         job: SaveJob,
         result: TierResult | None,
         error: BaseException | None,
+        *,
+        outcome: str = "failed",
+        defer_hooks: bool = False,
     ) -> None:
+        """Report ``tier``'s copy of ``job`` done: committed (``result``) or not (``error``,
+        counted as ``outcome``). ``defer_hooks``: the caller must not block (capture)."""
         if error is not None:
-            log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
-            if self.on_failure is not None:
-                self.on_failure(tier, job, error)  # e.g. tell rank 0 not to wait for this rank
+            if outcome == "skipped":
+                log.warning("%s", error)
+            else:
+                log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
+            hook = self.on_failure
+            if hook is not None:
+                # e.g. tell rank 0 not to wait for this rank (I/O on a tier that may hang)
+                err: BaseException = error
+                if defer_hooks:
+                    self.defer(lambda: hook(tier, job, err))
+                else:
+                    hook(tier, job, err)
+        with self._lock:
+            self._counts[tier.name]["committed" if error is None else outcome] += 1
+            self._unfollow_locked(tier.name, job)
         if result is not None and self.on_result is not None:
             self.on_result(result, job.handle)
         job.handle._set_tier(tier.name, result, error)
@@ -1085,6 +1463,9 @@ class PipelineOwner:
                 on_result=hooks.on_result,
                 on_failure=hooks.on_failure,
                 retains=hooks.retains,
+                # owners without the knob (dcp.TierWriter) get the default
+                save_deadline=getattr(self, "save_deadline", None),
+                counts=hooks.counts,
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
         return self._pipeline

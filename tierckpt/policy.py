@@ -23,6 +23,13 @@ Per tier:
     tier then no longer holds arena slots, so capture (and training) goes at the pace of the
     source. The copy depends on the source's: if the source's copy of a step fails, so does
     this one's. Saves the source does not receive (``every``) come from the arena as usual.
+``max_behind``
+    for a tier with a ``source``: how many of the source's steps it may hold at once (the
+    one it is copying and the newest ones waiting), default 2. The source's retention keeps
+    those steps for it; when a newer step arrives beyond the bound, the oldest waiting copy
+    is skipped (``CopySkipped`` on its handle, a warning in the log, counted in
+    ``Checkpointer.tier_counts()``), so a slow or unreachable follower never makes the
+    source keep more than ``keep_last + max_behind`` steps.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class TierSpec:
     every: int = 1
     codec: CodecSpec = "auto"
     source: str | None = None
+    #: keyword-only, so subclasses' own positional fields keep their places
+    max_behind: int = field(default=2, kw_only=True)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -62,6 +71,8 @@ class TierSpec:
             raise ValueError(f"tier {self.name!r}: every must be an int >= 1")
         if self.source is not None and (not isinstance(self.source, str) or not self.source):
             raise ValueError(f"tier {self.name!r}: source must be a tier name or None")
+        if type(self.max_behind) is not int or self.max_behind < 1:
+            raise ValueError(f"tier {self.name!r}: max_behind must be an int >= 1")
 
     def make_backend(self) -> Backend:
         raise NotImplementedError
@@ -98,9 +109,11 @@ class LocalTier(TierSpec):
         codec: CodecSpec = "auto",
         name: str = "local",
         source: str | None = None,
+        max_behind: int = 2,
     ) -> None:
         object.__setattr__(self, "path", os.fspath(path))
         object.__setattr__(self, "source", source)
+        object.__setattr__(self, "max_behind", max_behind)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
         object.__setattr__(self, "every", every)
@@ -129,10 +142,12 @@ class S3Tier(TierSpec):
         codec: CodecSpec = "auto",
         name: str = "s3",
         source: str | None = None,
+        max_behind: int = 2,
         **options: Any,
     ) -> None:
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)
+        object.__setattr__(self, "max_behind", max_behind)
         object.__setattr__(self, "options", dict(options))
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)

@@ -39,11 +39,14 @@ The calls a backend receives, in order (``pipeline.py``, ``restore.py``, ``reten
     2. ``open_writer(shard)`` once per rank's shard file; then ``writer.write(offset, chunk)``
        for every chunk, in increasing offsets, then the index and the footer.
     3. ``writer.commit()``: the shard is durable; or ``writer.abort()`` on any failure (also
-       after a failed ``commit``), which must leave nothing behind under ``shard``.
+       after a failed ``commit``, and after a ``write`` that returned only once the pipeline
+       had given the copy up at its ``save_deadline``), which must leave nothing behind under
+       ``shard``.
     4. Multi-rank only: ``put_atomic(record)`` per rank; rank 0 ``list``/``get``s the records.
     5. ``put_atomic(manifest)`` with ``overwrite=False``: the commit point, always last.
-    6. Retention: ``list(prefix)``, then ``delete(manifest)`` before ``delete`` of its data,
-       ``incomplete``/``cleanup_incomplete`` for leftovers of killed writers.
+    6. Retention (after a commit; on a local tier also after a failed save): ``list(prefix)``,
+       then ``delete(manifest)`` before ``delete`` of its data, ``incomplete``/
+       ``cleanup_incomplete`` for leftovers of killed writers.
 
     Loading: ``list("manifests/")``, ``get(manifest)``, ``size(shard)``, then many concurrent
     ``read``/``read_into`` of the footer, the index and the chunks (from a reader pool).

@@ -22,14 +22,18 @@ Reading
 Retries and errors
     botocore's ``standard`` retry mode retries throttling (503 SlowDown), 5xx and connection
     errors, bounded by ``max_attempts`` (the first try included) and the connect/read timeouts,
-    so a stalled connection times out. Errors are translated once, here: ``NoSuchKey``/404 ->
-    :class:`~tierckpt.errors.CheckpointNotFound`, unsatisfiable or short ranges ->
-    :class:`~tierckpt.errors.FormatError`, everything else -> :class:`S3Error` (a
-    :class:`~tierckpt.errors.BackendError` naming the bucket, key and S3 error code).
-    Credentials never appear in messages or logs: every message that holds an endpoint URL or
-    a botocore error goes through :func:`tierckpt.redact.redact` (``http://KEY:SECRET@host``
-    becomes ``http://***@host``), the chained botocore exception is scrubbed the same way, and
-    an ``s3://`` URL with credentials in it is refused.
+    so a stalled connection times out. With the defaults (4 attempts, 5 s to connect, 15 s
+    without a byte from the server) one call against a server that accepts connections and
+    never answers gives up after about 4 x 15 s = 60 s (4 x 5 s = 20 s when nothing accepts
+    connections); a call that is merely slow, but sends or receives bytes, is not cut off.
+    Training never waits for that: the pipeline's ``save_deadline`` bounds it. Errors are
+    translated once, here: ``NoSuchKey``/404 -> :class:`~tierckpt.errors.CheckpointNotFound`,
+    unsatisfiable or short ranges -> :class:`~tierckpt.errors.FormatError`, everything else ->
+    :class:`S3Error` (a :class:`~tierckpt.errors.BackendError` naming the bucket, key and S3
+    error code). Credentials never appear in messages or logs: every message that holds an
+    endpoint URL or a botocore error goes through :func:`tierckpt.redact.redact`
+    (``http://KEY:SECRET@host`` becomes ``http://***@host``), the chained botocore exception is
+    scrubbed the same way, and an ``s3://`` URL with credentials in it is refused.
 """
 
 from __future__ import annotations
@@ -375,9 +379,9 @@ class S3Backend(Backend):
         region: str | None = None,
         part_size: int = 8 * MiB,
         max_concurrency: int = 8,
-        max_attempts: int = 8,
-        connect_timeout: float = 10,
-        read_timeout: float = 60,
+        max_attempts: int = 4,
+        connect_timeout: float = 5,
+        read_timeout: float = 15,
         client: Any = None,
         conditional_put: bool | None = None,
     ) -> None:

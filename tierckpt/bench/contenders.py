@@ -200,7 +200,8 @@ class Tierckpt(Contender):
     def cleanup(self) -> None:
         backend = self.ck.backend("local")
         for name in backend.list(""):
-            backend.delete(name)
+            if not name.startswith("leases/"):  # the writer's own lease stays while it writes
+                backend.delete(name)
 
     def close(self) -> None:
         self.ck.close()
