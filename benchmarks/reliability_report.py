@@ -79,10 +79,10 @@ FIXED = [
         ["test_hostile_checkpoint_refused[tensor: 2**94 elements through zero strides]"],
     ),
     (
-        "`tierckpt verify` (tools.verify_checkpoint) allocated each chunk's declared raw size "
+        "`tierckpt verify` (offline.verify_checkpoint) allocated each chunk's declared raw size "
         "as a zero-filled bytearray before decoding: a 200 KB file declaring a 4 GiB zstd "
         "chunk cost 4 GiB of RSS (a 20 GiB one would exhaust this machine)",
-        "tierckpt/tools.py verify_checkpoint",
+        "tierckpt/offline.py verify_checkpoint",
         ["test_hostile_checkpoints_through_tierckpt_verify"],
     ),
     (

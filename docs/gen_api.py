@@ -22,12 +22,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 #: (module, heading); modules whose optional dependency is missing are listed as such
 MODULES = [
     ("tierckpt", "The public API (`import tierckpt`)"),
-    ("tierckpt.observe", "Observability"),
-    ("tierckpt.tools", "Offline tools (what the CLI uses)"),
+    ("tierckpt.stats", "Observability"),
+    ("tierckpt.offline", "Offline tools (what the CLI uses)"),
     ("tierckpt.export", "Export to safetensors"),
     ("tierckpt.backends.base", "Backend contract"),
     ("tierckpt.codecs.base", "Codec contract and registry"),
     ("tierckpt.format", "On-disk format"),
+    ("tierckpt.catalog", "Catalog (what is committed on a tier)"),
     ("tierckpt.retention", "Retention"),
     ("tierckpt.commit", "Commit strategy"),
     ("tierckpt.distributed", "Multi-rank"),

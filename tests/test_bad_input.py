@@ -1,4 +1,4 @@
-"""Issue 2: bad input gives a specific error from one family, naming file/chunk/key."""
+"""Bad input gives a specific error from one family, naming file/chunk/key."""
 
 from __future__ import annotations
 

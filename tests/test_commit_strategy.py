@@ -19,7 +19,7 @@ from tierckpt.commit import CommitStrategy, SaveStart, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound
 from tierckpt.format import CheckpointId, ShardRef
-from tierckpt.pipeline import SaveJob, TierRuntime
+from tierckpt.pipeline import SaveJob, Tier
 from tierckpt.policy import resolve_codec
 from tierckpt.restore import LoadedShard
 
@@ -43,16 +43,16 @@ class Recording:
         return self.inner.begin_save(step, busy, timeline=timeline, agree_timeline=agree_timeline)
 
     def commit(
-        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+        self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
     ) -> Future[None] | None:
         self._note("commit", tier.name)
         return self.inner.commit(tier, job, ref, raw, stored)
 
-    def retains(self, tier: TierRuntime, job: SaveJob) -> bool:
+    def retains(self, tier: Tier, job: SaveJob) -> bool:
         self._note("retains", tier.name)
         return self.inner.retains(tier, job)
 
-    def report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+    def report_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         self._note("report_failure", tier.name)
 
     @property
@@ -155,9 +155,9 @@ def test_multi_rank_handshake_state_belongs_to_each_strategy(
     assert a.retains(shared, _job(rank=0))
 
 
-def _tier(spec: Any) -> TierRuntime:
+def _tier(spec: Any) -> Tier:
     backend = spec.make_backend()
-    return TierRuntime(spec, backend, resolve_codec("raw", backend))
+    return Tier(spec, backend, resolve_codec("raw", backend))
 
 
 def _job(*, rank: int) -> Any:

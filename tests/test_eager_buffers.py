@@ -1,4 +1,4 @@
-"""Issue 12 item 4: a checkpoint is the state at ``save()``, also for what forward writes.
+"""A checkpoint is the state at ``save()``, also for what forward writes.
 
 Module buffers (BatchNorm running stats and ``num_batches_tracked``, EMA buffers) and loose
 tensors are copied at ``save()``; parameters — trained or frozen — and optimizer state are

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierckpt.errors import FormatError, UnsupportedObject
-from tierckpt.objects import decode_tree, encode_tree
+from tierckpt.tree import decode_tree, encode_tree
 
 scalars = st.one_of(
     st.none(),

@@ -1,4 +1,4 @@
-"""Issue 3: lazy capture, the bounded arena, failures in background stages, no leaks."""
+"""Lazy capture, the bounded arena, failures in background stages, no leaks."""
 
 from __future__ import annotations
 

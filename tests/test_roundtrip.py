@@ -1,4 +1,4 @@
-"""Issue 2: bit-exact round trips through the memory and local tiers."""
+"""Bit-exact round trips through the memory and local tiers."""
 
 from __future__ import annotations
 

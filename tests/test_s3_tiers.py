@@ -1,4 +1,4 @@
-"""Issue 4: the S3 tier in the tier policy — stream, retention per tier, restore on a new node."""
+"""The S3 tier in the tier policy — stream, retention per tier, restore on a new node."""
 
 from __future__ import annotations
 

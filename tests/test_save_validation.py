@@ -24,8 +24,8 @@ from helpers import assert_same
 
 from tierckpt import Checkpointer, LocalTier, UnsupportedObject
 from tierckpt.backends.local import LocalBackend
-from tierckpt.objects import DTYPES
-from tierckpt.tools import list_checkpoints
+from tierckpt.offline import list_checkpoints
+from tierckpt.tree import DTYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 

@@ -1,4 +1,4 @@
-"""Four everyday situations that used to go wrong quietly (issue 12, item 10).
+"""Four everyday situations that used to go wrong quietly.
 
 * An evaluator loading the newest step beside a trainer with ``keep_last=1``: retention
   removed the step ``load()`` had chosen, and it raised ``CheckpointNotFound`` although a newer

@@ -9,11 +9,13 @@ from tierckpt.errors import (
     CheckpointFailed,
     CheckpointNotFound,
     CheckpointSkipped,
+    CommitTimeout,
     CopySkipped,
     CorruptCheckpoint,
     CorruptChunk,
     FormatError,
     LeaseLost,
+    RankFailed,
     SaveDeadlineExceeded,
     StateMismatch,
     TierCkptError,
@@ -23,8 +25,8 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.observe import CommitStats
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
+from tierckpt.stats import CommitStats
 
 __all__ = [
     "BackendError",
@@ -34,6 +36,7 @@ __all__ = [
     "CheckpointSkipped",
     "Checkpointer",
     "CommitStats",
+    "CommitTimeout",
     "CopySkipped",
     "CorruptCheckpoint",
     "CorruptChunk",
@@ -41,6 +44,7 @@ __all__ = [
     "LeaseLost",
     "LocalTier",
     "MemoryTier",
+    "RankFailed",
     "S3Tier",
     "SaveDeadlineExceeded",
     "SaveHandle",

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tierckpt.plan import ChunkPlan, SavePlan
+from tierckpt.plan import ChunkPlan, ShardLayout
 
 __all__ = ["CaptureStreams", "copy_chunk"]
 
@@ -49,10 +49,10 @@ class CaptureStreams:
         return buf
 
 
-def record_ready_events(devices: SavePlan | set[str]) -> dict[torch.device, Any]:
+def record_ready_events(devices: ShardLayout | set[str]) -> dict[torch.device, Any]:
     """At ``save()`` time: an event on each CUDA device's current stream (ordering point)."""
     events: dict[torch.device, Any] = {}
-    for dev in devices.devices if isinstance(devices, SavePlan) else devices:
+    for dev in devices.devices if isinstance(devices, ShardLayout) else devices:
         d = torch.device(dev)
         if d.type == "cuda":
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -62,7 +62,7 @@ def record_ready_events(devices: SavePlan | set[str]) -> dict[torch.device, Any]
 
 
 def copy_chunk(
-    plan: SavePlan,
+    plan: ShardLayout,
     chunk: ChunkPlan,
     slot: torch.Tensor,
     streams: CaptureStreams,

@@ -14,20 +14,27 @@ import torch
 
 from tierckpt import config
 from tierckpt.capture import record_ready_events
+from tierckpt.catalog import (
+    committed_ids,
+    committed_steps,
+    lineage,
+    newest_committed,
+    steps_of,
+    timeline_for,
+)
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.objects import encode_metadata
-from tierckpt.observe import CommitStats, StatsRecorder
 from tierckpt.pipeline import (
     OUTCOMES,
     Pipeline,
+    PipelineHooks,
     PipelineOwner,
     SaveJob,
-    TierRuntime,
+    Tier,
     check_save_deadline,
     default_save_deadline,
     open_tiers,
@@ -41,15 +48,9 @@ from tierckpt.restore import (
     read_shard,
     restore_into,
 )
-from tierckpt.retention import (
-    committed_ids,
-    committed_steps,
-    lineage,
-    newest_committed,
-    steps_of,
-    timeline_for,
-)
 from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
+from tierckpt.stats import CommitStats, StatsRecorder
+from tierckpt.tree import encode_metadata
 
 __all__ = ["Checkpointer"]
 
@@ -85,7 +86,7 @@ class Checkpointer(PipelineOwner):
         repopulate: when a load reads from a remote tier, also write the checkpoint to the
             local durable tiers so the next restart reads locally (default True).
         on_commit: called with a :class:`TierResult` each time a checkpoint commits on a
-            tier (on a background thread; see :mod:`tierckpt.observe`). More with
+            tier (on a background thread; see :mod:`tierckpt.stats`). More with
             :meth:`add_callback`.
         stats_history: how many commits :meth:`stats` remembers (default 1000).
         exit_timeout_s: when the interpreter exits with saves still in flight, how long they
@@ -176,20 +177,20 @@ class Checkpointer(PipelineOwner):
     def backend(self, tier: str) -> Any:
         return self._tier(tier).backend
 
-    def _tier(self, name: str) -> TierRuntime:
+    def _tier(self, name: str) -> Tier:
         for t in self._tiers:
             if t.name == name:
                 return t
         raise KeyError(f"no tier named {name!r}; tiers are {self.tier_names}")
 
-    def _pipeline_hooks(self) -> dict[str, Any]:
-        return {
-            "commit": self._strategy.commit,
-            "on_result": self._stats.record,
-            "on_failure": self._strategy.report_failure,
-            "retains": self._strategy.retains,
-            "counts": self._counts,
-        }
+    def _pipeline_hooks(self) -> PipelineHooks:
+        return PipelineHooks(
+            commit=self._strategy.commit,
+            on_result=self._stats.record,
+            on_failure=self._strategy.report_failure,
+            retains=self._strategy.retains,
+            counts=self._counts,
+        )
 
     def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
         """Run a commit's waiting part on the pipeline's commit threads (the strategy's
@@ -283,7 +284,7 @@ class Checkpointer(PipelineOwner):
 
         The timeline is chosen from the tiers at the first save, at the first save after a
         ``load()``, and when ``step`` is below the previous save's (the run went back without
-        loading through this object), by :func:`~tierckpt.retention.timeline_for` from the
+        loading through this object), by :func:`~tierckpt.catalog.timeline_for` from the
         newest committed checkpoint on any tier — or the one this object last started saving,
         if newer (it may still be in flight). A save of the same step as the previous one
         stays on its timeline: a retry, refused where that checkpoint is committed already (a
@@ -573,7 +574,7 @@ class Checkpointer(PipelineOwner):
 
     def _load_candidates(
         self,
-        tiers: list[TierRuntime],
+        tiers: list[Tier],
         listing: dict[str, list[CheckpointId]],
         candidates: list[CheckpointId],
         missing: str,
@@ -613,7 +614,7 @@ class Checkpointer(PipelineOwner):
             raise type(first_exc)(msg) from first_exc
         raise CorruptCheckpoint(msg) from first_exc
 
-    def _load_from(self, tier: TierRuntime, cid: CheckpointId) -> LoadedShard:
+    def _load_from(self, tier: Tier, cid: CheckpointId) -> LoadedShard:
         step = cid.step
         manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
         if manifest.world_size != self.world_size:
@@ -667,7 +668,7 @@ class Checkpointer(PipelineOwner):
         return self._stats.stats()
 
     def add_callback(self, fn: Callable[[TierResult], Any]) -> Callable[[TierResult], Any]:
-        """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.observe`)."""
+        """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.stats`)."""
         return self._stats.add_callback(fn)
 
     def remove_callback(self, fn: Callable[[TierResult], Any]) -> None:

@@ -92,7 +92,7 @@ def progress_bar(total: int, desc: str) -> Any:
 
 # -- shared helpers -------------------------------------------------------------------------------
 def open_url(args: argparse.Namespace, url: str, *, create: bool = False) -> Backend:
-    from tierckpt.tools import open_backend
+    from tierckpt.offline import open_backend
 
     try:
         return open_backend(url, endpoint_url=args.endpoint_url, create=create)
@@ -131,7 +131,7 @@ def _status(c: Any, newest: Any) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tierckpt.tools import id_text, leases, list_checkpoints, uncommitted_ids
+    from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
 
     with opened(args, args.url) as backend:
         listed = list_checkpoints(backend)
@@ -195,7 +195,7 @@ def _unreadable(listed: Sequence[Any]) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from tierckpt.tools import inspect_checkpoint
+    from tierckpt.offline import inspect_checkpoint
 
     with opened(args, args.url) as backend:
         ins = inspect_checkpoint(backend, args.step, by=args.by, timeline=args.timeline)
@@ -243,8 +243,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tierckpt.retention import committed_ids
-    from tierckpt.tools import checkpoint_bytes, resolve_id, verify_checkpoint
+    from tierckpt.catalog import committed_ids
+    from tierckpt.offline import checkpoint_bytes, resolve_id, verify_checkpoint
 
     with opened(args, args.url) as backend:
         if args.latest or args.step is not None:
@@ -280,8 +280,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
-    from tierckpt.retention import committed_ids
-    from tierckpt.tools import checkpoint_bytes, copy_checkpoint, resolve_id
+    from tierckpt.catalog import committed_ids
+    from tierckpt.offline import checkpoint_bytes, copy_checkpoint, resolve_id
 
     with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:
         if args.all:
@@ -312,7 +312,7 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from tierckpt.tools import is_s3_url
+    from tierckpt.offline import is_s3_url
 
     if not is_s3_url(args.src) or is_s3_url(args.dest):
         raise UsageError("pull copies s3://bucket/prefix into a local folder: "
@@ -321,7 +321,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from tierckpt.tools import is_s3_url
+    from tierckpt.offline import is_s3_url
 
     if is_s3_url(args.src) or not is_s3_url(args.dest):
         raise UsageError("push copies a local folder to s3://bucket/prefix: "
@@ -330,7 +330,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from tierckpt.tools import gc, id_text
+    from tierckpt.offline import gc, id_text
 
     if args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
@@ -349,7 +349,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
-    from tierckpt.tools import unlock
+    from tierckpt.offline import unlock
 
     with opened(args, args.url) as backend:
         removed = unlock(backend, args.rank)
@@ -367,7 +367,7 @@ def cmd_unlock(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tierckpt.export import export_safetensors
-    from tierckpt.tools import resolve_id
+    from tierckpt.offline import resolve_id
 
     if args.format != "safetensors":  # pragma: no cover - argparse restricts choices
         raise UsageError(f"unsupported format {args.format!r}")

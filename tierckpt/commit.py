@@ -23,7 +23,7 @@ from tierckpt.errors import TierCkptError
 from tierckpt.format import CheckpointId, Manifest, ShardRef, encode_manifest, manifest_name
 
 if TYPE_CHECKING:
-    from tierckpt.pipeline import SaveJob, TierRuntime
+    from tierckpt.pipeline import SaveJob, Tier
     from tierckpt.restore import LoadedShard
 
 __all__ = ["CommitStrategy", "Defer", "SaveStart", "SingleRankCommit"]
@@ -94,17 +94,17 @@ class CommitStrategy(Protocol):
         ...
 
     def commit(
-        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+        self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
     ) -> Future[None] | None:
         """Commit ``job`` on ``tier``, where this rank's shard file ``ref`` (``raw`` bytes of
         state, ``stored`` bytes after encoding) is durable."""
         ...
 
-    def retains(self, tier: TierRuntime, job: SaveJob) -> bool:
+    def retains(self, tier: Tier, job: SaveJob) -> bool:
         """Whether this rank applies ``tier``'s retention now that ``job`` committed there."""
         ...
 
-    def report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+    def report_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         """This rank's part of ``job`` failed on ``tier`` with ``error``."""
         ...
 
@@ -140,7 +140,7 @@ class SingleRankCommit:
         return SaveStart("", busy, timeline)
 
     def commit(
-        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+        self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
     ) -> Future[None] | None:
         m = Manifest(
             step=job.step,
@@ -158,10 +158,10 @@ class SingleRankCommit:
         tier.backend.put_atomic(manifest_name(job.step, timeline=job.timeline), encode_manifest(m))
         return None
 
-    def retains(self, tier: TierRuntime, job: SaveJob) -> bool:
+    def retains(self, tier: Tier, job: SaveJob) -> bool:
         return True
 
-    def report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+    def report_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         pass  # nobody waits for this rank
 
     @property

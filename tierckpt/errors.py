@@ -2,8 +2,8 @@
 
 Every error tierckpt raises derives from :class:`TierCkptError` and also from the
 built-in exception a caller would naturally catch (``FileNotFoundError``,
-``ValueError``, ``TypeError``, ``OSError``), so ``except FileNotFoundError`` keeps
-working for code that does not know about tierckpt.
+``ValueError``, ``TypeError``, ``OSError``, ``RuntimeError``, ``TimeoutError``), so
+``except FileNotFoundError`` keeps working for code that does not know about tierckpt.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointNotFound",
     "CheckpointSkipped",
+    "CommitTimeout",
     "CopySkipped",
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
     "LeaseLost",
+    "RankFailed",
     "SaveDeadlineExceeded",
     "StateMismatch",
     "TierCkptError",
@@ -100,6 +102,14 @@ class WriterConflict(TierCkptError, RuntimeError):
 
 class LeaseLost(WriterConflict):
     """This writer's lease on a tier was taken over (or removed): it no longer writes there."""
+
+
+class CommitTimeout(TierCkptError, TimeoutError):
+    """Rank 0 gave up waiting for other ranks' completion records: nothing was committed."""
+
+
+class RankFailed(TierCkptError, RuntimeError):
+    """Another rank reported that its shard failed on this tier: nothing was committed."""
 
 
 class SaveDeadlineExceeded(TierCkptError, TimeoutError):

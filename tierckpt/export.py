@@ -35,8 +35,8 @@ import torch
 from tierckpt.backends.base import Backend
 from tierckpt.errors import BackendError, FormatError
 from tierckpt.format import FORMAT_VERSION
-from tierckpt.objects import dtype_name
 from tierckpt.restore import read_manifest, read_shard
+from tierckpt.tree import dtype_name
 
 __all__ = ["ExportResult", "export_safetensors", "flatten_state"]
 
@@ -147,7 +147,7 @@ def export_safetensors(
 
     ``rank``: export this rank only (default: every rank; with several ranks each goes to
     ``out_dir/rank-NNNNNN/``). ``timeline``: the checkpoint's timeline (see
-    :func:`tierckpt.tools.resolve_id`).
+    :func:`tierckpt.offline.resolve_id`).
     """
     try:
         from safetensors.torch import save_file

@@ -37,7 +37,7 @@ from tierckpt._types import JSON, BytesLike
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import CorruptCheckpoint, FormatError
 from tierckpt.jsonbound import JsonShape, loads_within, scan
-from tierckpt.objects import tree_side_table
+from tierckpt.tree import tree_side_table
 
 __all__ = [
     "ALIGNMENT",

@@ -38,7 +38,7 @@ __all__ = [
     "TREE_ITEMS_PER_NODE",
 ]
 
-# -- the object tree (objects.py) --------------------------------------------------------------
+# -- the object tree (tree.py) -----------------------------------------------------------------
 #: nesting depth of the object tree (a container inside a container ... of the state)
 MAX_DEPTH = 200
 #: values in the object tree: every container, key, scalar and tensor reference is one node,

@@ -70,7 +70,7 @@ from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.capture import CaptureStreams, copy_chunk
-from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.codecs import Codec, SupportsObserve, SupportsProfile, codec_from_config
 from tierckpt.errors import (
     BackendError,
     CopySkipped,
@@ -95,18 +95,19 @@ from tierckpt.format import (
 )
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
-from tierckpt.plan import ChunkPlan, CollectedState, SavePlan, layout_plan
+from tierckpt.plan import ChunkPlan, CollectedState, ShardLayout, layout_plan
 from tierckpt.policy import TierSpec, resolve_codec
-from tierckpt.restore import read_verified
 from tierckpt.retention import gc_tier
+from tierckpt.verify import read_verified
 
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT_S",
     "DEFAULT_SAVE_DEADLINE_S",
     "Pipeline",
+    "PipelineHooks",
     "SaveJob",
     "StageEvent",
-    "TierRuntime",
+    "Tier",
     "open_tiers",
     "exit_timeout_s",
     "default_save_deadline",
@@ -168,7 +169,9 @@ _Emit = Callable[[Stage, int, float], None]
 
 
 @dataclass
-class TierRuntime:
+class Tier:
+    """One tier at run time: its spec, the backend it writes to and the codec it encodes with."""
+
     spec: TierSpec
     backend: Backend
     codec: Codec
@@ -178,13 +181,13 @@ class TierRuntime:
         return self.spec.name
 
 
-def open_tiers(specs: Iterable[TierSpec]) -> list[TierRuntime]:
+def open_tiers(specs: Iterable[TierSpec]) -> list[Tier]:
     """Each tier's backend opened and its codec resolved, in order (``Checkpointer`` and the
     DCP writer and reader build their tiers the same way)."""
     out = []
     for spec in specs:
         backend = spec.make_backend()
-        out.append(TierRuntime(spec, backend, resolve_codec(spec.codec, backend)))
+        out.append(Tier(spec, backend, resolve_codec(spec.codec, backend)))
     return out
 
 
@@ -210,7 +213,7 @@ class _ChunkState:
 class _Follow:
     """A follower tier's wait for its source tier's durable file of one job."""
 
-    source: TierRuntime
+    source: Tier
     #: (file name, chunk records, codec table) of the source's file, or the source's error
     done: Future[tuple[str, list[list[Any]], list[dict[str, Any]]]] = field(default_factory=Future)
 
@@ -219,8 +222,8 @@ class _Follow:
 class SaveJob:
     step: int
     #: the layout; None until the capture thread lays ``collected`` out
-    plan: SavePlan | None
-    tiers: list[TierRuntime]
+    plan: ShardLayout | None
+    tiers: list[Tier]
     handle: SaveHandle
     rank: int
     world_size: int
@@ -232,7 +235,7 @@ class SaveJob:
     chunk_bytes: int = 0
 
     @property
-    def laid_out(self) -> SavePlan:
+    def laid_out(self) -> ShardLayout:
         assert self.plan is not None, "the capture thread lays the plan out first"
         return self.plan
 
@@ -279,7 +282,22 @@ class _TierWrite:
 #: commits one tier's copy; returns None when done, or a Future (from ``Pipeline.defer``) that
 #: completes once committed — multi-rank rank 0 waits for the other ranks that way, without
 #: holding the tier's writer thread
-CommitFn = Callable[[TierRuntime, SaveJob, ShardRef, int, int], "Future[None] | None"]
+CommitFn = Callable[[Tier, SaveJob, ShardRef, int, int], "Future[None] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineHooks:
+    """What a :class:`PipelineOwner` plugs into its :class:`Pipeline` (see its arguments):
+    ``commit`` once a shard file is durable on a tier; ``on_result`` once a save committed on a
+    tier; ``on_failure`` when it failed there; ``retains`` whether this rank applies the tier's
+    retention after a commit (None: rank 0 does)."""
+
+    commit: CommitFn
+    on_result: Callable[[TierResult, SaveHandle], None] | None = None
+    on_failure: Callable[[Tier, SaveJob, BaseException], None] | None = None
+    retains: Callable[[Tier, SaveJob], bool] | None = None
+    #: outcomes counted per tier, shared with the owner (``Checkpointer.tier_counts()``)
+    counts: dict[str, Counter[str]] | None = None
 
 
 #: outcomes counted per tier (``Pipeline.counts``, ``Checkpointer.tier_counts()``)
@@ -289,15 +307,15 @@ OUTCOMES = ("committed", "failed", "skipped", "deadline")
 class Pipeline:
     def __init__(
         self,
-        tiers: list[TierRuntime],
+        tiers: list[Tier],
         *,
         chunk_bytes: int,
         host_buffer_bytes: int,
         io_threads: int,
         commit: CommitFn,
         on_result: Callable[[TierResult, SaveHandle], None] | None = None,
-        on_failure: Callable[[TierRuntime, SaveJob, BaseException], None] | None = None,
-        retains: Callable[[TierRuntime, SaveJob], bool] | None = None,
+        on_failure: Callable[[Tier, SaveJob, BaseException], None] | None = None,
+        retains: Callable[[Tier, SaveJob], bool] | None = None,
         save_deadline: float | None = None,
         counts: dict[str, Counter[str]] | None = None,
     ) -> None:
@@ -414,7 +432,7 @@ class Pipeline:
             return list(self._in_flight)
 
     # -- leases (tierckpt.lease) -----------------------------------------------------------
-    def _lease(self, tier: TierRuntime, rank: int) -> WriterLease:
+    def _lease(self, tier: Tier, rank: int) -> WriterLease:
         with self._lock:
             lease = self._leases.get((tier.name, rank))
             if lease is None:
@@ -454,9 +472,7 @@ class Pipeline:
                 self._lease(t, job.rank).release()
         raise conflicts[0]  # type: ignore[misc]
 
-    def _lease_request(
-        self, tier: TierRuntime, job: SaveJob, fut: Future[BaseException | None]
-    ) -> None:
+    def _lease_request(self, tier: Tier, job: SaveJob, fut: Future[BaseException | None]) -> None:
         """Tier thread: take this writer's lease on ``tier`` (a no-op when held)."""
         try:
             self._lease(tier, job.rank).acquire()
@@ -475,20 +491,20 @@ class Pipeline:
             )
         fut.set_result(None)
 
-    def _renew_leases(self, tier: TierRuntime) -> None:
+    def _renew_leases(self, tier: Tier) -> None:
         """Tier thread: renew this tier's leases that are due (cheap when none is)."""
         now = time.monotonic()
         for lease in self._tier_leases(tier.name):
             if lease.next_renewal() <= now:
                 lease.renew_if_due()
 
-    def _renewal_timeout(self, tier: TierRuntime) -> float | None:
+    def _renewal_timeout(self, tier: Tier) -> float | None:
         due = min(
             (lease.next_renewal() for lease in self._tier_leases(tier.name)), default=math.inf
         )
         return None if due == math.inf else max(0.0, due - time.monotonic())
 
-    def may_collect(self, tier: TierRuntime, rank: int) -> bool:
+    def may_collect(self, tier: Tier, rank: int) -> bool:
         """Whether retention may delete on ``tier`` now: only while this writer still holds
         its lease there, checked by reading it back."""
         with self._lock:
@@ -660,7 +676,7 @@ class Pipeline:
         if math.isinf(d):
             return
         now = time.monotonic()
-        verdicts: list[tuple[TierRuntime, SaveJob, BaseException]] = []
+        verdicts: list[tuple[Tier, SaveJob, BaseException]] = []
         released: list[_ChunkState] = []
         with self._lock:
             stalled = {n: now - t for n, t in self._stalled_since.items() if now - t >= d}
@@ -697,7 +713,7 @@ class Pipeline:
             self._report_given_up(t, j, why)
 
     def _give_up_locked(
-        self, tier: TierRuntime, job: SaveJob, err: BaseException, released: list[_ChunkState]
+        self, tier: Tier, job: SaveJob, err: BaseException, released: list[_ChunkState]
     ) -> bool:
         """Record that ``tier`` gives ``job`` up and drop its holds on arena slots (the lock is
         held). False if it is too late: the copy started committing or is done already."""
@@ -720,19 +736,19 @@ class Pipeline:
             assert self.arena is not None
             self.arena.release(st.slot)
 
-    def _report_given_up(self, tier: TierRuntime, job: SaveJob, err: BaseException) -> None:
+    def _report_given_up(self, tier: Tier, job: SaveJob, err: BaseException) -> None:
         """Report a given-up copy now (the tier's thread may stay blocked for a while)."""
         self._source_done(tier, job, None, err)
         outcome = "skipped" if isinstance(err, CopySkipped) else "deadline"
         self._finish(tier, job, None, err, outcome=outcome, defer_hooks=True)
 
-    def _check_given_up(self, tier: TierRuntime, job: SaveJob) -> None:
+    def _check_given_up(self, tier: Tier, job: SaveJob) -> None:
         with self._lock:
             err = job.given_up.get(tier.name)
         if err is not None:
             raise err
 
-    def _enter_commit(self, tier: TierRuntime, job: SaveJob) -> None:
+    def _enter_commit(self, tier: Tier, job: SaveJob) -> None:
         """From here on ``tier``'s copy of ``job`` can no longer be given up (or it was)."""
         with self._lock:
             err = job.given_up.get(tier.name)
@@ -744,7 +760,7 @@ class Pipeline:
 
     def _register_follows(self, job: SaveJob) -> None:
         """A follower holds at most ``max_behind`` source steps: skip its oldest waiting ones."""
-        skipped: list[tuple[TierRuntime, SaveJob, BaseException]] = []
+        skipped: list[tuple[Tier, SaveJob, BaseException]] = []
         released: list[_ChunkState] = []
         with self._lock:
             for name, follow in job.follows.items():
@@ -776,7 +792,7 @@ class Pipeline:
         if self._follow_active.get(name) is job:
             del self._follow_active[name]
 
-    def _protected(self, tier: TierRuntime, job: SaveJob) -> set[CheckpointId]:
+    def _protected(self, tier: Tier, job: SaveJob) -> set[CheckpointId]:
         """Checkpoints retention on ``tier`` must keep besides its newest: those still being
         saved there, and (for a source) those its followers hold, at most ``max_behind`` each."""
         with self._lock:
@@ -793,7 +809,7 @@ class Pipeline:
                     ids.update(j.id for j in held)
         return ids
 
-    def _retain(self, tier: TierRuntime, job: SaveJob) -> None:
+    def _retain(self, tier: Tier, job: SaveJob) -> None:
         if not self.may_collect(tier, job.rank):
             return
         try:
@@ -802,7 +818,7 @@ class Pipeline:
             log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
 
     # -- capture ---------------------------------------------------------------------
-    def _ensure_arena(self, plan: SavePlan) -> HostArena:
+    def _ensure_arena(self, plan: ShardLayout) -> HostArena:
         """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
         biggest = max((c.raw_size for c in plan.chunks), default=0)
         slot = align_up(max(biggest, 4096))
@@ -933,7 +949,7 @@ class Pipeline:
         if last:
             self._release_slots([state])
 
-    def _tier_busy(self, tier: TierRuntime, *, progressed: bool, idle: bool) -> None:
+    def _tier_busy(self, tier: Tier, *, progressed: bool, idle: bool) -> None:
         """Track the tier thread's progress for the deadline. A clock runs from when it is
         handed work while it makes none: each chunk written or item finished resets it, failures and
         skips do not. Idle after progress the clock stops; idle after a failure (presumed
@@ -963,7 +979,7 @@ class Pipeline:
                 if since is not None and t.name not in self._busy:
                     self._stalled_since[t.name] = max(since, floor)
 
-    def _tier_loop(self, tier: TierRuntime) -> None:
+    def _tier_loop(self, tier: Tier) -> None:
         q = self._tier_q[tier.name]
         progress: dict[int, _TierWrite] = {}
         while True:
@@ -1006,7 +1022,7 @@ class Pipeline:
             finally:
                 self._tier_busy(tier, progressed=ok, idle=q.empty())
 
-    def _tier_failed(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+    def _tier_failed(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         with self._lock:
             given_up = job.given_up.get(tier.name)
             if given_up is None:
@@ -1020,7 +1036,7 @@ class Pipeline:
             # remote tier that just failed would likely fail again: its next commit does it
             self._retain(tier, job)
 
-    def _tier_start(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+    def _tier_start(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
         with self._lock:
             err = job.given_up.get(tier.name)
             if err is None and tier.name in job.follows:
@@ -1040,9 +1056,7 @@ class Pipeline:
         tw.writer = tier.backend.open_writer(job.shard)
         tw.emit = self._emitter(job.step, tier.name)
 
-    def _tier_chunk(
-        self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, state: _ChunkState
-    ) -> None:
+    def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
         with self._lock:
             err = job.given_up.get(tier.name)
             enc = state.encoded.get(tier.codec) if tier.name in state.holders else None
@@ -1053,7 +1067,7 @@ class Pipeline:
         # given up during the write: the slot may hold other bytes by now; stop here
         self._check_given_up(tier, job)
 
-    def _append(self, tier: TierRuntime, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
+    def _append(self, tier: Tier, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
         """Write one encoded chunk at the next aligned offset and record it."""
         assert tw.writer is not None
         self._renew_leases(tier)  # a long save (or copy from a source) must not let it lapse
@@ -1078,7 +1092,7 @@ class Pipeline:
         tw.offset = start + n
         tw.stored += n
 
-    def _tier_end(self, tier: TierRuntime, job: SaveJob, tw: _TierWrite) -> None:
+    def _tier_end(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
         if job.capture_error is not None:
             raise job.capture_error
         if tw.error is not None:
@@ -1121,9 +1135,8 @@ class Pipeline:
         if tw.emit is not None:
             tw.emit("sync", size, seconds)
         self._source_done(tier, job, (job.shard, tw.records, tw.codecs), None)
-        observe = getattr(tier.codec, "observe", None)
-        if observe is not None:  # the auto policy learns the link's speed
-            observe(tw.stored, tw.write_seconds)
+        if isinstance(tier.codec, SupportsObserve):  # the auto policy learns the link's speed
+            tier.codec.observe(tw.stored, tw.write_seconds)
         tw.writer = None
         ref = ShardRef(job.rank, job.shard, size, footer.index_checksum)
         key = (job.step, tier.name)
@@ -1148,7 +1161,7 @@ class Pipeline:
 
     def _source_done(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         result: tuple[str, list[list[Any]], list[dict[str, Any]]] | None,
         error: BaseException | None,
@@ -1162,9 +1175,7 @@ class Pipeline:
                     assert result is not None
                     f.done.set_result(result)
 
-    def _copy_from_source(
-        self, tier: TierRuntime, job: SaveJob, tw: _TierWrite, follow: _Follow
-    ) -> None:
+    def _copy_from_source(self, tier: Tier, job: SaveJob, tw: _TierWrite, follow: _Follow) -> None:
         """Read the source tier's durable file chunk by chunk into this tier's writer."""
         src = follow.source
         try:
@@ -1205,7 +1216,7 @@ class Pipeline:
 
     def _after_deferred(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         stored: int,
         codecs: list[dict[str, Any]],
@@ -1219,7 +1230,7 @@ class Pipeline:
 
     def _after_commit(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         stored: int,
         codecs: list[dict[str, Any]],
@@ -1250,7 +1261,7 @@ class Pipeline:
 
     def _finish(
         self,
-        tier: TierRuntime,
+        tier: Tier,
         job: SaveJob,
         result: TierResult | None,
         error: BaseException | None,
@@ -1288,7 +1299,7 @@ class Pipeline:
             job.collected = None
 
 
-def _rank_zero_retains(tier: TierRuntime, job: SaveJob) -> bool:
+def _rank_zero_retains(tier: Tier, job: SaveJob) -> bool:
     return job.rank == 0
 
 
@@ -1297,9 +1308,8 @@ def _encode(
 ) -> Encoded:
     if event is not None:
         event.synchronize()
-    profile = getattr(tier_codec, "profile", None)
-    if profile is not None:  # the auto policy measures its candidate on real data, once
-        profile(dtype, view)
+    if isinstance(tier_codec, SupportsProfile):  # the auto policy measures its candidate, once
+        tier_codec.profile(dtype, view)
     codec = tier_codec.for_dtype(dtype)
     data: BytesLike
     if codec.is_passthrough:
@@ -1422,7 +1432,7 @@ class PipelineOwner:
     best-effort close when collected unclosed."""
 
     _pipeline: Pipeline | None
-    _tiers: list[TierRuntime]
+    _tiers: list[Tier]
     _closed: bool
     chunk_bytes: int
     host_buffer_bytes: int
@@ -1430,9 +1440,8 @@ class PipelineOwner:
     #: seconds in-flight saves get at interpreter exit (None: TIERCKPT_EXIT_TIMEOUT_S or 60)
     exit_timeout_s: float | None = None
 
-    def _pipeline_hooks(self) -> dict[str, Any]:
-        """``commit`` (and optionally ``on_result``, ``on_failure``, ``retains``) for the
-        Pipeline."""
+    def _pipeline_hooks(self) -> PipelineHooks:
+        """What this owner plugs into the Pipeline (``commit`` at least)."""
         raise NotImplementedError
 
     def _get_pipeline(self) -> Pipeline:
@@ -1440,14 +1449,19 @@ class PipelineOwner:
         if self._closed:
             raise TierCkptError(f"this {type(self).__name__} is closed")
         if self._pipeline is None:
+            hooks = self._pipeline_hooks()
             self._pipeline = Pipeline(
                 self._tiers,
                 chunk_bytes=self.chunk_bytes,
                 host_buffer_bytes=self.host_buffer_bytes,
                 io_threads=self.io_threads,
+                commit=hooks.commit,
+                on_result=hooks.on_result,
+                on_failure=hooks.on_failure,
+                retains=hooks.retains,
                 # owners without the knob (dcp.TierWriter) get the default
                 save_deadline=getattr(self, "save_deadline", None),
-                **self._pipeline_hooks(),
+                counts=hooks.counts,
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
         return self._pipeline

@@ -17,13 +17,13 @@ import torch
 
 from tierckpt._types import JSON
 from tierckpt.errors import UnsupportedObject
-from tierckpt.objects import dtype_name, encode_tree
+from tierckpt.tree import dtype_name, encode_tree
 
 __all__ = [
     "ChunkPlan",
     "CollectedState",
     "Piece",
-    "SavePlan",
+    "ShardLayout",
     "SpanPlan",
     "TensorEntry",
     "build_plan",
@@ -80,7 +80,10 @@ class ChunkPlan:
 
 
 @dataclass(slots=True)
-class SavePlan:
+class ShardLayout:
+    """How one rank's state lays out in its shard file: the object tree, the tensor table, the
+    storage spans and the chunks their bytes are cut into (not DCP's ``SavePlan``)."""
+
     tree: JSON
     tensors: list[TensorEntry]
     spans: list[SpanPlan]
@@ -182,11 +185,11 @@ def collect_state(state: Any) -> CollectedState:
     return CollectedState(tree, tensors, devices)
 
 
-def build_plan(state: Any, chunk_bytes: int) -> SavePlan:
+def build_plan(state: Any, chunk_bytes: int) -> ShardLayout:
     return layout_plan(collect_state(state), chunk_bytes)
 
 
-def layout_plan(collected: CollectedState, chunk_bytes: int) -> SavePlan:
+def layout_plan(collected: CollectedState, chunk_bytes: int) -> ShardLayout:
     if chunk_bytes < 4096 or chunk_bytes % 4096:
         raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
     tree = collected.tree
@@ -241,7 +244,7 @@ def layout_plan(collected: CollectedState, chunk_bytes: int) -> SavePlan:
         logical += end - start
 
     chunks = _cut_chunks(spans, chunk_bytes)
-    return SavePlan(
+    return ShardLayout(
         tree=tree,
         tensors=[e for e in entries if e is not None],
         spans=spans,

@@ -51,7 +51,8 @@ from tierckpt.format import (
     tree_args,
 )
 from tierckpt.limits import MAX_DIMS
-from tierckpt.objects import decode_tree, dtype_from_name
+from tierckpt.tree import decode_tree, dtype_from_name
+from tierckpt.verify import read_verified
 
 __all__ = ["LoadedShard", "read_manifest", "read_shard", "restore_into"]
 
@@ -123,28 +124,6 @@ class TensorRecord:
     shape: list[int]
     stride: list[int]
     extent: int  # bytes from ``offset`` to the end of the last element (0 if empty)
-
-
-def read_verified(
-    backend: Backend,
-    file: str,
-    rec: ChunkRecord,
-    ci: int,
-    into: memoryview,
-    *,
-    tier: str,
-    where: str,
-) -> None:
-    """Read chunk ``ci``'s stored bytes into ``into`` and check them against its checksum."""
-    backend.read_into(file, rec.file_offset, into)
-    if checksum(into) != rec.checksum:
-        raise CorruptChunk(
-            f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "
-            "match its checksum",
-            tier=tier,
-            file=file,
-            chunk=ci,
-        )
 
 
 def parse_tensor_entry(

@@ -1,10 +1,6 @@
-"""Listing committed checkpoints on a tier, retention and garbage collection.
+"""Retention and garbage collection of checkpoints on a tier.
 
-A checkpoint exists on a tier iff its manifest exists there. Checkpoints are identified by
-:class:`~tierckpt.format.CheckpointId` (a step on a timeline) and ordered by
-``(timeline, step)``: a run resumed from an older step saves on a newer timeline, so its
-checkpoints are newer than those of the run it abandoned, whatever their step numbers.
-
+What is committed, and in which order, is listed by :mod:`tierckpt.catalog`.
 Retention keeps the ``keep_last`` newest ids, so the abandoned timeline's checkpoints go
 first, as they are older, and never the resumed run's. GC deletes the manifest first and the
 data after, never the newest committed checkpoint, and removes leftovers of saves that never
@@ -15,157 +11,25 @@ have no manifest, with their temporary files and open multipart uploads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection
 
 from tierckpt.backends.base import Backend
-from tierckpt.errors import TierCkptError
+from tierckpt.catalog import committed_ids, data_ids
 from tierckpt.format import (
-    DATA_DIR,
     MANIFEST_DIR,
-    MAX_TIMELINE,
     CheckpointId,
     manifest_name,
-    parse_data_folder,
     parse_manifest_id,
     step_prefix,
 )
 
 __all__ = [
-    "committed_ids",
-    "committed_steps",
-    "data_ids",
-    "data_steps",
     "delete_checkpoint",
     "delete_step",
     "gc_tier",
-    "lineage",
-    "newest_committed",
-    "newest_per_step",
-    "steps_of",
-    "timeline_for",
 ]
 
 log = logging.getLogger("tierckpt")
-
-
-def committed_ids(backend: Backend) -> list[CheckpointId]:
-    """Every committed checkpoint on ``backend``, oldest first (the last one is the newest)."""
-    ids = []
-    for name in backend.list(f"{MANIFEST_DIR}/"):
-        cid = parse_manifest_id(name)
-        if cid is not None:
-            ids.append(cid)
-    return sorted(ids)
-
-
-def newest_per_step(ids: Iterable[CheckpointId]) -> list[CheckpointId]:
-    """One id per step, the one of the newest timeline holding it; oldest id first."""
-    best: dict[int, CheckpointId] = {}
-    for cid in ids:
-        if cid.step not in best or cid > best[cid.step]:
-            best[cid.step] = cid
-    return sorted(best.values())
-
-
-def steps_of(ids: Iterable[CheckpointId]) -> list[int]:
-    """The steps of :func:`newest_per_step`, in that order (the last is the newest id's)."""
-    return [cid.step for cid in newest_per_step(ids)]
-
-
-def committed_steps(backend: Backend) -> list[int]:
-    """Committed steps, one per step, in checkpoint order (oldest first, the last is the
-    newest checkpoint's step). With one timeline this is ascending step order; after a
-    rollback a step held by several timelines counts as the newest timeline's."""
-    return steps_of(committed_ids(backend))
-
-
-def data_ids(backend: Backend) -> list[CheckpointId]:
-    """Checkpoints that have a data folder (committed or not)."""
-    out = set()
-    for name in [*backend.list(f"{DATA_DIR}/"), *backend.incomplete(f"{DATA_DIR}/")]:
-        cid = parse_data_folder(name)
-        if cid is not None:
-            out.add(cid)
-    return sorted(out)
-
-
-def data_steps(backend: Backend) -> list[int]:
-    """Steps that have a data folder (committed or not) on any timeline, ascending."""
-    return sorted({cid.step for cid in data_ids(backend)})
-
-
-def lineage(ids: Sequence[CheckpointId], start: CheckpointId | None = None) -> list[CheckpointId]:
-    """``start`` (default: the newest of ``ids``) and the checkpoints it descends from,
-    newest first: the older steps of its own timeline, then, on each older timeline, only the
-    steps below the first step of the timeline that branched off it (the steps a resumed run
-    went back past belong to the abandoned run, not to this one's history).
-
-    This is the order in which ``load(fallback="previous")`` tries checkpoints.
-    """
-    if not ids:
-        return []
-    top = start if start is not None else max(ids)
-    by_timeline: dict[int, list[CheckpointId]] = {}
-    for cid in ids:
-        if cid <= top:
-            by_timeline.setdefault(cid.timeline, []).append(cid)
-    out: list[CheckpointId] = []
-    bound: int | None = None  # steps of older timelines must lie below this
-    for timeline in sorted(by_timeline, reverse=True):
-        mine = sorted(by_timeline[timeline], reverse=True)
-        out.extend(c for c in mine if bound is None or c.step < bound)
-        first = mine[-1].step
-        bound = first if bound is None else min(bound, first)
-    return out
-
-
-def newest_committed(tiers: Iterable[tuple[str, Backend]]) -> CheckpointId | None:
-    """The newest checkpoint committed on any of ``(name, backend)``; a tier that cannot be
-    listed is logged and left out (a save must not fail because a tier is down)."""
-    newest: CheckpointId | None = None
-    for name, backend in tiers:
-        try:
-            ids = committed_ids(backend)
-        except (TierCkptError, OSError) as exc:
-            log.warning(
-                "cannot list tier %s to choose the timeline of the next checkpoint "
-                "(ignoring it): %s",
-                name,
-                exc,
-            )
-            continue
-        if ids and (newest is None or ids[-1] > newest):
-            newest = ids[-1]
-    return newest
-
-
-def timeline_for(step: int, newest: CheckpointId | None) -> int:
-    """The timeline a save of ``step`` starts on, given the newest checkpoint there is.
-
-    None: timeline 0. ``step`` after the newest's step: the newest's timeline (the run goes
-    on). Otherwise the run went back (a rollback, or a new run in the same place): a new
-    timeline, one above the newest's, logged; the checkpoints of the old timeline stay, older
-    than every new one, until retention removes them.
-    """
-    if newest is None:
-        return 0
-    if step > newest.step:
-        return newest.timeline
-    if newest.timeline >= MAX_TIMELINE:
-        raise ValueError(
-            f"step {step} is not after the newest checkpoint ({newest}) and timeline "
-            f"{MAX_TIMELINE} is the last one; delete the old timelines first"
-        )
-    log.info(
-        "step %d is not after the newest checkpoint (step %d, timeline %d): starting timeline "
-        "%d; the checkpoints of timeline %d are kept until retention removes them as older",
-        step,
-        newest.step,
-        newest.timeline,
-        newest.timeline + 1,
-        newest.timeline,
-    )
-    return newest.timeline + 1
 
 
 def delete_checkpoint(backend: Backend, cid: CheckpointId) -> None:

@@ -26,7 +26,7 @@ from rel_util import Recorder, replace_object, reseal, seal_manifest
 from tierckpt import Checkpointer, MemoryTier, TierCkptError
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.format import decode_index, decode_manifest, manifest_name, shard_name
-from tierckpt.objects import decode_tree
+from tierckpt.tree import decode_tree
 
 TAGS = [
     "$tensor",

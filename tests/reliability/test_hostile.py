@@ -620,7 +620,7 @@ def test_hostile_checkpoints_through_tierckpt_verify(tmp_path: Path, record: Rec
     write, an allocation of a declared size or a pickle run."""
     import shutil
 
-    from tierckpt.tools import verify_checkpoint
+    from tierckpt.offline import verify_checkpoint
 
     pristine = tmp_path / "pristine"
     _save(pristine)

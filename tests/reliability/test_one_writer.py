@@ -1,13 +1,13 @@
 """One writer per run location: a second job is refused at once, and nothing of the first is lost.
 
-Two jobs pointed at the same run folder or S3 prefix used to corrupt each other (issue 12,
-item 2): with the same steps the loser overwrote the winner's committed shards; with different
-steps the winner's retention deleted the loser's saves in progress and the loser's manifests
-pointed at deleted data. Two ``Checkpointer``s of one process sharing ``MemoryTier()``'s
+Two jobs pointed at the same run folder or S3 prefix used to corrupt each other: with the same
+steps the loser overwrote the winner's committed shards; with different steps the winner's
+retention deleted the loser's saves in progress and the loser's manifests pointed at deleted
+data. Two ``Checkpointer``s of one process sharing ``MemoryTier()``'s
 default namespace did the same to each other's RAM copy.
 
 Now a writer takes a lease (``leases/rank-<r>.json``) on every tier at its first save; the
-scenario of the issue is run with real processes on a local folder and on S3 (moto and
+scenario above is run with real processes on a local folder and on S3 (moto and
 SeaweedFS): the second job's every save is refused with ``WriterConflict`` before it writes
 anything, and every checkpoint the first job committed loads bit-exact afterwards. Then the
 ways a lease changes hands: a SIGKILLed writer restarted on the same host takes over at once; a

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from tierckpt.codecs.base import (
     Codec,
+    SupportsObserve,
+    SupportsProfile,
     codec_from_config,
     codec_ids,
     get_codec,
@@ -24,6 +26,8 @@ __all__ = [
     "Codec",
     "PlanesCodec",
     "RawCodec",
+    "SupportsObserve",
+    "SupportsProfile",
     "ZstdCodec",
     "codec_from_config",
     "codec_ids",

@@ -40,19 +40,39 @@ import importlib
 import json
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from tierckpt._types import JSON, BytesLike
 from tierckpt.errors import UnknownCodec
 
 __all__ = [
     "Codec",
+    "SupportsObserve",
+    "SupportsProfile",
     "codec_from_config",
     "codec_ids",
     "get_codec",
     "register_codec",
     "register_lazy_codec",
 ]
+
+
+@runtime_checkable
+class SupportsProfile(Protocol):
+    """A tier codec that measures itself on real data: before each chunk is encoded the
+    pipeline calls ``profile(dtype_name, sample)`` with that chunk's raw bytes (encoder
+    threads, several at once), so the codec can decide per kind of chunk (the auto policy)."""
+
+    def profile(self, dtype_name: str, sample: BytesLike) -> None: ...
+
+
+@runtime_checkable
+class SupportsObserve(Protocol):
+    """A tier codec that learns the link's speed: after a shard file is durable on the tier the
+    pipeline calls ``observe(stored_bytes, seconds)`` with the bytes written and the time spent
+    writing them (the auto policy compresses only when the link is slower than the codec)."""
+
+    def observe(self, stored_bytes: int, seconds: float) -> None: ...
 
 
 class Codec(ABC):

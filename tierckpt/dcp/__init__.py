@@ -23,7 +23,7 @@ no checkpoint; a missing or corrupt shard on one tier falls back to the next tie
 No pickle in storage
     DCP's ``Metadata`` (a dataclass tree) is stored as a JSON schema of its own
     (:func:`encode_metadata` / :func:`decode_metadata`); ``planner_data`` uses tierckpt's tagged
-    JSON (:mod:`tierckpt.objects`), so a custom planner whose ``planner_data`` holds other
+    JSON (:mod:`tierckpt.tree`), so a custom planner whose ``planner_data`` holds other
     objects is refused at save time. Non-tensor values are a different matter: DCP's
     ``DefaultSavePlanner`` turns them into bytes with ``torch.save`` and its
     ``DefaultLoadPlanner`` reads them back with ``torch.load(weights_only=False)`` (pickle).

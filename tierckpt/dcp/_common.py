@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from tierckpt.format import manifest_name, step_prefix
-from tierckpt.pipeline import TierRuntime, open_tiers
+from tierckpt.pipeline import Tier, open_tiers
 from tierckpt.policy import TierPolicy, TierSpec
 
 METADATA_FORMAT = "tierckpt-dcp-metadata"
@@ -56,5 +56,5 @@ def _parse_step(checkpoint_id: object) -> int:
     return s
 
 
-def _runtimes(policy: TierPolicy) -> list[TierRuntime]:
+def _runtimes(policy: TierPolicy) -> list[Tier]:
     return open_tiers(policy)

@@ -32,7 +32,7 @@ from tierckpt.dcp._common import (
 )
 from tierckpt.errors import CorruptCheckpoint, FormatError, UnsupportedObject
 from tierckpt.format import ShardRef
-from tierckpt.objects import decode_tree, dtype_from_name, dtype_name, encode_tree
+from tierckpt.tree import decode_tree, dtype_from_name, dtype_name, encode_tree
 
 # -- values that travel between ranks (pickled by DCP within the job) ---------------------
 

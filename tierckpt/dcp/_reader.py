@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierckpt.backends.base import Backend
+from tierckpt.catalog import committed_ids
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
@@ -44,11 +45,10 @@ from tierckpt.errors import (
     TierCkptError,
 )
 from tierckpt.format import CheckpointId, ChunkRecord, Manifest, ShardRef, checksum
-from tierckpt.objects import decode_tree
-from tierckpt.pipeline import TierRuntime
+from tierckpt.pipeline import Tier
 from tierckpt.policy import TierPolicy
 from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
-from tierckpt.retention import committed_ids
+from tierckpt.tree import decode_tree
 
 log = logging.getLogger("tierckpt")
 
@@ -179,7 +179,7 @@ class TierReader(StorageReader):
         self.io_threads = max(1, io_threads)
         self.load_id = uuid.uuid4().hex
         self._tiers = _runtimes(self.policy)
-        self._holders: list[tuple[TierRuntime, Manifest]] = []
+        self._holders: list[tuple[Tier, Manifest]] = []
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.loaded_step: int | None = None
         #: the checkpoint read (its step and timeline)
@@ -230,7 +230,7 @@ class TierReader(StorageReader):
         self.loaded_id = cid
         return md
 
-    def _read_metadata_object(self, t: TierRuntime, m: Manifest) -> Metadata:
+    def _read_metadata_object(self, t: Tier, m: Manifest) -> Metadata:
         where = f"tier {t.name!r} {t.backend.url}"
         info = (m.metadata or {}).get("dcp")
         if not isinstance(info, dict):

@@ -20,6 +20,7 @@ from torch.futures import Future
 
 from tierckpt._version import __version__
 from tierckpt.capture import record_ready_events
+from tierckpt.catalog import newest_committed, timeline_for
 from tierckpt.config import resolve_writer_config
 from tierckpt.dcp._common import (
     _DCP_VERSION,
@@ -54,10 +55,10 @@ from tierckpt.format import (
     manifest_name,
 )
 from tierckpt.handle import SaveHandle
-from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, TierRuntime
+from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy
-from tierckpt.retention import gc_tier, newest_committed, timeline_for
+from tierckpt.retention import gc_tier
 
 log = logging.getLogger("tierckpt")
 
@@ -111,7 +112,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        self._tiers: list[TierRuntime] = _runtimes(self.policy)
+        self._tiers: list[Tier] = _runtimes(self.policy)
         self._pipeline: Pipeline | None = None
         self._save_count = 0
         self._lock = threading.Lock()
@@ -267,11 +268,11 @@ class TierWriter(PipelineOwner, StorageWriter):
             raise ValueError("TierWriter needs a step: TierWriter(tiers, step) or checkpoint_id")
         return self.step
 
-    def _pipeline_hooks(self) -> dict[str, Any]:
-        return {"commit": self._on_shard_durable}
+    def _pipeline_hooks(self) -> PipelineHooks:
+        return PipelineHooks(commit=self._on_shard_durable)
 
     def _on_shard_durable(
-        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+        self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
     ) -> None:
         # no manifest here: finish() on the coordinator commits once every rank is durable
         with self._lock:
@@ -324,7 +325,7 @@ class TierWriter(PipelineOwner, StorageWriter):
 
     def _commit_tier(
         self,
-        t: TierRuntime,
+        t: Tier,
         cid: CheckpointId,
         world: int,
         shards: list[_ShardOnTier],

@@ -309,8 +309,8 @@ def _demo(
     args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, str], t_start: float
 ) -> int:
     from tierckpt.backends.s3 import S3Backend
-    from tierckpt.retention import committed_steps
-    from tierckpt.tools import verify_checkpoint
+    from tierckpt.catalog import committed_steps
+    from tierckpt.offline import verify_checkpoint
 
     admin = server.client()
     admin.create_bucket(Bucket=BUCKET)

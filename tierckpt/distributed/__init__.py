@@ -66,8 +66,6 @@ from tierckpt.distributed._collectives import collective_device
 from tierckpt.distributed._knobs import DistKnobs, get_knobs, knobs
 from tierckpt.distributed._private import is_private_tier
 from tierckpt.distributed._records import (
-    CommitTimeout,
-    RankFailed,
     RankRecord,
     decode_failure,
     decode_record,
@@ -77,6 +75,7 @@ from tierckpt.distributed._records import (
 from tierckpt.distributed._repopulate import publish_repopulated
 from tierckpt.distributed._shared import wait_committed, wait_for_records
 from tierckpt.distributed._strategy import MultiRankCommit, report_failure
+from tierckpt.errors import CommitTimeout, RankFailed
 
 __all__ = [
     "CommitTimeout",

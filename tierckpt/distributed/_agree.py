@@ -17,14 +17,14 @@ from tierckpt.format import MAX_STEP, CheckpointId
 from tierckpt.restore import is_recoverable, read_index, read_manifest
 
 if TYPE_CHECKING:
-    from tierckpt.pipeline import TierRuntime
+    from tierckpt.pipeline import Tier
 
 __all__ = ["agree_on_step", "checkpoint_key", "checkpoint_of_key"]
 
 log = logging.getLogger("tierckpt")
 
 
-def _readable(tiers: Sequence[TierRuntime], rank: int, world_size: int, cid: CheckpointId) -> str:
+def _readable(tiers: Sequence[Tier], rank: int, world_size: int, cid: CheckpointId) -> str:
     """Empty if this rank can read ``cid`` (manifest + own shard index) on some tier, else
     why not."""
     reasons = []
@@ -66,7 +66,7 @@ def checkpoint_of_key(key: int) -> CheckpointId:
 def agree_on_step(
     candidates: Sequence[CheckpointId],
     *,
-    tiers: Sequence[TierRuntime],
+    tiers: Sequence[Tier],
     rank: int,
     world_size: int,
 ) -> list[CheckpointId]:

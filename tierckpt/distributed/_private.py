@@ -12,23 +12,21 @@ from typing import TYPE_CHECKING, Any
 from tierckpt import config
 from tierckpt.distributed._knobs import get_knobs
 from tierckpt.distributed._records import (
-    CommitTimeout,
-    RankFailed,
     RankRecord,
     decode_record,
     encode_record,
 )
 from tierckpt.distributed._shared import _manifest, _put_manifest
-from tierckpt.errors import FormatError, TierCkptError
+from tierckpt.errors import CommitTimeout, FormatError, RankFailed, TierCkptError
 from tierckpt.format import decode_manifest, encode_manifest
 
 if TYPE_CHECKING:
-    from tierckpt.pipeline import SaveJob, TierRuntime
+    from tierckpt.pipeline import SaveJob, Tier
 
 __all__ = ["is_private_tier"]
 
 
-def is_private_tier(tier: TierRuntime) -> bool:
+def is_private_tier(tier: Tier) -> bool:
     """A tier other ranks cannot read: not durable (per-process RAM), or named in
     ``TIERCKPT_PRIVATE_TIERS`` (comma-separated tier names, e.g. node-local NVMe)."""
     return (not tier.backend.is_durable) or tier.name in config.private_tiers()
@@ -89,7 +87,7 @@ def _store_wait(
         delay = min(delay * 2, k.poll_max)
 
 
-def _publish_private(tier: TierRuntime, job: SaveJob, rec: RankRecord) -> Any:
+def _publish_private(tier: Tier, job: SaveJob, rec: RankRecord) -> Any:
     """Put this rank's record into the store (on the tier thread, before any waiting, so
     that rank 0's wait never depends on another rank's queued commit work)."""
     if not job.attempt:
@@ -103,7 +101,7 @@ def _publish_private(tier: TierRuntime, job: SaveJob, rec: RankRecord) -> Any:
     return st
 
 
-def _commit_private(tier: TierRuntime, job: SaveJob, st: Any) -> None:
+def _commit_private(tier: Tier, job: SaveJob, st: Any) -> None:
     k = get_knobs()
     deadline = time.monotonic() + k.commit_timeout
     prefix = f"tierckpt/{job.attempt}/{tier.name}/"

@@ -10,12 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierckpt.errors import FormatError, TierCkptError
+from tierckpt.errors import FormatError
 from tierckpt.format import MAX_STEP, MAX_TIMELINE, ShardRef, shard_name
 
 __all__ = [
-    "CommitTimeout",
-    "RankFailed",
     "RankRecord",
     "decode_failure",
     "decode_record",
@@ -31,14 +29,6 @@ MAX_RECORD_BYTES = 64 << 10
 MAX_ERROR_CHARS = 2000
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _ATTEMPT = re.compile(r"^[0-9A-Za-z._-]{0,128}$")
-
-
-class CommitTimeout(TierCkptError, TimeoutError):
-    """Rank 0 gave up waiting for other ranks' completion records: nothing was committed."""
-
-
-class RankFailed(TierCkptError):
-    """Another rank reported that its shard failed on this tier: nothing was committed."""
 
 
 # -- completion records -----------------------------------------------------------------

@@ -17,7 +17,7 @@ from tierckpt.format import encode_manifest, manifest_name, step_prefix
 from tierckpt.restore import LoadedShard
 
 if TYPE_CHECKING:
-    from tierckpt.pipeline import TierRuntime
+    from tierckpt.pipeline import Tier
 
 __all__ = ["publish_repopulated"]
 
@@ -28,9 +28,7 @@ log = logging.getLogger("tierckpt")
 _MAX_REPOP_TIERS = 16
 
 
-def publish_repopulated(
-    loaded: LoadedShard | None, *, tiers: Sequence[TierRuntime], rank: int
-) -> None:
+def publish_repopulated(loaded: LoadedShard | None, *, tiers: Sequence[Tier], rank: int) -> None:
     """Commit the copies a multi-rank load made on faster tiers, once every rank's is there.
 
     Each rank copied its own shard file to its local durable tiers while reading it from a

@@ -14,15 +14,13 @@ from tierckpt._version import __version__
 from tierckpt.backends.base import Backend
 from tierckpt.distributed._knobs import DistKnobs, get_knobs
 from tierckpt.distributed._records import (
-    CommitTimeout,
-    RankFailed,
     RankRecord,
     _ranks,
     decode_failure,
     decode_record,
     encode_record,
 )
-from tierckpt.errors import CheckpointNotFound, FormatError
+from tierckpt.errors import CheckpointNotFound, CommitTimeout, FormatError, RankFailed
 from tierckpt.format import (
     CheckpointId,
     Manifest,

@@ -24,18 +24,17 @@ from tierckpt.distributed._private import (
     is_private_tier,
 )
 from tierckpt.distributed._records import (
-    CommitTimeout,
-    RankFailed,
     RankRecord,
     _describe,
     encode_failure,
 )
 from tierckpt.distributed._repopulate import publish_repopulated
 from tierckpt.distributed._shared import _manifest, _put_manifest, _write_record, wait_for_records
+from tierckpt.errors import CommitTimeout, RankFailed
 from tierckpt.format import CheckpointId, ShardRef, rank_failure_name
 
 if TYPE_CHECKING:
-    from tierckpt.pipeline import SaveJob, TierRuntime
+    from tierckpt.pipeline import SaveJob, Tier
     from tierckpt.restore import LoadedShard
 
 __all__ = ["MultiRankCommit", "report_failure"]
@@ -43,7 +42,7 @@ __all__ = ["MultiRankCommit", "report_failure"]
 log = logging.getLogger("tierckpt")
 
 
-def report_failure(tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+def report_failure(tier: Tier, job: SaveJob, error: BaseException) -> None:
     """Tell the ranks waiting on ``tier`` that this rank's part of ``job`` failed.
 
     Called by the pipeline when a multi-rank save fails on a tier. On a shared tier a non-zero
@@ -102,7 +101,7 @@ class MultiRankCommit:
 
     def __init__(
         self,
-        tiers: Sequence[TierRuntime],
+        tiers: Sequence[Tier],
         *,
         rank: int,
         world_size: int,
@@ -174,7 +173,7 @@ class MultiRankCommit:
         return SaveStart(f"{self._session:016x}-{self._saves}", busy, timeline)
 
     def commit(
-        self, tier: TierRuntime, job: SaveJob, ref: ShardRef, raw: int, stored: int
+        self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
     ) -> Future[None] | None:
         """Runs on a tier's writer thread once this rank's shard is durable on ``tier``.
 
@@ -216,12 +215,12 @@ class MultiRankCommit:
 
         return self._defer(wait_and_commit)
 
-    def retains(self, tier: TierRuntime, job: SaveJob) -> bool:
+    def retains(self, tier: Tier, job: SaveJob) -> bool:
         """Rank 0 applies retention to a tier all ranks share; every rank to its own copy of
         a private tier."""
         return job.rank == 0 or is_private_tier(tier)
 
-    def report_failure(self, tier: TierRuntime, job: SaveJob, error: BaseException) -> None:
+    def report_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         """See :func:`report_failure`."""
         report_failure(tier, job, error)
 

@@ -1,0 +1,36 @@
+"""Reading stored chunk bytes back and checking them against the index's checksum.
+
+Both paths use it: the load path (:mod:`tierckpt.restore`) before decoding a chunk, and the
+write path (:mod:`tierckpt.pipeline`) when a tier is filled from the bytes another tier
+already stores, so bytes that rotted on the source are never copied on as good.
+"""
+
+from __future__ import annotations
+
+from tierckpt.backends.base import Backend
+from tierckpt.errors import CorruptChunk
+from tierckpt.format import ChunkRecord, checksum
+
+__all__ = ["read_verified"]
+
+
+def read_verified(
+    backend: Backend,
+    file: str,
+    rec: ChunkRecord,
+    ci: int,
+    into: memoryview,
+    *,
+    tier: str,
+    where: str,
+) -> None:
+    """Read chunk ``ci``'s stored bytes into ``into`` and check them against its checksum."""
+    backend.read_into(file, rec.file_offset, into)
+    if checksum(into) != rec.checksum:
+        raise CorruptChunk(
+            f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "
+            "match its checksum",
+            tier=tier,
+            file=file,
+            chunk=ci,
+        )
