@@ -216,3 +216,69 @@ def test_checkpointer_and_distributed_do_not_import_each_other() -> None:
     assert not back, "tierckpt.distributed imports the checkpointer: " + ", ".join(back)
     cycles = _cycles({(i.source, i.target) for i in imports})
     assert not cycles, _describe(cycles, imports)
+
+
+#: docs/architecture.md's layers: a unit imports units of its own layer or below, never above
+LAYERS: dict[str, int] = {
+    **dict.fromkeys(["errors", "_types", "_version", "limits", "config", "redact", "jsonbound"], 0),
+    **dict.fromkeys(["backends", "codecs"], 1),
+    **dict.fromkeys(["tree", "format", "verify", "catalog"], 2),
+    **dict.fromkeys(
+        [
+            "plan",
+            "snapshot",
+            "capture",
+            "arena",
+            "handle",
+            "stats",
+            "lease",
+            "retention",
+            "policy",
+            "pipeline",
+            "restore",
+        ],
+        3,
+    ),
+    **dict.fromkeys(["commit", "distributed", "checkpointer"], 4),
+    **dict.fromkeys(
+        ["dcp", "integrations", "export", "offline", "tierckpt", "observe", "tools", "objects"], 5
+    ),
+}
+#: the "never" lines of docs/architecture.md within a layer
+NEVER: dict[str, tuple[str, ...]] = {
+    "backends": ("codecs",),
+    "codecs": ("backends",),
+    "pipeline": ("restore",),  # the write path does not depend on the load path
+    "distributed": ("checkpointer", "dcp"),
+    "commit": ("checkpointer", "distributed"),
+}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_runtime_unit_has_a_layer() -> None:
+    """A new module must be placed in docs/architecture.md's layers (and here) to be judged."""
+    units = {_unit(m) for m in _modules() if not _under(m, NOT_RUNTIME)}
+    assert units - LAYERS.keys() == set(), "units without a layer: " + ", ".join(
+        sorted(units - LAYERS.keys())
+    )
+
+
+def test_no_unit_imports_a_layer_above_it_or_what_it_must_never_import() -> None:
+    bad = []
+    for i in _all_imports():
+        if _under(i.source, NOT_RUNTIME) or i.type_only:
+            continue
+        src, dst = _unit(i.source), _unit(i.target)
+        if src == dst or _under(i.target, NOT_RUNTIME):
+            continue
+        if LAYERS[dst] > LAYERS[src]:
+            bad.append(
+                f"{i.source}:{i.line} imports {i.target} (layer {LAYERS[dst]} > {LAYERS[src]})"
+            )
+        elif dst in NEVER.get(src, ()):
+            bad.append(f"{i.source}:{i.line} imports {i.target} (never)")
+    assert not bad, "imports against docs/architecture.md:\n" + "\n".join(bad)
