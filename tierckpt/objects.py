@@ -6,28 +6,7 @@ Kept so that code and docs that ``import tierckpt.objects`` keep working; new co
 
 from __future__ import annotations
 
-from tierckpt.tree import (
-    DTYPES,
-    MAX_DEPTH,
-    MAX_NODES,
-    KeyPath,
-    decode_tree,
-    dtype_from_name,
-    dtype_name,
-    encode_metadata,
-    encode_tree,
-    tree_side_table,
-)
+from tierckpt import tree as _new
+from tierckpt.tree import *  # noqa: F403  (the same names, one list: tree.__all__)
 
-__all__ = [
-    "DTYPES",
-    "MAX_DEPTH",
-    "MAX_NODES",
-    "KeyPath",
-    "decode_tree",
-    "dtype_from_name",
-    "dtype_name",
-    "encode_metadata",
-    "encode_tree",
-    "tree_side_table",
-]
+__all__ = list(_new.__all__)

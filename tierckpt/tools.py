@@ -7,40 +7,7 @@ Kept so that code and docs that ``import tierckpt.tools`` keep working; new code
 
 from __future__ import annotations
 
-from tierckpt.offline import (
-    GroupStats,
-    Inspection,
-    LeaseInfo,
-    TensorInfo,
-    copy_checkpoint,
-    gc,
-    inspect_checkpoint,
-    is_s3_url,
-    leases,
-    list_checkpoints,
-    open_backend,
-    resolve_id,
-    resolve_step,
-    tensor_paths,
-    unlock,
-    verify_checkpoint,
-)
+from tierckpt import offline as _new
+from tierckpt.offline import *  # noqa: F403  (the same names, one list: offline.__all__)
 
-__all__ = [
-    "GroupStats",
-    "Inspection",
-    "LeaseInfo",
-    "TensorInfo",
-    "copy_checkpoint",
-    "gc",
-    "inspect_checkpoint",
-    "is_s3_url",
-    "leases",
-    "list_checkpoints",
-    "open_backend",
-    "resolve_id",
-    "resolve_step",
-    "tensor_paths",
-    "unlock",
-    "verify_checkpoint",
-]
+__all__ = list(_new.__all__)
