@@ -557,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         d = Path(args.render_only)
         run = Run(results=parse_junit(d / "junit.xml"), command="(re-rendered)")
         run.records = [json.loads(x) for x in (d / "records.jsonl").read_text().splitlines() if x]
+        run.records += junit_records(run)
     elif args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
         run = run_suite(args.slow, args.pytest_args, Path(args.keep))
