@@ -369,7 +369,6 @@ class Pipeline:
         self.owner = new_owner_id()
         self.lease_ttl = lease_ttl()
         self._leases: dict[tuple[str, int], WriterLease] = {}
-        _pipelines.add(self)
         self._threads = [
             threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
         ]
@@ -1398,16 +1397,15 @@ def _drain_at_exit() -> None:
             pass
 
 
-#: pipelines not yet closed: at exit, the idle ones give their leases back (a process that
-#: ends without close() would otherwise hold them until its ttl runs out on other machines)
-_pipelines: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 #: how long exit waits for that (a store that cannot be reached must not hold the exit)
 EXIT_RELEASE_SECONDS = 10.0
 
 
 @atexit.register
 def _release_idle_leases() -> None:
-    idle = [p for p in list(_pipelines) if not p._closed and not p.in_flight()]
+    # the live pipelines the exit drain left idle and open: a process that ends without
+    # close() would otherwise hold its leases until their ttl runs out on other machines
+    idle = [p for p in list(_live) if not p._closed and not p.in_flight()]
     if not idle:
         return
 
@@ -1439,6 +1437,8 @@ class PipelineOwner:
     io_threads: int
     #: seconds in-flight saves get at interpreter exit (None: TIERCKPT_EXIT_TIMEOUT_S or 60)
     exit_timeout_s: float | None = None
+    #: how long a save waits behind a tier making no progress (None: the configured default)
+    save_deadline: float | None = None
 
     def _pipeline_hooks(self) -> PipelineHooks:
         """What this owner plugs into the Pipeline (``commit`` at least)."""
@@ -1459,8 +1459,7 @@ class PipelineOwner:
                 on_result=hooks.on_result,
                 on_failure=hooks.on_failure,
                 retains=hooks.retains,
-                # owners without the knob (dcp.TierWriter) get the default
-                save_deadline=getattr(self, "save_deadline", None),
+                save_deadline=self.save_deadline,
                 counts=hooks.counts,
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
