@@ -124,7 +124,7 @@ def test_failing_backend_fails_only_that_checkpoint_on_that_tier(tmp_path: Path)
 def test_capture_failure_is_reported_and_next_save_works(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tierckpt.pipeline as pipeline_mod
+    import tierckpt.pipeline._capture as pipeline_mod  # where the capture loop calls it
 
     real = pipeline_mod.copy_chunk
     calls = {"n": 0}

@@ -97,7 +97,7 @@ class CrashHook:
 
 def install(hook: CrashHook) -> None:
     """Wrap library functions so the hook fires at its named point (this process only)."""
-    import tierckpt.pipeline as pipeline_mod
+    import tierckpt.pipeline._capture as pipeline_mod  # where the capture loop calls it
 
     real_copy = pipeline_mod.copy_chunk
 

@@ -1,0 +1,144 @@
+"""The state every part of the :class:`~tierckpt.pipeline.Pipeline` shares, declared once.
+
+The pipeline is assembled from mixins, one per concern (``_stall``, ``_capture``, ``_tiers``,
+``_exit``); each reads and changes this state, always under ``_lock`` where a comment says so.
+The methods one part calls on another are declared here too, so each mixin type-checks alone.
+``Pipeline.__init__`` (``tierckpt.pipeline._pipeline``) sets every attribute."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from tierckpt.arena import HostArena
+from tierckpt.capture import CaptureStreams
+from tierckpt.errors import TierCkptError
+from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.pipeline._leases import Leases
+from tierckpt.pipeline._values import (
+    CommitFn,
+    SaveJob,
+    Stage,
+    StageEvent,
+    StageListener,
+    Tier,
+    _ChunkState,
+    _Emit,
+)
+
+log = logging.getLogger("tierckpt")
+
+
+class _PipelineBase:
+    tiers: list[Tier]
+    on_result: Callable[[TierResult, SaveHandle], None] | None
+    on_failure: Callable[[Tier, SaveJob, BaseException], None] | None
+    #: whether this rank applies a tier's retention once a job committed there; default:
+    #: rank 0 (the other ranks' copies are on the same storage)
+    retains: Callable[[Tier, SaveJob], bool]
+    chunk_bytes: int
+    host_buffer_bytes: int
+    commit: CommitFn
+    #: seconds a tier may make no progress while a save waits for it (inf: no deadline)
+    save_deadline: float
+    arena: HostArena | None
+    _streams: CaptureStreams
+    _pool: ThreadPoolExecutor
+    _commit_pool: ThreadPoolExecutor | None  # deferred commits, made on demand
+    _capture_q: queue.Queue[SaveJob | None]
+    _tier_q: dict[str, queue.Queue[tuple[str, SaveJob, Any] | None]]
+    _by_name: dict[str, Tier]
+    _lock: threading.Lock
+    _in_flight: list[SaveJob]
+    #: chunks whose arena slot some tier still holds (at most the arena's slot count)
+    _held_chunks: list[_ChunkState]
+    #: tier name -> since when its thread has made no progress (kept while it is idle
+    #: after a failure: presumed down); tiers whose thread is working on an item
+    _stalled_since: dict[str, float]
+    _busy: set[str]
+    #: follower tier name -> the jobs whose source step it holds (copying or waiting)
+    _following: dict[str, list[SaveJob]]
+    #: follower tier name -> the job its thread is working on
+    _follow_active: dict[str, SaveJob]
+    _counts: dict[str, Counter[str]]
+    _closed: bool
+    #: replaced, never mutated, so threads iterate a snapshot without the lock
+    _listeners: tuple[StageListener, ...]
+    #: seconds to wait for in-flight saves at interpreter exit (None: exit_timeout_s())
+    exit_timeout_s: float | None
+    #: set at interpreter exit once the wait is over: no copy commits from then on
+    _abandoned: bool
+    #: (step, tier) copies inside their commit (a commit is atomic: whole or not at all)
+    _committing: set[tuple[int, str]]
+    #: this writer's leases (tierckpt.lease)
+    _leases: Leases
+    _threads: list[threading.Thread]
+
+    # -- shared helpers ------------------------------------------------------------------
+    def in_flight(self) -> list[SaveJob]:
+        with self._lock:
+            return list(self._in_flight)
+
+    def defer(self, fn: Callable[[], None]) -> Future[None]:
+        """Run a commit's waiting part (``fn``) off the tier's writer thread."""
+        with self._lock:
+            if self._commit_pool is None:
+                self._commit_pool = ThreadPoolExecutor(4, thread_name_prefix="tierckpt-commit")
+            return self._commit_pool.submit(fn)
+
+    def _emitter(self, step: int, tier: str | None) -> _Emit | None:
+        """The reporter of ``step``'s stages on ``tier`` (None: shared work), or None when
+        nobody listens, so that then no stage is timed."""
+        listeners = self._listeners
+        if not listeners:
+            return None
+
+        def emit(stage: Stage, nbytes: int, seconds: float) -> None:
+            event = StageEvent(stage, step, tier, nbytes, seconds)
+            for fn in listeners:
+                try:
+                    fn(event)
+                except Exception:  # a profiler's bug must not fail a checkpoint
+                    log.exception("stage listener %r failed on %s", fn, event)
+
+        return emit
+
+    def _abandoned_error(self, job: SaveJob) -> TierCkptError:
+        return TierCkptError(
+            f"step {job.step}: abandoned at interpreter exit, unfinished after the exit "
+            "timeout (TIERCKPT_EXIT_TIMEOUT_S); not committed"
+        )
+
+    def _check_abandoned(self, job: SaveJob) -> None:
+        if self._abandoned:
+            raise self._abandoned_error(job)
+
+    # -- implemented by the parts (declared here so each part type-checks alone) ---------
+    def close(self) -> None:
+        raise NotImplementedError  # Pipeline
+
+    def _source_done(
+        self,
+        tier: Tier,
+        job: SaveJob,
+        result: tuple[str, list[list[Any]], list[dict[str, Any]]] | None,
+        error: BaseException | None,
+    ) -> None:
+        raise NotImplementedError  # _tiers
+
+    def _finish(
+        self,
+        tier: Tier,
+        job: SaveJob,
+        result: TierResult | None,
+        error: BaseException | None,
+        *,
+        outcome: str = "failed",
+        defer_hooks: bool = False,
+    ) -> None:
+        raise NotImplementedError  # _tiers

@@ -1,0 +1,171 @@
+"""Capture: lay a save's state out in chunks, copy each into a slot of the host arena (waiting
+for a free slot: backpressure), encode it once per distinct codec on a small pool, and hand it
+to every tier fed from the arena, in tier order.
+
+Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared in ``_base``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from tierckpt._types import BytesLike
+from tierckpt.arena import HostArena
+from tierckpt.capture import copy_chunk
+from tierckpt.codecs import Codec, SupportsProfile
+from tierckpt.format import align_up, checksum
+from tierckpt.pipeline._stall import _StallMixin
+from tierckpt.pipeline._values import Encoded, SaveJob, _ChunkState, _Emit, _Follow
+from tierckpt.plan import ShardLayout, layout_plan
+
+log = logging.getLogger("tierckpt")
+
+
+class _CaptureMixin(_StallMixin):
+    def _ensure_arena(self, plan: ShardLayout) -> HostArena:
+        """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
+        biggest = max((c.raw_size for c in plan.chunks), default=0)
+        slot = align_up(max(biggest, 4096))
+        a = self.arena
+        if a is not None:
+            slot = max(slot, a.slot_bytes)
+        cap = max(2, self.host_buffer_bytes // slot)
+        want = min(max(2, len(plan.chunks), a.n_slots if a else 0), cap)
+        if a is not None and a.slot_bytes >= slot and a.n_slots >= want:
+            return a
+        if a is not None:
+            # a bigger state than any before: grow once, between saves
+            while not a.wait_idle(self._stall_timeout()):
+                self._give_up_stalled()
+            a.close()
+        self.arena = HostArena(want, slot)
+        log.debug(
+            "host arena: %d slots x %d bytes (%.2f s to allocate)",
+            want,
+            slot,
+            self.arena.alloc_seconds,
+        )
+        return self.arena
+
+    def _acquire(self, a: HostArena) -> int:
+        """A free arena slot; a tier that holds slots without progress past the deadline is
+        given up meanwhile, so this waits at most about ``save_deadline`` per stalled tier."""
+        while True:
+            try:
+                return a.acquire(timeout=self._stall_timeout())
+            except TimeoutError:
+                self._give_up_stalled()
+
+    def _capture_loop(self) -> None:
+        while True:
+            job = self._capture_q.get()
+            if job is None:
+                for q in self._tier_q.values():
+                    q.put(None)
+                return
+            try:
+                self._capture(job)
+            except BaseException as exc:
+                # at exit, say so (not e.g. that the encode pool, shut down, refused a chunk)
+                error = self._abandoned_error(job) if self._abandoned else exc
+                job.capture_error = error
+                log.error("step %d: capture failed: %s", job.step, error)
+                job.handle._set_captured(error)
+            for t in job.tiers:
+                self._tier_q[t.name].put(("end", job, None))
+
+    def _capture(self, job: SaveJob) -> None:
+        emit = self._emitter(job.step, None)
+        self._check_abandoned(job)
+        if job.plan is None:
+            assert job.collected is not None
+            t0 = time.perf_counter() if emit else 0.0
+            job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
+            job.collected = None
+            if emit is not None:
+                emit("plan", job.plan.data_bytes, time.perf_counter() - t0)
+        plan = job.plan
+        by_name = {t.name: t for t in job.tiers}
+        job.follows = {
+            t.name: _Follow(by_name[t.spec.source])
+            for t in job.tiers
+            if t.spec.source is not None and t.spec.source in by_name
+        }
+        direct = [t for t in job.tiers if t.name not in job.follows]
+        self._register_follows(job)
+        a = self._ensure_arena(plan)
+        self._grace(job)
+        for t in job.tiers:
+            self._tier_q[t.name].put(("start", job, None))
+        events = []
+        for chunk in plan.chunks:
+            with self._lock:
+                if all(t.name in job.given_up for t in direct):
+                    break  # every tier fed from the arena gave this save up: nothing to copy
+            t0 = time.perf_counter() if emit else 0.0
+            self._check_abandoned(job)
+            slot = self._acquire(a)
+            try:
+                t1 = time.perf_counter() if emit else 0.0
+                slot_t = a.slot(slot)
+                event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
+            except BaseException:
+                a.release(slot)
+                raise
+            if emit is not None:
+                emit("arena_wait", chunk.raw_size, t1 - t0)
+                emit("capture", chunk.raw_size, time.perf_counter() - t1)
+            if event is not None:
+                events.append(event)
+            view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
+            with self._lock:  # a tier given up meanwhile gets no more chunks of this save
+                takers = [t for t in direct if t.name not in job.given_up]
+                state = _ChunkState(chunk, slot, job, {t.name for t in takers})
+                for codec in {t.codec for t in takers}:
+                    state.encoded[codec] = self._pool.submit(
+                        _encode, codec, chunk.dtype, view, event, emit
+                    )
+                if takers:
+                    self._held_chunks.append(state)
+                now = time.monotonic()
+                for t in takers:  # a tier's clock runs from when it has work it has not done
+                    self._stalled_since.setdefault(t.name, now)
+            if not takers:
+                a.release(slot)
+                break
+            for t in takers:
+                self._tier_q[t.name].put(("chunk", job, state))
+        for ev in events:
+            ev.synchronize()
+        job.handle._set_captured()
+
+    # -- tiers -----------------------------------------------------------------------
+
+
+def _encode(
+    tier_codec: Codec, dtype: str, view: memoryview, event: Any, emit: _Emit | None = None
+) -> Encoded:
+    if event is not None:
+        event.synchronize()
+    if isinstance(tier_codec, SupportsProfile):  # the auto policy measures its candidate, once
+        tier_codec.profile(dtype, view)
+    codec = tier_codec.for_dtype(dtype)
+    data: BytesLike
+    if codec.is_passthrough:
+        data, config = view, codec.get_config()
+    else:
+        t0 = time.perf_counter() if emit else 0.0
+        out = codec.encode(view)
+        if emit is not None:
+            emit("encode", len(view), time.perf_counter() - t0)
+        if len(memoryview(out).cast("B")) >= len(view):
+            # incompressible: store raw bytes, never more than raw
+            data, config = view, {"id": "raw"}
+        else:
+            data, config = out, codec.get_config()
+    t0 = time.perf_counter() if emit else 0.0
+    digest = checksum(data)
+    if emit is not None:
+        emit("checksum", len(memoryview(data).cast("B")), time.perf_counter() - t0)
+    return Encoded(data, digest, config)

@@ -1,0 +1,121 @@
+"""This writer's leases (:mod:`tierckpt.lease`), one per (tier, rank), owned by one pipeline.
+
+Taken on the tier's own thread (so a slow store delays only that tier), renewed there every
+``ttl / 4``, checked before publishing and before retention, released at ``close()``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+
+from tierckpt.errors import WriterConflict
+from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
+from tierckpt.pipeline._values import SaveJob, Tier
+
+log = logging.getLogger("tierckpt")
+
+#: hands a lease request to a tier's thread: (tier, job, future set with the outcome)
+LeaseRequest = Callable[[Tier, SaveJob, "Future[BaseException | None]"], None]
+
+
+class Leases:
+    """The lease table of one writer: (tier name, rank) -> :class:`WriterLease`."""
+
+    def __init__(self) -> None:
+        #: one owner id per writer object (a pipeline lives as long as its owner's writing)
+        self.owner = new_owner_id()
+        self.ttl = lease_ttl()
+        self._lock = threading.Lock()
+        self._table: dict[tuple[str, int], WriterLease] = {}
+
+    def get(self, tier: Tier, rank: int) -> WriterLease:
+        """This writer's lease on ``tier`` for ``rank`` (made, not taken, on first use)."""
+        with self._lock:
+            lease = self._table.get((tier.name, rank))
+            if lease is None:
+                lease = WriterLease(tier.backend, tier.name, rank, self.owner, self.ttl)
+                self._table[(tier.name, rank)] = lease
+            return lease
+
+    def of_tier(self, tier: str) -> list[WriterLease]:
+        with self._lock:
+            return [lease for (name, _), lease in self._table.items() if name == tier]
+
+    def acquire(self, job: SaveJob, request: LeaseRequest) -> None:
+        """See :meth:`Pipeline.acquire_leases`; ``request`` queues a take on a tier's thread."""
+        waits: dict[str, Future[BaseException | None]] = {}
+        for t in job.tiers:
+            lease = self.get(t, job.rank)
+            if lease.held or lease.lost is not None:
+                continue
+            fut: Future[BaseException | None] = Future()
+            if not lease.attempted or isinstance(lease.last_error, WriterConflict):
+                waits[t.name] = fut
+            request(t, job, fut)
+        if not waits:
+            return
+        done, _ = wait_futures(waits.values(), timeout=acquire_wait())
+        conflicts = [f.result() for f in done if isinstance(f.result(), WriterConflict)]
+        if not conflicts:
+            return
+        for t in job.tiers:  # give back what this call took: this save writes nothing
+            got = waits.get(t.name)
+            if got is not None and got in done and got.result() is None:
+                self.get(t, job.rank).release()
+        raise conflicts[0]  # type: ignore[misc]
+
+    def take(self, tier: Tier, job: SaveJob, fut: Future[BaseException | None]) -> None:
+        """Tier thread: take this writer's lease on ``tier`` (a no-op when held)."""
+        try:
+            self.get(tier, job.rank).acquire()
+        except WriterConflict as exc:
+            job.lease_errors[tier.name] = exc
+            fut.set_result(exc)
+            return
+        except Exception as exc:
+            job.lease_errors[tier.name] = exc
+            log.warning(
+                "step %d: cannot take this writer's lease on tier %s (its copy of this step "
+                "fails; tried again at the next save): %s",
+                job.step,
+                tier.name,
+                exc,
+            )
+        fut.set_result(None)
+
+    def renew(self, tier: Tier) -> None:
+        """Tier thread: renew this tier's leases that are due (cheap when none is)."""
+        now = time.monotonic()
+        for lease in self.of_tier(tier.name):
+            if lease.next_renewal() <= now:
+                lease.renew_if_due()
+
+    def renewal_timeout(self, tier: Tier) -> float | None:
+        """Seconds until this tier's next renewal is due (None: it holds no lease)."""
+        due = min((lease.next_renewal() for lease in self.of_tier(tier.name)), default=math.inf)
+        return None if due == math.inf else max(0.0, due - time.monotonic())
+
+    def may_collect(self, tier: Tier, rank: int) -> bool:
+        """See :meth:`Pipeline.may_collect`."""
+        with self._lock:
+            lease = self._table.get((tier.name, rank))
+        if lease is None:
+            return False
+        try:
+            lease.verify()
+        except Exception as exc:
+            log.warning("retention on tier %s skipped: %s", tier.name, exc)
+            return False
+        return True
+
+    def release_all(self) -> None:
+        """Delete this writer's leases that are still its own (close, exit)."""
+        with self._lock:
+            leases = list(self._table.values())
+        for lease in leases:
+            lease.release()

@@ -1,0 +1,278 @@
+"""The :class:`Pipeline` assembled from its parts, with its public calls, and
+:class:`PipelineOwner`, the lifecycle of the objects that own one (see the package's
+docstring for how a save flows through it)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from tierckpt.capture import CaptureStreams
+from tierckpt.errors import TierCkptError
+from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.pipeline._capture import _CaptureMixin
+from tierckpt.pipeline._exit import _ExitMixin, _live, _track
+from tierckpt.pipeline._leases import Leases
+from tierckpt.pipeline._tiers import _TiersMixin
+from tierckpt.pipeline._values import (
+    OUTCOMES,
+    CommitFn,
+    PipelineHooks,
+    SaveJob,
+    StageListener,
+    Tier,
+    _rank_zero_retains,
+    check_save_deadline,
+    default_save_deadline,
+)
+
+
+class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
+    """Every background thread and queue of a writer: capture, encode, write per tier,
+    commit, deadlines, leases and the exit drain (see :mod:`tierckpt.pipeline`)."""
+
+    #: this writer's owner id in its leases, and their time to live (seconds)
+    owner: str
+    lease_ttl: float
+
+    def __init__(
+        self,
+        tiers: list[Tier],
+        *,
+        chunk_bytes: int,
+        host_buffer_bytes: int,
+        io_threads: int,
+        commit: CommitFn,
+        on_result: Callable[[TierResult, SaveHandle], None] | None = None,
+        on_failure: Callable[[Tier, SaveJob, BaseException], None] | None = None,
+        retains: Callable[[Tier, SaveJob], bool] | None = None,
+        save_deadline: float | None = None,
+        counts: dict[str, Counter[str]] | None = None,
+    ) -> None:
+        self.tiers = tiers
+        self.on_result = on_result
+        self.on_failure = on_failure
+        #: whether this rank applies a tier's retention once a job committed there; default:
+        #: rank 0 (the other ranks' copies are on the same storage)
+        self.retains = retains or _rank_zero_retains
+        self.chunk_bytes = chunk_bytes
+        self.host_buffer_bytes = host_buffer_bytes
+        self.commit = commit
+        #: seconds a tier may make no progress while a save waits for it (inf: no deadline)
+        self.save_deadline = (
+            default_save_deadline() if save_deadline is None else check_save_deadline(save_deadline)
+        )
+        self.arena = None
+        self._streams = CaptureStreams()
+        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tierckpt-encode")
+        self._commit_pool = None  # deferred commits, made on demand
+        self._capture_q = queue.Queue()
+        self._tier_q = {t.name: queue.Queue() for t in tiers}
+        self._by_name = {t.name: t for t in tiers}
+        self._lock = threading.Lock()
+        self._in_flight = []
+        #: chunks whose arena slot some tier still holds (at most the arena's slot count)
+        self._held_chunks = []
+        #: tier name -> since when its thread has made no progress (kept while it is idle
+        #: after a failure: presumed down); tiers whose thread is working on an item
+        self._stalled_since = {}
+        self._busy = set()
+        #: follower tier name -> the jobs whose source step it holds (copying or waiting)
+        self._following = {}
+        #: follower tier name -> the job its thread is working on
+        self._follow_active = {}
+        self._counts = counts if counts is not None else {}
+        for t in tiers:
+            self._counts.setdefault(t.name, Counter())
+        self._closed = False
+        #: replaced, never mutated, so threads iterate a snapshot without the lock
+        self._listeners = ()
+        #: seconds to wait for in-flight saves at interpreter exit (None: exit_timeout_s())
+        self.exit_timeout_s = None
+        #: set at interpreter exit once the wait is over: no copy commits from then on
+        self._abandoned = False
+        #: (step, tier) copies inside their commit (a commit is atomic: whole or not at all)
+        self._committing = set()
+        self._leases = Leases()
+        #: one owner id per writer object (a pipeline lives as long as its owner's writing)
+        self.owner = self._leases.owner
+        self.lease_ttl = self._leases.ttl
+        self._threads = [
+            threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
+        ]
+        for t in tiers:
+            self._threads.append(
+                threading.Thread(
+                    target=self._tier_loop, args=(t,), name=f"tierckpt-{t.name}", daemon=True
+                )
+            )
+        for th in self._threads:
+            th.start()
+        _track(self)
+
+    # -- public ----------------------------------------------------------------------
+    def submit(self, job: SaveJob) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the checkpointer is closed")
+            self._in_flight.append(job)
+        self._capture_q.put(job)
+
+    def subscribe(self, listener: StageListener) -> Callable[[], None]:
+        """Send every :class:`StageEvent` of the saves that start from now on to ``listener``
+        (see :data:`StageListener`); returns the function that unsubscribes it."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+        return unsubscribe
+
+    def acquire_leases(self, job: SaveJob) -> None:
+        """Before ``submit(job)``, in the caller's thread: have the tier threads take this
+        writer's lease on every tier of ``job`` not yet held, and raise
+        :class:`WriterConflict` (nothing submitted, nothing written) when another live
+        writer holds one. Waits at most ``TIERCKPT_LEASE_WAIT_S``, and only for a first
+        attempt (or one after a conflict): a retry after an unreachable store goes on in the
+        background, and its failure fails only that tier's copy (``job.lease_errors``)."""
+        self._leases.acquire(job, lambda t, j, fut: self._tier_q[t.name].put(("lease", j, fut)))
+
+    def may_collect(self, tier: Tier, rank: int) -> bool:
+        """Whether retention may delete on ``tier`` now: only while this writer still holds
+        its lease there, checked by reading it back."""
+        return self._leases.may_collect(tier, rank)
+
+    def release_leases(self) -> None:
+        """Delete this writer's leases that are still its own (close, exit)."""
+        self._leases.release_all()
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per tier, how many copies committed, failed, were skipped or given up."""
+        with self._lock:
+            return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no save is in flight; False if ``timeout`` seconds passed first.
+
+        Meanwhile a tier that makes no progress for ``save_deadline`` seconds has its copies
+        that have not started committing given up, so a dead tier costs about that long here
+        (plus the call it is blocked in, bounded by its backend's timeouts), not its timeouts
+        times the saves queued for it.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        poll = min(1.0, self.save_deadline / 4)
+        while True:
+            jobs = self.in_flight()
+            if not jobs:
+                return True
+            now = time.monotonic()
+            if end is not None and now >= end:
+                return False
+            wait = poll if end is None else max(0.0, min(poll, end - now))
+            events = jobs[0].handle._tier_events
+            for name in jobs[0].handle.tiers:
+                if not events[name].wait(wait):
+                    break
+            self._give_up_stalled(drain=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _live.discard(self)
+        self.drain()
+        self._capture_q.put(None)
+        for th in self._threads:
+            # after drain() each thread has at most the call it is blocked in left (bounded by
+            # its backend's timeouts), then only skips and aborts of given-up copies
+            th.join()
+        with self._lock:
+            commit_pool = self._commit_pool
+        if commit_pool is not None:
+            commit_pool.shutdown(wait=True)  # each deferred commit is bounded by its timeout
+        self._pool.shutdown(wait=True)
+        self.release_leases()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+_Owner = TypeVar("_Owner", bound="PipelineOwner")
+
+
+class PipelineOwner:
+    """Lifecycle shared by the objects that own a :class:`Pipeline` and its tiers
+    (``Checkpointer``, ``dcp.TierWriter``): ``close()`` once, context manager, and a
+    best-effort close when collected unclosed."""
+
+    _pipeline: Pipeline | None
+    _tiers: list[Tier]
+    _closed: bool
+    chunk_bytes: int
+    host_buffer_bytes: int
+    io_threads: int
+    #: seconds in-flight saves get at interpreter exit (None: TIERCKPT_EXIT_TIMEOUT_S or 60)
+    exit_timeout_s: float | None = None
+    #: how long a save waits behind a tier making no progress (None: the configured default)
+    save_deadline: float | None = None
+
+    def _pipeline_hooks(self) -> PipelineHooks:
+        """What this owner plugs into the Pipeline (``commit`` at least)."""
+        raise NotImplementedError
+
+    def _get_pipeline(self) -> Pipeline:
+        """The pipeline, started on first use."""
+        if self._closed:
+            raise TierCkptError(f"this {type(self).__name__} is closed")
+        if self._pipeline is None:
+            hooks = self._pipeline_hooks()
+            self._pipeline = Pipeline(
+                self._tiers,
+                chunk_bytes=self.chunk_bytes,
+                host_buffer_bytes=self.host_buffer_bytes,
+                io_threads=self.io_threads,
+                commit=hooks.commit,
+                on_result=hooks.on_result,
+                on_failure=hooks.on_failure,
+                retains=hooks.retains,
+                save_deadline=self.save_deadline,
+                counts=hooks.counts,
+            )
+            self._pipeline.exit_timeout_s = self.exit_timeout_s
+        return self._pipeline
+
+    def _release(self) -> None:
+        """Extra resources of the owner, released by ``close()`` after the pipeline."""
+
+    def close(self) -> None:
+        """Wait for in-flight saves to finish on every tier, then release threads and memory."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+        self._release()
+        for t in self._tiers:
+            t.backend.close()
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and self._pipeline is not None:
+                self._pipeline.close()
+        except Exception:
+            pass

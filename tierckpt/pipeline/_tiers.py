@@ -1,0 +1,401 @@
+"""The tiers: one writer thread per tier writes its chunks in order (or, for a tier with a
+``source``, copies the source's durable file), then the index and footer, makes the file
+durable, commits (manifest last), applies retention and reports the copy done.
+
+Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared in ``_base``."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from tierckpt.codecs import SupportsObserve, codec_from_config
+from tierckpt.errors import BackendError, FormatError, TierCkptError
+from tierckpt.format import (
+    CHECKSUM_ALGO,
+    FOOTER_SIZE,
+    FORMAT_VERSION,
+    CheckpointId,
+    ChunkRecord,
+    Footer,
+    ShardRef,
+    align_up,
+    checksum,
+    encode_index,
+    manifest_name,
+)
+from tierckpt.handle import TierResult
+from tierckpt.pipeline._capture import _encode
+from tierckpt.pipeline._stall import _StallMixin
+from tierckpt.pipeline._values import Encoded, SaveJob, Tier, _ChunkState, _Follow, _TierWrite
+from tierckpt.plan import ChunkPlan
+from tierckpt.retention import gc_tier
+from tierckpt.verify import read_verified
+
+log = logging.getLogger("tierckpt")
+_ZEROS = bytes(4096)
+
+
+class _TiersMixin(_StallMixin):
+    def _protected(self, tier: Tier, job: SaveJob) -> set[CheckpointId]:
+        """Checkpoints retention on ``tier`` must keep besides its newest: those still being
+        saved there, and (for a source) those its followers hold, at most ``max_behind`` each."""
+        with self._lock:
+            ids = {
+                j.id
+                for j in self._in_flight
+                if j is not job
+                and tier.name in j.handle.tiers
+                and tier.name not in j.given_up
+                and not j.handle.done(tier.name)
+            }
+            for name, held in self._following.items():
+                if self._by_name[name].spec.source == tier.name:
+                    ids.update(j.id for j in held)
+        return ids
+
+    def _retain(self, tier: Tier, job: SaveJob) -> None:
+        if not self._leases.may_collect(tier, job.rank):
+            return
+        try:
+            gc_tier(tier.backend, tier.spec.keep_last, protect=self._protected(tier, job))
+        except (BackendError, OSError) as exc:
+            log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+
+    # -- capture ---------------------------------------------------------------------
+    def _release(self, state: _ChunkState, tier: str) -> None:
+        """``tier`` is done with this chunk; the last holder frees its slot (a given-up tier
+        no longer holds it, so this is then a no-op)."""
+        with self._lock:
+            if tier not in state.holders:
+                return
+            state.holders.discard(tier)
+            last = not state.holders
+            if last:
+                self._held_chunks.remove(state)
+        if last:
+            self._release_slots([state])
+
+    def _tier_loop(self, tier: Tier) -> None:
+        q = self._tier_q[tier.name]
+        progress: dict[int, _TierWrite] = {}
+        while True:
+            try:
+                item = q.get(timeout=self._leases.renewal_timeout(tier))
+            except queue.Empty:
+                self._leases.renew(tier)
+                continue
+            if item is None:
+                return
+            kind, job, payload = item
+            if kind == "lease":
+                self._leases.take(tier, job, payload)
+                continue
+            self._tier_busy(tier, progressed=False, idle=False)
+            tw = progress.setdefault(id(job), _TierWrite())
+            ok = False
+            try:
+                if kind == "start":
+                    self._tier_start(tier, job, tw)
+                elif kind == "chunk":
+                    try:
+                        if tw.error is None and self._abandoned:
+                            tw.error = self._abandoned_error(job)
+                        if tw.error is None:
+                            self._tier_chunk(tier, job, tw, payload)
+                    finally:
+                        self._release(payload, tier.name)
+                elif kind == "end":
+                    del progress[id(job)]
+                    self._tier_end(tier, job, tw)
+                ok = tw.error is None
+            except BaseException as exc:
+                tw.error = exc
+                if tw.writer is not None:
+                    tw.writer.abort()
+                    tw.writer = None
+                if kind == "end":
+                    self._tier_failed(tier, job, exc)
+            finally:
+                self._tier_busy(tier, progressed=ok, idle=q.empty())
+
+    def _tier_failed(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
+        with self._lock:
+            given_up = job.given_up.get(tier.name)
+            if given_up is None:
+                job.settled.add(tier.name)  # failed on its own: reported once, as that
+        self._source_done(tier, job, None, given_up or error)
+        if given_up is not None:
+            return  # reported when it was given up
+        self._finish(tier, job, None, error)
+        if self.retains(tier, job) and not tier.backend.is_remote:
+            # a failed save (disk full) runs retention too, so the disk frees itself; a
+            # remote tier that just failed would likely fail again: its next commit does it
+            self._retain(tier, job)
+
+    def _tier_start(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
+        with self._lock:
+            err = job.given_up.get(tier.name)
+            if err is None and tier.name in job.follows:
+                self._follow_active[tier.name] = job
+        if err is not None:
+            raise err
+        lease_error = job.lease_errors.get(tier.name)
+        if lease_error is not None:
+            raise lease_error
+        self._leases.get(tier, job.rank).acquire()  # a no-op while held; raises once lost
+        if tier.backend.exists(manifest_name(job.step, timeline=job.timeline)):
+            raise FileExistsError(
+                f"{job.id} is already committed on tier {tier.name!r} "
+                f"({tier.backend.url}); refusing to overwrite it — save under another step or "
+                "delete the old one first (tierckpt gc)"
+            )
+        tw.writer = tier.backend.open_writer(job.shard)
+        tw.emit = self._emitter(job.step, tier.name)
+
+    def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
+        with self._lock:
+            err = job.given_up.get(tier.name)
+            enc = state.encoded.get(tier.codec) if tier.name in state.holders else None
+        if err is not None:
+            raise err
+        assert enc is not None, "a tier writes only chunks it holds"
+        self._append(tier, tw, state.plan, enc.result())
+        # given up during the write: the slot may hold other bytes by now; stop here
+        self._check_given_up(tier, job)
+
+    def _append(self, tier: Tier, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
+        """Write one encoded chunk at the next aligned offset and record it."""
+        assert tw.writer is not None
+        self._leases.renew(tier)  # a long save (or copy from a source) must not let it lapse
+        start = align_up(tw.offset)
+        if start > tw.offset and not tier.backend.supports_random_write:
+            tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
+        t0 = time.perf_counter()
+        tw.writer.write(start, enc.data)
+        seconds = time.perf_counter() - t0
+        tw.write_seconds += seconds
+        self._tier_busy(tier, progressed=True, idle=False)
+        n = len(memoryview(enc.data).cast("B"))
+        if tw.emit is not None:
+            tw.emit("write", n, seconds)
+        try:
+            codec_idx = tw.codecs.index(enc.codec_config)
+        except ValueError:
+            tw.codecs.append(enc.codec_config)
+            codec_idx = len(tw.codecs) - 1
+        rec = ChunkRecord(chunk.logical_offset, chunk.raw_size, n, start, codec_idx, enc.checksum)
+        tw.records.append(rec.to_json())
+        tw.offset = start + n
+        tw.stored += n
+
+    def _tier_end(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
+        if job.capture_error is not None:
+            raise job.capture_error
+        if tw.error is not None:
+            raise tw.error
+        follow = job.follows.get(tier.name)
+        if follow is not None:
+            self._copy_from_source(tier, job, tw, follow)
+        self._enter_commit(tier, job)
+        assert tw.writer is not None
+        index = {
+            "format": "tierckpt-shard",
+            "version": FORMAT_VERSION,
+            "step": job.step,
+            **({"timeline": job.timeline} if job.timeline else {}),
+            "rank": job.rank,
+            "world_size": job.world_size,
+            "checksum_algo": CHECKSUM_ALGO,
+            "codecs": tw.codecs,
+            "chunks": tw.records,
+            **job.laid_out.index_skeleton(),
+        }
+        blob = encode_index(index)
+        index_offset = tw.offset
+        t0 = time.perf_counter() if tw.emit else 0.0
+        tw.writer.write(index_offset, blob)
+        size = index_offset + len(blob) + FOOTER_SIZE
+        footer = Footer(index_offset, len(blob), checksum(blob), size)
+        tw.writer.write(index_offset + len(blob), footer.encode())
+        if tw.emit is not None:
+            tw.emit("write", len(blob) + FOOTER_SIZE, time.perf_counter() - t0)
+        if tw.writer.size != size:
+            raise FormatError(f"shard size {tw.writer.size} != expected {size}")
+        self._check_abandoned(job)
+        # publishing replaces whatever has this name: only while the location is still ours
+        self._leases.get(tier, job.rank).verify()
+        t0 = time.perf_counter()
+        tw.writer.commit()
+        seconds = time.perf_counter() - t0
+        tw.write_seconds += seconds
+        if tw.emit is not None:
+            tw.emit("sync", size, seconds)
+        self._source_done(tier, job, (job.shard, tw.records, tw.codecs), None)
+        if isinstance(tier.codec, SupportsObserve):  # the auto policy learns the link's speed
+            tier.codec.observe(tw.stored, tw.write_seconds)
+        tw.writer = None
+        ref = ShardRef(job.rank, job.shard, size, footer.index_checksum)
+        key = (job.step, tier.name)
+        with self._lock:  # the exit handler abandons under the same lock: commit or abandon
+            if self._abandoned:
+                raise self._abandoned_error(job)
+            self._committing.add(key)
+        t0 = time.perf_counter() if tw.emit else 0.0
+        try:
+            pending = self.commit(tier, job, ref, job.laid_out.data_bytes, tw.stored)
+        finally:
+            with self._lock:
+                self._committing.discard(key)
+        if tw.emit is not None:  # a deferred (multi-rank) commit: only its first part
+            tw.emit("commit", job.laid_out.data_bytes, time.perf_counter() - t0)
+        if pending is not None:
+            codecs = list(tw.codecs)
+            stored = tw.stored
+            pending.add_done_callback(lambda f: self._after_deferred(tier, job, stored, codecs, f))
+            return
+        self._after_commit(tier, job, tw.stored, tw.codecs, None)
+
+    def _source_done(
+        self,
+        tier: Tier,
+        job: SaveJob,
+        result: tuple[str, list[list[Any]], list[dict[str, Any]]] | None,
+        error: BaseException | None,
+    ) -> None:
+        """Hand this tier's durable file (or its failure) to the tiers that copy from it."""
+        for f in job.follows.values():
+            if f.source is tier and not f.done.done():
+                if error is not None:
+                    f.done.set_exception(error)
+                else:
+                    assert result is not None
+                    f.done.set_result(result)
+
+    def _copy_from_source(self, tier: Tier, job: SaveJob, tw: _TierWrite, follow: _Follow) -> None:
+        """Read the source tier's durable file chunk by chunk into this tier's writer."""
+        src = follow.source
+        try:
+            file, records, codecs = follow.done.result()
+        except BaseException as exc:
+            raise TierCkptError(
+                f"step {job.step}: tier {tier.name!r} copies from tier {src.name!r}, whose copy "
+                f"failed: {exc}"
+            ) from exc
+        chunks = job.laid_out.chunks
+        if len(records) != len(chunks):
+            raise FormatError(
+                f"step {job.step}: tier {src.name!r} wrote {len(records)} chunks, "
+                f"the plan has {len(chunks)}"
+            )
+        stored_buf: torch.Tensor | None = None
+        raw_buf: torch.Tensor | None = None
+        source_codecs = [codec_from_config(c) for c in codecs]
+        for i, fields in enumerate(records):
+            self._check_abandoned(job)
+            self._check_given_up(tier, job)
+            rec = ChunkRecord(*fields)
+            if stored_buf is None or stored_buf.numel() < rec.stored_size:
+                stored_buf = torch.empty(max(rec.stored_size, 1), dtype=torch.uint8)
+            stored = memoryview(stored_buf.numpy())[: rec.stored_size]  # type: ignore[arg-type]
+            where = f"tier {src.name!r} {src.backend.url}/{file}, read back for tier {tier.name!r}"
+            read_verified(src.backend, file, rec, i, stored, tier=src.name, where=where)
+            codec = source_codecs[rec.codec]
+            if codec.is_passthrough:
+                raw = stored
+            else:
+                if raw_buf is None or raw_buf.numel() < rec.raw_size:
+                    raw_buf = torch.empty(max(rec.raw_size, 1), dtype=torch.uint8)
+                raw = memoryview(raw_buf.numpy())[: rec.raw_size]  # type: ignore[arg-type]
+                codec.decode(stored, raw)
+            enc = _encode(tier.codec, chunks[i].dtype, raw, None, tw.emit)
+            self._append(tier, tw, chunks[i], enc)
+
+    def _after_deferred(
+        self,
+        tier: Tier,
+        job: SaveJob,
+        stored: int,
+        codecs: list[dict[str, Any]],
+        done: Future[None],
+    ) -> None:
+        try:
+            self._after_commit(tier, job, stored, codecs, done.exception())
+        except BaseException as exc:  # a callback's error would otherwise be lost
+            if not job.handle.done(tier.name):
+                self._finish(tier, job, None, exc)
+
+    def _after_commit(
+        self,
+        tier: Tier,
+        job: SaveJob,
+        stored: int,
+        codecs: list[dict[str, Any]],
+        error: BaseException | None,
+    ) -> None:
+        if error is not None:
+            self._finish(tier, job, None, error)
+            return
+        seconds = time.perf_counter() - job.handle.started
+        codec_desc = ",".join(sorted({c["id"] for c in codecs})) or "raw"
+        result = TierResult(
+            tier.name, job.step, job.laid_out.data_bytes, stored, seconds, codec_desc, job.timeline
+        )
+        log.info(
+            "committed %s on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
+            job.id,
+            tier.name,
+            result.raw_bytes,
+            seconds,
+            result.gbps,
+            codec_desc,
+            result.ratio,
+        )
+        # the owner says which ranks apply retention where; only while holding the lease
+        if self.retains(tier, job):
+            self._retain(tier, job)
+        self._finish(tier, job, result, None)
+
+    def _finish(
+        self,
+        tier: Tier,
+        job: SaveJob,
+        result: TierResult | None,
+        error: BaseException | None,
+        *,
+        outcome: str = "failed",
+        defer_hooks: bool = False,
+    ) -> None:
+        """Report ``tier``'s copy of ``job`` done: committed (``result``) or not (``error``,
+        counted as ``outcome``). ``defer_hooks``: the caller must not block (capture)."""
+        if error is not None:
+            if outcome == "skipped":
+                log.warning("%s", error)
+            else:
+                log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
+            hook = self.on_failure
+            if hook is not None:
+                # e.g. tell rank 0 not to wait for this rank (I/O on a tier that may hang)
+                err: BaseException = error
+                if defer_hooks:
+                    self.defer(lambda: hook(tier, job, err))
+                else:
+                    hook(tier, job, err)
+        with self._lock:
+            self._counts[tier.name]["committed" if error is None else outcome] += 1
+            self._unfollow_locked(tier.name, job)
+        if result is not None and self.on_result is not None:
+            self.on_result(result, job.handle)
+        job.handle._set_tier(tier.name, result, error)
+        if job.handle.done():
+            with self._lock:
+                if job in self._in_flight:
+                    self._in_flight.remove(job)
+            if job.plan is not None:
+                job.plan.sources.clear()
+            job.collected = None
