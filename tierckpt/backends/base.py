@@ -1,7 +1,7 @@
 """The storage backend contract.
 
 A *backend* is a plain storage driver: memory, a local filesystem, an S3 bucket. It knows
-nothing about checkpoints, tiers or threads; ``pipeline.py`` owns concurrency and calls
+nothing about checkpoints, tiers or threads; ``pipeline/`` owns concurrency and calls
 backends from several threads at once, so **every method must be thread-safe**.
 
 Names
@@ -29,7 +29,7 @@ Reading
     ``read_into`` fills a caller's buffer (zero-copy where possible). A missing object
     raises :class:`~tierckpt.errors.CheckpointNotFound` (a ``FileNotFoundError``).
 
-The calls a backend receives, in order (``pipeline.py``, ``restore.py``, ``retention.py``)
+The calls a backend receives, in order (``pipeline/``, ``restore.py``, ``retention.py``)
     Saving one checkpoint on a tier (the tier's writer thread, one job at a time; several
     tiers' threads and the pipeline's commit threads call other methods concurrently):
 
