@@ -1,367 +1,39 @@
-"""S3 backend: AWS S3 and S3-compatible servers (MinIO, SeaweedFS, moto).
-
-Writing a large object
-    ``open_writer`` streams a multipart upload. Bytes are copied into a part buffer; each full
-    part goes to the backend's small thread pool while the caller keeps writing. At most
-    ``max_concurrency`` parts are in flight across the whole backend and ``write`` blocks beyond
-    that (backpressure), so memory stays near ``(max_concurrency + open writers) * part_size``
-    whatever the object size. Part buffers are reused (fresh memory is slow to touch). An object
-    smaller than one part is a single PutObject. Any failure (a part that fails after retries,
-    a failed completion, ``abort()``) aborts the multipart upload, so no parts are orphaned.
-
-Small atomic objects
-    ``put_atomic`` is one PutObject, create-only with ``If-None-Match: *`` where the server
-    honours it. Whether it does is probed once (lazily) or configured; a server that ignores
-    the header gets a best-effort HEAD-then-PUT instead.
-
-Reading
-    Ranged GETs; a read larger than one part is split into parallel ranged GETs that fill the
-    caller's buffer in place. A response body cut off mid-stream is resumed from the first
-    missing byte.
-
-Retries and errors
-    botocore's ``standard`` retry mode retries throttling (503 SlowDown), 5xx and connection
-    errors, bounded by ``max_attempts`` (the first try included) and the connect/read timeouts,
-    so a stalled connection times out. With the defaults (4 attempts, 5 s to connect, 15 s
-    without a byte from the server) one call against a server that accepts connections and
-    never answers gives up after about 4 x 15 s = 60 s (4 x 5 s = 20 s when nothing accepts
-    connections); a call that is merely slow, but sends or receives bytes, is not cut off.
-    Training never waits for that: the pipeline's ``save_deadline`` bounds it. Errors are
-    translated once, here: ``NoSuchKey``/404 -> :class:`~tierckpt.errors.CheckpointNotFound`,
-    unsatisfiable or short ranges -> :class:`~tierckpt.errors.FormatError`, everything else ->
-    :class:`S3Error` (a :class:`~tierckpt.errors.BackendError` naming the bucket, key and S3
-    error code). Credentials never appear in messages or logs: every message that holds an
-    endpoint URL or a botocore error goes through :func:`tierckpt.redact.redact`
-    (``http://KEY:SECRET@host`` becomes ``http://***@host``), the chained botocore exception is
-    scrubbed the same way, and an ``s3://`` URL with credentials in it is refused.
-"""
+"""The S3 :class:`~tierckpt.backends.base.Backend`: capabilities, writes, reads, listing."""
 
 from __future__ import annotations
 
 import builtins
 import logging
-import random
 import secrets
 import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from typing import Any
-from urllib.parse import urlsplit
 
-import boto3
-from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    HTTPClientError,
     IncompleteReadError,
 )
-from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
+from tierckpt.backends.s3._client import PROBE_PREFIX, MiB, S3Connection
+from tierckpt.backends.s3._errors import (
+    _BODY_ERRORS,
+    _CONDITIONAL_REJECTED_CODES,
+    S3Error,
+    _error_info,
+)
+from tierckpt.backends.s3._writer import _S3Writer
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
-from tierckpt.redact import redact, refuse_credentials, scrub_exception
+from tierckpt.redact import redact, scrub_exception
 
-__all__ = ["MIN_PART_SIZE", "S3Backend", "S3Error"]
-
-log = logging.getLogger(__name__)
-
-MiB = 2**20
-#: S3's smallest part (all parts but the last) and largest part
-MIN_PART_SIZE = 5 * MiB
-MAX_PART_SIZE = 5 * 2**30
-MAX_PARTS = 10_000
-#: names of the objects used to probe conditional-put support; hidden from ``list``
-PROBE_PREFIX = ".tierckpt-probe-"
-
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-# the server refused If-None-Match itself (rather than the object)
-_CONDITIONAL_REJECTED_CODES = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest"})
-_AUTH_CODES = frozenset(
-    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
-)
-# failures while streaming a response body: resumed by _get_range
-_BODY_ERRORS: tuple[type[BaseException], ...] = (
-    HTTPClientError,  # ReadTimeoutError, ResponseStreamingError, ConnectionClosedError
-    BotoConnectionError,
-    IncompleteReadError,
-    OSError,
-)
+log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole backend
 
 
-class S3Error(BackendError):
-    """An S3 call failed after retries; ``code`` is the S3 error code (``SlowDown``, ...)."""
-
-    def __init__(
-        self, message: str, *, bucket: str = "", key: str = "", code: str = "", status: int = 0
-    ) -> None:
-        super().__init__(message)
-        self.bucket = bucket
-        self.key = key
-        self.code = code
-        self.status = status
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_s3_error, (str(self), self.bucket, self.key, self.code, self.status))
-
-
-def _rebuild_s3_error(message: str, bucket: str, key: str, code: str, status: int) -> S3Error:
-    return S3Error(message, bucket=bucket, key=key, code=code, status=status)
-
-
-def _error_info(exc: ClientError) -> tuple[str, int, str]:
-    err = exc.response.get("Error", {})
-    meta = exc.response.get("ResponseMetadata", {})
-    return str(err.get("Code", "")), int(meta.get("HTTPStatusCode", 0)), str(err.get("Message", ""))
-
-
-def _parse_location(url_or_bucket: str, prefix: str) -> tuple[str, str]:
-    refuse_credentials(url_or_bucket if "://" in url_or_bucket else f"s3://{url_or_bucket}")
-    if url_or_bucket.startswith("s3://"):
-        parts = urlsplit(url_or_bucket)
-        if parts.query or parts.fragment:
-            raise FormatError(
-                f"invalid S3 URL {redact(url_or_bucket)!r}: no query or fragment allowed"
-            )
-        bucket, url_prefix = parts.netloc, parts.path
-    else:
-        bucket, url_prefix = url_or_bucket, ""
-    if not bucket or "/" in bucket:
-        raise FormatError(f"invalid S3 bucket in {redact(url_or_bucket)!r}")
-    full = "/".join(p for p in (url_prefix.strip("/"), prefix.strip("/")) if p)
-    if full and any(c in ("", ".", "..") for c in full.split("/")):
-        raise FormatError(f"invalid S3 prefix {full!r}: empty, '.' or '..' components")
-    return bucket, full
-
-
-class _PartBuffers:
-    """A free list of part-sized buffers, so parts reuse warm memory."""
-
-    def __init__(self, size: int, keep: int) -> None:
-        self.size = size
-        self._keep = keep
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> bytearray:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return bytearray(self.size)
-
-    def give(self, buf: bytearray | None) -> None:
-        if buf is None or len(buf) != self.size:
-            return
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buf)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
-class _S3Writer(ObjectWriter):
-    """One multipart upload (or one PutObject for an object smaller than a part)."""
-
-    def __init__(self, backend: S3Backend, name: str, key: str) -> None:
-        super().__init__(name)
-        self._b = backend
-        self._key = key
-        self._where = f"s3://{backend.bucket}/{key}"
-        self._buf: bytearray | None = None
-        self._fill = 0
-        self._upload_id: str | None = None
-        self._next_part = 1
-        self._op_lock = threading.RLock()  # write / commit / abort, one at a time
-        self._lock = threading.Lock()  # parts, pending, failure (touched by workers)
-        self._parts: dict[int, dict[str, Any]] = {}
-        self._pending: set[Future[None]] = set()
-        self._failure: tuple[int, BaseException] | None = None
-        self._closed = False  # committed or aborted
-        self._aborted = False
-
-    # -- caller side ------------------------------------------------------------------
-    def write(self, offset: int, data: BytesLike) -> None:
-        with self._op_lock:
-            if self._closed:
-                raise BackendError(f"{self._where}: write after commit/abort")
-            self._check_sequential(offset)
-            view = memoryview(data).cast("B")
-            part_size = self._b.part_size
-            pos, total = 0, len(view)
-            try:
-                self._raise_if_failed()
-                while pos < total:
-                    if self._buf is None:
-                        self._buf = self._b._buffers.take()
-                    take = min(part_size - self._fill, total - pos)
-                    self._buf[self._fill : self._fill + take] = view[pos : pos + take]
-                    self._fill += take
-                    pos += take
-                    self.size += take
-                    if self._fill == part_size:
-                        self._submit_part()
-            except BaseException:
-                self.abort()  # no orphaned parts, whatever went wrong
-                raise
-
-    def commit(self) -> None:
-        with self._op_lock:
-            if self._closed:
-                raise BackendError(f"{self._where}: commit after commit/abort")
-            try:
-                if self._upload_id is None:
-                    body = bytes(memoryview(self._buf)[: self._fill]) if self._buf else b""
-                    self._release_buffer()
-                    self._b._call("put_object", self._key, Body=body)
-                else:
-                    if self._fill:
-                        self._submit_part()
-                    self._release_buffer()
-                    self._wait_pending()
-                    self._raise_if_failed()
-                    with self._lock:
-                        parts = [self._parts[n] for n in sorted(self._parts)]
-                    if len(parts) != self._next_part - 1:
-                        raise S3Error(
-                            f"{self._where}: {self._next_part - 1 - len(parts)} parts missing "
-                            "at completion",
-                            bucket=self._b.bucket,
-                            key=self._key,
-                        )
-                    self._b._call(
-                        "complete_multipart_upload",
-                        self._key,
-                        UploadId=self._upload_id,
-                        MultipartUpload={"Parts": parts},
-                    )
-            except BaseException:
-                self.abort()
-                raise
-            self._closed = True
-            log.debug("%s: committed %d bytes", self._where, self.size)
-
-    def abort(self) -> None:
-        with self._op_lock:
-            if self._aborted or self._closed:
-                return
-            self._aborted = self._closed = True
-            try:
-                with self._lock:
-                    pending = list(self._pending)
-                for fut in pending:
-                    fut.cancel()
-                wait(pending)  # each running part is bounded by timeouts and retries
-                self._release_buffer()
-                if self._upload_id is not None:
-                    self._b._abort_upload(self._key, self._upload_id)
-            except Exception as exc:  # abort never raises
-                log.warning("%s: abort failed: %s", self._where, redact(str(exc)))
-
-    # -- internals --------------------------------------------------------------------
-    def _release_buffer(self) -> None:
-        buf, self._buf, self._fill = self._buf, None, 0
-        self._b._buffers.give(buf)
-
-    def _raise_if_failed(self) -> None:
-        with self._lock:
-            failure = self._failure
-        if failure is None:
-            return
-        number, cause = failure
-        self.abort()
-        code = getattr(cause, "code", "") or type(cause).__name__
-        raise S3Error(
-            f"{self._where}: part {number} failed ({code}); multipart upload aborted: "
-            + redact(str(cause)),
-            bucket=self._b.bucket,
-            key=self._key,
-            code=code,
-            status=getattr(cause, "status", 0),
-        ) from cause
-
-    def _submit_part(self) -> None:
-        if self._upload_id is None:
-            resp = self._b._call("create_multipart_upload", self._key, **self._b._checksum_args)
-            self._upload_id = str(resp["UploadId"])
-            if resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
-                # CreateMultipartUpload is not idempotent: a retried create may have made an
-                # upload whose id we never saw; abort every other upload of this key
-                self._b._abort_other_uploads(self._key, self._upload_id)
-        number = self._next_part
-        if number > MAX_PARTS:
-            raise S3Error(
-                f"{self._where}: more than {MAX_PARTS} parts of {self._b.part_size} bytes; "
-                "use a larger part_size",
-                bucket=self._b.bucket,
-                key=self._key,
-            )
-        buf, length = self._buf, self._fill
-        assert buf is not None
-        self._buf, self._fill = None, 0
-        self._next_part += 1
-        slots = self._b._slots
-        slots.acquire()  # backpressure: released when an in-flight part finishes
-        try:
-            self._raise_if_failed()
-            fut = self._b._executor().submit(self._upload_part, number, buf, length)
-        except BaseException:
-            slots.release()
-            self._b._buffers.give(buf)
-            raise
-        with self._lock:
-            self._pending.add(fut)
-        fut.add_done_callback(lambda f: self._part_cancelled(f, buf))
-
-    def _part_cancelled(self, fut: Future[None], buf: bytearray) -> None:
-        with self._lock:
-            self._pending.discard(fut)
-        if fut.cancelled():  # never ran: _upload_part's finally did not release
-            self._b._slots.release()
-            self._b._buffers.give(buf)
-
-    def _upload_part(self, number: int, buf: bytearray, length: int) -> None:
-        try:
-            with self._lock:
-                skip = self._failure is not None or self._aborted
-            if skip:
-                return
-            # a full buffer goes as is; the (short) last part is copied once
-            body: bytes | bytearray = buf if length == len(buf) else bytes(memoryview(buf)[:length])
-            resp = self._b._call(
-                "upload_part",
-                self._key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=body,
-                **self._b._checksum_args,
-            )
-            entry: dict[str, Any] = {"PartNumber": number, "ETag": resp["ETag"]}
-            if "ChecksumCRC32" in resp and self._b._checksum_args:
-                entry["ChecksumCRC32"] = resp["ChecksumCRC32"]
-            with self._lock:
-                self._parts[number] = entry
-            log.debug("%s: part %d uploaded (%d bytes)", self._where, number, length)
-        except BaseException as exc:
-            with self._lock:
-                if self._failure is None:
-                    self._failure = (number, exc)
-            log.warning("%s: part %d failed: %s", self._where, number, redact(str(exc)))
-        finally:
-            self._b._slots.release()
-            self._b._buffers.give(buf)
-
-    def _wait_pending(self) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        wait(pending)
-
-
-class S3Backend(Backend):
-    """Objects under ``s3://bucket/prefix``; see the module docstring.
+class S3Backend(S3Connection, Backend):
+    """Objects under ``s3://bucket/prefix``; see :mod:`tierckpt.backends.s3`.
 
     ``endpoint_url`` defaults to boto3's ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``;
     credentials and region come from boto3's usual chain. ``max_attempts`` counts the first
@@ -385,54 +57,20 @@ class S3Backend(Backend):
         client: Any = None,
         conditional_put: bool | None = None,
     ) -> None:
-        if not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
-            raise FormatError(
-                f"part_size={part_size} is too small: S3 needs parts of at least "
-                f"{MIN_PART_SIZE} bytes (5 MiB)"
-            )
-        if part_size > MAX_PART_SIZE:
-            raise FormatError(f"part_size={part_size} exceeds S3's maximum of 5 GiB")
-        if max_concurrency < 1 or max_attempts < 1:
-            raise FormatError("max_concurrency and max_attempts must be at least 1")
-        self.bucket, self.prefix = _parse_location(url_or_bucket, prefix)
-        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self._root = f"{self.prefix}/" if self.prefix else ""
-        self.part_size = part_size
-        self.max_concurrency = max_concurrency
-        self.max_attempts = max_attempts
-        self._owns_client = client is None
-        if client is None:
-            config = Config(
-                retries={"total_max_attempts": max_attempts, "mode": "standard"},
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                max_pool_connections=max_concurrency + 4,
-                tcp_keepalive=True,
-            )
-            # a private session: boto3's default session is not thread-safe
-            session = boto3.session.Session()
-            try:
-                client = session.client(
-                    "s3", endpoint_url=endpoint_url, region_name=region, config=config
-                )
-            except ValueError as exc:  # botocore's "Invalid endpoint: <the URL>"
-                raise FormatError(f"S3 client for {self.url}: {redact(str(exc))}") from None
-        self._client: Any = client
-        # mirror s3transfer: CRC32 part checksums when the client computes them by default
-        self._checksum_args: dict[str, str] = (
-            {"ChecksumAlgorithm": "CRC32"}
-            if getattr(client.meta.config, "request_checksum_calculation", None) == "when_supported"
-            else {}
+        super().__init__(
+            url_or_bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            region=region,
+            part_size=part_size,
+            max_concurrency=max_concurrency,
+            max_attempts=max_attempts,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            client=client,
         )
         self._conditional = conditional_put
         self._probe_lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_concurrency)
-        self._buffers = _PartBuffers(part_size, keep=max_concurrency + 1)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-        self._thread_prefix = f"tierckpt-s3-{secrets.token_hex(3)}"
-        self._page_size: int | None = None  # listing page size; None: the server's (1000)
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"S3Backend({self.url!r}, part_size={self.part_size})"
@@ -458,101 +96,6 @@ class S3Backend(Backend):
     @property
     def is_remote(self) -> bool:
         return True
-
-    # -- plumbing -----------------------------------------------------------------------
-    def _key(self, name: str) -> str:
-        return self._root + validate_name(name)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._closed:
-                raise BackendError(f"{self.url}: backend is closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.max_concurrency, thread_name_prefix=self._thread_prefix
-                )
-            return self._pool
-
-    def _translate(self, exc: BaseException, what: str, key: str) -> BaseException:
-        """The error family's exception for a botocore error; no credentials in either."""
-        scrub_exception(exc)  # it stays chained as __cause__: tracebacks print it
-        where = f"s3://{self.bucket}/{key}"
-        if isinstance(exc, ClientError):
-            code, status, message = _error_info(exc)
-            if code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchUpload"):
-                if code == "NoSuchBucket":
-                    return S3Error(
-                        f"{where}: {what} failed: NoSuchBucket (404): create the bucket or "
-                        "check the URL",
-                        bucket=self.bucket,
-                        key=key,
-                        code=code,
-                        status=status,
-                    )
-                return CheckpointNotFound(f"{where} does not exist")
-            if code == "InvalidRange" or status == 416:
-                return FormatError(f"{where}: {what}: range not satisfiable (read past the end)")
-            hint = ""
-            if code in _AUTH_CODES or status == 403:
-                hint = " (check the credentials boto3 found: env, profile or instance role)"
-            return S3Error(
-                f"{where}: {what} failed: {code or status} ({status}): {redact(message)}{hint}",
-                bucket=self.bucket,
-                key=key,
-                code=code,
-                status=status,
-            )
-        if isinstance(exc, BotoCoreError):
-            return S3Error(
-                f"{where}: {what} failed after retries: {redact(str(exc))}",
-                bucket=self.bucket,
-                key=key,
-                code=type(exc).__name__,
-            )
-        return exc
-
-    def _call(self, op: str, key: str, **kwargs: Any) -> Any:
-        """One S3 call on ``key`` with errors translated (botocore does the retries)."""
-        try:
-            return getattr(self._client, op)(Bucket=self.bucket, Key=key, **kwargs)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._translate(exc, op, key) from exc
-
-    def _paginate(self, op: str, prefix: str, item: str) -> Iterable[dict[str, Any]]:
-        config = {"PageSize": self._page_size} if self._page_size else {}
-        try:
-            pages = self._client.get_paginator(op).paginate(
-                Bucket=self.bucket, Prefix=prefix, PaginationConfig=config
-            )
-            for page in pages:
-                yield from page.get(item, [])
-        except (ClientError, BotoCoreError) as exc:
-            raise self._translate(exc, op, prefix) from exc
-
-    def _abort_other_uploads(self, key: str, keep: str) -> None:
-        for upload in self._paginate("list_multipart_uploads", key, "Uploads"):
-            if str(upload["Key"]) == key and str(upload["UploadId"]) != keep:
-                self._abort_upload(key, str(upload["UploadId"]))
-
-    def _abort_upload(self, key: str, upload_id: str) -> bool:
-        try:
-            self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-        except ClientError as exc:
-            if _error_info(exc)[0] == "NoSuchUpload":
-                return False
-            log.warning(
-                "s3://%s/%s: abort of upload failed: %s", self.bucket, key, redact(str(exc))
-            )
-            return False
-        except BotoCoreError as exc:
-            log.warning(
-                "s3://%s/%s: abort of upload failed: %s", self.bucket, key, redact(str(exc))
-            )
-            return False
-        return True
-
-    def _backoff(self, attempt: int) -> None:
-        time.sleep(random.random() * min(2.0, 0.05 * 2**attempt))
 
     # -- writing -------------------------------------------------------------------------
     def open_writer(self, name: str) -> ObjectWriter:
