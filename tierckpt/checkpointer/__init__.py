@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tierckpt.checkpointer._checkpointer import Checkpointer
 
-# not public API, but once importable from here (`as`: re-exported)
+# importable from here before this module became a package; not public API (`as`: exported)
 # isort: off
 from tierckpt.checkpointer._checkpointer import (
     DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES,

@@ -61,7 +61,7 @@ from tierckpt.format._names import (
     step_prefix,
 )
 
-# not public API, but imported from here by the package and its tests (`as`: re-exported)
+# importable from here before this module became a package; not public API (`as`: exported)
 # isort: off
 from tierckpt.format._footer import (
     END_MAGIC as END_MAGIC,

@@ -52,7 +52,7 @@ from tierckpt.backends.s3._errors import (
     S3Error,
 )
 
-# not public API, but imported from here by the package and its tests (`as`: re-exported)
+# importable from here before this module became a package; not public API (`as`: exported)
 # isort: off
 from tierckpt.backends.s3._client import (
     MAX_PARTS as MAX_PARTS,
