@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tierckpt._types import JSON, BytesLike
+from tierckpt.codecs._byteplanes import _as_u8, _merge, _run_tasks, _split
 from tierckpt.codecs._nvcomp_cpu import (
     _cpu_compressor,
     _cpu_decompressor,
@@ -56,13 +57,7 @@ from tierckpt.codecs._nvcomp_framing import (
     parse_frame,
 )
 from tierckpt.codecs.base import Codec, register_codec
-from tierckpt.codecs.planes import (
-    FLOAT_ITEMSIZE,
-    _as_u8,
-    _merge,
-    _run_tasks,
-    _split,
-)
+from tierckpt.codecs.planes import FLOAT_ITEMSIZE
 from tierckpt.errors import CorruptChunk, UnknownCodec
 
 if TYPE_CHECKING:
