@@ -26,29 +26,38 @@ Pieces cut the body in order: with itemsize 1 the raw bytes; otherwise plane 0, 
 (each plane of raw_len // itemsize bytes cut separately), so every piece but the last of a
 plane holds exactly ``piece_bytes`` raw bytes. Without a GPU, :meth:`NvcompCodec.encode` uses
 the CPU library of a CPU-decodable algorithm and writes the same framing.
+
+The framing lives in ``_nvcomp_framing``, the CPU libraries in ``_nvcomp_cpu``; this module
+holds the codec and its access to the GPU and to nvCOMP.
 """
 
 from __future__ import annotations
 
-import struct
 import threading
-import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
-import zstandard
 
 from tierckpt._types import JSON, BytesLike
-from tierckpt.codecs.base import Codec, register_codec
-from tierckpt.codecs.planes import (
-    FLOAT_ITEMSIZE,
-    _as_u8,
-    _merge,
-    _run_tasks,
-    _split,
+from tierckpt.codecs._byteplanes import _as_u8, _merge, _run_tasks, _split
+from tierckpt.codecs._nvcomp_cpu import (
+    _cpu_compressor,
+    _cpu_decompressor,
 )
-from tierckpt.codecs.zstd import STRICT_FRAMES
+from tierckpt.codecs._nvcomp_framing import (
+    _ALIGN,
+    _HEADER,
+    _MAX_PIECE,
+    _U8,
+    ALGORITHMS,
+    _align,
+    _Layout,
+    assemble,
+    encode_header,
+    parse_frame,
+)
+from tierckpt.codecs.base import Codec, register_codec
+from tierckpt.codecs.planes import FLOAT_ITEMSIZE
 from tierckpt.errors import CorruptChunk, UnknownCodec
 
 if TYPE_CHECKING:
@@ -56,17 +65,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ALGORITHMS", "CPU_DECODABLE", "NvcompCodec"]
 
-#: algorithm names; the position is the id written into each chunk: never reorder, only append
-ALGORITHMS: tuple[str, ...] = (
-    "zstd",
-    "deflate",
-    "lz4",
-    "gdeflate",
-    "ans",
-    "bitcomp",
-    "cascaded",
-    "snappy",
-)
 #: algorithms whose RAW bitstream a standard CPU library decodes
 CPU_DECODABLE = frozenset({"zstd", "deflate", "lz4"})
 _NV_NAMES = {
@@ -90,16 +88,6 @@ def _package_name() -> str:
 
 
 _PACKAGE = _package_name()
-_MAGIC = b"TCNV"
-_VERSION = 1
-_HEADER = struct.Struct("<4sBBBBQII")
-_ALIGN = 16
-_MAX_PIECE = 1 << 24  # nvCOMP's largest chunk for zstd/lz4/ans; deflate needs <= 64 KiB
-_U8 = npt.NDArray[np.uint8]
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
 def _nvcomp() -> Any:
@@ -131,31 +119,6 @@ def _cuda_available() -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         return False
     return bool(torch.cuda.is_available())
-
-
-class _Layout:
-    """Where each piece sits in the raw chunk and in the stored chunk (from the header)."""
-
-    def __init__(self, raw_len: int, itemsize: int, piece_bytes: int) -> None:
-        self.raw_len = raw_len
-        self.itemsize = itemsize
-        self.n_elems = raw_len // itemsize if itemsize > 1 else raw_len
-        self.tail = raw_len - self.n_elems * itemsize if itemsize > 1 else 0
-        self.n_planes = itemsize if itemsize > 1 else 1
-        self.per_plane = -(-self.n_elems // piece_bytes) if self.n_elems else 0
-        self.piece_bytes = piece_bytes
-        self.n_pieces = self.per_plane * self.n_planes
-        #: stride between planes in a plane-major device buffer (keeps every piece aligned)
-        self.plane_stride = _align(self.n_elems)
-
-    def piece(self, i: int) -> tuple[int, int, int]:
-        """(plane, offset within the plane, raw length) of piece ``i``."""
-        plane, j = divmod(i, self.per_plane)
-        start = j * self.piece_bytes
-        return plane, start, min(self.piece_bytes, self.n_elems - start)
-
-    def header_len(self) -> int:
-        return _align(_HEADER.size + 4 * self.n_pieces)
 
 
 class NvcompCodec(Codec):
@@ -237,23 +200,7 @@ class NvcompCodec(Codec):
     # -- framing --------------------------------------------------------------------------
 
     def _header(self, layout: _Layout, stored: list[int]) -> bytes:
-        head = bytearray(layout.header_len())
-        _HEADER.pack_into(
-            head,
-            0,
-            _MAGIC,
-            _VERSION,
-            ALGORITHMS.index(self.algorithm),
-            self.itemsize,
-            0,
-            layout.raw_len,
-            self.piece_bytes,
-            layout.n_pieces,
-        )
-        head[_HEADER.size : _HEADER.size + 4 * layout.n_pieces] = np.asarray(
-            stored, "<u4"
-        ).tobytes()
-        return bytes(head)
+        return encode_header(layout, self.algorithm, self.itemsize, self.piece_bytes, stored)
 
     def _parse(
         self, src: _U8, raw_len: int, total: int | None = None
@@ -263,60 +210,10 @@ class NvcompCodec(Codec):
         ``src`` holds at least the header; ``total`` is the stored chunk's length (default
         ``src.size``), so a chunk that lives on the GPU is checked from its header alone.
         """
-        total = src.size if total is None else total
-        if min(src.size, total) < _HEADER.size:
-            raise CorruptChunk(f"nvcomp chunk of {total} bytes is shorter than its header")
-        magic, version, algo, itemsize, reserved, declared, piece_bytes, n_pieces = (
-            _HEADER.unpack_from(src.data, 0)
-        )
-        if magic != _MAGIC:
-            raise CorruptChunk(f"not an nvcomp chunk (magic {bytes(magic)!r})")
-        if version != _VERSION or reserved != 0:
-            raise CorruptChunk(f"nvcomp chunk version {version}/{reserved} is not supported")
-        if algo >= len(ALGORITHMS) or ALGORITHMS[algo] != self.algorithm:
-            raise CorruptChunk(f"nvcomp chunk algorithm id {algo} is not {self.algorithm!r}")
-        if itemsize != self.itemsize:
-            raise CorruptChunk(f"nvcomp chunk itemsize {itemsize}, codec expects {self.itemsize}")
-        if declared != raw_len:
-            raise CorruptChunk(f"nvcomp chunk declares {declared} bytes, expected {raw_len}")
-        if not _ALIGN <= piece_bytes <= _MAX_PIECE or piece_bytes % _ALIGN:
-            raise CorruptChunk(f"nvcomp chunk declares a piece size of {piece_bytes}")
-        layout = _Layout(raw_len, itemsize, piece_bytes)
-        if n_pieces != layout.n_pieces:
-            raise CorruptChunk(f"nvcomp chunk has {n_pieces} pieces, expected {layout.n_pieces}")
-        head_len = layout.header_len()
-        if min(src.size, total) < head_len:
-            raise CorruptChunk(f"nvcomp chunk of {total} bytes is truncated")
-        stored: list[int] = np.frombuffer(src, "<u4", n_pieces, _HEADER.size).tolist()
-        starts: list[int] = []
-        pos = head_len
-        for size in stored:
-            if size == 0:
-                raise CorruptChunk("nvcomp chunk holds an empty piece")
-            pos = _align(pos)
-            starts.append(pos)
-            pos += size
-        if pos + layout.tail != total:
-            raise CorruptChunk(
-                f"nvcomp chunk holds {total} bytes, its header accounts for {pos + layout.tail}"
-            )
-        return layout, starts, stored
+        return parse_frame(src, raw_len, total, algorithm=self.algorithm, itemsize=self.itemsize)
 
     def _assemble(self, layout: _Layout, pieces: list[bytes], tail: _U8) -> memoryview:
-        stored = [len(p) for p in pieces]
-        head = self._header(layout, stored)
-        total = len(head)
-        for n in stored:
-            total = _align(total) + n
-        out = np.zeros(total + tail.size, np.uint8)
-        out[: len(head)] = np.frombuffer(head, np.uint8)
-        pos = len(head)
-        for p in pieces:
-            pos = _align(pos)
-            out[pos : pos + len(p)] = np.frombuffer(p, np.uint8)
-            pos += len(p)
-        out[pos:] = tail
-        return out.data
+        return assemble(self._header(layout, [len(p) for p in pieces]), pieces, tail)
 
     # -- host entry points ----------------------------------------------------------------
 
@@ -557,98 +454,6 @@ class NvcompCodec(Codec):
         if layout.tail:
             assert dev_in is not None
             out[out.numel() - layout.tail :].copy_(dev_in[total - layout.tail :])
-
-
-# -- CPU libraries for the standard bitstreams ---------------------------------------------
-
-
-def _cpu_compressor(algorithm: str) -> Any:
-    if algorithm == "zstd":
-        local = threading.local()
-
-        def zstd_compress(piece: _U8) -> bytes:
-            c = getattr(local, "c", None)
-            if c is None:
-                c = local.c = zstandard.ZstdCompressor(level=1, write_content_size=True)
-            return bytes(c.compress(piece.data))
-
-        return zstd_compress
-    if algorithm == "deflate":
-
-        def deflate_compress(piece: _U8) -> bytes:
-            c = zlib.compressobj(1, zlib.DEFLATED, -15)
-            return c.compress(piece.data) + c.flush()
-
-        return deflate_compress
-    if algorithm == "lz4":
-        block = _lz4_block()
-
-        def lz4_compress(piece: _U8) -> bytes:
-            return bytes(block.compress(piece, store_size=False))
-
-        return lz4_compress
-    raise UnknownCodec(f"nvcomp {algorithm!r} has no CPU compressor")  # pragma: no cover
-
-
-def _lz4_block() -> Any:
-    try:
-        import lz4.block
-    except ImportError as exc:
-        raise UnknownCodec(
-            f"decoding nvcomp lz4 chunks on the CPU needs the package 'lz4': pip install lz4 "
-            f"({exc})"
-        ) from exc
-    return lz4.block
-
-
-def _cpu_decompressor(algorithm: str) -> Any:
-    if algorithm == "zstd":
-        return _unzstd_into
-    if algorithm == "deflate":
-        return _inflate_into
-    block = _lz4_block()
-
-    def lz4_into(piece: _U8, dest: _U8) -> None:
-        try:
-            result = block.decompress(piece, uncompressed_size=dest.size)
-        except Exception as exc:  # lz4.block raises LZ4BlockError, a bare Exception
-            raise CorruptChunk(f"lz4 piece failed to decode: {exc}") from exc
-        if len(result) != dest.size:
-            raise CorruptChunk(f"lz4 piece decoded to {len(result)} bytes, expected {dest.size}")
-        dest[:] = np.frombuffer(result, np.uint8)
-
-    return lz4_into
-
-
-def _unzstd_into(piece: _U8, dest: _U8) -> None:
-    try:
-        params = zstandard.get_frame_parameters(piece.data)
-        if params.content_size not in (dest.size, zstandard.CONTENTSIZE_UNKNOWN):
-            raise CorruptChunk(
-                f"zstd piece declares {params.content_size} bytes, expected {dest.size}"
-            )
-        if STRICT_FRAMES:
-            result = zstandard.ZstdDecompressor().decompress(
-                piece.data, max_output_size=dest.size, allow_extra_data=False
-            )
-        else:  # pragma: no cover - zstandard < 0.25
-            result = zstandard.ZstdDecompressor().decompress(piece.data, max_output_size=dest.size)
-    except zstandard.ZstdError as exc:
-        raise CorruptChunk(f"zstd piece failed to decode: {exc}") from exc
-    if len(result) != dest.size:
-        raise CorruptChunk(f"zstd piece decoded to {len(result)} bytes, expected {dest.size}")
-    dest[:] = np.frombuffer(result, np.uint8)
-
-
-def _inflate_into(piece: _U8, dest: _U8) -> None:
-    d = zlib.decompressobj(-15)
-    try:
-        result = d.decompress(piece.data, dest.size)
-    except zlib.error as exc:
-        raise CorruptChunk(f"deflate piece failed to decode: {exc}") from exc
-    if len(result) != dest.size or not d.eof or d.unconsumed_tail or d.unused_data:
-        raise CorruptChunk(f"deflate piece does not decode to exactly {dest.size} bytes")
-    dest[:] = np.frombuffer(result, np.uint8)
 
 
 register_codec(NvcompCodec)

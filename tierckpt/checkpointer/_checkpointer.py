@@ -1,4 +1,7 @@
-"""Checkpointer: save / load / wait / close — what users touch."""
+"""Checkpointer: save / load / wait / close — what users touch.
+
+The facade and the save half; loads run in :mod:`._loading`, what ``guard()`` learns lives in
+:mod:`._guarded`."""
 
 from __future__ import annotations
 
@@ -15,17 +18,17 @@ import torch
 from tierckpt import config
 from tierckpt.capture import record_ready_events
 from tierckpt.catalog import (
-    committed_ids,
     committed_steps,
-    lineage,
     newest_committed,
     steps_of,
     timeline_for,
 )
+from tierckpt.checkpointer._guarded import GuardedSources, as_modules
+from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
+from tierckpt.errors import CheckpointFailed
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline import (
@@ -41,14 +44,6 @@ from tierckpt.pipeline import (
 )
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec
-from tierckpt.restore import (
-    LoadedShard,
-    is_recoverable,
-    read_manifest,
-    read_shard,
-    restore_into,
-)
-from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
 from tierckpt.stats import CommitStats, StatsRecorder
 from tierckpt.tree import encode_metadata
 
@@ -57,8 +52,6 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger("tierckpt")
 
 DEFAULT_CHUNK_BYTES = config.DEFAULT_CHUNK_BYTES
-#: loads of the newest step: how often load() lists again when the step it chose vanishes
-LOAD_ATTEMPTS = 5
 
 
 class Checkpointer(PipelineOwner):
@@ -166,8 +159,7 @@ class Checkpointer(PipelineOwner):
         #: the newest checkpoint this object started saving
         self._last_saved: CheckpointId | None = None
         #: what guard() named: its tensors are captured lazily, the rest copied at save()
-        self._lazy = LazySources()
-        self._warned: set[str] = set()
+        self._guarded = GuardedSources()
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -254,7 +246,7 @@ class Checkpointer(PipelineOwner):
         if not tiers:
             return handle
         # before the ready events: on CUDA the copies are queued ahead of the capture's wait
-        collected.tensors = self._snapshot(collected.tensors, handle)
+        collected.tensors = self._guarded.snapshot(collected.tensors, handle)
         job = SaveJob(
             step=step,
             plan=None,
@@ -331,12 +323,12 @@ class Checkpointer(PipelineOwner):
         in the optimizer (a frozen base) are copied too, with a warning. Call it once per
         optimizer; the optimizer and modules are held weakly.
         """
-        modules = _as_modules(model)
+        modules = as_modules(model)
         if not callable(getattr(optimizer, "register_step_pre_hook", None)):
             raise TypeError(
                 f"guard() needs a torch.optim.Optimizer, got {type(optimizer).__qualname__}"
             )
-        self._lazy.add(optimizer, modules)
+        self._guarded.learn(optimizer, modules)
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
             self.wait_captured()
@@ -347,63 +339,7 @@ class Checkpointer(PipelineOwner):
         self, optimizer: torch.optim.Optimizer | None, modules: Sequence[torch.nn.Module] = ()
     ) -> None:
         """What ``guard()`` learns, for integrations that install their own wait (Lightning)."""
-        self._lazy.add(optimizer, modules)
-
-    def _snapshot(self, tensors: list[torch.Tensor], handle: SaveHandle) -> list[torch.Tensor]:
-        """Copy what the next forward pass may write (see :mod:`tierckpt.snapshot`)."""
-        if not self._lazy.guarded:
-            # nothing tells parameters from buffers: copying all would copy the model at
-            # every save, so the whole state stays lazy, as the caller's wait_captured() implies
-            if tensors:
-                self._warn_once(
-                    "no-guard",
-                    "save() without guard(): tierckpt cannot tell parameters from buffers, so "
-                    "the whole state is captured lazily and must not change until "
-                    "wait_captured() returns — but the next forward pass writes module buffers "
-                    "(BatchNorm statistics, counters), which may then be saved with their values "
-                    "from after save(). Call ck.guard(optimizer, model) once: buffers are then "
-                    "copied at save(), parameters and optimizer state captured lazily",
-                )
-            return tensors
-        snap = snapshot_eager(tensors, self._lazy.storages())
-        handle.eager_bytes = snap.eager_bytes
-        self._warn_eager(snap)
-        return snap.tensors
-
-    def _warn_eager(self, snap: Snapshot) -> None:
-        """Say, once each, when save() copied what may be parameters, and what to pass."""
-        mib = snap.eager_bytes / 2**20
-        large = snap.eager_bytes > EAGER_WARN_BYTES
-        if not self._lazy.has_modules:
-            if large:
-                self._warn_once(
-                    "optimizer-only-large",
-                    f"guard(optimizer) without the model: {mib:.0f} MiB of tensors that are not "
-                    "in the optimizer were copied at save() — frozen parameters are being "
-                    "copied eagerly at every save. ck.guard(optimizer, model) keeps them lazy",
-                )
-            elif snap.eager_tensors:
-                self._warn_once(
-                    "optimizer-only",
-                    f"guard(optimizer) without the model: {snap.eager_tensors} tensors "
-                    f"({mib:.1f} MiB) of the state are neither optimizer parameters nor "
-                    "optimizer state, so they were copied at save() (needed for buffers that "
-                    "forward writes, needless for frozen parameters). Pass the model, "
-                    "ck.guard(optimizer, model), so frozen parameters are captured lazily",
-                )
-        elif large:
-            self._warn_once(
-                "large",
-                f"{mib:.0f} MiB of tensors that are neither parameters of a guarded module nor "
-                "optimizer state were copied at save() (module buffers and loose tensors are). "
-                "If they change only in optimizer.step() (another model's weights), pass "
-                "their module too: ck.guard(optimizer, [model, other])",
-            )
-
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            log.warning("%s", message)
+        self._guarded.learn(optimizer, modules)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every in-flight save to finish on every tier (errors stay on handles).
@@ -424,15 +360,7 @@ class Checkpointer(PipelineOwner):
         the newest, what ``load()`` returns. After a rollback this includes the abandoned
         timeline's checkpoints that retention has not removed yet (older than every
         checkpoint of the newer timeline, whatever their step numbers)."""
-        if tier is not None:
-            return committed_ids(self._tier(tier).backend)
-        out: set[CheckpointId] = set()
-        for t in self._tiers:
-            try:
-                out.update(committed_ids(t.backend))
-            except TierCkptError as exc:
-                log.warning("cannot list tier %s: %s", t.name, exc)
-        return sorted(out)
+        return list_checkpoints(self._load_context(), tier)
 
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps: on ``tier``, or on any tier; one entry per step.
@@ -481,171 +409,37 @@ class Checkpointer(PipelineOwner):
         read, the tiers are listed again and the newest committed one is loaded instead (up to
         ``LOAD_ATTEMPTS`` times; single-rank jobs).
         """
-        seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
-        for attempt in range(LOAD_ATTEMPTS):
-            try:
-                return self._load_once(
-                    step,
-                    into=into,
-                    tier=tier,
-                    map_location=map_location,
-                    fallback=fallback,
-                    timeline=timeline,
-                )
-            except CheckpointNotFound:
-                if step is not None or self.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
-                    raise
-                try:
-                    newest = max(self.checkpoints(tier), default=None)
-                except TierCkptError:
-                    newest = None
-                if newest is None or newest == seen:
-                    raise  # nothing newer appeared: the step is really unreadable
-                seen = newest
-                log.info("load: the chosen step vanished (retention?); listing again")
-        raise AssertionError("unreachable")  # pragma: no cover
+        return load(
+            self._load_context(),
+            step,
+            into=into,
+            tier=tier,
+            map_location=map_location,
+            fallback=fallback,
+            timeline=timeline,
+        )
 
-    def _load_once(
-        self,
-        step: int | None,
-        *,
-        into: Any,
-        tier: str | None,
-        map_location: str | torch.device | None,
-        fallback: Literal["error", "previous"],
-        timeline: int | None,
-    ) -> Any:
-        """One listing of the tiers and one load of the step chosen from it."""
-        if fallback not in ("error", "previous"):
-            raise ValueError("fallback must be 'error' or 'previous'")
-        self._timeline = None  # the run may have gone back: the next save decides again
-        tiers = [self._tier(tier)] if tier is not None else self._tiers
-        listing: dict[str, list[CheckpointId]] = {}
-        for t in tiers:
-            try:
-                listing[t.name] = committed_ids(t.backend)
-            except TierCkptError as exc:
-                log.warning("cannot list tier %s: %s", t.name, exc)
-                listing[t.name] = []
-        all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
-        if timeline is not None:
-            all_ids = [c for c in all_ids if c.timeline == timeline]
-        where = ", ".join(t.name for t in tiers)
-        candidates: list[CheckpointId]
-        if step is not None:
-            holding = [c for c in all_ids if c.step == step]
-            what = f"step {step}" + (f" of timeline {timeline}" if timeline is not None else "")
-            missing = (
-                f"{what} is not committed on any tier ({where}); committed steps: "
-                f"{steps_of(all_ids)[-10:] or 'none'}"
-            )
-            if not holding:
-                # held by no tier here: the load fails (with several ranks: on every rank, in
-                # agree_on_step)
-                candidates = [CheckpointId(step, timeline or 0)]
-            else:
-                candidates = lineage(all_ids, holding[0]) if fallback == "previous" else holding[:1]
-        else:
-            missing = f"no committed checkpoint on any tier ({where})" + (
-                f" of timeline {timeline}" if timeline is not None else ""
-            )
-            candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
-        # every rank must load the same checkpoint: the newest all ranks can read
-        candidates = self._strategy.agree_on_step(candidates)
-        got: LoadedShard | None = None
-        try:
-            got = self._load_candidates(tiers, listing, candidates, missing)
-        finally:
-            # the copies to faster tiers become a checkpoint there; with several ranks only
-            # once every rank's file is in: a collective, reached by every rank whether its
-            # load worked or not
-            self._strategy.publish_repopulated(got)
-        return self._deliver(got, into, map_location)
+    def _load_context(self) -> LoadContext:
+        """What a load needs from this object, as it is now."""
+        return LoadContext(
+            tiers=self._tiers,
+            rank=self.rank,
+            world_size=self.world_size,
+            strategy=self._strategy,
+            tier_named=self._tier,
+            read_pool=self._get_read_pool,
+            forget_timeline=self._forget_timeline,
+        )
 
-    def _deliver(
-        self, loaded: LoadedShard, into: Any, map_location: str | torch.device | None
-    ) -> Any:
-        state = loaded.state
-        if map_location is not None:
-            state = _to_device(state, torch.device(map_location))
-        if into is not None:
-            return restore_into(into, state)
-        return state
-
-    def _load_candidates(
-        self,
-        tiers: list[Tier],
-        listing: dict[str, list[CheckpointId]],
-        candidates: list[CheckpointId],
-        missing: str,
-    ) -> LoadedShard:
-        """The first readable copy of the first candidate, tiers fastest first.
-        ``CheckpointNotFound(missing)`` where no tier holds any candidate."""
-        errors: list[str] = []
-        first_exc: BaseException | None = None
-        for cid in candidates:
-            holders = [t for t in tiers if cid in listing[t.name]]
-            for t in holders:
-                try:
-                    loaded = self._load_from(t, cid)
-                except BaseException as exc:
-                    if not is_recoverable(exc):
-                        raise
-                    first_exc = first_exc or exc
-                    errors.append(f"{cid} on tier {t.name!r}: {exc}")
-                    log.warning(
-                        "load of %s from tier %s failed, trying the next: %s", cid, t.name, exc
-                    )
-                    continue
-                log.info(
-                    "loaded %s from tier %s: %d bytes in %.3f s",
-                    cid,
-                    t.name,
-                    loaded.raw_bytes,
-                    loaded.seconds,
-                )
-                return loaded
-        if not errors:
-            raise CheckpointNotFound(missing)
-        msg = "no readable copy of the checkpoint: " + "; ".join(errors)
-        if isinstance(first_exc, CorruptCheckpoint):
-            raise CorruptCheckpoint(msg) from first_exc
-        if isinstance(first_exc, TierCkptError):
-            raise type(first_exc)(msg) from first_exc
-        raise CorruptCheckpoint(msg) from first_exc
-
-    def _load_from(self, tier: Tier, cid: CheckpointId) -> LoadedShard:
-        step = cid.step
-        manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
-        if manifest.world_size != self.world_size:
-            raise TierCkptError(
-                f"{cid} was saved by {manifest.world_size} ranks, this job has "
-                f"{self.world_size}; the native format needs the same world size — save with "
-                "tierckpt.dcp (torch.distributed.checkpoint) to reshard"
-            )
-        repop = []
-        if self._strategy.repopulates and tier.backend.is_remote:
-            for t in self._tiers:
-                if (
-                    t.backend.is_durable
-                    and not t.backend.is_remote
-                    and t.backend.supports_random_write
-                    and not t.backend.exists(manifest_name(step, timeline=cid.timeline))
-                ):
-                    repop.append(t.backend)
+    def _get_read_pool(self) -> ThreadPoolExecutor:
         if self._read_pool is None:
             self._read_pool = ThreadPoolExecutor(
                 max(2, self.io_threads * 2), thread_name_prefix="tierckpt-read"
             )
-        return read_shard(
-            tier.backend,
-            tier.name,
-            manifest,
-            self.rank,
-            self._read_pool,
-            repopulate=repop,
-            publish=False,  # the strategy's publish_repopulated commits the copies
-        )
+        return self._read_pool
+
+    def _forget_timeline(self) -> None:
+        self._timeline = None
 
     # -- stats / lifecycle ------------------------------------------------------------
     def tier_counts(self) -> dict[str, dict[str, int]]:
@@ -680,39 +474,9 @@ class Checkpointer(PipelineOwner):
             self._read_pool = None
 
 
-def _as_modules(
-    model: torch.nn.Module | Sequence[torch.nn.Module] | None,
-) -> list[torch.nn.Module]:
-    if model is None:
-        return []
-    try:
-        modules = [model] if isinstance(model, torch.nn.Module) else list(model)
-    except TypeError:
-        modules = [model]  # type: ignore[list-item]  # refused below with a clear message
-    for m in modules:
-        if not isinstance(m, torch.nn.Module):
-            raise TypeError(
-                f"guard(optimizer, model): model must be a torch.nn.Module or a list of them, "
-                f"got {type(m).__qualname__} (pass the module, not its parameters)"
-            )
-    return modules
-
-
 def _dist_rank_world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _to_device(state: Any, device: torch.device) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return type(state)((k, _to_device(v, device)) for k, v in state.items())
-    if isinstance(state, list):
-        return [_to_device(v, device) for v in state]
-    if isinstance(state, tuple):
-        return tuple(_to_device(v, device) for v in state)
-    return state

@@ -1,0 +1,348 @@
+"""The S3 :class:`~tierckpt.backends.base.Backend`: capabilities, writes, reads, listing."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, wait
+from typing import Any
+
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    IncompleteReadError,
+)
+
+from tierckpt._types import BytesLike
+from tierckpt.backends.base import Backend, ObjectWriter, validate_name
+from tierckpt.backends.s3._client import PROBE_PREFIX, MiB, S3Connection
+from tierckpt.backends.s3._errors import (
+    _BODY_ERRORS,
+    _CONDITIONAL_REJECTED_CODES,
+    S3Error,
+    _error_info,
+)
+from tierckpt.backends.s3._writer import _S3Writer
+from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
+from tierckpt.redact import redact, scrub_exception
+
+log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole backend
+
+
+class S3Backend(S3Connection, Backend):
+    """Objects under ``s3://bucket/prefix``; see :mod:`tierckpt.backends.s3`.
+
+    ``endpoint_url`` defaults to boto3's ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``;
+    credentials and region come from boto3's usual chain. ``max_attempts`` counts the first
+    try. ``conditional_put`` forces conditional-put support on or off instead of probing.
+    With ``client=`` (a boto3 S3 client) the retry, timeout and endpoint settings are the
+    client's own and the backend does not close it.
+    """
+
+    def __init__(
+        self,
+        url_or_bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        part_size: int = 8 * MiB,
+        max_concurrency: int = 8,
+        max_attempts: int = 4,
+        connect_timeout: float = 5,
+        read_timeout: float = 15,
+        client: Any = None,
+        conditional_put: bool | None = None,
+    ) -> None:
+        super().__init__(
+            url_or_bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            region=region,
+            part_size=part_size,
+            max_concurrency=max_concurrency,
+            max_attempts=max_attempts,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            client=client,
+        )
+        self._conditional = conditional_put
+        self._probe_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Backend({self.url!r}, part_size={self.part_size})"
+
+    # -- capabilities -------------------------------------------------------------------
+    @property
+    def supports_random_write(self) -> bool:
+        return False
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        """Whether the server honours ``If-None-Match: *`` (probed once, on first use)."""
+        if self._conditional is None:
+            with self._probe_lock:
+                if self._conditional is None:
+                    self._conditional = self._probe_conditional_put()
+        return self._conditional
+
+    @property
+    def is_durable(self) -> bool:
+        return True
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    # -- writing -------------------------------------------------------------------------
+    def open_writer(self, name: str) -> ObjectWriter:
+        key = self._key(name)
+        if self._closed:
+            raise BackendError(f"{self.url}: backend is closed")
+        return _S3Writer(self, name, key)
+
+    def put_atomic(self, name: str, data: BytesLike, *, overwrite: bool = False) -> None:
+        key = self._key(name)
+        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        if overwrite:
+            self._call("put_object", key, Body=body)
+            return
+        if self.supports_conditional_put:
+            for _ in range(3):
+                try:
+                    self._client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+                    return
+                except ClientError as exc:
+                    code, status, _ = _error_info(exc)
+                    if code == "PreconditionFailed" or status == 412:
+                        if self._own_retried_put(exc, key, body):
+                            return
+                        raise FileExistsError(f"s3://{self.bucket}/{key} already exists") from None
+                    if code == "ConditionalRequestConflict" or status == 409:
+                        time.sleep(0.05)  # a concurrent create is in flight; S3 says retry
+                        continue
+                    if code in _CONDITIONAL_REJECTED_CODES or status == 501:
+                        log.warning("%s: server rejects If-None-Match; using HEAD+PUT", self.url)
+                        self._conditional = False
+                        break
+                    raise self._translate(exc, "put_object", key) from exc
+                except BotoCoreError as exc:
+                    raise self._translate(exc, "put_object", key) from exc
+            else:
+                raise FileExistsError(f"s3://{self.bucket}/{key} is being created concurrently")
+        # best effort: two writers racing here may both succeed
+        if self.exists(name):
+            raise FileExistsError(f"s3://{self.bucket}/{key} already exists")
+        self._call("put_object", key, Body=body)
+
+    def _own_retried_put(self, exc: ClientError, key: str, body: bytes | bytearray) -> bool:
+        """A 412 after botocore retried may be our own first attempt having landed."""
+        if not exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+            return False
+        try:
+            existing = self._call("get_object", key)["Body"].read()
+        except (CheckpointNotFound, S3Error):
+            return False
+        return bool(existing == body)
+
+    def _probe_conditional_put(self) -> bool:
+        key = self._root + PROBE_PREFIX + secrets.token_hex(8)
+        try:
+            for attempt in (1, 2):
+                try:
+                    self._client.put_object(Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
+                except ClientError as exc:
+                    code, status, _ = _error_info(exc)
+                    if attempt == 2 and (code == "PreconditionFailed" or status == 412):
+                        log.debug("%s: server honours If-None-Match", self.url)
+                        return True
+                    if code in _CONDITIONAL_REJECTED_CODES or status in (400, 501):
+                        log.info("%s: server rejects If-None-Match (%s)", self.url, code)
+                        return False
+                    raise self._translate(exc, "put_object (conditional probe)", key) from exc
+                except BotoCoreError as exc:
+                    raise self._translate(exc, "put_object (conditional probe)", key) from exc
+            log.info("%s: server ignores If-None-Match; create-only puts are best effort", self.url)
+            return False
+        finally:
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=key)
+            except (ClientError, BotoCoreError) as exc:
+                log.warning(
+                    "%s: could not delete probe object %s: %s", self.url, key, redact(str(exc))
+                )
+
+    # -- reading -------------------------------------------------------------------------
+    def read(self, name: str, offset: int, length: int) -> BytesLike:
+        if length < 0:
+            raise FormatError(f"{self.url}/{name}: negative read length {length}")
+        buf = bytearray(length)
+        self.read_into(name, offset, memoryview(buf))
+        return buf
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        key = self._key(name)
+        if offset < 0:
+            raise FormatError(f"{self.url}/{name}: negative offset {offset}")
+        if out.format != "B" or out.ndim != 1:
+            out = out.cast("B")
+        length = len(out)
+        if length == 0:
+            size = self.size(name)
+            if offset > size:
+                raise FormatError(f"{self.url}/{name}: offset {offset} past its end ({size})")
+            return
+        step = self.part_size
+        nested = threading.current_thread().name.startswith(self._thread_prefix)
+        if length <= step or nested:
+            self._get_range(key, offset, out)
+            return
+        futures = [
+            self._executor().submit(self._get_range, key, offset + s, out[s : s + step])
+            for s in range(0, length, step)
+        ]
+        done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
+        errors = [e for f in done if not f.cancelled() and (e := f.exception()) is not None]
+        if errors:
+            for f in not_done:
+                f.cancel()
+            wait(not_done)  # nothing may write into ``out`` after we return
+            # a missing object or a read past the end says more than a transport error
+            for kind in (CheckpointNotFound, FormatError):
+                for e in errors:
+                    if isinstance(e, kind):
+                        raise e
+            raise errors[0]
+
+    def _get_range(self, key: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``key`` from ``start``; resume a cut-off body."""
+        need, got, attempt = len(out), 0, 0
+        while got < need:
+            first, last = start + got, start + need - 1
+            resp = self._call("get_object", key, Range=f"bytes={first}-{last}")
+            body = resp["Body"]
+            try:
+                self._check_range(key, resp, first, last)
+                while got < need:
+                    n = body.readinto(out[got:])
+                    if not n:
+                        raise IncompleteReadError(actual_bytes=got, expected_bytes=need)
+                    got += n
+            except _BODY_ERRORS as exc:
+                scrub_exception(exc)
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    raise S3Error(
+                        f"s3://{self.bucket}/{key}: reading bytes {first}-{last} failed after "
+                        f"{attempt} attempts: {redact(str(exc))}",
+                        bucket=self.bucket,
+                        key=key,
+                        code=type(exc).__name__,
+                    ) from exc
+                log.debug(
+                    "s3://%s/%s: body cut at %d (%s); resuming", self.bucket, key, got, exc
+                )  # exc is scrubbed above
+                self._backoff(attempt)
+            finally:
+                body.close()
+
+    def _check_range(self, key: str, resp: dict[str, Any], first: int, last: int) -> None:
+        want = last - first + 1
+        length = int(resp.get("ContentLength", -1))
+        content_range = str(resp.get("ContentRange", ""))
+        total = -1
+        if content_range.startswith("bytes "):
+            span, _, total_s = content_range[6:].partition("/")
+            begin = span.partition("-")[0]
+            if begin.isdigit() and int(begin) != first:
+                raise FormatError(
+                    f"s3://{self.bucket}/{key}: asked for bytes from {first}, got {content_range}"
+                )
+            total = int(total_s) if total_s.isdigit() else -1
+        elif first != 0:
+            raise FormatError(f"s3://{self.bucket}/{key}: server ignored the Range header")
+        if length < want:
+            end = total if total >= 0 else first + max(length, 0)
+            raise FormatError(
+                f"s3://{self.bucket}/{key}: read of bytes {first}-{last} past its end ({end})"
+            )
+        if length > want:
+            raise FormatError(
+                f"s3://{self.bucket}/{key}: asked for {want} bytes, server sent {length}"
+            )
+
+    def get(self, name: str) -> bytes:
+        """The whole object in one GET (resumed with ranged GETs if the body is cut off)."""
+        key = self._key(name)
+        resp = self._call("get_object", key)
+        body = resp["Body"]
+        out = bytearray(int(resp["ContentLength"]))
+        view = memoryview(out)
+        got = 0
+        try:
+            while got < len(out):
+                n = body.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        except _BODY_ERRORS as exc:
+            log.debug(
+                "s3://%s/%s: body cut at %d (%s); resuming", self.bucket, key, got, redact(str(exc))
+            )
+        finally:
+            body.close()
+        if got < len(out):
+            self._get_range(key, got, view[got:])
+        return bytes(out)
+
+    def size(self, name: str) -> int:
+        return int(self._call("head_object", self._key(name))["ContentLength"])
+
+    def list(self, prefix: str = "") -> list[str]:
+        cut = len(self._root)
+        names = []
+        for obj in self._paginate("list_objects_v2", self._root + prefix, "Contents"):
+            rel = str(obj["Key"])[cut:]
+            if rel.startswith(PROBE_PREFIX):
+                continue
+            try:
+                names.append(validate_name(rel))
+            except FormatError:
+                log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
+        return sorted(names)
+
+    def delete(self, name: str) -> None:
+        try:
+            self._call("delete_object", self._key(name))
+        except CheckpointNotFound:
+            pass
+
+    def incomplete(self, prefix: str = "") -> builtins.list[str]:
+        cut = len(self._root)
+        keys = {
+            str(u["Key"])[cut:]
+            for u in self._paginate("list_multipart_uploads", self._root + prefix, "Uploads")
+        }
+        return sorted(keys)
+
+    def cleanup_incomplete(self, prefix: str = "") -> int:
+        removed = 0
+        for upload in self._paginate("list_multipart_uploads", self._root + prefix, "Uploads"):
+            if self._abort_upload(str(upload["Key"]), str(upload["UploadId"])):
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._buffers.clear()
+        if self._owns_client:
+            self._client.close()

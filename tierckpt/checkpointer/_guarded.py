@@ -1,0 +1,106 @@
+"""What ``guard()`` tells ``save()``: which tensors may be captured lazily, which are copied at
+``save()`` (see :mod:`tierckpt.snapshot`), and the one-time warnings when that copy looks like
+parameters that should have stayed lazy."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from tierckpt.handle import SaveHandle
+from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
+
+__all__ = ["GuardedSources", "as_modules"]
+
+log = logging.getLogger("tierckpt")
+
+
+class GuardedSources:
+    """The optimizers and modules ``guard()`` named (held weakly) and the warnings given."""
+
+    def __init__(self) -> None:
+        #: what guard() named: its tensors are captured lazily, the rest copied at save()
+        self._lazy = LazySources()
+        self._warned: set[str] = set()
+
+    def learn(
+        self, optimizer: torch.optim.Optimizer | None, modules: Sequence[torch.nn.Module] = ()
+    ) -> None:
+        """Add what ``guard(optimizer, model)`` named."""
+        self._lazy.add(optimizer, modules)
+
+    def snapshot(self, tensors: list[torch.Tensor], handle: SaveHandle) -> list[torch.Tensor]:
+        """Copy what the next forward pass may write (see :mod:`tierckpt.snapshot`)."""
+        if not self._lazy.guarded:
+            # nothing tells parameters from buffers: copying all would copy the model at
+            # every save, so the whole state stays lazy, as the caller's wait_captured() implies
+            if tensors:
+                self._warn_once(
+                    "no-guard",
+                    "save() without guard(): tierckpt cannot tell parameters from buffers, so "
+                    "the whole state is captured lazily and must not change until "
+                    "wait_captured() returns — but the next forward pass writes module buffers "
+                    "(BatchNorm statistics, counters), which may then be saved with their values "
+                    "from after save(). Call ck.guard(optimizer, model) once: buffers are then "
+                    "copied at save(), parameters and optimizer state captured lazily",
+                )
+            return tensors
+        snap = snapshot_eager(tensors, self._lazy.storages())
+        handle.eager_bytes = snap.eager_bytes
+        self._warn_eager(snap)
+        return snap.tensors
+
+    def _warn_eager(self, snap: Snapshot) -> None:
+        """Say, once each, when save() copied what may be parameters, and what to pass."""
+        mib = snap.eager_bytes / 2**20
+        large = snap.eager_bytes > EAGER_WARN_BYTES
+        if not self._lazy.has_modules:
+            if large:
+                self._warn_once(
+                    "optimizer-only-large",
+                    f"guard(optimizer) without the model: {mib:.0f} MiB of tensors that are not "
+                    "in the optimizer were copied at save() — frozen parameters are being "
+                    "copied eagerly at every save. ck.guard(optimizer, model) keeps them lazy",
+                )
+            elif snap.eager_tensors:
+                self._warn_once(
+                    "optimizer-only",
+                    f"guard(optimizer) without the model: {snap.eager_tensors} tensors "
+                    f"({mib:.1f} MiB) of the state are neither optimizer parameters nor "
+                    "optimizer state, so they were copied at save() (needed for buffers that "
+                    "forward writes, needless for frozen parameters). Pass the model, "
+                    "ck.guard(optimizer, model), so frozen parameters are captured lazily",
+                )
+        elif large:
+            self._warn_once(
+                "large",
+                f"{mib:.0f} MiB of tensors that are neither parameters of a guarded module nor "
+                "optimizer state were copied at save() (module buffers and loose tensors are). "
+                "If they change only in optimizer.step() (another model's weights), pass "
+                "their module too: ck.guard(optimizer, [model, other])",
+            )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("%s", message)
+
+
+def as_modules(
+    model: torch.nn.Module | Sequence[torch.nn.Module] | None,
+) -> list[torch.nn.Module]:
+    if model is None:
+        return []
+    try:
+        modules = [model] if isinstance(model, torch.nn.Module) else list(model)
+    except TypeError:
+        modules = [model]  # type: ignore[list-item]  # refused below with a clear message
+    for m in modules:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(
+                f"guard(optimizer, model): model must be a torch.nn.Module or a list of them, "
+                f"got {type(m).__qualname__} (pass the module, not its parameters)"
+            )
+    return modules

@@ -1,0 +1,255 @@
+"""The load half of :class:`~tierckpt.Checkpointer`: list the tiers, choose the checkpoint
+(with the job's other ranks), read the first readable copy, fastest tier first.
+
+The facade hands each call a :class:`LoadContext` built at that call, so that what a load sees
+(tiers, commit strategy) is what the checkpointer holds at that moment.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from tierckpt.catalog import committed_ids, lineage, steps_of
+from tierckpt.commit import CommitStrategy
+from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
+from tierckpt.format import CheckpointId, manifest_name
+from tierckpt.pipeline import Tier
+from tierckpt.restore import (
+    LoadedShard,
+    is_recoverable,
+    read_manifest,
+    read_shard,
+    restore_into,
+)
+
+__all__ = ["LOAD_ATTEMPTS", "LoadContext", "list_checkpoints", "load"]
+
+log = logging.getLogger("tierckpt")
+
+#: loads of the newest step: how often load() lists again when the step it chose vanishes
+LOAD_ATTEMPTS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class LoadContext:
+    """What a load needs from its checkpointer, taken at each call."""
+
+    tiers: Sequence[Tier]
+    rank: int
+    world_size: int
+    strategy: CommitStrategy
+    #: the tier of this name (``KeyError`` naming the tiers for any other)
+    tier_named: Callable[[str], Tier]
+    #: the pool shard reads run on (created at the first load)
+    read_pool: Callable[[], ThreadPoolExecutor]
+    #: called once the arguments are checked: the next save chooses its timeline again
+    forget_timeline: Callable[[], None]
+
+
+def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
+    """Committed checkpoints on ``tier`` or on any tier, oldest first (see
+    :meth:`~tierckpt.Checkpointer.checkpoints`)."""
+    if tier is not None:
+        return committed_ids(ctx.tier_named(tier).backend)
+    out: set[CheckpointId] = set()
+    for t in ctx.tiers:
+        try:
+            out.update(committed_ids(t.backend))
+        except TierCkptError as exc:
+            log.warning("cannot list tier %s: %s", t.name, exc)
+    return sorted(out)
+
+
+def load(
+    ctx: LoadContext,
+    step: int | None,
+    *,
+    into: Any,
+    tier: str | None,
+    map_location: str | torch.device | None,
+    fallback: Literal["error", "previous"],
+    timeline: int | None,
+) -> Any:
+    """:meth:`~tierckpt.Checkpointer.load`: one listing and load, listed again (up to
+    ``LOAD_ATTEMPTS`` times, single-rank jobs) when retention removed the chosen checkpoint
+    while it was being read."""
+    seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
+    for attempt in range(LOAD_ATTEMPTS):
+        try:
+            return _load_once(
+                ctx,
+                step,
+                into=into,
+                tier=tier,
+                map_location=map_location,
+                fallback=fallback,
+                timeline=timeline,
+            )
+        except CheckpointNotFound:
+            if step is not None or ctx.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
+                raise
+            try:
+                newest = max(list_checkpoints(ctx, tier), default=None)
+            except TierCkptError:
+                newest = None
+            if newest is None or newest == seen:
+                raise  # nothing newer appeared: the step is really unreadable
+            seen = newest
+            log.info("load: the chosen step vanished (retention?); listing again")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_once(
+    ctx: LoadContext,
+    step: int | None,
+    *,
+    into: Any,
+    tier: str | None,
+    map_location: str | torch.device | None,
+    fallback: Literal["error", "previous"],
+    timeline: int | None,
+) -> Any:
+    """One listing of the tiers and one load of the step chosen from it."""
+    if fallback not in ("error", "previous"):
+        raise ValueError("fallback must be 'error' or 'previous'")
+    ctx.forget_timeline()  # the run may have gone back: the next save decides again
+    tiers = [ctx.tier_named(tier)] if tier is not None else list(ctx.tiers)
+    listing: dict[str, list[CheckpointId]] = {}
+    for t in tiers:
+        try:
+            listing[t.name] = committed_ids(t.backend)
+        except TierCkptError as exc:
+            log.warning("cannot list tier %s: %s", t.name, exc)
+            listing[t.name] = []
+    all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
+    if timeline is not None:
+        all_ids = [c for c in all_ids if c.timeline == timeline]
+    where = ", ".join(t.name for t in tiers)
+    candidates: list[CheckpointId]
+    if step is not None:
+        holding = [c for c in all_ids if c.step == step]
+        what = f"step {step}" + (f" of timeline {timeline}" if timeline is not None else "")
+        missing = (
+            f"{what} is not committed on any tier ({where}); committed steps: "
+            f"{steps_of(all_ids)[-10:] or 'none'}"
+        )
+        if not holding:
+            # held by no tier here: the load fails (with several ranks: on every rank, in
+            # agree_on_step)
+            candidates = [CheckpointId(step, timeline or 0)]
+        else:
+            candidates = lineage(all_ids, holding[0]) if fallback == "previous" else holding[:1]
+    else:
+        missing = f"no committed checkpoint on any tier ({where})" + (
+            f" of timeline {timeline}" if timeline is not None else ""
+        )
+        candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
+    # every rank must load the same checkpoint: the newest all ranks can read
+    candidates = ctx.strategy.agree_on_step(candidates)
+    got: LoadedShard | None = None
+    try:
+        got = _load_candidates(ctx, tiers, listing, candidates, missing)
+    finally:
+        # the copies to faster tiers become a checkpoint there; with several ranks only
+        # once every rank's file is in: a collective, reached by every rank whether its
+        # load worked or not
+        ctx.strategy.publish_repopulated(got)
+    return _deliver(got, into, map_location)
+
+
+def _deliver(loaded: LoadedShard, into: Any, map_location: str | torch.device | None) -> Any:
+    state = loaded.state
+    if map_location is not None:
+        state = _to_device(state, torch.device(map_location))
+    if into is not None:
+        return restore_into(into, state)
+    return state
+
+
+def _load_candidates(
+    ctx: LoadContext,
+    tiers: list[Tier],
+    listing: dict[str, list[CheckpointId]],
+    candidates: list[CheckpointId],
+    missing: str,
+) -> LoadedShard:
+    """The first readable copy of the first candidate, tiers fastest first.
+    ``CheckpointNotFound(missing)`` where no tier holds any candidate."""
+    errors: list[str] = []
+    first_exc: BaseException | None = None
+    for cid in candidates:
+        holders = [t for t in tiers if cid in listing[t.name]]
+        for t in holders:
+            try:
+                loaded = _load_from(ctx, t, cid)
+            except BaseException as exc:
+                if not is_recoverable(exc):
+                    raise
+                first_exc = first_exc or exc
+                errors.append(f"{cid} on tier {t.name!r}: {exc}")
+                log.warning("load of %s from tier %s failed, trying the next: %s", cid, t.name, exc)
+                continue
+            log.info(
+                "loaded %s from tier %s: %d bytes in %.3f s",
+                cid,
+                t.name,
+                loaded.raw_bytes,
+                loaded.seconds,
+            )
+            return loaded
+    if not errors:
+        raise CheckpointNotFound(missing)
+    msg = "no readable copy of the checkpoint: " + "; ".join(errors)
+    if isinstance(first_exc, CorruptCheckpoint):
+        raise CorruptCheckpoint(msg) from first_exc
+    if isinstance(first_exc, TierCkptError):
+        raise type(first_exc)(msg) from first_exc
+    raise CorruptCheckpoint(msg) from first_exc
+
+
+def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
+    step = cid.step
+    manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
+    if manifest.world_size != ctx.world_size:
+        raise TierCkptError(
+            f"{cid} was saved by {manifest.world_size} ranks, this job has "
+            f"{ctx.world_size}; the native format needs the same world size — save with "
+            "tierckpt.dcp (torch.distributed.checkpoint) to reshard"
+        )
+    repop = []
+    if ctx.strategy.repopulates and tier.backend.is_remote:
+        for t in ctx.tiers:
+            if (
+                t.backend.is_durable
+                and not t.backend.is_remote
+                and t.backend.supports_random_write
+                and not t.backend.exists(manifest_name(step, timeline=cid.timeline))
+            ):
+                repop.append(t.backend)
+    return read_shard(
+        tier.backend,
+        tier.name,
+        manifest,
+        ctx.rank,
+        ctx.read_pool(),
+        repopulate=repop,
+        publish=False,  # the strategy's publish_repopulated commits the copies
+    )
+
+
+def _to_device(state: Any, device: torch.device) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return type(state)((k, _to_device(v, device)) for k, v in state.items())
+    if isinstance(state, list):
+        return [_to_device(v, device) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_to_device(v, device) for v in state)
+    return state

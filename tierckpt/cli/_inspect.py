@@ -1,0 +1,298 @@
+"""The commands that read what is stored: ``ls``, ``inspect``, ``verify``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tierckpt.cli._common import (
+    fmt_bytes,
+    fmt_time,
+    opened,
+    progress_bar,
+    table,
+)
+from tierckpt.errors import CorruptChunk, TierCkptError
+from tierckpt.redact import redact
+
+
+def _lease_doc(info: Any) -> dict[str, Any]:
+    rec = info.record
+    doc: dict[str, Any] = {"rank": info.rank, "alive": info.alive, "why": info.why}
+    if rec is not None:
+        doc.update(
+            owner=rec.owner,
+            host=rec.host,
+            pid=rec.pid,
+            started=rec.started,
+            renewed=rec.renewed,
+            ttl=rec.ttl,
+        )
+    return doc
+
+
+def _status(c: Any, newest: Any) -> str:
+    """``newest`` (what a load returns), ``abandoned`` (an older timeline's) or empty."""
+    return "newest" if c.id == newest else "abandoned" if c.abandoned else ""
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
+
+    with opened(args, args.url) as backend:
+        listed = list_checkpoints(backend)
+        pending = uncommitted_ids(backend)
+        writers = leases(backend)
+    newest = listed[-1].id if listed else None
+    if args.json:
+        doc = [
+            {"step": c.step, "timeline": c.timeline, "abandoned": c.abandoned, "error": c.error}
+            if c.manifest is None
+            else {
+                "step": c.step,
+                "timeline": c.timeline,
+                "abandoned": c.abandoned,
+                "created": c.manifest.created,
+                "tier": c.manifest.tier,
+                "world_size": c.manifest.world_size,
+                "raw_bytes": c.manifest.raw_bytes,
+                "stored_bytes": c.manifest.stored_bytes,
+                "codecs": list(c.manifest.codecs),
+                "files": sum(s.size for s in c.manifest.shards),
+            }
+            for c in listed
+        ]
+        json.dump(
+            {
+                "url": backend.url,
+                "checkpoints": doc,
+                "uncommitted": sorted({c.step for c in pending}),
+                "uncommitted_checkpoints": [
+                    {"step": c.step, "timeline": c.timeline} for c in pending
+                ],
+                "leases": [_lease_doc(w) for w in writers],
+            },
+            sys.stdout,
+            indent=1,
+        )
+        sys.stdout.write("\n")
+        return _unreadable(listed)
+    if not listed:
+        print(f"{backend.url}: no committed checkpoint")
+    else:
+        rows = []
+        for c in listed:
+            m = c.manifest
+            if m is None:
+                rows.append(
+                    [
+                        c.step,
+                        "unreadable",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        c.error,
+                        c.timeline,
+                        _status(c, newest),
+                    ]
+                )
+                continue
+            ratio = m.raw_bytes / m.stored_bytes if m.stored_bytes else 1.0
+            rows.append(
+                [
+                    m.step,
+                    fmt_time(m.created),
+                    fmt_bytes(m.raw_bytes),
+                    fmt_bytes(m.stored_bytes),
+                    f"{ratio:.2f}x",
+                    m.world_size,
+                    m.tier or "?",
+                    ",".join(m.codecs) or "?",
+                    c.timeline,
+                    _status(c, newest),
+                ]
+            )
+        table(
+            rows,
+            [
+                "STEP",
+                "CREATED",
+                "RAW",
+                "STORED",
+                "RATIO",
+                "RANKS",
+                "TIER",
+                "CODECS",
+                "TIMELINE",
+                "STATUS",
+            ],
+            sys.stdout,
+            right=(0, 2, 3, 4, 5, 8),
+        )
+        if any(c.abandoned for c in listed):
+            print(
+                "abandoned: checkpoints of an older timeline (the run went back to an older "
+                "step and went on from there); retention removes them first, as older"
+            )
+    if pending:
+        print(
+            f"uncommitted (in progress, or leftovers of killed saves): "
+            f"{', '.join(map(id_text, pending))}"
+        )
+    for w in writers:
+        print(f"writer lease of rank {w.rank}: {w.describe()}")
+    return _unreadable(listed)
+
+
+def _unreadable(listed: Sequence[Any]) -> int:
+    """Exit status of ``ls``: 1, with the reasons on stderr, when a manifest is unreadable."""
+    bad = [c for c in listed if c.manifest is None]
+    for c in bad:
+        print(f"tierckpt ls: step {c.step} is unreadable: {c.error}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from tierckpt.offline import inspect_checkpoint
+
+    with opened(args, args.url) as backend:
+        ins = inspect_checkpoint(backend, args.step, by=args.by, timeline=args.timeline)
+    m = ins.manifest
+    if args.json:
+        json.dump(
+            {
+                "step": m.step,
+                "timeline": m.timeline,
+                "world_size": m.world_size,
+                "tier": m.tier,
+                "created": m.created,
+                "raw_bytes": m.raw_bytes,
+                "stored_bytes": m.stored_bytes,
+                "codecs": ins.codecs,
+                "metadata": m.metadata or {},
+                "groups": [
+                    {
+                        "name": g.name,
+                        "tensors": g.tensors,
+                        "raw_bytes": g.raw_bytes,
+                        "stored_bytes": round(g.stored_bytes),
+                        "ratio": g.ratio,
+                        "codecs": sorted(g.codecs),
+                    }
+                    for g in ins.groups
+                ],
+                "tensors": [
+                    {
+                        "rank": t.rank,
+                        "name": t.path,
+                        "dtype": t.dtype,
+                        "shape": list(t.shape),
+                        "bytes": t.nbytes,
+                    }
+                    for t in ins.tensors
+                ],
+            },
+            sys.stdout,
+            indent=1,
+        )
+        sys.stdout.write("\n")
+        return 0
+    ratio = m.raw_bytes / m.stored_bytes if m.stored_bytes else 1.0
+    print(f"{m.id} at {backend.url}")
+    print(
+        f"  created {fmt_time(m.created)} by tierckpt {m.library_version or '?'}, "
+        f"{m.world_size} rank(s), tier {m.tier or '?'}"
+    )
+    print(
+        f"  {len(ins.tensors)} tensors in {ins.chunks} chunks; raw {fmt_bytes(m.raw_bytes)}, "
+        f"stored {fmt_bytes(m.stored_bytes)} ({ratio:.2f}x); codecs {', '.join(ins.codecs)}"
+    )
+    if m.metadata:
+        print(f"  metadata {json.dumps(m.metadata)[:200]}")
+    print()
+    table(
+        [
+            [
+                g.name,
+                g.tensors,
+                fmt_bytes(g.raw_bytes),
+                fmt_bytes(g.stored_bytes),
+                f"{g.ratio:.2f}x",
+                ",".join(sorted(g.codecs)),
+            ]
+            for g in ins.groups
+        ],
+        ["GROUP" if args.by == "key" else "DTYPE", "TENSORS", "RAW", "STORED", "RATIO", "CODECS"],
+        sys.stdout,
+        right=(1, 2, 3, 4),
+    )
+    if len(ins.groups) > 1:
+        print(
+            "  (stored bytes are known per chunk: a chunk that holds several groups is split "
+            "among them by raw bytes)"
+        )
+    print()
+    shown = ins.tensors if args.limit == 0 else ins.tensors[: args.limit]
+    multi = m.world_size > 1
+    table(
+        [
+            ([t.rank] if multi else [])
+            + [t.path, t.dtype, "x".join(map(str, t.shape)) or "()", fmt_bytes(t.nbytes)]
+            for t in shown
+        ],
+        (["RANK"] if multi else []) + ["TENSOR", "DTYPE", "SHAPE", "BYTES"],
+        sys.stdout,
+        right=(4,) if multi else (3,),
+    )
+    if len(shown) < len(ins.tensors):
+        print(f"... {len(ins.tensors) - len(shown)} more (--limit 0 shows all)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tierckpt.catalog import committed_ids
+    from tierckpt.offline import checkpoint_bytes, resolve_id, verify_checkpoint
+
+    with opened(args, args.url) as backend:
+        if args.latest or args.step is not None:
+            ids = [resolve_id(backend, args.step, args.timeline)]
+        else:
+            ids = [
+                c
+                for c in committed_ids(backend)
+                if args.timeline is None or c.timeline == args.timeline
+            ]
+        if not ids:
+            print(f"{backend.url}: no committed checkpoint to verify", file=sys.stderr)
+            return 1
+        for cid in ids:
+            bar = progress_bar(checkpoint_bytes(backend, cid), f"verify {cid}")
+            t0 = time.perf_counter()
+            try:
+                rep = verify_checkpoint(backend, cid, progress=bar.update)
+            except CorruptChunk as exc:
+                bar.close()
+                print(f"FAILED {cid}: {redact(str(exc))}", file=sys.stderr)
+                if exc.file:
+                    print(
+                        f"  file: {backend.url}/{exc.file}\n  chunk: {exc.chunk}", file=sys.stderr
+                    )
+                return 1
+            except TierCkptError as exc:
+                bar.close()
+                print(f"FAILED {cid}: {redact(str(exc))}", file=sys.stderr)
+                return 1
+            bar.close()
+            dt = time.perf_counter() - t0
+            print(
+                f"ok  {cid}: {rep.shards} shard(s), {rep.chunks} chunks, "
+                f"{fmt_bytes(rep.stored_bytes)} stored -> {fmt_bytes(rep.raw_bytes)} raw, "
+                f"checksums and decoding ok ({dt:.2f} s)"
+            )
+    return 0

@@ -1,0 +1,270 @@
+"""The parser and the entry point of the ``tierckpt`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from tierckpt._version import __version__
+from tierckpt.cli._common import UsageError, configure_logging, wire_debug_requested
+from tierckpt.cli._inspect import cmd_inspect, cmd_ls, cmd_verify
+from tierckpt.cli._manage import cmd_export, cmd_gc, cmd_pull, cmd_push, cmd_unlock
+from tierckpt.cli._tools import cmd_bench, cmd_demo
+from tierckpt.errors import TierCkptError
+from tierckpt.redact import redact, scrub_exception
+
+
+# -- the parser -----------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _step(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError("a step is >= 0")
+    return v
+
+
+def _timeline(text: str) -> int:
+    from tierckpt.format import MAX_TIMELINE
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a timeline number: {text!r}") from None
+    if not 0 <= v <= MAX_TIMELINE:
+        raise argparse.ArgumentTypeError(f"a timeline is in [0, {MAX_TIMELINE}]")
+    return v
+
+
+_TIMELINE_HELP = (
+    "the checkpoint's timeline (default: the newest timeline holding the step; "
+    "a run resumed from an older step saves on a new timeline)"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--endpoint-url",
+        metavar="URL",
+        default=None,
+        help="S3 endpoint (S3-compatible servers); default AWS_ENDPOINT_URL",
+    )
+    common.add_argument(
+        "--debug", action="store_true", help="show tracebacks and tierckpt's debug log"
+    )
+    common.add_argument(
+        "--debug-botocore",
+        action="store_true",
+        help="also log botocore's requests and responses (their headers hold "
+        "session tokens and signatures: never share this output); "
+        "or TIERCKPT_DEBUG_BOTOCORE=1",
+    )
+
+    p = _Parser(
+        prog="tierckpt",
+        description="Look at, check, copy, clean up and export the checkpoints "
+        "tierckpt stores; run its demo and benchmark.",
+        epilog="URLs: a local folder, file:///path or s3://bucket/prefix. "
+        "`tierckpt COMMAND --help` describes each command.",
+    )
+    p.add_argument("--version", action="version", version=f"tierckpt {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help_: str, desc: str | None = None
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, parents=[common], help=help_, description=desc or help_)
+        sp.set_defaults(func=fn)
+        return sp
+
+    sp = add(
+        "ls",
+        cmd_ls,
+        "list committed checkpoints: step, created, sizes, tier, codecs",
+        "List committed checkpoints, oldest first: step, created, sizes, tier, codecs, "
+        "timeline. A run resumed from an older step saves on a new timeline; the older "
+        "timeline's checkpoints are marked abandoned until retention removes them.",
+    )
+    sp.add_argument("url", help="tier URL")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = add(
+        "inspect",
+        cmd_inspect,
+        "tensors, dtypes, sizes and stored/raw ratio per group",
+        "Show one checkpoint's tensors, and raw vs stored bytes per tensor group "
+        "(top-level key or dtype). Reads only the manifest and the shard indexes.",
+    )
+    sp.add_argument("url", help="tier URL")
+    sp.add_argument("--step", type=_step, help="step (default: newest committed)")
+    sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
+    sp.add_argument(
+        "--by",
+        choices=["key", "dtype"],
+        default="key",
+        help="group tensors by top-level key (default) or dtype",
+    )
+    sp.add_argument(
+        "--limit", type=int, default=40, help="tensors to list (default 40; 0 lists all)"
+    )
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = add(
+        "verify",
+        cmd_verify,
+        "read every chunk of every rank; check checksums, decode",
+        "Read every chunk of every rank, check its checksum and decode it. Exits 1 at "
+        "the first bad chunk, naming the file and chunk.",
+    )
+    sp.add_argument("url", help="tier URL")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--step", type=_step, help="only this step (default: every committed step)")
+    g.add_argument("--latest", action="store_true", help="only the newest committed step")
+    sp.add_argument(
+        "--timeline",
+        type=_timeline,
+        help=_TIMELINE_HELP + "; without --step or --latest: every checkpoint of that timeline",
+    )
+
+    for name, fn, a, b, h in (
+        ("pull", cmd_pull, "src", "dest", "copy a checkpoint from S3 into a local tier folder"),
+        ("push", cmd_push, "src", "dest", "copy a checkpoint from a local tier folder to S3"),
+    ):
+        sp = add(
+            name,
+            fn,
+            h,
+            h + ": shard files first (chunk checksums checked on the way), "
+            "the manifest last, so the copy is committed only when whole.",
+        )
+        sp.add_argument(a, metavar="SRC", help="s3://bucket/prefix" if name == "pull" else "DIR")
+        sp.add_argument(b, metavar="DEST", help="DIR" if name == "pull" else "s3://bucket/prefix")
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("--step", type=_step, help="step (default: newest committed)")
+        g.add_argument("--all", action="store_true", help="every committed step")
+        sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
+
+    sp = add(
+        "gc",
+        cmd_gc,
+        "retention: keep the newest N checkpoints, remove leftovers",
+        "Delete committed checkpoints beyond the newest N (manifest first, then data; the "
+        "newest is never deleted) and the data of saves that never committed.",
+    )
+    sp.add_argument("url", help="tier URL")
+    sp.add_argument(
+        "--keep-last",
+        type=int,
+        required=True,
+        metavar="N",
+        help="committed checkpoints to keep (>= 1)",
+    )
+    sp.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    sp.add_argument(
+        "--abort-incomplete",
+        action="store_true",
+        help="also discard unfinished writes (temporary files, open multipart "
+        "uploads); only when no job is writing here",
+    )
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="run even though a live job holds this location's writer lease "
+        "(gc refuses then: it could delete that job's saves in progress)",
+    )
+
+    sp = add(
+        "unlock",
+        cmd_unlock,
+        "remove the writer lease of a dead job (show it first)",
+        "Show and remove the writer lease (leases/rank-<r>.json) that lets one job at a "
+        "time write to this location, so that a new job need not wait for the lease of a "
+        "job that died on another machine to expire. A job that is still running loses "
+        "the location: it stops writing there.",
+    )
+    sp.add_argument("url", help="tier URL")
+    sp.add_argument("--rank", type=int, default=None, help="only this rank's lease (default: all)")
+
+    sp = add(
+        "export",
+        cmd_export,
+        "export a checkpoint as safetensors files + state.json",
+        "Export one checkpoint for Hugging Face users: tensors flattened to dotted names "
+        "in safetensors files (one per top-level key, or one), non-tensor state in "
+        "state.json beside them.",
+    )
+    sp.add_argument("url", help="tier URL")
+    sp.add_argument("out_dir", metavar="OUT_DIR", help="output folder (created)")
+    sp.add_argument("--format", choices=["safetensors"], default="safetensors")
+    sp.add_argument("--step", type=_step, help="step (default: newest committed)")
+    sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
+    sp.add_argument("--rank", type=int, default=None, help="one rank only (default: all)")
+    sp.add_argument(
+        "--single-file",
+        action="store_true",
+        help="one state.safetensors instead of one file per top-level key",
+    )
+
+    sp = add("bench", cmd_bench, "run the benchmark (arguments go to tierckpt.bench)")
+    sp.add_argument("bench_args", nargs=argparse.REMAINDER, help="benchmark arguments")
+
+    sp = add(
+        "demo",
+        cmd_demo,
+        "train, kill -9, restore from S3 on a new node, compare losses",
+        "The end-to-end demo; `tierckpt demo --help` lists its options.",
+    )
+    sp.add_argument("demo_args", nargs=argparse.REMAINDER, help="demo arguments")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tierckpt`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # `tierckpt bench ...` / `tierckpt demo ...`: everything after the command is theirs,
+    # --help included (their own parsers describe their options)
+    if argv and argv[0] in ("bench", "demo"):
+        ns = argparse.Namespace(
+            command=argv[0],
+            debug=False,
+            debug_botocore=False,
+            endpoint_url=None,
+            bench_args=argv[1:],
+            demo_args=argv[1:],
+            func=cmd_bench if argv[0] == "bench" else cmd_demo,
+        )
+    else:
+        ns = parser.parse_args(argv)
+    try:
+        wire = wire_debug_requested(ns.debug_botocore)
+    except ValueError as exc:
+        print(f"tierckpt {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(ns.debug, wire)
+    try:
+        return int(ns.func(ns))
+    except UsageError as exc:
+        print(f"tierckpt {ns.command}: error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # expected failures end with a message, not a traceback
+        scrub_exception(exc)
+        if ns.debug:
+            raise
+        kind = "" if isinstance(exc, TierCkptError) else f"{type(exc).__name__}: "
+        print(f"tierckpt {ns.command}: error: {kind}{redact(str(exc))}", file=sys.stderr)
+        return 1

@@ -1,0 +1,147 @@
+"""The commands that copy, remove or write: ``pull``, ``push``, ``gc``, ``unlock``, ``export``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tierckpt.cli._common import (
+    UsageError,
+    fmt_bytes,
+    opened,
+    progress_bar,
+)
+
+
+def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
+    from tierckpt.catalog import committed_ids
+    from tierckpt.offline import checkpoint_bytes, copy_checkpoint, resolve_id
+
+    with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:
+        if args.all:
+            ids = [
+                c
+                for c in committed_ids(src)
+                if args.timeline is None or c.timeline == args.timeline
+            ]
+            if not ids:
+                print(f"{src.url}: no committed checkpoint", file=sys.stderr)
+                return 1
+        else:
+            ids = [resolve_id(src, args.step, args.timeline)]
+        for cid in ids:
+            total = checkpoint_bytes(src, cid)
+            bar = progress_bar(total, f"{cid}")
+            t0 = time.perf_counter()
+            try:
+                n = copy_checkpoint(src, dst, cid, progress=bar.update)
+            except FileExistsError:
+                bar.close()
+                print(f"skip {cid}: already committed at {dst.url}")
+                continue
+            finally:
+                bar.close()
+            dt = time.perf_counter() - t0
+            rate = n / dt / 2**20 if dt > 0 else 0.0
+            print(
+                f"copied {cid}: {src.url} -> {dst.url}, {fmt_bytes(n)} in {dt:.2f} s "
+                f"({rate:.1f} MiB/s), committed"
+            )
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tierckpt.offline import is_s3_url
+
+    if not is_s3_url(args.src) or is_s3_url(args.dest):
+        raise UsageError(
+            "pull copies s3://bucket/prefix into a local folder: "
+            "tierckpt pull s3://bucket/prefix DIR (use push for the reverse)"
+        )
+    return _copy(args, args.src, args.dest)
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from tierckpt.offline import is_s3_url
+
+    if is_s3_url(args.src) or not is_s3_url(args.dest):
+        raise UsageError(
+            "push copies a local folder to s3://bucket/prefix: "
+            "tierckpt push DIR s3://bucket/prefix (use pull for the reverse)"
+        )
+    return _copy(args, args.src, args.dest)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from tierckpt.offline import gc, id_text
+
+    if args.keep_last < 1:
+        raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
+    with opened(args, args.url) as backend:
+        plan = gc(
+            backend,
+            args.keep_last,
+            dry_run=args.dry_run,
+            abort_incomplete=args.abort_incomplete,
+            force=args.force,
+        )
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{backend.url}: keeping step(s) {', '.join(map(id_text, plan.retained)) or 'none'}")
+    print(
+        f"{verb} {len(plan.expired)} expired checkpoint(s)"
+        + (f": {', '.join(map(id_text, plan.expired))}" if plan.expired else "")
+    )
+    print(
+        f"{verb} {len(plan.leftovers)} uncommitted leftover(s)"
+        + (f": {', '.join(map(id_text, plan.leftovers))}" if plan.leftovers else "")
+    )
+    if args.abort_incomplete and not args.dry_run:
+        print("aborted unfinished writes under steps/")
+    return 0
+
+
+def cmd_unlock(args: argparse.Namespace) -> int:
+    from tierckpt.offline import unlock
+
+    with opened(args, args.url) as backend:
+        removed = unlock(backend, args.rank)
+    if not removed:
+        which = f"rank {args.rank}'s " if args.rank is not None else ""
+        print(f"{backend.url}: no {which}writer lease here")
+        return 0
+    for w in removed:
+        print(f"removed the writer lease of rank {w.rank}: {w.describe()}")
+        if w.alive:
+            print(
+                "  that writer looked live: if it still runs, it stops writing and deleting "
+                "here at its next lease check, and its later saves to this tier fail"
+            )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tierckpt.export import export_safetensors
+    from tierckpt.offline import resolve_id
+
+    if args.format != "safetensors":  # pragma: no cover - argparse restricts choices
+        raise UsageError(f"unsupported format {args.format!r}")
+    with opened(args, args.url) as backend:
+        cid = resolve_id(backend, args.step, args.timeline)
+        step = cid.step
+        results = export_safetensors(
+            backend,
+            step,
+            args.out_dir,
+            rank=args.rank,
+            single_file=args.single_file,
+            source=args.url,
+            timeline=cid.timeline,
+        )
+    for res in results:
+        print(f"exported step {step} rank {res.rank}: {res.tensors} tensors")
+        for f in res.files:
+            print(f"  {f}")
+        if res.skipped:
+            print(f"  skipped (dtype not supported by safetensors): {', '.join(res.skipped)}")
+    return 0

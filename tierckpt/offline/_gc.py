@@ -1,0 +1,76 @@
+"""Garbage collection of a tier: keep the newest checkpoints, remove older ones and the
+leftovers of saves that never committed (refused while a live writer holds the lease)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierckpt.backends.base import Backend
+from tierckpt.catalog import committed_ids, data_ids
+from tierckpt.errors import (
+    WriterConflict,
+)
+from tierckpt.format import (
+    CheckpointId,
+)
+from tierckpt.offline._leases import leases
+from tierckpt.retention import gc_tier
+
+
+# -- gc ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GcPlan:
+    """What gc deletes: old committed checkpoints (retention) and leftovers of uncommitted
+    saves."""
+
+    retained: list[CheckpointId]
+    expired: list[CheckpointId]
+    leftovers: list[CheckpointId]
+
+
+def gc(
+    backend: Backend,
+    keep_last: int,
+    *,
+    dry_run: bool = False,
+    abort_incomplete: bool = False,
+    force: bool = False,
+) -> GcPlan:
+    """Keep the newest ``keep_last`` committed checkpoints; remove older ones and leftovers.
+
+    Newest means by timeline, then step: checkpoints of a timeline a run abandoned (it went
+    back to an older step) are older than every checkpoint of the newer timeline. Leftovers are
+    data folders without a manifest older than the newest committed checkpoint (saves that
+    never committed). ``abort_incomplete`` also discards unfinished writes (temporary files,
+    open multipart uploads) — only when no job is writing to this location.
+
+    While a live writer holds the location's lease this raises :class:`WriterConflict`
+    (its saves in progress look like leftovers) unless ``force``; ``dry_run`` never refuses.
+    """
+    if type(keep_last) is not int or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    live = [info for info in leases(backend) if info.alive]
+    if live and not dry_run and not force:
+        first = live[0]
+        raise WriterConflict(
+            f"{backend.url} has a live writer: rank {first.rank}'s lease is held by "
+            f"{first.describe()}. Its own retention runs after every commit; a gc now could "
+            "delete its saves in progress. Stop that job first, or pass --force (force=True)",
+            url=backend.url,
+            holder=first.record,
+        )
+    committed = committed_ids(backend)
+    newest = committed[-1] if committed else None
+    expired = committed[: max(len(committed) - keep_last, 0)]
+    committed_set = set(committed)
+    leftovers = [
+        c for c in data_ids(backend) if c not in committed_set and newest is not None and c < newest
+    ]
+    plan = GcPlan(committed[len(expired) :], expired, leftovers)
+    if dry_run:
+        return plan
+    gc_tier(backend, keep_last)
+    if abort_incomplete:
+        backend.cleanup_incomplete("steps/")
+        backend.cleanup_incomplete("manifests/")
+    return plan

@@ -1,0 +1,147 @@
+"""Opening a tier by URL and listing what it holds: committed checkpoints, uncommitted
+leftovers, and the checkpoint a step (and timeline) names."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tierckpt import config
+from tierckpt.backends.base import Backend
+from tierckpt.backends.local import LocalBackend
+from tierckpt.catalog import committed_ids, data_ids
+from tierckpt.errors import (
+    CheckpointNotFound,
+    TierCkptError,
+)
+from tierckpt.format import (
+    CheckpointId,
+    Manifest,
+)
+from tierckpt.redact import redact
+from tierckpt.restore import read_manifest
+
+#: called with a number of bytes just processed (progress bars)
+Progress = Callable[[int], Any]
+
+
+# -- opening a URL -----------------------------------------------------------------------------
+def is_s3_url(url: str) -> bool:
+    return url.startswith("s3://")
+
+
+def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = False) -> Backend:
+    """Open a tier's storage: ``s3://bucket/prefix``, ``file:///path`` or a local path.
+
+    ``endpoint_url`` defaults to ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (S3-compatible
+    servers). A local folder must exist unless ``create``.
+    """
+    if is_s3_url(url):
+        from tierckpt.backends.s3 import S3Backend
+
+        return S3Backend(url, endpoint_url=config.s3_endpoint_url(endpoint_url))
+    if "://" in url and not url.startswith("file://"):
+        scheme = url.split("://", 1)[0]
+        raise ValueError(
+            f"unsupported URL scheme {scheme!r} in {redact(url)!r}: use a local path, "
+            "file:///path or s3://bucket/prefix"
+        )
+    path = url.removeprefix("file://")
+    if not create and not os.path.isdir(path):
+        raise CheckpointNotFound(f"{path}: no such folder")
+    return LocalBackend(path)  # creates the folder; a read-only location raises BackendError
+
+
+# -- listing -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ListedCheckpoint:
+    """One committed checkpoint: its manifest, or why the manifest could not be read.
+
+    ``abandoned``: it is on an older timeline than the newest checkpoint there — the run went
+    back to an older step and went on from it; retention removes these first, as older."""
+
+    step: int
+    manifest: Manifest | None
+    error: str = ""
+    timeline: int = 0
+    abandoned: bool = False
+
+    @property
+    def id(self) -> CheckpointId:
+        return CheckpointId(self.step, self.timeline)
+
+
+def list_checkpoints(backend: Backend) -> list[ListedCheckpoint]:
+    """Every committed checkpoint on ``backend``, oldest first (by timeline, then step), with
+    its manifest; the last one is the newest."""
+    out = []
+    ids = committed_ids(backend)
+    newest = ids[-1].timeline if ids else 0
+    for cid in ids:
+        abandoned = cid.timeline < newest
+        try:
+            m = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
+            out.append(ListedCheckpoint(cid.step, m, "", cid.timeline, abandoned))
+        except TierCkptError as exc:
+            out.append(ListedCheckpoint(cid.step, None, str(exc), cid.timeline, abandoned))
+    return out
+
+
+def uncommitted_ids(backend: Backend) -> list[CheckpointId]:
+    """Checkpoints with data but no manifest: saves in progress, or leftovers of killed ones."""
+    committed = set(committed_ids(backend))
+    return [c for c in data_ids(backend) if c not in committed]
+
+
+def uncommitted_steps(backend: Backend) -> list[int]:
+    """Steps with data but no manifest (on any timeline): saves in progress, or leftovers."""
+    return sorted({c.step for c in uncommitted_ids(backend)})
+
+
+def resolve_id(
+    backend: Backend, step: int | CheckpointId | None, timeline: int | None = None
+) -> CheckpointId:
+    """The committed checkpoint ``step`` names on ``backend``: of ``timeline`` if given, else of
+    the newest timeline holding it; the newest checkpoint (of ``timeline``) if ``step`` is None.
+    Raises ``CheckpointNotFound`` naming what is there."""
+    ids = committed_ids(backend)
+    if isinstance(step, CheckpointId):
+        timeline = step.timeline
+        step = step.step
+    pool = [c for c in ids if timeline is None or c.timeline == timeline]
+    of = "" if timeline is None else f" of timeline {timeline}"
+    if step is None:
+        if not pool:
+            raise CheckpointNotFound(f"{backend.url}: no committed checkpoint{of} here")
+        return pool[-1]
+    holding = [c for c in pool if c.step == step]
+    if not holding:
+        shown = ", ".join(id_text(c) for c in ids[-10:]) or "none"
+        raise CheckpointNotFound(
+            f"{backend.url}: step {step}{of} is not committed here (committed: {shown})"
+        )
+    return holding[-1]
+
+
+def resolve_step(backend: Backend, step: int | None) -> int:
+    """``step`` if it is committed on ``backend``; the newest checkpoint's step if None."""
+    return resolve_id(backend, step).step
+
+
+def id_text(cid: CheckpointId) -> str:
+    """A short form for listings: ``"1200"`` on timeline 0, ``"1200 (timeline 2)"`` else."""
+    return f"{cid.step}" + (f" (timeline {cid.timeline})" if cid.timeline else "")
+
+
+def _id(backend: Backend, step: int | CheckpointId, timeline: int | None) -> CheckpointId:
+    """What a ``step`` argument names: a CheckpointId as it is; a step of ``timeline``; or a
+    bare step: of the newest timeline holding it (timeline 0 when none does, so that the
+    manifest read that follows says it is missing)."""
+    if isinstance(step, CheckpointId):
+        return step
+    if timeline is not None:
+        return CheckpointId(step, timeline)
+    holding = [c for c in committed_ids(backend) if c.step == step]
+    return holding[-1] if holding else CheckpointId(step)
