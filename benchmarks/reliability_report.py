@@ -36,7 +36,7 @@ FIXED = [
     (
         "A manifest holding NaN, Infinity or 1e400 raised a bare ValueError from the checksum "
         "re-encoding, outside the error family",
-        "tierckpt/format.py decode_manifest",
+        "tierckpt/format/ decode_manifest",
         [
             "test_hostile_checkpoint_refused[manifest: NaN literal]",
             "test_hostile_checkpoint_refused[manifest: 1e400 (infinite) number]",
@@ -44,7 +44,7 @@ FIXED = [
     ),
     (
         "A manifest whose `created` is a huge integer raised OverflowError",
-        "tierckpt/format.py decode_manifest",
+        "tierckpt/format/ decode_manifest",
         [
             "test_hostile_checkpoint_refused[manifest: 400-digit integer timestamp (informational "
             "field)]"
@@ -69,7 +69,7 @@ FIXED = [
     ),
     (
         "An index with an empty codec table and chunks raised IndexError (load and verify)",
-        "tierckpt/format.py decode_index",
+        "tierckpt/format/ decode_index",
         ["test_hostile_checkpoint_refused[index: empty codec table]"],
     ),
     (
@@ -82,7 +82,7 @@ FIXED = [
         "`tierckpt verify` (offline.verify_checkpoint) allocated each chunk's declared raw size "
         "as a zero-filled bytearray before decoding: a 200 KB file declaring a 4 GiB zstd "
         "chunk cost 4 GiB of RSS (a 20 GiB one would exhaust this machine)",
-        "tierckpt/offline.py verify_checkpoint",
+        "tierckpt/offline/ verify_checkpoint",
         ["test_hostile_checkpoints_through_tierckpt_verify"],
     ),
     (
@@ -102,7 +102,7 @@ FIXED += [
         "Resuming from an older step destroyed the new checkpoints: retention kept the highest "
         "step numbers, so each new step was deleted right after it committed (keep_last 1-3), "
         "and load() returned the abandoned step; a step the abandoned run held collided",
-        "tierckpt/retention.py, format.py (timelines)",
+        "tierckpt/retention.py, format/ (timelines)",
         [
             "test_rollback_in_a_fresh_process_keeps_the_resumed_runs_checkpoints[local-1]",
             "test_rollback_in_a_fresh_process_keeps_the_resumed_runs_checkpoints[s3-3]",
@@ -113,7 +113,7 @@ FIXED += [
         "Two jobs on one folder or S3 prefix corrupted each other: the loser overwrote the "
         "winner's committed shards, and its retention deleted the other's steps in progress; "
         "two Checkpointers on MemoryTier() shared one namespace",
-        "tierckpt/lease.py, pipeline.py",
+        "tierckpt/lease.py, pipeline/",
         [
             "test_second_job_on_a_local_folder_is_refused[same]",
             "test_second_job_on_an_s3_prefix_is_refused[different]",
@@ -124,7 +124,7 @@ FIXED += [
     (
         "A lazy save held buffers written by the next forward pass (BatchNorm running stats "
         "after 256 MiB of parameters)",
-        "tierckpt/snapshot.py, checkpointer.py save()/guard()",
+        "tierckpt/snapshot.py, checkpointer/ save()/guard()",
         [
             "test_batchnorm_after_256mib_saves_the_stats_of_save_time",
             "test_a_buffer_updated_in_forward_and_a_loose_tensor",
@@ -133,7 +133,7 @@ FIXED += [
     (
         "Credentials in an endpoint URL appeared in save errors, logs and CLI stderr; "
         "s3://KEY:SECRET@bucket was accepted; --debug printed x-amz-security-token",
-        "tierckpt/redact.py, backends/s3.py, cli.py",
+        "tierckpt/redact.py, backends/s3/, cli/",
         [
             "test_endpoint_credentials_never_in_errors_logs_or_tracebacks[endpoint_url-plain]",
             "test_cli_never_prints_endpoint_credentials",
@@ -142,7 +142,7 @@ FIXED += [
     ),
     (
         "Exiting with a save in flight aborted the interpreter (SIGABRT, exit 134)",
-        "tierckpt/pipeline.py (exit drain)",
+        "tierckpt/pipeline/ (exit drain)",
         [
             "test_exit_with_save_in_flight[exit-finish]",
             "test_exit_with_save_in_flight[raise-finish]",
@@ -152,7 +152,7 @@ FIXED += [
         "An evaluator's load() beside a keep_last=1 trainer raised CheckpointNotFound (19 in 150 "
         "loads) although a newer step existed; a skipped save looked successful to h.wait(); a "
         "read-only tier raised a raw OSError; export silently dropped tensors",
-        "tierckpt/checkpointer.py load(), handle.py, backends/local.py, export.py",
+        "tierckpt/checkpointer/ load(), handle.py, backends/local.py, export.py",
         [
             "test_load_beside_keep_last_1_trainer_never_misses_a_committed_step",
             "test_skipped_save_raises_checkpoint_skipped",
@@ -167,7 +167,7 @@ FIXED += [
         "An S3 outage behind the local tier (source='local') stopped all checkpointing for "
         "good: retention kept every local step the follower still read (114 local steps in a "
         "44 s blackhole) until the disk filled",
-        "tierckpt/pipeline.py (follower bound, retention after failure)",
+        "tierckpt/pipeline/ (follower bound, retention after failure)",
         [
             "test_follower_behind_a_blackholed_s3_keeps_local_bounded_and_recovers",
             "test_a_full_local_disk_frees_itself_in_a_fresh_process[quota]",
@@ -176,7 +176,7 @@ FIXED += [
     (
         "A silent S3 fed from the arena held training for minutes per save (485 s for a 16 MiB "
         "state through a 4 MiB arena)",
-        "tierckpt/pipeline.py (save_deadline), backends/s3.py (timeouts)",
+        "tierckpt/pipeline/ (save_deadline), backends/s3/ (timeouts)",
         [
             "test_a_blackholed_s3_holds_training_at_most_the_deadline",
             "test_a_given_up_copy_never_commits_the_bytes_its_blocked_thread_writes_late",
@@ -196,7 +196,7 @@ FIXED += [
     (
         "A re-sealed 256 MiB index of tiny JSON nodes took 7 GB of RSS to parse (and verify said "
         "ok); a 60 MiB manifest took 1.9 GB for tierckpt ls",
-        "tierckpt/format.py, jsonbound.py",
+        "tierckpt/format/, jsonbound.py",
         [
             "test_index_of_tiny_nodes_is_refused_early[index: 72 MiB of empty lists as the object "
             "tree, counts re-sealed]",
