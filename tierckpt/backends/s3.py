@@ -56,6 +56,7 @@ from botocore.exceptions import (
     ClientError,
     HTTPClientError,
     IncompleteReadError,
+    ParamValidationError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -79,6 +80,20 @@ PROBE_PREFIX = ".tierckpt-probe-"
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 # the server refused If-None-Match itself (rather than the object)
 _CONDITIONAL_REJECTED_CODES = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest"})
+
+
+def _client_lacks_if_none_match(exc: ParamValidationError) -> bool:
+    """Whether botocore refused ``IfNoneMatch`` itself, before sending anything.
+
+    PutObject gained ``IfNoneMatch`` in botocore 1.35; an older client raises
+    ``Unknown parameter in input: "IfNoneMatch"``. That says nothing about the server, but the
+    header cannot be sent either way, so it counts as "conditional put not supported" and the
+    HEAD-then-PUT fallback is used (upgrading boto3/botocore brings the atomic create back).
+    """
+    # exactly this parameter: the "must be one of: ..." list of a newer client names it too
+    return 'Unknown parameter in input: "IfNoneMatch"' in str(exc)
+
+
 _AUTH_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 )
@@ -586,6 +601,14 @@ class S3Backend(Backend):
                         self._conditional = False
                         break
                     raise self._translate(exc, "put_object", key) from exc
+                except ParamValidationError as exc:
+                    if not _client_lacks_if_none_match(exc):
+                        raise self._translate(exc, "put_object", key) from exc
+                    log.warning(
+                        "%s: botocore is too old for If-None-Match; using HEAD+PUT", self.url
+                    )
+                    self._conditional = False
+                    break
                 except BotoCoreError as exc:
                     raise self._translate(exc, "put_object", key) from exc
             else:
@@ -620,6 +643,15 @@ class S3Backend(Backend):
                         log.info("%s: server rejects If-None-Match (%s)", self.url, code)
                         return False
                     raise self._translate(exc, "put_object (conditional probe)", key) from exc
+                except ParamValidationError as exc:
+                    if not _client_lacks_if_none_match(exc):
+                        raise self._translate(exc, "put_object (conditional probe)", key) from exc
+                    log.info(
+                        "%s: botocore is too old to send If-None-Match (boto3/botocore >= 1.35 "
+                        "has it); create-only puts are best effort",
+                        self.url,
+                    )
+                    return False
                 except BotoCoreError as exc:
                     raise self._translate(exc, "put_object (conditional probe)", key) from exc
             log.info("%s: server ignores If-None-Match; create-only puts are best effort", self.url)
