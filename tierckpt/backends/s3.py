@@ -82,6 +82,20 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _CONDITIONAL_REJECTED_CODES = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest"})
 
 
+def _readinto(body: Any, out: memoryview) -> int:
+    """``body.readinto(out)``; botocore before 1.38.20 has no ``StreamingBody.readinto``.
+
+    The fallback reads at most ``len(out)`` bytes and copies them (one extra copy, only on
+    those versions), keeping botocore's own length check on the body.
+    """
+    readinto = getattr(body, "readinto", None)
+    if readinto is not None:
+        return int(readinto(out))
+    data = body.read(len(out))
+    out[: len(data)] = data
+    return len(data)
+
+
 def _client_lacks_if_none_match(exc: ParamValidationError) -> bool:
     """Whether botocore refused ``IfNoneMatch`` itself, before sending anything.
 
@@ -716,7 +730,7 @@ class S3Backend(Backend):
             try:
                 self._check_range(key, resp, first, last)
                 while got < need:
-                    n = body.readinto(out[got:])
+                    n = _readinto(body, out[got:])
                     if not n:
                         raise IncompleteReadError(actual_bytes=got, expected_bytes=need)
                     got += n
@@ -773,7 +787,7 @@ class S3Backend(Backend):
         got = 0
         try:
             while got < len(out):
-                n = body.readinto(view[got:])
+                n = _readinto(body, view[got:])
                 if not n:
                     break
                 got += n
