@@ -60,6 +60,9 @@ from tierckpt.backends.s3._client import (
     MiB as MiB,
     PROBE_PREFIX as PROBE_PREFIX,
 )
+from tierckpt.backends.s3._errors import (
+    _client_lacks_if_none_match as _client_lacks_if_none_match,
+)
 # isort: on
 
 __all__ = ["MIN_PART_SIZE", "S3Backend", "S3Error"]

@@ -14,6 +14,7 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     IncompleteReadError,
+    ParamValidationError,
 )
 
 from tierckpt._types import BytesLike
@@ -23,11 +24,27 @@ from tierckpt.backends.s3._errors import (
     _BODY_ERRORS,
     _CONDITIONAL_REJECTED_CODES,
     S3Error,
+    _client_lacks_if_none_match,
     _error_info,
 )
 from tierckpt.backends.s3._writer import _S3Writer
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact, scrub_exception
+
+
+def _readinto(body: Any, out: memoryview) -> int:
+    """``body.readinto(out)``; botocore before 1.38.20 has no ``StreamingBody.readinto``.
+
+    The fallback reads at most ``len(out)`` bytes and copies them (one extra copy, only on
+    those versions), keeping botocore's own length check on the body.
+    """
+    readinto = getattr(body, "readinto", None)
+    if readinto is not None:
+        return int(readinto(out))
+    data = body.read(len(out))
+    out[: len(data)] = data
+    return len(data)
+
 
 log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole backend
 
@@ -129,6 +146,14 @@ class S3Backend(S3Connection, Backend):
                         self._conditional = False
                         break
                     raise self._translate(exc, "put_object", key) from exc
+                except ParamValidationError as exc:
+                    if not _client_lacks_if_none_match(exc):
+                        raise self._translate(exc, "put_object", key) from exc
+                    log.warning(
+                        "%s: botocore is too old for If-None-Match; using HEAD+PUT", self.url
+                    )
+                    self._conditional = False
+                    break
                 except BotoCoreError as exc:
                     raise self._translate(exc, "put_object", key) from exc
             else:
@@ -163,6 +188,15 @@ class S3Backend(S3Connection, Backend):
                         log.info("%s: server rejects If-None-Match (%s)", self.url, code)
                         return False
                     raise self._translate(exc, "put_object (conditional probe)", key) from exc
+                except ParamValidationError as exc:
+                    if not _client_lacks_if_none_match(exc):
+                        raise self._translate(exc, "put_object (conditional probe)", key) from exc
+                    log.info(
+                        "%s: botocore is too old to send If-None-Match (boto3/botocore >= 1.35 "
+                        "has it); create-only puts are best effort",
+                        self.url,
+                    )
+                    return False
                 except BotoCoreError as exc:
                     raise self._translate(exc, "put_object (conditional probe)", key) from exc
             log.info("%s: server ignores If-None-Match; create-only puts are best effort", self.url)
@@ -227,7 +261,7 @@ class S3Backend(S3Connection, Backend):
             try:
                 self._check_range(key, resp, first, last)
                 while got < need:
-                    n = body.readinto(out[got:])
+                    n = _readinto(body, out[got:])
                     if not n:
                         raise IncompleteReadError(actual_bytes=got, expected_bytes=need)
                     got += n
@@ -284,7 +318,7 @@ class S3Backend(S3Connection, Backend):
         got = 0
         try:
             while got < len(out):
-                n = body.readinto(view[got:])
+                n = _readinto(body, view[got:])
                 if not n:
                     break
                 got += n

@@ -9,6 +9,7 @@ from botocore.exceptions import (
     ClientError,
     HTTPClientError,
     IncompleteReadError,
+    ParamValidationError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -19,6 +20,20 @@ log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole back
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 # the server refused If-None-Match itself (rather than the object)
 _CONDITIONAL_REJECTED_CODES = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest"})
+
+
+def _client_lacks_if_none_match(exc: ParamValidationError) -> bool:
+    """Whether botocore refused ``IfNoneMatch`` itself, before sending anything.
+
+    PutObject gained ``IfNoneMatch`` in botocore 1.35; an older client raises
+    ``Unknown parameter in input: "IfNoneMatch"``. That says nothing about the server, but the
+    header cannot be sent either way, so it counts as "conditional put not supported" and the
+    HEAD-then-PUT fallback is used (upgrading boto3/botocore brings the atomic create back).
+    """
+    # exactly this parameter: the "must be one of: ..." list of a newer client names it too
+    return 'Unknown parameter in input: "IfNoneMatch"' in str(exc)
+
+
 _AUTH_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 )
