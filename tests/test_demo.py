@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tierckpt.demo import scenario as demo
@@ -11,13 +13,18 @@ def test_quick_demo_is_bit_identical(capsys: pytest.CaptureFixture[str]) -> None
     rc = demo.main(["--quick"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "killed with SIGKILL after step 24" in out
+    # the kill comes at step 24 or, on a loaded machine, at the first step after S3 has
+    # committed step 20 (the newest save before the kill)
+    killed = re.search(r"killed with SIGKILL after step (\d+)", out)
+    assert killed is not None and int(killed.group(1)) >= 24, out
     assert "Continuation is bit-identical" in out
     # the closing table: blocking vs torch.save, bytes per tier, restore time
     assert "torch.save (blocking)" in out
     for tier in ("memory", "local", "s3"):
         assert f"\n  {tier} " in out
-    assert "Restore on node 2" in out and "from S3: step 20" in out
+    restored = re.search(r"from S3: step (\d+)", out)
+    assert "Restore on node 2" in out and restored is not None, out
+    assert 20 <= int(restored.group(1)) <= int(killed.group(1))
 
 
 @pytest.mark.slow

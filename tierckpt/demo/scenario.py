@@ -75,6 +75,10 @@ def _bar(total: int, desc: str) -> Any:
     )
 
 
+def _on_s3(commits: list[dict[str, Any]], step: int) -> bool:
+    return any(c.get("tier") == "s3" and int(c.get("step", -1)) >= step for c in commits)
+
+
 def run_child(
     name: str,
     argv: list[str],
@@ -83,9 +87,10 @@ def run_child(
     *,
     total: int,
     first_step: int = 1,
-    kill_when: Callable[[int], bool] | None = None,
+    kill_when: Callable[[int, list[dict[str, Any]]], bool] | None = None,
 ) -> ChildRun:
-    """Run ``python -m tierckpt.demo.train argv``; SIGKILL it once ``kill_when(step)``."""
+    """Run ``python -m tierckpt.demo.train argv``; SIGKILL it once ``kill_when(step,
+    commits)`` (the commit events seen so far) holds."""
     run = ChildRun(name, log_path)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -115,7 +120,8 @@ def run_child(
                     run.losses[step] = float(ev["loss"])
                     bar.update(1)
                     bar.set_postfix_str(f"loss {ev['loss']:.4f}", refresh=False)
-                    if kill_when is not None and run.killed_at is None and kill_when(step):
+                    kill = kill_when is not None and run.killed_at is None
+                    if kill and kill_when is not None and kill_when(step, run.commits):
                         os.kill(proc.pid, signal.SIGKILL)
                         run.killed_at = step
                 elif kind == "commit":
@@ -368,13 +374,16 @@ def _demo(
     if ref.returncode != 0 or ref.done is None:
         return _child_failed(ref)
 
+    # the kill waits for S3 to commit the newest save before --kill-at, so that the story
+    # (and the restored step) is the same on a loaded machine as on a quiet one
+    last_save = args.kill_at // args.every * args.every
     node1 = run_child(
         "2. node 1 (tierckpt, kill -9)",
         [*model, *tiered, "--local-dir", os.path.join(paths["node1"], "ckpt")],
         env,
         os.path.join(paths["logs"], "node1.log"),
         total=args.steps,
-        kill_when=lambda s: s >= args.kill_at,
+        kill_when=lambda s, commits: s >= args.kill_at and _on_s3(commits, last_save),
     )
     if node1.killed_at is None:
         return _child_failed(node1)
