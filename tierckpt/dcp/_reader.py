@@ -170,6 +170,9 @@ class TierReader(StorageReader):
 
     Each item is read from the fastest tier that holds the step; a corrupt or missing shard
     falls back to the next tier holding the same step.
+
+    A reader pickles as its configuration (tiers, step, threads): the copy opens its own
+    backends (clients are never pickled) and starts a fresh load.
     """
 
     def __init__(self, tiers: TiersArg, step: int | str | None = None, *, io_threads: int = 4):
@@ -184,6 +187,19 @@ class TierReader(StorageReader):
         self.loaded_step: int | None = None
         #: the checkpoint read (its step and timeline)
         self.loaded_id: CheckpointId | None = None
+
+    _PICKLED = ("policy", "step", "io_threads", "loaded_step", "loaded_id")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._PICKLED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in self._PICKLED:
+            setattr(self, k, state[k])
+        self.load_id = uuid.uuid4().hex
+        self._tiers = _runtimes(self.policy)
+        self._holders = []
+        self.storage_data = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:

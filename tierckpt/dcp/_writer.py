@@ -41,6 +41,7 @@ from tierckpt.dcp._metadata import (
 from tierckpt.distributed import is_private_tier
 from tierckpt.errors import (
     BackendError,
+    CheckpointExists,
     CheckpointFailed,
     FormatError,
     TierCkptError,
@@ -53,6 +54,7 @@ from tierckpt.format import (
     checksum,
     encode_manifest,
     manifest_name,
+    step_prefix,
 )
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
@@ -86,11 +88,23 @@ class TierWriter(PipelineOwner, StorageWriter):
             of this writer; ``keep_last`` is applied after each commit).
         step: the step to save; or pass it as DCP's ``checkpoint_id``.
         chunk_bytes, host_buffer_bytes, io_threads: as for :class:`~tierckpt.Checkpointer`.
+        overwrite: what a save of a step that is already committed does. ``False`` (default):
+            refused with :class:`~tierckpt.CheckpointExists` (a ``RuntimeError`` whose message
+            says "Checkpoint already exists", as ``FileSystemWriter(overwrite=False)``'s).
+            ``True``: saved again on a new timeline; a load of that step (or of the newest)
+            then reads the new save, and the committed one stays until retention removes it —
+            nothing committed is lost or overwritten in place.
 
     Reuse one writer for every save of a run: its host buffer and threads stay warm. It
     holds threads, and its writer lease on every tier it wrote to, until :meth:`close` (or
     garbage collection); another writer on the same location is refused with
     :class:`~tierckpt.WriterConflict` meanwhile.
+
+    A writer pickles as its configuration (no threads, locks or clients), so
+    ``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` works: the
+    background process unpickles one writer per original writer and reuses it for every later
+    save it is sent (its threads, buffer and leases live in that process). That process then
+    holds the tiers' leases: do not save through the original writer in the trainer as well.
     """
 
     def __init__(
@@ -101,6 +115,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         chunk_bytes: int | None = None,
         host_buffer_bytes: int | None = None,
         io_threads: int | None = None,
+        overwrite: bool = False,
     ) -> None:
         super().__init__()
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
@@ -109,6 +124,13 @@ class TierWriter(PipelineOwner, StorageWriter):
         self.host_buffer_bytes = sizes.host_buffer_bytes
         self.chunk_bytes = sizes.chunk_bytes
         self.io_threads = sizes.io_threads
+        self.overwrite = bool(overwrite)
+        #: identifies this writer across pickling (see _unpickle_writer)
+        self._key = uuid.uuid4().hex
+        self._runtime_state()
+
+    def _runtime_state(self) -> None:
+        """What lives in one process only (tiers with their clients, pipeline, lock), fresh."""
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
@@ -123,6 +145,30 @@ class TierWriter(PipelineOwner, StorageWriter):
         #: newest checkpoint this writer saved; as for Checkpointer
         self._timeline: int | None = None
         self._last_saved: CheckpointId | None = None
+
+    #: what a pickled writer carries: its configuration, not its threads, lock or clients
+    _PICKLED = (
+        "policy",
+        "step",
+        "host_buffer_bytes",
+        "chunk_bytes",
+        "io_threads",
+        "overwrite",
+        "_key",
+        "exit_timeout_s",
+        "save_deadline",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._PICKLED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in self._PICKLED:
+            setattr(self, k, state[k])
+        self._runtime_state()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle_writer, (self.__getstate__(),))
 
     # -- DCP protocol ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -150,7 +196,17 @@ class TierWriter(PipelineOwner, StorageWriter):
         self.rank = int(rank) if rank is not None else _dist_rank()
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=f"tierckpt:{self.step}", save_id=self.save_id)
+        """``checkpoint_id`` is where the checkpoint lives (as ``FileSystemWriter``'s path):
+        the step's folder on the first tier every rank shares, e.g. ``/ck/steps/000000000100``
+        or ``s3://b/run/steps/000000000100.t000001`` once the timeline is chosen."""
+        return StorageMeta(checkpoint_id=self._location(self._timeline or 0), save_id=self.save_id)
+
+    def _location(self, timeline: int) -> str:
+        step = self._require_step()
+        shared = [t for t in self._tiers if not is_private_tier(t)] or self._tiers
+        if not shared:
+            return step_prefix(step, timeline=timeline).rstrip("/")
+        return f"{shared[0].backend.url.rstrip('/')}/{step_prefix(step, timeline=timeline)}"[:-1]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._require_step()
@@ -170,13 +226,29 @@ class TierWriter(PipelineOwner, StorageWriter):
             if last is not None and (newest is None or last > newest):
                 newest = last
             timeline = timeline_for(step, newest)
+        name = manifest_name(step, timeline=timeline)
+        there = [t for t in self._tiers if t.backend.exists(name)]
+        if there and not self.overwrite:
+            t = there[0]
+            raise CheckpointExists(
+                f"Checkpoint already exists: {CheckpointId(step, timeline)} is already "
+                f"committed on tier {t.name!r} ({t.backend.url}); refusing to overwrite it — "
+                "save under another step, or pass TierWriter(..., overwrite=True) to save it "
+                "again on a new timeline (the committed one stays)"
+            )
+        if there:
+            newest = newest_committed((t.name, t.backend) for t in self._tiers)
+            top = max(c for c in (newest, last, CheckpointId(step, timeline)) if c is not None)
+            # as a rollback does: a new timeline above every one there; the old save stays
+            old, timeline = timeline, timeline_for(step, CheckpointId(step, top.timeline))
+            log.warning(
+                "DCP step %d is already committed (timeline %d); overwrite=True: saving it "
+                "again on timeline %d, the committed one is kept",
+                step,
+                old,
+                timeline,
+            )
         cid = CheckpointId(step, timeline)
-        for t in self._tiers:
-            if t.backend.exists(manifest_name(step, timeline=timeline)):
-                raise FileExistsError(
-                    f"{cid} is already committed on tier {t.name!r} ({t.backend.url}); "
-                    "refusing to overwrite it — save under another step"
-                )
         self._timeline = timeline
         self._last_saved = cid
         world = len(plans)
@@ -233,9 +305,11 @@ class TierWriter(PipelineOwner, StorageWriter):
             raise CheckpointFailed(f"step {step}: shard reports from ranks {sorted(shards)} only")
         metadata.version = metadata.version or _DCP_VERSION
         metadata.storage_data = storage
-        metadata.storage_meta = self.storage_meta()
-        blob = encode_metadata(metadata)
         timeline = info.timeline if info is not None else 0
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=self._location(timeline), save_id=self.save_id
+        )
+        blob = encode_metadata(metadata)
         committed: list[str] = []
         failed: dict[str, BaseException] = {}
         for t in self._tiers:
@@ -370,3 +444,25 @@ def _dist_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+#: writers unpickled in this process, by the original writer's key: DCP's background save
+#: process receives a pickled copy of the trainer's writer with every save request; the copies
+#: of one original share one live writer (one pipeline, one set of leases) in that process
+_ADOPTED: dict[str, TierWriter] = {}
+_ADOPTED_LOCK = threading.Lock()
+
+
+def _unpickle_writer(state: dict[str, Any]) -> TierWriter:
+    """The live writer of this process for the original ``state`` was pickled from: the one
+    already unpickled here (with the request's step and settings) or a new one."""
+    with _ADOPTED_LOCK:
+        w = _ADOPTED.get(state["_key"])
+        if w is not None and not w._closed:
+            w.step = state["step"]
+            w.overwrite = state["overwrite"]
+            return w
+        w = TierWriter.__new__(TierWriter)
+        w.__setstate__(state)
+        _ADOPTED[state["_key"]] = w
+        return w
