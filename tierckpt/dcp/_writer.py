@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -216,36 +217,44 @@ class TierWriter(PipelineOwner, StorageWriter):
         """On the coordinator: choose the timeline (as :class:`~tierckpt.Checkpointer` does:
         at the first save, and when the step is below the previous save's, from the newest
         checkpoint on the tiers; a step not after it starts a new timeline) and hand it to
-        every rank with its plan."""
+        every rank with its plan.
+
+        A step already committed where this save would go (the timeline this writer goes on
+        with, or else the newest timeline: the checkpoint ``TierReader(step)`` reads) is the
+        checkpoint ``checkpoint_id`` names: refused with :class:`CheckpointExists`, or with
+        ``overwrite=True`` saved again on a new timeline."""
         step = self._require_step()
         last = self._last_saved
+        newest: CheckpointId | None = None
         if self._timeline is not None and (last is None or step >= last.step):
-            timeline = self._timeline
+            timeline = there_on = self._timeline
         else:
             newest = newest_committed((t.name, t.backend) for t in self._tiers)
             if last is not None and (newest is None or last > newest):
                 newest = last
             timeline = timeline_for(step, newest)
-        name = manifest_name(step, timeline=timeline)
+            there_on = newest.timeline if newest is not None else timeline
+        name = manifest_name(step, timeline=there_on)
         there = [t for t in self._tiers if t.backend.exists(name)]
         if there and not self.overwrite:
             t = there[0]
             raise CheckpointExists(
-                f"Checkpoint already exists: {CheckpointId(step, timeline)} is already "
+                f"Checkpoint already exists: {CheckpointId(step, there_on)} is already "
                 f"committed on tier {t.name!r} ({t.backend.url}); refusing to overwrite it — "
                 "save under another step, or pass TierWriter(..., overwrite=True) to save it "
                 "again on a new timeline (the committed one stays)"
             )
         if there:
-            newest = newest_committed((t.name, t.backend) for t in self._tiers)
-            top = max(c for c in (newest, last, CheckpointId(step, timeline)) if c is not None)
+            if newest is None:
+                newest = newest_committed((t.name, t.backend) for t in self._tiers)
+            top = max(c for c in (newest, last, CheckpointId(step, there_on)) if c is not None)
             # as a rollback does: a new timeline above every one there; the old save stays
-            old, timeline = timeline, timeline_for(step, CheckpointId(step, top.timeline))
+            timeline = timeline_for(step, CheckpointId(step, top.timeline))
             log.warning(
                 "DCP step %d is already committed (timeline %d); overwrite=True: saving it "
                 "again on timeline %d, the committed one is kept",
                 step,
-                old,
+                there_on,
                 timeline,
             )
         cid = CheckpointId(step, timeline)
@@ -343,7 +352,23 @@ class TierWriter(PipelineOwner, StorageWriter):
         return self.step
 
     def _pipeline_hooks(self) -> PipelineHooks:
-        return PipelineHooks(commit=self._on_shard_durable)
+        # through a weak reference: the pipeline must not keep its writer alive, so that a
+        # writer dropped after dcp.save (DCP's idiom: a new writer per save) is collected at
+        # once and its __del__ closes the pipeline and releases the leases; a reference cycle
+        # would hold them until the cyclic GC runs and refuse the next writer meanwhile
+        me = weakref.ref(self)
+
+        def commit(tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int) -> None:
+            w = me()
+            if w is not None:
+                w._on_shard_durable(tier, job, ref, raw, stored)
+
+        return PipelineHooks(commit=commit)
+
+    def _release(self) -> None:
+        with _ADOPTED_LOCK:
+            if _ADOPTED.get(self._key) is self:
+                del _ADOPTED[self._key]
 
     def _on_shard_durable(
         self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
