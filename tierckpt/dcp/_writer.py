@@ -142,6 +142,9 @@ class TierWriter(PipelineOwner, StorageWriter):
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
         self._info: _PlanInfo | None = None
         self._closed = False
+        #: a save of this writer is between its shard and its commit (see _take_over)
+        self._in_save = False
+        self._taken_over = False
         #: the coordinator's timeline (None: chosen from the tiers at the next save) and the
         #: newest checkpoint this writer saved; as for Checkpointer
         self._timeline: int | None = None
@@ -294,11 +297,19 @@ class TierWriter(PipelineOwner, StorageWriter):
                 storage_data=shards,
             )
         )
+        if not self.is_coordinator:
+            self._in_save = False  # the coordinator commits; this rank's part is done
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._in_save = False
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         step = self._require_step()
         info = self._info
         world = info.world_size if info is not None else len(results)
@@ -395,6 +406,7 @@ class TierWriter(PipelineOwner, StorageWriter):
                 log.warning("DCP save skips tier %s: it is private to each process", t.name)
         if not tiers:
             return _RankShards(info.rank, {}, {})
+        self._take_over(tiers)
         pipeline = self._get_pipeline()
         plan = build_plan(state, self.chunk_bytes)
         handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=info.timeline)
@@ -421,6 +433,36 @@ class TierWriter(PipelineOwner, StorageWriter):
         with self._lock:
             done = self._shards.pop(id(job), {})
         return _RankShards(info.rank, done, errors)
+
+    def _take_over(self, tiers: list[Tier]) -> None:
+        """Take this writer's locations over from older, idle TierWriters of this process.
+
+        DCP's idiom is a new storage writer per ``dcp.save``. A dropped writer is normally
+        collected at once (and releases its leases), but one still referenced somewhere (a
+        traceback kept after a failed save, a debugger) would hold the lease and refuse the
+        new writer with WriterConflict. So in one process the newest writer of a location
+        wins: an older one that is not inside a save is closed (its leases released) and
+        refuses later saves; one inside a save keeps the location (WriterConflict here)."""
+        olds: list[TierWriter] = []
+        with _LOCATIONS_LOCK:
+            if self._taken_over:
+                raise TierCkptError(
+                    "this TierWriter was closed: a newer TierWriter of this process took its "
+                    "location over (save through the newest writer)"
+                )
+            self._in_save = True
+            for t in tiers:
+                old = _LOCATIONS.get(t.backend.url)
+                if old is not None and old is not self and not old._closed:
+                    if old._in_save:
+                        continue  # a concurrent save: its lease refuses this writer
+                    old._taken_over = True
+                    if old not in olds:
+                        olds.append(old)
+                _LOCATIONS[t.backend.url] = self
+        for old in olds:
+            log.info("a newer TierWriter of this process takes over; closing the older one")
+            old.close()
 
     def _commit_tier(
         self,
@@ -470,6 +512,10 @@ def _dist_rank() -> int:
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
+
+#: the newest live TierWriter of this process per tier location (backend URL; see _take_over)
+_LOCATIONS: weakref.WeakValueDictionary[str, TierWriter] = weakref.WeakValueDictionary()
+_LOCATIONS_LOCK = threading.Lock()
 
 #: writers unpickled in this process, by the original writer's key: DCP's background save
 #: process receives a pickled copy of the trainer's writer with every save request; the copies
