@@ -460,6 +460,7 @@ class Checkpointer(PipelineOwner):
         map_location: str | torch.device | None = None,
         fallback: Literal["error", "previous"] = "error",
         timeline: int | None = None,
+        strict: bool = True,
     ) -> Any:
         """Load the newest committed checkpoint (or ``step``) from the fastest tier holding it.
 
@@ -467,11 +468,14 @@ class Checkpointer(PipelineOwner):
         older step saves on a new timeline; see :class:`~tierckpt.format.CheckpointId`).
         ``step``: that step, of the newest timeline holding it; ``timeline``: only that
         timeline's checkpoints. ``into``: copy into these existing tensors in place (shapes
-        and dtypes must match) and return it. ``fallback="previous"``: if every tier's copy is
-        unreadable, try older checkpoints of the same history (older steps of its timeline,
-        then the steps of older timelines below the point where the newer one branched off;
-        never steps of an abandoned run). ``map_location``: device of the returned tensors
-        (default CPU).
+        must match; a tensor of another floating-point dtype is cast, as ``load_state_dict``
+        does) and return it; ``strict=False``: restore only the keys both hold (the others
+        stay as they are), as ``load_state_dict(strict=False)`` does. ``nn.Parameter`` values
+        come back as Parameters with their ``requires_grad``, as with ``torch.load``.
+        ``fallback="previous"``: if every tier's copy is unreadable, try older checkpoints of
+        the same history (older steps of its timeline, then the steps of older timelines
+        below the point where the newer one branched off; never steps of an abandoned run).
+        ``map_location``: device of the returned tensors (default CPU).
 
         The next ``save()`` after a load chooses its timeline again: a step after the newest
         committed one continues its timeline; an older or equal one starts a new timeline.
@@ -491,6 +495,7 @@ class Checkpointer(PipelineOwner):
                     map_location=map_location,
                     fallback=fallback,
                     timeline=timeline,
+                    strict=strict,
                 )
             except CheckpointNotFound:
                 if step is not None or self.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
@@ -514,6 +519,7 @@ class Checkpointer(PipelineOwner):
         map_location: str | torch.device | None,
         fallback: Literal["error", "previous"],
         timeline: int | None,
+        strict: bool = True,
     ) -> Any:
         """One listing of the tiers and one load of the step chosen from it."""
         if fallback not in ("error", "previous"):
@@ -560,16 +566,20 @@ class Checkpointer(PipelineOwner):
             # once every rank's file is in: a collective, reached by every rank whether its
             # load worked or not
             self._strategy.publish_repopulated(got)
-        return self._deliver(got, into, map_location)
+        return self._deliver(got, into, map_location, strict)
 
     def _deliver(
-        self, loaded: LoadedShard, into: Any, map_location: str | torch.device | None
+        self,
+        loaded: LoadedShard,
+        into: Any,
+        map_location: str | torch.device | None,
+        strict: bool = True,
     ) -> Any:
         state = loaded.state
         if map_location is not None:
             state = _to_device(state, torch.device(map_location))
         if into is not None:
-            return restore_into(into, state)
+            return restore_into(into, state, strict=strict)
         return state
 
     def _load_candidates(
@@ -707,6 +717,8 @@ def _dist_rank_world() -> tuple[int, int]:
 
 
 def _to_device(state: Any, device: torch.device) -> Any:
+    if isinstance(state, torch.nn.Parameter):  # .to() gives a plain tensor: keep the type
+        return torch.nn.Parameter(state.detach().to(device), requires_grad=state.requires_grad)
     if isinstance(state, torch.Tensor):
         return state.to(device)
     if isinstance(state, dict):
