@@ -299,7 +299,9 @@ def w_async_process(rank: int, world: int, kind: str, root: str, steps: list[int
         )
         state["t"].fill_(-1.0)  # the save holds a staged copy
         md = fut.result()
-        out[f"checkpoint_id-{step}"] = str(md.storage_meta.checkpoint_id) if md.storage_meta else None
+        out[f"checkpoint_id-{step}"] = (
+            str(md.storage_meta.checkpoint_id) if md.storage_meta else None
+        )
     dist.barrier()
     for i, step in enumerate(steps):
         target = {"t": torch.zeros(64), "i": -1}

@@ -376,7 +376,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         step = cid.step
         results = export_safetensors(backend, step, args.out_dir, rank=args.rank,
                                      single_file=args.single_file, source=args.url,
-                                     timeline=cid.timeline)
+                                     timeline=cid.timeline, max_shard_size=args.max_shard_size)
     for res in results:
         print(f"exported step {step} rank {res.rank}: {res.tensors} tensors")
         for f in res.files:
@@ -537,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rank", type=int, default=None, help="one rank only (default: all)")
     sp.add_argument("--single-file", action="store_true",
                     help="one state.safetensors instead of one file per top-level key")
+    sp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="split a file above SIZE into shards with an index.json, as Hugging "
+                         "Face does (e.g. 500MB, 5GB; default 5GB)")
 
     sp = add("bench", cmd_bench, "run the benchmark (arguments go to tierckpt.bench)")
     sp.add_argument("bench_args", nargs=argparse.REMAINDER, help="benchmark arguments")
