@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -142,6 +143,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
         self._info: _PlanInfo | None = None
         self._closed = False
+        self._hook: _HookTarget | None = None
         #: a save of this writer is between its shard and its commit (see _take_over)
         self._in_save = False
         self._taken_over = False
@@ -367,14 +369,24 @@ class TierWriter(PipelineOwner, StorageWriter):
         # writer dropped after dcp.save (DCP's idiom: a new writer per save) is collected at
         # once and its __del__ closes the pipeline and releases the leases; a reference cycle
         # would hold them until the cyclic GC runs and refuse the next writer meanwhile
-        me = weakref.ref(self)
+        target = self._hook = _HookTarget(self)
 
         def commit(tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int) -> None:
-            w = me()
+            w = target.ref()
             if w is not None:
                 w._on_shard_durable(tier, job, ref, raw, stored)
 
         return PipelineHooks(commit=commit)
+
+    def __del__(self) -> None:
+        # dropped without close() after its saves (DCP's idiom: a new writer per dcp.save):
+        # park the warm pipeline for the next writer of the same tiers in this process
+        try:
+            if not self._closed and self._pipeline is not None and _park(self):
+                return
+        except Exception:
+            pass
+        super().__del__()
 
     def _release(self) -> None:
         with _ADOPTED_LOCK:
@@ -394,6 +406,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         self, state: dict[str, torch.Tensor], step: int, info: _PlanInfo
     ) -> _RankShards:
 
+        self._take_over()
         index = self._save_count
         self._save_count += 1
         tiers = [
@@ -406,7 +419,6 @@ class TierWriter(PipelineOwner, StorageWriter):
                 log.warning("DCP save skips tier %s: it is private to each process", t.name)
         if not tiers:
             return _RankShards(info.rank, {}, {})
-        self._take_over(tiers)
         pipeline = self._get_pipeline()
         plan = build_plan(state, self.chunk_bytes)
         handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=info.timeline)
@@ -434,7 +446,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             done = self._shards.pop(id(job), {})
         return _RankShards(info.rank, done, errors)
 
-    def _take_over(self, tiers: list[Tier]) -> None:
+    def _take_over(self) -> None:
         """Take this writer's locations over from older, idle TierWriters of this process.
 
         DCP's idiom is a new storage writer per ``dcp.save``. A dropped writer is normally
@@ -442,8 +454,14 @@ class TierWriter(PipelineOwner, StorageWriter):
         traceback kept after a failed save, a debugger) would hold the lease and refuse the
         new writer with WriterConflict. So in one process the newest writer of a location
         wins: an older one that is not inside a save is closed (its leases released) and
-        refuses later saves; one inside a save keeps the location (WriterConflict here)."""
+        refuses later saves; one inside a save keeps the location (WriterConflict here).
+
+        A pipeline parked by a dropped writer of the same tiers and settings is adopted (its
+        threads, host buffer and leases stay warm: no setup per save); one parked for other
+        settings on these locations is closed, releasing its leases."""
         olds: list[TierWriter] = []
+        stale: list[_Parked] = []
+        urls = {t.backend.url for t in self._tiers}
         with _LOCATIONS_LOCK:
             if self._taken_over:
                 raise TierCkptError(
@@ -451,7 +469,18 @@ class TierWriter(PipelineOwner, StorageWriter):
                     "location over (save through the newest writer)"
                 )
             self._in_save = True
-            for t in tiers:
+            for p in list(_PARKED):
+                if not urls & p.urls:
+                    continue
+                _PARKED.remove(p)
+                if self._pipeline is None and p.config == self._config():
+                    fresh, self._tiers, self._pipeline = self._tiers, p.tiers, p.pipeline
+                    p.target.ref = weakref.ref(self)
+                    self._hook = p.target
+                    stale.append(_Parked(p.config, set(), p.pipeline, fresh, p.target, False))
+                else:
+                    stale.append(p)
+            for t in self._tiers:
                 old = _LOCATIONS.get(t.backend.url)
                 if old is not None and old is not self and not old._closed:
                     if old._in_save:
@@ -463,6 +492,18 @@ class TierWriter(PipelineOwner, StorageWriter):
         for old in olds:
             log.info("a newer TierWriter of this process takes over; closing the older one")
             old.close()
+        for p in stale:
+            p.close()
+
+    def _config(self) -> tuple[Any, ...]:
+        return (
+            self.policy,
+            self.chunk_bytes,
+            self.host_buffer_bytes,
+            self.io_threads,
+            self.save_deadline,
+            self.exit_timeout_s,
+        )
 
     def _commit_tier(
         self,
@@ -515,7 +556,64 @@ def _dist_rank() -> int:
 
 #: the newest live TierWriter of this process per tier location (backend URL; see _take_over)
 _LOCATIONS: weakref.WeakValueDictionary[str, TierWriter] = weakref.WeakValueDictionary()
-_LOCATIONS_LOCK = threading.Lock()
+#: reentrant: dropping the last reference to a writer under it runs __del__ (_park) there
+_LOCATIONS_LOCK = threading.RLock()
+
+
+class _HookTarget:
+    """The writer a pipeline's commit hook reports to (weakly: the pipeline must not keep its
+    writer alive), moved to the next writer when a parked pipeline is adopted."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, writer: TierWriter) -> None:
+        self.ref: weakref.ref[TierWriter] = weakref.ref(writer)
+
+
+@dataclass(eq=False)
+class _Parked:
+    """A warm pipeline of a dropped writer, waiting for the next writer of its tiers."""
+
+    config: tuple[Any, ...]
+    urls: set[str]
+    pipeline: Pipeline | None
+    tiers: list[Tier]
+    target: _HookTarget
+    #: close the pipeline (False: only the backends, the pipeline lives on adopted)
+    owns_pipeline: bool = True
+
+    def close(self) -> None:
+        try:
+            if self.owns_pipeline and self.pipeline is not None:
+                self.pipeline.close()
+        finally:
+            for t in self.tiers:
+                t.backend.close()
+
+
+#: parked pipelines, oldest first; a few at most (each holds threads, a host buffer, leases)
+_PARKED: list[_Parked] = []
+_MAX_PARKED = 2
+
+
+def _park(w: TierWriter) -> bool:
+    """Park ``w``'s idle pipeline (``w`` is being collected); False: not parked, close it."""
+    pipeline, target = w._pipeline, w._hook
+    if pipeline is None or target is None or w._in_save or w._taken_over or pipeline.in_flight():
+        return False
+    evicted: list[_Parked] = []
+    with _LOCATIONS_LOCK:
+        _PARKED.append(
+            _Parked(w._config(), {t.backend.url for t in w._tiers}, pipeline, w._tiers, target)
+        )
+        while len(_PARKED) > _MAX_PARKED:
+            evicted.append(_PARKED.pop(0))
+    w._pipeline = None
+    w._closed = True
+    for p in evicted:
+        p.close()
+    return True
+
 
 #: writers unpickled in this process, by the original writer's key: DCP's background save
 #: process receives a pickled copy of the trainer's writer with every save request; the copies
