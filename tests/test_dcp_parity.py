@@ -13,6 +13,7 @@ DCP's own code relies on. Multi-rank cases run on gloo in real processes
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
@@ -180,6 +181,41 @@ def test_a_used_writer_pickles_and_copies_share_one_writer_per_process(tmp_path:
     target = {"a": torch.zeros(4)}
     dcp.load(target, storage_reader=TierReader([LocalTier(tmp_path)]), no_dist=True)
     assert torch.equal(target["a"], torch.full((4,), 3.0))
+
+
+def test_a_new_writer_per_save_while_the_old_one_is_still_referenced(tmp_path: Path) -> None:
+    """DCP's idiom is a new storage writer per save. An older writer still referenced (kept by
+    a traceback, a list, a debugger) must not refuse the next one: the newest writer of a
+    location in a process takes it over from an idle older one, which then refuses saves."""
+    kept = [TierWriter([LocalTier(tmp_path)], 1)]
+    dcp.save({"a": torch.ones(4)}, storage_writer=kept[0], no_dist=True)
+    dcp.save({"a": torch.full((4,), 2.0)}, storage_writer=TierWriter([LocalTier(tmp_path)], 2))
+    with pytest.raises(CheckpointException, match="took its location over"):
+        dcp.save({"a": torch.zeros(4)}, storage_writer=kept[0], checkpoint_id=3, no_dist=True)
+    target = {"a": torch.zeros(4)}
+    dcp.load(target, storage_reader=TierReader([LocalTier(tmp_path)]), no_dist=True)
+    assert torch.equal(target["a"], torch.full((4,), 2.0))
+
+
+def test_dropped_writers_hand_their_warm_pipeline_on(tmp_path: Path) -> None:
+    """A writer dropped without close() parks its idle pipeline; the next writer of the same
+    tiers adopts it: the same lease (same owner, never released and taken again) serves
+    every save, so a save pays no per-writer setup."""
+    owners = []
+    for step in (1, 2, 3):
+        dcp.save(
+            {"a": torch.full((64,), float(step))},
+            storage_writer=pw.writer("tier", str(tmp_path), step),
+            no_dist=True,
+        )
+        lease = json.loads((tmp_path / "leases" / "rank-000000.json").read_text())
+        owners.append((lease["owner"], lease["started"]))
+    assert owners[0] == owners[1] == owners[2]
+    # a writer with other settings on the same location takes it over (the parked one closes)
+    w = TierWriter([LocalTier(tmp_path, keep_last=None)], 4, chunk_bytes=8192)
+    dcp.save({"a": torch.zeros(64)}, storage_writer=w, no_dist=True)
+    w.close()
+    assert not (tmp_path / "leases" / "rank-000000.json").exists()
 
 
 @pytest.mark.parametrize("kind", KINDS)

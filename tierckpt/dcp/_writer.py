@@ -107,6 +107,13 @@ class TierWriter(PipelineOwner, StorageWriter):
     background process unpickles one writer per original writer and reuses it for every later
     save it is sent (its threads, buffer and leases live in that process). That process then
     holds the tiers' leases: do not save through the original writer in the trainer as well.
+
+    DCP's own idiom, a new writer per ``dcp.save`` that is never closed, costs no setup per
+    save: a writer collected without :meth:`close` parks its idle pipeline (threads, host
+    buffer, leases) in this process and the next writer of the same tiers and settings adopts
+    it (at most two are parked; the leases stay held until a writer that adopted them is
+    closed, or the process ends). In one process the newest writer of a location takes it over
+    from an older one that is not inside a save.
     """
 
     def __init__(
@@ -291,7 +298,11 @@ class TierWriter(PipelineOwner, StorageWriter):
                     storage_data=ItemLocation(info.rank, key),
                 )
             )
-        shards = self._save_shard(state, step, info)
+        try:
+            shards = self._save_shard(state, step, info)
+        except BaseException:
+            self._in_save = False  # nothing of it to commit: the location may be taken over
+            raise
         results.append(
             WriteResult(
                 index=MetadataIndex(f"{_SHARDS_FQN}{info.rank}"),
