@@ -6,6 +6,7 @@ from tierckpt._version import __version__
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.errors import (
     BackendError,
+    CheckpointExists,
     CheckpointFailed,
     CheckpointNotFound,
     CheckpointSkipped,
@@ -30,6 +31,7 @@ from tierckpt.stats import CommitStats
 
 __all__ = [
     "BackendError",
+    "CheckpointExists",
     "CheckpointFailed",
     "CheckpointId",
     "CheckpointNotFound",

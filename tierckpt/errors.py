@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "BackendError",
+    "CheckpointExists",
     "CheckpointFailed",
     "CheckpointNotFound",
     "CheckpointSkipped",
@@ -71,6 +72,14 @@ class StateMismatch(TierCkptError, ValueError):
 
 class BackendError(TierCkptError, OSError):
     """A storage backend failed (disk full, permission, S3 error after retries)."""
+
+
+class CheckpointExists(TierCkptError, FileExistsError, RuntimeError):
+    """A save names a checkpoint that is already committed: refused, nothing is overwritten.
+
+    Also a ``RuntimeError``, which ``torch.distributed.checkpoint.FileSystemWriter(overwrite=
+    False)`` raises in the same case ("Checkpoint already exists"), so code and tests written
+    for DCP recognise it."""
 
 
 class CheckpointFailed(TierCkptError, RuntimeError):

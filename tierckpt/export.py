@@ -11,15 +11,25 @@ its own file, with names relative to that key, so ``model.safetensors`` loads st
 With ``single_file=True`` everything goes to ``state.safetensors`` under full dotted names.
 Everything that is not a tensor (step counters, param groups, scheduler state, strings) goes
 to ``state.json`` beside the files: the whole tree, with each tensor replaced by a reference
-``{"$safetensors": file, "name": name}``. Tensors that share storage (tied weights) are
-written once per name; ``state.json`` lists such aliases. Dtypes safetensors cannot hold
-(complex128, some float8 variants) are skipped and listed.
+``{"$safetensors": file, "name": name}``.
+
+The files are written by ``huggingface_hub.save_torch_state_dict``, as Hugging Face writes
+models: a file larger than ``max_shard_size`` is split into ``model-00001-of-0000N.safetensors``
+shards with a ``model.safetensors.index.json`` weight map, and tied weights are stored once.
+Two names are *aliases* (tied weights) when they view the same storage at the same offset
+with the same shape, stride and dtype; the file holds the first name only, its metadata maps
+each alias to it (as Hugging Face records them, so ``safetensors.torch.load_model`` restores
+tied modules) and ``state.json`` lists them. Other tensors that overlap in storage (``B =
+A[:1]``) are not aliases: each is stored under its own name. Every dtype the installed
+safetensors stores is exported (float8_e8m0fnu, float4_e2m1fn_x2 with a recent one); the
+others (complex128, sub-byte integer types) are skipped and listed.
 """
 
 from __future__ import annotations
 
 import base64
 import errno
+import functools
 import json
 import math
 import os
@@ -40,7 +50,7 @@ from tierckpt.tree import dtype_name
 
 __all__ = ["ExportResult", "export_safetensors", "flatten_state"]
 
-#: dtypes safetensors 0.4+ can store
+#: dtypes safetensors 0.4 stores (what :func:`safetensors_dtypes` finds in any version)
 SAFETENSORS_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -61,6 +71,47 @@ class ExportResult:
     tensors: int = 0
     skipped: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+
+
+@functools.cache
+def safetensors_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the installed safetensors stores and gives back as they were: each torch
+    dtype is tried once with a one-element tensor, in memory (newer safetensors versions add
+    dtypes: float8_e8m0fnu and float4_e2m1fn_x2 in 0.6)."""
+    from safetensors.torch import load_file, save_file
+
+    found = set()
+    # through a file: safetensors.torch.load (from bytes) knows fewer dtypes than load_file
+    with tempfile.TemporaryDirectory(prefix="tierckpt-dtypes-") as tmp:
+        path = os.path.join(tmp, "probe.safetensors")
+        for dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+            try:
+                t = torch.zeros(dtype.itemsize, dtype=torch.uint8).view(dtype)
+                save_file({"x": t}, path)
+                if load_file(path)["x"].dtype == dtype:
+                    found.add(dtype)
+            except Exception:  # any failure: not storable
+                continue
+    return frozenset(found)
+
+
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Tied weights: the same bytes seen the same way (storage, offset, shape, stride,
+    dtype); ``A[:1]`` shares A's storage but is another tensor."""
+    return (
+        str(t.device),
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+    )
+
+
+def _complete(t: torch.Tensor) -> bool:
+    """``t`` covers its whole storage (what save_torch_state_dict keeps of a shared group)."""
+    st = t.untyped_storage()
+    return t.data_ptr() == st.data_ptr() and t.numel() * t.element_size() == st.nbytes()
 
 
 def _key(k: Any) -> str:
@@ -142,18 +193,23 @@ def export_safetensors(
     single_file: bool = False,
     source: str = "",
     timeline: int = 0,
+    max_shard_size: int | str = "5GB",
 ) -> list[ExportResult]:
     """Write one checkpoint as safetensors files plus ``state.json``; see the module docstring.
 
     ``rank``: export this rank only (default: every rank; with several ranks each goes to
     ``out_dir/rank-NNNNNN/``). ``timeline``: the checkpoint's timeline (see
-    :func:`tierckpt.offline.resolve_id`).
+    :func:`tierckpt.offline.resolve_id`). ``max_shard_size``: a file above it is split into
+    shards with an index, as ``save_pretrained`` does (bytes, or a string such as ``"5GB"``).
     """
     try:
-        from safetensors.torch import save_file
+        import huggingface_hub  # noqa: F401
+        import safetensors  # noqa: F401
     except ImportError as exc:
-        raise ImportError(f"export to safetensors needs the package: pip install safetensors "
-                          f"({exc})") from exc
+        raise ImportError(
+            "export to safetensors needs safetensors and huggingface_hub: "
+            f"pip install 'tierckpt[hf]' ({exc})"
+        ) from exc
 
     manifest = read_manifest(backend, step, backend.url, timeline=timeline)
     ranks = [s.rank for s in manifest.shards] if rank is None else [rank]
@@ -185,36 +241,25 @@ def export_safetensors(
             else:
                 groups["state.safetensors"] = flatten_state(state)
             ref: dict[int, dict[str, str]] = {}
+            storable = safetensors_dtypes()
             for fname, items in groups.items():
-                tensors: dict[str, torch.Tensor] = {}
-                first_name: dict[tuple[int, int], str] = {}
-                for name, t in items:
-                    full = name
-                    if name in tensors:
+                names: set[str] = set()
+                for name, _t in items:
+                    if name in names:
                         raise FormatError(f"two tensors flatten to the same name {name!r} in "
                                           f"{fname}; export with --single-file or rename keys")
-                    if t.dtype not in SAFETENSORS_DTYPES:
-                        res.skipped.append(f"{fname}:{full} ({dtype_name(t.dtype)})")
-                        continue
-                    storage_key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
-                    if t.numel() and storage_key in first_name:
-                        res.aliases[f"{fname}:{full}"] = f"{fname}:{first_name[storage_key]}"
-                    elif t.numel():
-                        first_name[storage_key] = full
-                    # safetensors refuses shared or strided memory: give each name its own
-                    tensors[full] = t.detach().contiguous().clone()
-                    ref[id(t)] = {"$safetensors": fname, "name": full}
-                if not tensors:
-                    continue
-                path = os.path.join(where, fname)
-                save_file(tensors, path, metadata={
-                    "format": "pt",
-                    "tierckpt_step": str(step),
-                    "tierckpt_rank": str(r),
-                    "tierckpt_source": source or backend.url,
-                })
-                res.files.append(path)
-                res.tensors += len(tensors)
+                    names.add(name)
+                written = _write_group(
+                    fname, items, where, storable, res, max_shard_size,
+                    metadata={
+                        "format": "pt",
+                        "tierckpt_step": str(step),
+                        "tierckpt_rank": str(r),
+                        "tierckpt_source": source or backend.url,
+                    },
+                )
+                for t, (file, name) in written.items():
+                    ref[t] = {"$safetensors": file, "name": name}
             doc = {
                 "tierckpt_export": 1,
                 "format_version": FORMAT_VERSION,
@@ -235,3 +280,77 @@ def export_safetensors(
             res.files.append(json_path)
             results.append(res)
     return results
+
+
+def _write_group(
+    fname: str,
+    items: list[tuple[str, torch.Tensor]],
+    where: str,
+    storable: frozenset[torch.dtype],
+    res: ExportResult,
+    max_shard_size: int | str,
+    *,
+    metadata: dict[str, str],
+) -> dict[int, tuple[str, str]]:
+    """Write one group's tensors as ``fname`` (or its shards) through
+    ``huggingface_hub.save_torch_state_dict``; ``id(tensor) -> (file, name)`` of each
+    tensor written (an alias maps to where its first name is)."""
+    from huggingface_hub import save_torch_state_dict
+
+    tensors: dict[str, torch.Tensor] = {}
+    first: dict[tuple[Any, ...], str] = {}  # alias key -> first name
+    alias_of: dict[str, str] = {}
+    per_storage: dict[tuple[str, int], set[tuple[Any, ...]]] = {}
+    for name, t in items:
+        if t.dtype not in storable:
+            res.skipped.append(f"{fname}:{name} ({dtype_name(t.dtype)})")
+            continue
+        t = t.detach()
+        if t.numel() == 0:
+            tensors[name] = t
+            continue
+        key = _alias_key(t)
+        if key in first:
+            alias_of[name] = first[key]
+            continue
+        first[key] = name
+        tensors[name] = t
+        per_storage.setdefault(key[:2], set()).add(key)
+    # a tensor that shares its storage with another (not an alias) or that does not cover its
+    # storage gets its own copy: save_torch_state_dict would drop the others of a shared group
+    for name, t in tensors.items():
+        if t.numel() and (len(per_storage[_alias_key(t)[:2]]) > 1 or not _complete(t)):
+            tensors[name] = t.contiguous().clone()
+    for alias, name in alias_of.items():
+        tensors[alias] = tensors[name]  # the same object: stored once, under ``name``
+    out: dict[int, tuple[str, str]] = {}
+    if not tensors:
+        return out
+    stem = fname.removesuffix(".safetensors")
+    meta = dict(metadata)  # save_torch_state_dict adds the aliases to it
+    save_torch_state_dict(
+        tensors,
+        where,
+        filename_pattern=stem + "{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+        metadata=meta,
+        shared_tensors_to_discard=sorted(alias_of),
+    )
+    index_path = os.path.join(where, f"{fname}.index.json")
+    if os.path.exists(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        res.files.extend(os.path.join(where, x) for x in files)
+        res.files.append(index_path)
+    else:
+        weight_map = {n: fname for n in tensors if n not in alias_of}
+        res.files.append(os.path.join(where, fname))
+    for alias, name in alias_of.items():
+        res.aliases[f"{fname}:{alias}"] = f"{fname}:{name}"
+    res.tensors += len(tensors) - len(alias_of)
+    for name, t in items:
+        kept = alias_of.get(name, name)
+        if kept in weight_map:
+            out[id(t)] = (weight_map[kept], kept)
+    return out

@@ -70,7 +70,9 @@ INDEX_ITEMS_BASE = 256
 INDEX_ITEMS_PER_CODEC = 32
 INDEX_ITEMS_PER_CHUNK = 7  # [logical_offset, raw, stored, file_offset, codec, checksum]
 INDEX_ITEMS_PER_STORAGE = 3  # [offset, nbytes]
-INDEX_ITEMS_PER_TENSOR = 9  # [storage, offset, dtype, [...], [...], device] (+2 if 0-dim)
+# [storage, offset, dtype, [...], [...], device] (+2 if 0-dim), +1 if an nn.Parameter (its entry
+# in the index field ``parameters``)
+INDEX_ITEMS_PER_TENSOR = 10
 INDEX_ITEMS_PER_DIM = 2  # one shape and one stride element
 #: JSON items per object-tree node at most ({"$tuple": []} is 4 items for 1 node)
 TREE_ITEMS_PER_NODE = 4

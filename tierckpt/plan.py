@@ -10,7 +10,7 @@ logical byte stream, grouped by dtype, and the stream is cut into chunks of abou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,14 +91,20 @@ class ShardLayout:
     chunks: list[ChunkPlan]
     data_bytes: int
     devices: set[str]
+    #: ``2 * tensor + requires_grad`` for each tensor that is an ``nn.Parameter``
+    parameters: list[int] = field(default_factory=list)
 
     def index_skeleton(self) -> dict[str, JSON]:
-        return {
+        out: dict[str, JSON] = {
             "tree": self.tree,
             "tensors": [t.to_json() for t in self.tensors],
             "storages": [[s.logical_offset, s.nbytes] for s in self.spans],
             "data_bytes": self.data_bytes,
         }
+        if self.parameters:
+            # a field readers before it ignore (they load plain tensors), unlike a tree tag
+            out["parameters"] = list(self.parameters)
+        return out
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -169,20 +175,26 @@ class CollectedState:
     tree: JSON
     tensors: list[torch.Tensor]
     devices: set[str]
+    #: ``2 * tensor + requires_grad`` for each tensor that is an ``nn.Parameter`` (a load
+    #: gives it back as a Parameter with its requires_grad, as ``torch.load`` does)
+    parameters: list[int] = field(default_factory=list)
 
 
 def collect_state(state: Any) -> CollectedState:
     tensors: list[torch.Tensor] = []
     devices: set[str] = set()
+    parameters: list[int] = []
 
     def on_tensor(t: torch.Tensor, path: object) -> int:
         tensors.append(_check_tensor(t, path))
         if t.device.type != "cpu":
             devices.add(str(t.device))
+        if isinstance(t, torch.nn.Parameter):
+            parameters.append(2 * (len(tensors) - 1) + bool(t.requires_grad))
         return len(tensors) - 1
 
     tree = encode_tree(state, on_tensor)
-    return CollectedState(tree, tensors, devices)
+    return CollectedState(tree, tensors, devices, parameters)
 
 
 def build_plan(state: Any, chunk_bytes: int) -> ShardLayout:
@@ -252,6 +264,7 @@ def layout_plan(collected: CollectedState, chunk_bytes: int) -> ShardLayout:
         chunks=chunks,
         data_bytes=logical,
         devices={str(t.device) for t in tensors} | collected.devices,
+        parameters=collected.parameters,
     )
 
 

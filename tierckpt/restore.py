@@ -158,6 +158,29 @@ def parse_tensor_entry(
     return TensorRecord(sid, off, dtype, shape, stride, extent)
 
 
+def as_parameters(tensors: list[torch.Tensor], table: object, where: str) -> None:
+    """Make the tensors the index lists as ``nn.Parameter`` again, with their
+    ``requires_grad`` (the index field ``parameters``: ``2 * tensor + requires_grad`` per
+    parameter, as :func:`tierckpt.plan.collect_state` records them), so a load gives back
+    what ``torch.load`` gives back. An index without the field holds no parameters."""
+    if table is None:
+        return
+    if not isinstance(table, list) or len(table) > len(tensors):
+        raise FormatError(f"{where}: index field 'parameters' malformed")
+    seen: set[int] = set()
+    for v in table:
+        if type(v) is not int or not 0 <= v < 2 * len(tensors) or v // 2 in seen:
+            raise FormatError(f"{where}: index field 'parameters' names no tensor ({v!r})")
+        i, grad = divmod(v, 2)
+        seen.add(i)
+        t = tensors[i]
+        if grad and not (t.is_floating_point() or t.is_complex()):
+            raise FormatError(
+                f"{where}: index field 'parameters': tensor {i} of {t.dtype} cannot require grad"
+            )
+        tensors[i] = torch.nn.Parameter(t, requires_grad=bool(grad))
+
+
 def _rebuild_tensor(
     entry: Any, spans: list[torch.Tensor], sizes: Sequence[int], i: int, where: str
 ) -> torch.Tensor:
@@ -263,6 +286,7 @@ def read_shard(
         tensors = [
             _rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
         ]
+        as_parameters(tensors, index.get("parameters"), where)
         state = decode_tree(index.get("tree"), tensors, **tree_args(index))
     except BaseException:
         repop.abort()
@@ -346,22 +370,45 @@ class _Repopulation:
             w.abort()
 
 
-def restore_into(target: Any, loaded: Any, path: str = "<root>") -> Any:
-    """Copy ``loaded`` into ``target`` in place (tensors keep their storage); returns target."""
-    _check_into(target, loaded, path)
+def restore_into(target: Any, loaded: Any, path: str = "<root>", *, strict: bool = True) -> Any:
+    """Copy ``loaded`` into ``target`` in place (tensors keep their storage); returns target.
+
+    Everything is checked before a byte is copied. ``strict=True``: the dicts must have the
+    same keys (:class:`StateMismatch` otherwise). ``strict=False`` (``load_state_dict``'s
+    and torchsnapshot's partial restore): only the keys both sides hold are restored; the
+    others are left as they are and logged. Shapes must match either way. A tensor loads into
+    a tensor of another floating-point dtype by casting (``copy_``, as ``load_state_dict``
+    does: float32 into bfloat16 rounds); any other dtype difference is refused."""
+    skipped: list[str] = []
+    _check_into(target, loaded, path, strict, skipped)
+    if skipped:
+        log.info(
+            "load(strict=False): %d keys not restored (in only one side): %s",
+            len(skipped),
+            ", ".join(skipped[:10]) + (", ..." if len(skipped) > 10 else ""),
+        )
     return _copy_into(target, loaded)
 
 
-def _check_into(target: Any, loaded: Any, path: str) -> None:
+def _castable(a: torch.dtype, b: torch.dtype) -> bool:
+    return a == b or (a.is_floating_point and b.is_floating_point)
+
+
+def _check_into(target: Any, loaded: Any, path: str, strict: bool, skipped: list[str]) -> None:
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
             raise StateMismatch(
                 f"{path}: the checkpoint holds a {type(loaded).__name__}, the target a tensor"
             )
-        if target.shape != loaded.shape or target.dtype != loaded.dtype:
+        if target.shape != loaded.shape or not _castable(target.dtype, loaded.dtype):
             raise StateMismatch(
                 f"{path}: checkpoint has {loaded.dtype} {tuple(loaded.shape)}, target has "
                 f"{target.dtype} {tuple(target.shape)}"
+                + (
+                    "; a tensor loads into another dtype only between floating-point dtypes"
+                    if target.shape == loaded.shape
+                    else ""
+                )
             )
         return
     if isinstance(target, dict):
@@ -369,19 +416,22 @@ def _check_into(target: Any, loaded: Any, path: str) -> None:
             raise StateMismatch(f"{path}: target is a dict, checkpoint a {type(loaded).__name__}")
         missing = [k for k in target if k not in loaded]
         extra = [k for k in loaded if k not in target]
-        if missing or extra:
+        if (missing or extra) and strict:
             raise StateMismatch(
                 f"{path}: keys differ — missing from checkpoint: {missing[:10]}, "
-                f"not in target: {extra[:10]}"
+                f"not in target: {extra[:10]} (load(..., strict=False) restores the keys both "
+                "hold)"
             )
+        skipped.extend(f"{path}[{k!r}]" for k in missing + extra)
         for k in target:
-            _check_into(target[k], loaded[k], f"{path}[{k!r}]")
+            if k in loaded:
+                _check_into(target[k], loaded[k], f"{path}[{k!r}]", strict, skipped)
         return
     if isinstance(target, (list, tuple)):
         if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
             raise StateMismatch(f"{path}: sequence length or type differs")
         for i, (a, b) in enumerate(zip(target, loaded, strict=True)):
-            _check_into(a, b, f"{path}[{i}]")
+            _check_into(a, b, f"{path}[{i}]", strict, skipped)
 
 
 def _copy_into(target: Any, loaded: Any) -> Any:
@@ -391,6 +441,8 @@ def _copy_into(target: Any, loaded: Any) -> Any:
         return target
     if isinstance(target, dict):
         for k in target:
+            if k not in loaded:
+                continue  # strict=False: a key the checkpoint does not hold stays as it is
             new = _copy_into(target[k], loaded[k])
             if new is not target[k]:
                 target[k] = new

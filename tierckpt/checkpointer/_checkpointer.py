@@ -388,6 +388,7 @@ class Checkpointer(PipelineOwner):
         map_location: str | torch.device | None = None,
         fallback: Literal["error", "previous"] = "error",
         timeline: int | None = None,
+        strict: bool = True,
     ) -> Any:
         """Load the newest committed checkpoint (or ``step``) from the fastest tier holding it.
 
@@ -395,11 +396,14 @@ class Checkpointer(PipelineOwner):
         older step saves on a new timeline; see :class:`~tierckpt.format.CheckpointId`).
         ``step``: that step, of the newest timeline holding it; ``timeline``: only that
         timeline's checkpoints. ``into``: copy into these existing tensors in place (shapes
-        and dtypes must match) and return it. ``fallback="previous"``: if every tier's copy is
-        unreadable, try older checkpoints of the same history (older steps of its timeline,
-        then the steps of older timelines below the point where the newer one branched off;
-        never steps of an abandoned run). ``map_location``: device of the returned tensors
-        (default CPU).
+        must match; a tensor of another floating-point dtype is cast, as ``load_state_dict``
+        does) and return it; ``strict=False``: restore only the keys both hold (the others
+        stay as they are), as ``load_state_dict(strict=False)`` does. ``nn.Parameter`` values
+        come back as Parameters with their ``requires_grad``, as with ``torch.load``.
+        ``fallback="previous"``: if every tier's copy is unreadable, try older checkpoints of
+        the same history (older steps of its timeline, then the steps of older timelines
+        below the point where the newer one branched off; never steps of an abandoned run).
+        ``map_location``: device of the returned tensors (default CPU).
 
         The next ``save()`` after a load chooses its timeline again: a step after the newest
         committed one continues its timeline; an older or equal one starts a new timeline.
@@ -417,6 +421,7 @@ class Checkpointer(PipelineOwner):
             map_location=map_location,
             fallback=fallback,
             timeline=timeline,
+            strict=strict,
         )
 
     def _load_context(self) -> LoadContext:

@@ -75,6 +75,7 @@ def load(
     map_location: str | torch.device | None,
     fallback: Literal["error", "previous"],
     timeline: int | None,
+    strict: bool = True,
 ) -> Any:
     """:meth:`~tierckpt.Checkpointer.load`: one listing and load, listed again (up to
     ``LOAD_ATTEMPTS`` times, single-rank jobs) when retention removed the chosen checkpoint
@@ -90,6 +91,7 @@ def load(
                 map_location=map_location,
                 fallback=fallback,
                 timeline=timeline,
+                strict=strict,
             )
         except CheckpointNotFound:
             if step is not None or ctx.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
@@ -114,6 +116,7 @@ def _load_once(
     map_location: str | torch.device | None,
     fallback: Literal["error", "previous"],
     timeline: int | None,
+    strict: bool = True,
 ) -> Any:
     """One listing of the tiers and one load of the step chosen from it."""
     if fallback not in ("error", "previous"):
@@ -160,15 +163,20 @@ def _load_once(
         # once every rank's file is in: a collective, reached by every rank whether its
         # load worked or not
         ctx.strategy.publish_repopulated(got)
-    return _deliver(got, into, map_location)
+    return _deliver(got, into, map_location, strict)
 
 
-def _deliver(loaded: LoadedShard, into: Any, map_location: str | torch.device | None) -> Any:
+def _deliver(
+    loaded: LoadedShard,
+    into: Any,
+    map_location: str | torch.device | None,
+    strict: bool = True,
+) -> Any:
     state = loaded.state
     if map_location is not None:
         state = _to_device(state, torch.device(map_location))
     if into is not None:
-        return restore_into(into, state)
+        return restore_into(into, state, strict=strict)
     return state
 
 
@@ -244,6 +252,8 @@ def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
 
 
 def _to_device(state: Any, device: torch.device) -> Any:
+    if isinstance(state, torch.nn.Parameter):  # .to() gives a plain tensor: keep the type
+        return torch.nn.Parameter(state.detach().to(device), requires_grad=state.requires_grad)
     if isinstance(state, torch.Tensor):
         return state.to(device)
     if isinstance(state, dict):

@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one state.safetensors instead of one file per top-level key",
     )
+    sp.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="split a file above SIZE into shards with an index.json, as Hugging "
+        "Face does (e.g. 500MB, 5GB; default 5GB)",
+    )
 
     sp = add("bench", cmd_bench, "run the benchmark (arguments go to tierckpt.bench)")
     sp.add_argument("bench_args", nargs=argparse.REMAINDER, help="benchmark arguments")

@@ -137,6 +137,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             single_file=args.single_file,
             source=args.url,
             timeline=cid.timeline,
+            max_shard_size=args.max_shard_size,
         )
     for res in results:
         print(f"exported step {step} rank {res.rank}: {res.tensors} tensors")

@@ -47,7 +47,13 @@ from tierckpt.errors import (
 from tierckpt.format import CheckpointId, ChunkRecord, Manifest, ShardRef, checksum
 from tierckpt.pipeline import Tier
 from tierckpt.policy import TierPolicy
-from tierckpt.restore import is_recoverable, parse_tensor_entry, read_index, read_manifest
+from tierckpt.restore import (
+    TensorRecord,
+    is_recoverable,
+    parse_tensor_entry,
+    read_index,
+    read_manifest,
+)
 from tierckpt.tree import decode_tree
 
 log = logging.getLogger("tierckpt")
@@ -76,40 +82,33 @@ class _ShardFile:
         self.keys: dict[str, int] = tree
 
     def fetch(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors of ``keys``, verified. Each chunk is read once, straight into a fresh
+        buffer (decoded into it when compressed); a tensor that lies inside one chunk is a
+        view of it when the requested tensors use at least half of that chunk (no copy),
+        otherwise its bytes are copied into a buffer of its own so that a few small items do
+        not keep large chunks alive."""
         out: dict[str, torch.Tensor] = {}
-        # (logical lo, logical hi, destination byte buffer) per needed tensor
-        wanted: list[tuple[int, int, torch.Tensor]] = []
+        # (key, record, logical lo, logical hi) per needed tensor with elements
+        wanted: list[tuple[str, TensorRecord, int, int]] = []
         for key in keys:
             if key in out:
                 continue
             ti = self.keys.get(key)
             if ti is None or not 0 <= ti < len(self.tensors):
                 raise FormatError(f"{self.where}: no item {key!r} in this shard")
-            t, lo, buf = self._tensor_shell(ti)
-            out[key] = t
-            if buf is not None:
-                wanted.append((lo, lo + buf.numel(), buf))
-        self._fill(wanted)
-        return out
-
-    def _tensor_shell(self, ti: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        if self._storage_sizes is None:
-            self._storage_sizes = [n for _lo, n in self.storages]
-        rec = parse_tensor_entry(self.tensors[ti], ti, self.where, self._storage_sizes)
-        shape, stride, dtype, extent = rec.shape, rec.stride, rec.dtype, rec.extent
-        if rec.storage == -1:
-            return torch.empty_strided(shape, stride, dtype=dtype), 0, None
-        span_lo, _span_n = self.storages[rec.storage]
-        off = rec.offset
-        buf = torch.empty(extent, dtype=torch.uint8)
-        t = torch.empty(0, dtype=dtype)
-        t.set_(buf.untyped_storage(), 0, shape, stride)
-        return t, span_lo + off, buf
-
-    def _fill(self, wanted: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Read each needed chunk once, verify, decode, scatter into the buffers."""
-        per_chunk: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
-        for lo, hi, buf in wanted:
+            if self._storage_sizes is None:
+                self._storage_sizes = [n for _lo, n in self.storages]
+            rec = parse_tensor_entry(self.tensors[ti], ti, self.where, self._storage_sizes)
+            if rec.storage == -1:
+                out[key] = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype)
+                continue
+            lo = self.storages[rec.storage][0] + rec.offset
+            out[key] = torch.empty(0)  # placeholder: keeps keys unique; filled below
+            wanted.append((key, rec, lo, lo + rec.extent))
+        # the chunks each tensor needs, and the requested bytes in each chunk
+        pieces: dict[int, list[int]] = {}
+        used: dict[int, int] = {}
+        for wi, (_key, _rec, lo, hi) in enumerate(wanted):
             covered = lo
             ci = max(bisect.bisect_right(self.chunk_starts, lo) - 1, 0)
             while covered < hi and ci < len(self.chunks):
@@ -118,23 +117,48 @@ class _ShardFile:
                 if c_lo > covered:
                     break
                 if c_hi > covered:
-                    per_chunk.setdefault(ci, []).append((lo, hi, buf))
+                    pieces.setdefault(ci, []).append(wi)
+                    used[ci] = used.get(ci, 0) + min(hi, c_hi) - covered
                     covered = min(hi, c_hi)
                 ci += 1
             if covered < hi:
                 raise FormatError(f"{self.where}: bytes {covered}..{hi} are in no chunk")
-        for ci in sorted(per_chunk):
+        bufs: dict[int, torch.Tensor] = {}  # tensors assembled from copies
+        for ci in sorted(pieces):
             raw = self._chunk(ci)
             c = self.chunks[ci]
             c_lo, c_hi = c.logical_offset, c.logical_offset + c.raw_size
-            for lo, hi, buf in per_chunk[ci]:
+            share = 2 * used[ci] >= c.raw_size
+            for wi in pieces[ci]:
+                key, rec, lo, hi = wanted[wi]
+                item = rec.dtype.itemsize
+                if share and c_lo <= lo and hi <= c_hi and (lo - c_lo) % item == 0:
+                    t = torch.empty(0, dtype=rec.dtype)
+                    t.set_(raw.untyped_storage(), (lo - c_lo) // item, rec.shape, rec.stride)
+                    out[key] = t
+                    continue
+                buf = bufs.get(wi)
+                if buf is None:
+                    buf = bufs[wi] = torch.empty(hi - lo, dtype=torch.uint8)
                 a, b = max(lo, c_lo), min(hi, c_hi)
                 buf[a - lo : b - lo].copy_(raw[a - c_lo : b - c_lo])
+            del raw
+        for wi, buf in bufs.items():
+            key, rec, _lo, _hi = wanted[wi]
+            t = torch.empty(0, dtype=rec.dtype)
+            t.set_(buf.untyped_storage(), 0, rec.shape, rec.stride)
+            out[key] = t
+        return out
 
     def _chunk(self, ci: int) -> torch.Tensor:
+        """Chunk ``ci``'s raw bytes, read once into a fresh buffer and verified."""
         rec = self.chunks[ci]
         codec = self.codecs[rec.codec]
-        stored = self.backend.read(self.ref.file, rec.file_offset, rec.stored_size)
+        out = torch.empty(rec.raw_size, dtype=torch.uint8)
+        view = memoryview(out.numpy())  # type: ignore[arg-type]
+        direct = codec.is_passthrough and rec.stored_size == rec.raw_size
+        stored = view if direct else memoryview(bytearray(rec.stored_size))
+        self.backend.read_into(self.ref.file, rec.file_offset, stored)
         if checksum(stored) != rec.checksum:
             raise CorruptChunk(
                 f"{self.where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) "
@@ -143,11 +167,7 @@ class _ShardFile:
                 file=self.ref.file,
                 chunk=ci,
             )
-        out = torch.empty(rec.raw_size, dtype=torch.uint8)
-        view = memoryview(out.numpy())  # type: ignore[arg-type]
-        if codec.is_passthrough and rec.stored_size == rec.raw_size:
-            view[:] = memoryview(stored).cast("B")
-        else:
+        if not direct:
             try:
                 codec.decode(stored, view)
             except CorruptChunk as exc:
@@ -170,6 +190,9 @@ class TierReader(StorageReader):
 
     Each item is read from the fastest tier that holds the step; a corrupt or missing shard
     falls back to the next tier holding the same step.
+
+    A reader pickles as its configuration (tiers, step, threads): the copy opens its own
+    backends (clients are never pickled) and starts a fresh load.
     """
 
     def __init__(self, tiers: TiersArg, step: int | str | None = None, *, io_threads: int = 4):
@@ -184,6 +207,19 @@ class TierReader(StorageReader):
         self.loaded_step: int | None = None
         #: the checkpoint read (its step and timeline)
         self.loaded_id: CheckpointId | None = None
+
+    _PICKLED = ("policy", "step", "io_threads", "loaded_step", "loaded_id")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._PICKLED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in self._PICKLED:
+            setattr(self, k, state[k])
+        self.load_id = uuid.uuid4().hex
+        self._tiers = _runtimes(self.policy)
+        self._holders = []
+        self.storage_data = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:

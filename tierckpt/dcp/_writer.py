@@ -10,6 +10,8 @@ import os
 import threading
 import time
 import uuid
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from tierckpt.dcp._metadata import (
 from tierckpt.distributed import is_private_tier
 from tierckpt.errors import (
     BackendError,
+    CheckpointExists,
     CheckpointFailed,
     FormatError,
     TierCkptError,
@@ -53,6 +56,7 @@ from tierckpt.format import (
     checksum,
     encode_manifest,
     manifest_name,
+    step_prefix,
 )
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
@@ -86,11 +90,30 @@ class TierWriter(PipelineOwner, StorageWriter):
             of this writer; ``keep_last`` is applied after each commit).
         step: the step to save; or pass it as DCP's ``checkpoint_id``.
         chunk_bytes, host_buffer_bytes, io_threads: as for :class:`~tierckpt.Checkpointer`.
+        overwrite: what a save of a step that is already committed does. ``False`` (default):
+            refused with :class:`~tierckpt.CheckpointExists` (a ``RuntimeError`` whose message
+            says "Checkpoint already exists", as ``FileSystemWriter(overwrite=False)``'s).
+            ``True``: saved again on a new timeline; a load of that step (or of the newest)
+            then reads the new save, and the committed one stays until retention removes it —
+            nothing committed is lost or overwritten in place.
 
     Reuse one writer for every save of a run: its host buffer and threads stay warm. It
     holds threads, and its writer lease on every tier it wrote to, until :meth:`close` (or
     garbage collection); another writer on the same location is refused with
     :class:`~tierckpt.WriterConflict` meanwhile.
+
+    A writer pickles as its configuration (no threads, locks or clients), so
+    ``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` works: the
+    background process unpickles one writer per original writer and reuses it for every later
+    save it is sent (its threads, buffer and leases live in that process). That process then
+    holds the tiers' leases: do not save through the original writer in the trainer as well.
+
+    DCP's own idiom, a new writer per ``dcp.save`` that is never closed, costs no setup per
+    save: a writer collected without :meth:`close` parks its idle pipeline (threads, host
+    buffer, leases) in this process and the next writer of the same tiers and settings adopts
+    it (at most two are parked; the leases stay held until a writer that adopted them is
+    closed, or the process ends). In one process the newest writer of a location takes it over
+    from an older one that is not inside a save.
     """
 
     def __init__(
@@ -101,6 +124,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         chunk_bytes: int | None = None,
         host_buffer_bytes: int | None = None,
         io_threads: int | None = None,
+        overwrite: bool = False,
     ) -> None:
         super().__init__()
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
@@ -109,6 +133,13 @@ class TierWriter(PipelineOwner, StorageWriter):
         self.host_buffer_bytes = sizes.host_buffer_bytes
         self.chunk_bytes = sizes.chunk_bytes
         self.io_threads = sizes.io_threads
+        self.overwrite = bool(overwrite)
+        #: identifies this writer across pickling (see _unpickle_writer)
+        self._key = uuid.uuid4().hex
+        self._runtime_state()
+
+    def _runtime_state(self) -> None:
+        """What lives in one process only (tiers with their clients, pipeline, lock), fresh."""
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
@@ -119,10 +150,38 @@ class TierWriter(PipelineOwner, StorageWriter):
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
         self._info: _PlanInfo | None = None
         self._closed = False
+        self._hook: _HookTarget | None = None
+        #: a save of this writer is between its shard and its commit (see _take_over)
+        self._in_save = False
+        self._taken_over = False
         #: the coordinator's timeline (None: chosen from the tiers at the next save) and the
         #: newest checkpoint this writer saved; as for Checkpointer
         self._timeline: int | None = None
         self._last_saved: CheckpointId | None = None
+
+    #: what a pickled writer carries: its configuration, not its threads, lock or clients
+    _PICKLED = (
+        "policy",
+        "step",
+        "host_buffer_bytes",
+        "chunk_bytes",
+        "io_threads",
+        "overwrite",
+        "_key",
+        "exit_timeout_s",
+        "save_deadline",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._PICKLED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in self._PICKLED:
+            setattr(self, k, state[k])
+        self._runtime_state()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle_writer, (self.__getstate__(),))
 
     # -- DCP protocol ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -150,7 +209,17 @@ class TierWriter(PipelineOwner, StorageWriter):
         self.rank = int(rank) if rank is not None else _dist_rank()
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=f"tierckpt:{self.step}", save_id=self.save_id)
+        """``checkpoint_id`` is where the checkpoint lives (as ``FileSystemWriter``'s path):
+        the step's folder on the first tier every rank shares, e.g. ``/ck/steps/000000000100``
+        or ``s3://b/run/steps/000000000100.t000001`` once the timeline is chosen."""
+        return StorageMeta(checkpoint_id=self._location(self._timeline or 0), save_id=self.save_id)
+
+    def _location(self, timeline: int) -> str:
+        step = self._require_step()
+        shared = [t for t in self._tiers if not is_private_tier(t)] or self._tiers
+        if not shared:
+            return step_prefix(step, timeline=timeline).rstrip("/")
+        return f"{shared[0].backend.url.rstrip('/')}/{step_prefix(step, timeline=timeline)}"[:-1]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._require_step()
@@ -160,23 +229,47 @@ class TierWriter(PipelineOwner, StorageWriter):
         """On the coordinator: choose the timeline (as :class:`~tierckpt.Checkpointer` does:
         at the first save, and when the step is below the previous save's, from the newest
         checkpoint on the tiers; a step not after it starts a new timeline) and hand it to
-        every rank with its plan."""
+        every rank with its plan.
+
+        A step already committed where this save would go (the timeline this writer goes on
+        with, or else the newest timeline: the checkpoint ``TierReader(step)`` reads) is the
+        checkpoint ``checkpoint_id`` names: refused with :class:`CheckpointExists`, or with
+        ``overwrite=True`` saved again on a new timeline."""
         step = self._require_step()
         last = self._last_saved
+        newest: CheckpointId | None = None
         if self._timeline is not None and (last is None or step >= last.step):
-            timeline = self._timeline
+            timeline = there_on = self._timeline
         else:
             newest = newest_committed((t.name, t.backend) for t in self._tiers)
             if last is not None and (newest is None or last > newest):
                 newest = last
             timeline = timeline_for(step, newest)
+            there_on = newest.timeline if newest is not None else timeline
+        name = manifest_name(step, timeline=there_on)
+        there = [t for t in self._tiers if t.backend.exists(name)]
+        if there and not self.overwrite:
+            t = there[0]
+            raise CheckpointExists(
+                f"Checkpoint already exists: {CheckpointId(step, there_on)} is already "
+                f"committed on tier {t.name!r} ({t.backend.url}); refusing to overwrite it — "
+                "save under another step, or pass TierWriter(..., overwrite=True) to save it "
+                "again on a new timeline (the committed one stays)"
+            )
+        if there:
+            if newest is None:
+                newest = newest_committed((t.name, t.backend) for t in self._tiers)
+            top = max(c for c in (newest, last, CheckpointId(step, there_on)) if c is not None)
+            # as a rollback does: a new timeline above every one there; the old save stays
+            timeline = timeline_for(step, CheckpointId(step, top.timeline))
+            log.warning(
+                "DCP step %d is already committed (timeline %d); overwrite=True: saving it "
+                "again on timeline %d, the committed one is kept",
+                step,
+                there_on,
+                timeline,
+            )
         cid = CheckpointId(step, timeline)
-        for t in self._tiers:
-            if t.backend.exists(manifest_name(step, timeline=timeline)):
-                raise FileExistsError(
-                    f"{cid} is already committed on tier {t.name!r} ({t.backend.url}); "
-                    "refusing to overwrite it — save under another step"
-                )
         self._timeline = timeline
         self._last_saved = cid
         world = len(plans)
@@ -205,7 +298,11 @@ class TierWriter(PipelineOwner, StorageWriter):
                     storage_data=ItemLocation(info.rank, key),
                 )
             )
-        shards = self._save_shard(state, step, info)
+        try:
+            shards = self._save_shard(state, step, info)
+        except BaseException:
+            self._in_save = False  # nothing of it to commit: the location may be taken over
+            raise
         results.append(
             WriteResult(
                 index=MetadataIndex(f"{_SHARDS_FQN}{info.rank}"),
@@ -213,11 +310,19 @@ class TierWriter(PipelineOwner, StorageWriter):
                 storage_data=shards,
             )
         )
+        if not self.is_coordinator:
+            self._in_save = False  # the coordinator commits; this rank's part is done
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._in_save = False
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         step = self._require_step()
         info = self._info
         world = info.world_size if info is not None else len(results)
@@ -233,9 +338,11 @@ class TierWriter(PipelineOwner, StorageWriter):
             raise CheckpointFailed(f"step {step}: shard reports from ranks {sorted(shards)} only")
         metadata.version = metadata.version or _DCP_VERSION
         metadata.storage_data = storage
-        metadata.storage_meta = self.storage_meta()
-        blob = encode_metadata(metadata)
         timeline = info.timeline if info is not None else 0
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=self._location(timeline), save_id=self.save_id
+        )
+        blob = encode_metadata(metadata)
         committed: list[str] = []
         failed: dict[str, BaseException] = {}
         for t in self._tiers:
@@ -269,7 +376,33 @@ class TierWriter(PipelineOwner, StorageWriter):
         return self.step
 
     def _pipeline_hooks(self) -> PipelineHooks:
-        return PipelineHooks(commit=self._on_shard_durable)
+        # through a weak reference: the pipeline must not keep its writer alive, so that a
+        # writer dropped after dcp.save (DCP's idiom: a new writer per save) is collected at
+        # once and its __del__ closes the pipeline and releases the leases; a reference cycle
+        # would hold them until the cyclic GC runs and refuse the next writer meanwhile
+        target = self._hook = _HookTarget(self)
+
+        def commit(tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int) -> None:
+            w = target.ref()
+            if w is not None:
+                w._on_shard_durable(tier, job, ref, raw, stored)
+
+        return PipelineHooks(commit=commit)
+
+    def __del__(self) -> None:
+        # dropped without close() after its saves (DCP's idiom: a new writer per dcp.save):
+        # park the warm pipeline for the next writer of the same tiers in this process
+        try:
+            if not self._closed and self._pipeline is not None and _park(self):
+                return
+        except Exception:
+            pass
+        super().__del__()
+
+    def _release(self) -> None:
+        with _ADOPTED_LOCK:
+            if _ADOPTED.get(self._key) is self:
+                del _ADOPTED[self._key]
 
     def _on_shard_durable(
         self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
@@ -284,6 +417,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         self, state: dict[str, torch.Tensor], step: int, info: _PlanInfo
     ) -> _RankShards:
 
+        self._take_over()
         index = self._save_count
         self._save_count += 1
         tiers = [
@@ -322,6 +456,65 @@ class TierWriter(PipelineOwner, StorageWriter):
         with self._lock:
             done = self._shards.pop(id(job), {})
         return _RankShards(info.rank, done, errors)
+
+    def _take_over(self) -> None:
+        """Take this writer's locations over from older, idle TierWriters of this process.
+
+        DCP's idiom is a new storage writer per ``dcp.save``. A dropped writer is normally
+        collected at once (and releases its leases), but one still referenced somewhere (a
+        traceback kept after a failed save, a debugger) would hold the lease and refuse the
+        new writer with WriterConflict. So in one process the newest writer of a location
+        wins: an older one that is not inside a save is closed (its leases released) and
+        refuses later saves; one inside a save keeps the location (WriterConflict here).
+
+        A pipeline parked by a dropped writer of the same tiers and settings is adopted (its
+        threads, host buffer and leases stay warm: no setup per save); one parked for other
+        settings on these locations is closed, releasing its leases."""
+        olds: list[TierWriter] = []
+        stale: list[_Parked] = []
+        urls = {t.backend.url for t in self._tiers}
+        with _LOCATIONS_LOCK:
+            if self._taken_over:
+                raise TierCkptError(
+                    "this TierWriter was closed: a newer TierWriter of this process took its "
+                    "location over (save through the newest writer)"
+                )
+            self._in_save = True
+            for p in list(_PARKED):
+                if not urls & p.urls:
+                    continue
+                _PARKED.remove(p)
+                if self._pipeline is None and p.config == self._config():
+                    fresh, self._tiers, self._pipeline = self._tiers, p.tiers, p.pipeline
+                    p.target.ref = weakref.ref(self)
+                    self._hook = p.target
+                    stale.append(_Parked(p.config, set(), p.pipeline, fresh, p.target, False))
+                else:
+                    stale.append(p)
+            for t in self._tiers:
+                old = _LOCATIONS.get(t.backend.url)
+                if old is not None and old is not self and not old._closed:
+                    if old._in_save:
+                        continue  # a concurrent save: its lease refuses this writer
+                    old._taken_over = True
+                    if old not in olds:
+                        olds.append(old)
+                _LOCATIONS[t.backend.url] = self
+        for old in olds:
+            log.info("a newer TierWriter of this process takes over; closing the older one")
+            old.close()
+        for p in stale:
+            p.close()
+
+    def _config(self) -> tuple[Any, ...]:
+        return (
+            self.policy,
+            self.chunk_bytes,
+            self.host_buffer_bytes,
+            self.io_threads,
+            self.save_deadline,
+            self.exit_timeout_s,
+        )
 
     def _commit_tier(
         self,
@@ -370,3 +563,86 @@ def _dist_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+#: the newest live TierWriter of this process per tier location (backend URL; see _take_over)
+_LOCATIONS: weakref.WeakValueDictionary[str, TierWriter] = weakref.WeakValueDictionary()
+#: reentrant: dropping the last reference to a writer under it runs __del__ (_park) there
+_LOCATIONS_LOCK = threading.RLock()
+
+
+class _HookTarget:
+    """The writer a pipeline's commit hook reports to (weakly: the pipeline must not keep its
+    writer alive), moved to the next writer when a parked pipeline is adopted."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, writer: TierWriter) -> None:
+        self.ref: weakref.ref[TierWriter] = weakref.ref(writer)
+
+
+@dataclass(eq=False)
+class _Parked:
+    """A warm pipeline of a dropped writer, waiting for the next writer of its tiers."""
+
+    config: tuple[Any, ...]
+    urls: set[str]
+    pipeline: Pipeline | None
+    tiers: list[Tier]
+    target: _HookTarget
+    #: close the pipeline (False: only the backends, the pipeline lives on adopted)
+    owns_pipeline: bool = True
+
+    def close(self) -> None:
+        try:
+            if self.owns_pipeline and self.pipeline is not None:
+                self.pipeline.close()
+        finally:
+            for t in self.tiers:
+                t.backend.close()
+
+
+#: parked pipelines, oldest first; a few at most (each holds threads, a host buffer, leases)
+_PARKED: list[_Parked] = []
+_MAX_PARKED = 2
+
+
+def _park(w: TierWriter) -> bool:
+    """Park ``w``'s idle pipeline (``w`` is being collected); False: not parked, close it."""
+    pipeline, target = w._pipeline, w._hook
+    if pipeline is None or target is None or w._in_save or w._taken_over or pipeline.in_flight():
+        return False
+    evicted: list[_Parked] = []
+    with _LOCATIONS_LOCK:
+        _PARKED.append(
+            _Parked(w._config(), {t.backend.url for t in w._tiers}, pipeline, w._tiers, target)
+        )
+        while len(_PARKED) > _MAX_PARKED:
+            evicted.append(_PARKED.pop(0))
+    w._pipeline = None
+    w._closed = True
+    for p in evicted:
+        p.close()
+    return True
+
+
+#: writers unpickled in this process, by the original writer's key: DCP's background save
+#: process receives a pickled copy of the trainer's writer with every save request; the copies
+#: of one original share one live writer (one pipeline, one set of leases) in that process
+_ADOPTED: dict[str, TierWriter] = {}
+_ADOPTED_LOCK = threading.Lock()
+
+
+def _unpickle_writer(state: dict[str, Any]) -> TierWriter:
+    """The live writer of this process for the original ``state`` was pickled from: the one
+    already unpickled here (with the request's step and settings) or a new one."""
+    with _ADOPTED_LOCK:
+        w = _ADOPTED.get(state["_key"])
+        if w is not None and not w._closed:
+            w.step = state["step"]
+            w.overwrite = state["overwrite"]
+            return w
+        w = TierWriter.__new__(TierWriter)
+        w.__setstate__(state)
+        _ADOPTED[state["_key"]] = w
+        return w
