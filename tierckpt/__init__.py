@@ -25,10 +25,19 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
+from tierckpt.policy import (
+    AzureTier,
+    GCSTier,
+    LocalTier,
+    MemoryTier,
+    S3Tier,
+    TierPolicy,
+    TierSpec,
+)
 from tierckpt.stats import CommitStats
 
 __all__ = [
+    "AzureTier",
     "BackendError",
     "CheckpointFailed",
     "CheckpointId",
@@ -41,6 +50,7 @@ __all__ = [
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
+    "GCSTier",
     "LeaseLost",
     "LocalTier",
     "MemoryTier",

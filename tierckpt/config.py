@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_IO_THREADS",
     "DEFAULT_LEASE_TTL_S",
     "DEFAULT_LEASE_WAIT_S",
+    "DEFAULT_S3_DRIVER",
     "DEFAULT_SAVE_DEADLINE_S",
     "KNOBS",
     "LEASE_MAX_S",
@@ -42,6 +43,8 @@ __all__ = [
     "lease_wait_s",
     "private_tiers",
     "resolve_writer_config",
+    "S3_DRIVERS",
+    "s3_driver",
     "s3_endpoint_url",
     "save_deadline_s",
     "total_ram",
@@ -57,6 +60,10 @@ DEFAULT_COMMIT_TIMEOUT_S = 600.0
 DEFAULT_COMMIT_POLL_MAX_S = 2.0
 DEFAULT_LEASE_TTL_S = 60.0
 DEFAULT_LEASE_WAIT_S = 10.0
+#: the S3 clients a tier can move bytes with; the default was measured faster on restore
+#: (benchmarks/bench_restore.py, docs/object-stores.md)
+S3_DRIVERS = ("obstore", "boto3")
+DEFAULT_S3_DRIVER = "obstore"
 #: the longest lease ttl / wait accepted (a week)
 LEASE_MAX_S = 7 * 86400.0
 #: an attempt id goes into completion-record names: a short, path-safe word
@@ -175,6 +182,13 @@ KNOBS: tuple[Knob, ...] = (
         "off",
         "bool (1/true/yes/on, 0/false/no/off)",
         "CLI: print botocore's wire log (request headers: credentials-bearing)",
+    ),
+    Knob(
+        "S3Tier(driver=)",
+        "TIERCKPT_S3_DRIVER",
+        DEFAULT_S3_DRIVER,
+        "obstore | boto3",
+        "the client that moves s3:// bytes (tiers, offline tools, CLI); boto3 if obstore is absent",
     ),
     Knob(
         "open_backend(endpoint_url=)",
@@ -386,3 +400,19 @@ def s3_endpoint_url(arg: str | None = None) -> str | None:
     """The S3 endpoint: ``arg``, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else
     None (AWS)."""
     return arg or _raw("AWS_ENDPOINT_URL_S3") or _raw("AWS_ENDPOINT_URL") or None
+
+
+def s3_driver(arg: str | None = None) -> str:
+    """The S3 client: ``arg``, else ``TIERCKPT_S3_DRIVER``, else :data:`DEFAULT_S3_DRIVER`
+    (boto3 when obstore is not installed)."""
+    choice = arg or (_raw("TIERCKPT_S3_DRIVER") or "").strip().lower() or None
+    if choice is not None:
+        if choice not in S3_DRIVERS:
+            raise ValueError(f"TIERCKPT_S3_DRIVER={choice!r}: use one of {', '.join(S3_DRIVERS)}")
+        return choice
+    if DEFAULT_S3_DRIVER == "obstore":
+        import importlib.util
+
+        if importlib.util.find_spec("obstore") is None:
+            return "boto3"
+    return DEFAULT_S3_DRIVER

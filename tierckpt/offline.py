@@ -90,6 +90,10 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
     ``endpoint_url`` defaults to ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (S3-compatible
     servers). A local folder must exist unless ``create``.
     """
+    if url.startswith(("gs://", "az://")) or (is_s3_url(url) and config.s3_driver() == "obstore"):
+        from tierckpt.backends.objstore import ObjectStoreBackend
+
+        return ObjectStoreBackend(url, endpoint_url=endpoint_url)  # S3: env endpoint too
     if is_s3_url(url):
         from tierckpt.backends.s3 import S3Backend
 
