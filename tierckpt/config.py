@@ -44,6 +44,7 @@ __all__ = [
     "private_tiers",
     "resolve_writer_config",
     "S3_DRIVERS",
+    "gcs_emulator_host",
     "s3_driver",
     "s3_endpoint_url",
     "save_deadline_s",
@@ -189,6 +190,13 @@ KNOBS: tuple[Knob, ...] = (
         DEFAULT_S3_DRIVER,
         "obstore | boto3",
         "the client that moves s3:// bytes (tiers, offline tools, CLI); boto3 if obstore is absent",
+    ),
+    Knob(
+        "GCSTier(endpoint_url=)",
+        "STORAGE_EMULATOR_HOST",
+        "Google",
+        "host:port or URL",
+        "gs:// tiers and tools talk to this GCS emulator (no OAuth) instead of Google",
     ),
     Knob(
         "open_backend(endpoint_url=)",
@@ -416,3 +424,9 @@ def s3_driver(arg: str | None = None) -> str:
         if importlib.util.find_spec("obstore") is None:
             return "boto3"
     return DEFAULT_S3_DRIVER
+
+
+def gcs_emulator_host(arg: str | None = None) -> str | None:
+    """The GCS endpoint override: ``arg``, else ``STORAGE_EMULATOR_HOST`` (the variable Google's
+    own clients read), else None (Google)."""
+    return arg or _raw("STORAGE_EMULATOR_HOST")

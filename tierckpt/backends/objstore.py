@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import builtins
 import logging
-import os
 import re
 import secrets
 import threading
@@ -337,7 +336,9 @@ class ObjectStoreBackend(Backend):
                 )
             if self.scheme == "gs":
                 cfg = {}
-                endpoint = endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST") or None
+                from tierckpt import config as knobs
+
+                endpoint = knobs.gcs_emulator_host(endpoint_url)
                 if endpoint:
                     import json
 
