@@ -413,3 +413,35 @@ def test_checkpoint_round_trip_on_azure_tier(azurite: Emulator, azure_env: None)
     with Checkpointer([AzureTier(url, endpoint_url=azurite.endpoint_url)]) as fresh:
         loaded = fresh.load()
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["ids"], state["ids"])
+
+
+def test_default_s3_driver_is_obstore_and_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckpt import S3Tier
+    from tierckpt.backends.s3 import S3Backend
+
+    assert S3Tier("s3://bkt/p").driver == "obstore"
+    assert S3Tier("s3://bkt/p", client=object()).driver == "boto3"  # a boto3 client implies it
+    monkeypatch.setenv("TIERCKPT_S3_DRIVER", "boto3")
+    tier = S3Tier("s3://bkt/p", endpoint_url="http://127.0.0.1:9")
+    backend = tier.make_backend()
+    assert tier.driver == "boto3" and isinstance(backend, S3Backend)
+    backend.close()
+    monkeypatch.setenv("TIERCKPT_S3_DRIVER", "curl")
+    with pytest.raises(ValueError, match="TIERCKPT_S3_DRIVER"):
+        S3Tier("s3://bkt/p")
+
+
+@pytest.mark.s3
+def test_offline_tools_open_gs_and_az_urls(azurite: Emulator, azure_env: None) -> None:
+    from tierckpt.offline import open_backend
+
+    container = f"tierckpt-{secrets.token_hex(6)}"
+    azurite.create_bucket(container)
+    backend = open_backend(f"az://{container}/run", endpoint_url=azurite.endpoint_url)
+    assert isinstance(backend, ObjectStoreBackend)
+    backend.put_atomic("x", b"1")
+    assert backend.list() == ["x"]
+    backend.close()
+    gs = open_backend("gs://bkt/run", endpoint_url="http://127.0.0.1:9")
+    assert isinstance(gs, ObjectStoreBackend) and gs.url == "gs://bkt/run"
+    gs.close()
