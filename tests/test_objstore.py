@@ -419,6 +419,7 @@ def test_default_s3_driver_is_obstore_and_env_overrides(monkeypatch: pytest.Monk
     from tierckpt import S3Tier
     from tierckpt.backends.s3 import S3Backend
 
+    monkeypatch.delenv("TIERCKPT_S3_DRIVER")  # the suite pins boto3 (conftest)
     assert S3Tier("s3://bkt/p").driver == "obstore"
     assert S3Tier("s3://bkt/p", client=object()).driver == "boto3"  # a boto3 client implies it
     monkeypatch.setenv("TIERCKPT_S3_DRIVER", "boto3")
