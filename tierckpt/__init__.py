@@ -26,10 +26,19 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
-from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
+from tierckpt.policy import (
+    AzureTier,
+    GCSTier,
+    LocalTier,
+    MemoryTier,
+    S3Tier,
+    TierPolicy,
+    TierSpec,
+)
 from tierckpt.stats import CommitStats
 
 __all__ = [
+    "AzureTier",
     "BackendError",
     "CheckpointExists",
     "CheckpointFailed",
@@ -43,6 +52,7 @@ __all__ = [
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
+    "GCSTier",
     "LeaseLost",
     "LocalTier",
     "MemoryTier",

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_IO_THREADS",
     "DEFAULT_LEASE_TTL_S",
     "DEFAULT_LEASE_WAIT_S",
+    "DEFAULT_S3_DRIVER",
     "DEFAULT_SAVE_DEADLINE_S",
     "KNOBS",
     "LEASE_MAX_S",
@@ -42,6 +43,9 @@ __all__ = [
     "lease_wait_s",
     "private_tiers",
     "resolve_writer_config",
+    "S3_DRIVERS",
+    "gcs_emulator_host",
+    "s3_driver",
     "s3_endpoint_url",
     "save_deadline_s",
     "total_ram",
@@ -57,6 +61,11 @@ DEFAULT_COMMIT_TIMEOUT_S = 600.0
 DEFAULT_COMMIT_POLL_MAX_S = 2.0
 DEFAULT_LEASE_TTL_S = 60.0
 DEFAULT_LEASE_WAIT_S = 10.0
+#: the S3 clients a tier can move bytes with. obstore measured faster on restore
+#: (benchmarks/bench_restore.py, docs/object-stores.md), but the default stays boto3 until the
+#: crash, outage and stall suites (written against botocore's hooks) also pass on obstore
+S3_DRIVERS = ("obstore", "boto3")
+DEFAULT_S3_DRIVER = "boto3"
 #: the longest lease ttl / wait accepted (a week)
 LEASE_MAX_S = 7 * 86400.0
 #: an attempt id goes into completion-record names: a short, path-safe word
@@ -175,6 +184,20 @@ KNOBS: tuple[Knob, ...] = (
         "off",
         "bool (1/true/yes/on, 0/false/no/off)",
         "CLI: print botocore's wire log (request headers: credentials-bearing)",
+    ),
+    Knob(
+        "S3Tier(driver=)",
+        "TIERCKPT_S3_DRIVER",
+        DEFAULT_S3_DRIVER,
+        "obstore | boto3",
+        "the client that moves s3:// bytes (tiers, offline tools, CLI); boto3 if obstore is absent",
+    ),
+    Knob(
+        "GCSTier(endpoint_url=)",
+        "STORAGE_EMULATOR_HOST",
+        "Google",
+        "host:port or URL",
+        "gs:// tiers and tools talk to this GCS emulator (no OAuth) instead of Google",
     ),
     Knob(
         "open_backend(endpoint_url=)",
@@ -386,3 +409,25 @@ def s3_endpoint_url(arg: str | None = None) -> str | None:
     """The S3 endpoint: ``arg``, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else
     None (AWS)."""
     return arg or _raw("AWS_ENDPOINT_URL_S3") or _raw("AWS_ENDPOINT_URL") or None
+
+
+def s3_driver(arg: str | None = None) -> str:
+    """The S3 client: ``arg``, else ``TIERCKPT_S3_DRIVER``, else :data:`DEFAULT_S3_DRIVER`
+    (boto3 when obstore is not installed)."""
+    choice = arg or (_raw("TIERCKPT_S3_DRIVER") or "").strip().lower() or None
+    if choice is not None:
+        if choice not in S3_DRIVERS:
+            raise ValueError(f"TIERCKPT_S3_DRIVER={choice!r}: use one of {', '.join(S3_DRIVERS)}")
+        return choice
+    if DEFAULT_S3_DRIVER == "obstore":
+        import importlib.util
+
+        if importlib.util.find_spec("obstore") is None:
+            return "boto3"
+    return DEFAULT_S3_DRIVER
+
+
+def gcs_emulator_host(arg: str | None = None) -> str | None:
+    """The GCS endpoint override: ``arg``, else ``STORAGE_EMULATOR_HOST`` (the variable Google's
+    own clients read), else None (Google)."""
+    return arg or _raw("STORAGE_EMULATOR_HOST")

@@ -43,9 +43,19 @@ from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.config import S3_DRIVERS, s3_driver
 from tierckpt.redact import redact, refuse_credentials
 
-__all__ = ["LocalTier", "MemoryTier", "S3Tier", "TierPolicy", "TierSpec", "resolve_codec"]
+__all__ = [
+    "AzureTier",
+    "GCSTier",
+    "LocalTier",
+    "MemoryTier",
+    "S3Tier",
+    "TierPolicy",
+    "TierSpec",
+    "resolve_codec",
+]
 
 CodecSpec = str | Codec | dict[str, Any]
 
@@ -132,6 +142,7 @@ class S3Tier(TierSpec):
 
     url: str = ""
     options: dict[str, Any] = field(default_factory=dict)
+    driver: str = "boto3"
 
     def __init__(
         self,
@@ -143,8 +154,14 @@ class S3Tier(TierSpec):
         name: str = "s3",
         source: str | None = None,
         max_behind: int = 2,
+        driver: str | None = None,
         **options: Any,
     ) -> None:
+        # which S3 client moves the bytes: "obstore" or "boto3" (a boto3 client= implies it)
+        driver = driver or ("boto3" if "client" in options else s3_driver())
+        if driver not in S3_DRIVERS:
+            raise ValueError(f"S3Tier: driver must be one of {S3_DRIVERS}, got {driver!r}")
+        object.__setattr__(self, "driver", driver)
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
@@ -167,6 +184,10 @@ class S3Tier(TierSpec):
         return redact(f"S3Tier({shown})")
 
     def make_backend(self) -> Backend:
+        if self.driver == "obstore":
+            from tierckpt.backends.objstore import ObjectStoreBackend
+
+            return ObjectStoreBackend(self.url, **self.options)
         try:
             from tierckpt.backends.s3 import S3Backend
         except ImportError as exc:  # pragma: no cover - boto3 is a dependency
@@ -233,3 +254,76 @@ def resolve_codec(spec: CodecSpec, backend: Backend) -> Codec:
 
         return AdaptiveCodec(remote=True)
     return codec_from_config({"id": spec})
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class _CloudTier(TierSpec):
+    """A bucket of a cloud object store reached through obstore (``gs://``, ``az://``)."""
+
+    url: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep_last: int | None = None,
+        every: int = 1,
+        codec: CodecSpec = "auto",
+        name: str = "",
+        source: str | None = None,
+        max_behind: int = 2,
+        **options: Any,
+    ) -> None:
+        scheme, label = self._scheme()
+        object.__setattr__(self, "url", url)
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "options", dict(options))
+        object.__setattr__(self, "name", name or label)
+        object.__setattr__(self, "keep_last", keep_last)
+        object.__setattr__(self, "every", every)
+        object.__setattr__(self, "codec", codec)
+        TierSpec.__post_init__(self)
+        if not url.startswith(f"{scheme}://"):
+            raise ValueError(
+                f"{type(self).__name__} needs a {scheme}://bucket/prefix URL, got {redact(url)!r}"
+            )
+        refuse_credentials(url)
+
+    @classmethod
+    def _scheme(cls) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.url))
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return redact(f"{type(self).__name__}({shown})")
+
+    def make_backend(self) -> Backend:
+        from tierckpt.backends.objstore import ObjectStoreBackend
+
+        return ObjectStoreBackend(self.url, **self.options)
+
+
+@dataclass(frozen=True, slots=True, init=False, repr=False, eq=False)
+class GCSTier(_CloudTier):
+    """A Google Cloud Storage bucket: ``GCSTier("gs://bucket/prefix")``; credentials from
+    Google's standard chain, ``endpoint_url=`` (or ``STORAGE_EMULATOR_HOST``) for an emulator."""
+
+    @classmethod
+    def _scheme(cls) -> tuple[str, str]:
+        return "gs", "gcs"
+
+
+@dataclass(frozen=True, slots=True, init=False, repr=False, eq=False)
+class AzureTier(_CloudTier):
+    """An Azure Blob Storage container: ``AzureTier("az://container/prefix")``; the account and
+    credentials from Azure's standard chain (``AZURE_STORAGE_ACCOUNT_NAME``, a key, SAS or an
+    identity), ``endpoint_url=`` for the blob endpoint (Azurite, sovereign clouds)."""
+
+    @classmethod
+    def _scheme(cls) -> tuple[str, str]:
+        return "az", "azure"

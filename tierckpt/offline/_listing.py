@@ -36,8 +36,13 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
     """Open a tier's storage: ``s3://bucket/prefix``, ``file:///path`` or a local path.
 
     ``endpoint_url`` defaults to ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (S3-compatible
-    servers). A local folder must exist unless ``create``.
+    servers). A local folder must exist unless ``create``. ``gs://`` and ``az://`` (and
+    ``s3://`` when the S3 driver is obstore) open the object-store backend.
     """
+    if url.startswith(("gs://", "az://")) or (is_s3_url(url) and config.s3_driver() == "obstore"):
+        from tierckpt.backends.objstore import ObjectStoreBackend
+
+        return ObjectStoreBackend(url, endpoint_url=endpoint_url)  # S3: env endpoint too
     if is_s3_url(url):
         from tierckpt.backends.s3 import S3Backend
 

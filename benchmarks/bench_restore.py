@@ -1,0 +1,482 @@
+"""Restore side by side: tierckpt (boto3 and obstore S3 drivers; codec raw and auto) against
+plain readers of the same bytes, from SeaweedFS on 127.0.0.1 (volumes on disk) and from a
+local folder.
+
+    python benchmarks/bench_restore.py                  # ~1 GiB, warm-up round + median of 5
+    python benchmarks/bench_restore.py --quick          # ~64 MiB, in-process, median of 3
+    python benchmarks/bench_restore.py --json out.json --runs 7
+
+Setup (once): the synthetic training state of :func:`tierckpt.bench.state.make_state` is saved
+by tierckpt to a local tier (raw) and two S3 prefixes (raw, auto), by DCP to a folder, and its
+tensors' bytes, concatenated, to one local file and one S3 object (the baselines' input).
+
+Every measurement is a fresh process (imports done before the clock starts; ``--quick`` and
+``--in-process`` measure in this process instead, after one warm-up round); contenders are
+interleaved round by round, so drift on a shared machine hits all of them alike. Before each
+measurement the benchmark's own files (the local copies and SeaweedFS's volumes) are dropped
+from the page cache with ``posix_fadvise(DONTNEED)``, so reads come from the disk (only these
+files: the machine's other users keep their cache). Reported: median seconds, GB/s of the
+state's bytes, peak RSS growth of the restoring process, and the ratio to the row's baseline
+(local: raw sequential read of the same bytes; S3: obstore's ranged concurrent GET into memory).
+
+Contenders (a contender whose package is missing is listed as skipped, with the reason)
+    local: disk-read (sequential ``readinto`` of the blob), tierckpt-local, dcp-fs
+    (``FileSystemReader``)
+    s3: tierckpt-{boto3,obstore}-{raw,auto}, obstore-get (ranged GETs of ``--part`` bytes,
+    ``--concurrency`` in flight, into one buffer), boto3-transfer (TransferManager
+    ``download_fileobj``, same part size and concurrency), s3torchconnector (its
+    ``S3Checkpoint`` reader), dcp-s3 (s3torchconnector's ``S3StorageReader``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+BUCKET = "bench-restore"
+LOCAL = ["disk-read", "tierckpt-local", "dcp-fs"]
+S3 = [
+    "obstore-get",
+    "boto3-transfer",
+    "tierckpt-boto3-raw",
+    "tierckpt-obstore-raw",
+    "tierckpt-boto3-auto",
+    "tierckpt-obstore-auto",
+    "s3torchconnector",
+    "dcp-s3",
+]
+
+
+# -- the worker: one measurement in a fresh process ------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _template(state: Any) -> Any:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: _template(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_template(v) for v in state]
+    return state
+
+
+def _shapes_state(spec: dict[str, Any]) -> Any:
+    """An empty state shaped like the saved one (DCP loads into preallocated tensors)."""
+    import torch
+
+    def build(node: Any) -> Any:
+        if isinstance(node, dict) and node.get("__tensor__"):
+            return torch.empty(node["shape"], dtype=getattr(torch, node["dtype"]))
+        if isinstance(node, dict):
+            return {k: build(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [build(v) for v in node]
+        return node
+
+    return build(spec["layout"])
+
+
+def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run contender ``name`` once; imports happen before the clock starts."""
+    import torch  # noqa: F401
+
+    import tierckpt
+    from tierckpt import Checkpointer, LocalTier, S3Tier
+
+    endpoint, nbytes = spec["endpoint"], spec["nbytes"]
+    part, conc = spec["part"], spec["concurrency"]
+    run: Any
+    if name == "disk-read":
+
+        def run() -> Any:
+            buf = bytearray(nbytes)
+            view = memoryview(buf)
+            with open(spec["blob_file"], "rb", buffering=0) as f:
+                got = 0
+                while got < nbytes:
+                    n = f.readinto(view[got : got + 8 * MiB])
+                    if not n:
+                        break
+                    got += n
+            return buf
+
+    elif name == "tierckpt-local":
+
+        def run() -> Any:
+            with Checkpointer([LocalTier(spec["local_dir"])]) as ck:
+                return ck.load()
+
+    elif name.startswith("tierckpt-"):
+        _, driver, codec = name.split("-")
+
+        def run() -> Any:
+            url = f"s3://{BUCKET}/{codec}"
+            tier = S3Tier(url, endpoint_url=endpoint, driver=driver, name=f"s3{codec}")
+            with Checkpointer([tier]) as ck:
+                return ck.load()
+
+    elif name == "dcp-fs":
+        import torch.distributed.checkpoint as dcp
+
+        def run() -> Any:
+            target = _shapes_state(spec)
+            dcp.load(target, storage_reader=dcp.FileSystemReader(spec["dcp_dir"]))
+            return target
+
+    elif name == "obstore-get":
+        import asyncio
+
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(
+            BUCKET, endpoint=endpoint, region="us-east-1", client_options={"allow_http": True}
+        )
+
+        def run() -> Any:
+            buf = bytearray(nbytes)
+            view = memoryview(buf)
+
+            async def main() -> None:
+                sem = asyncio.Semaphore(conc)
+
+                async def one(start: int) -> None:
+                    async with sem:
+                        data = await obstore.get_range_async(
+                            store, "blob", start=start, length=min(part, nbytes - start)
+                        )
+                    view[start : start + len(data)] = memoryview(data)
+
+                await asyncio.gather(*(one(s) for s in range(0, nbytes, part)))
+
+            asyncio.run(main())
+            return buf
+
+    elif name == "boto3-transfer":
+        import io
+
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+
+        client = boto3.session.Session().client("s3", endpoint_url=endpoint)
+        cfg = TransferConfig(
+            multipart_threshold=part, multipart_chunksize=part, max_concurrency=conc
+        )
+
+        def run() -> Any:
+            out = io.BytesIO()
+            client.download_fileobj(BUCKET, "blob", out, Config=cfg)
+            return out
+
+    elif name == "s3torchconnector":
+        from s3torchconnector import S3Checkpoint, S3ClientConfig
+
+        ckpt = S3Checkpoint(
+            region="us-east-1",
+            endpoint=endpoint,
+            s3client_config=S3ClientConfig(force_path_style=True, part_size=part),
+        )
+
+        def run() -> Any:
+            with ckpt.reader(f"s3://{BUCKET}/blob") as r:
+                return r.read()
+
+    elif name == "dcp-s3":
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader
+
+        def run() -> Any:
+            target = _shapes_state(spec)
+            config = S3ClientConfig(force_path_style=True, part_size=part)
+            reader = S3StorageReader("us-east-1", f"s3://{BUCKET}/dcp", s3client_config=config)
+            # S3StorageReader takes no endpoint: give its file system a client that has one
+            reader.fs._client = S3Client("us-east-1", endpoint=endpoint, s3client_config=config)
+            dcp.load(target, storage_reader=reader)
+            return target
+
+    else:
+        raise SystemExit(f"unknown contender {name!r}")
+    del tierckpt
+    import gc
+
+    gc.collect()
+    _reset_peak_rss()
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
+    del result
+    gc.collect()
+    return {"seconds": seconds, "peak_rss_growth_mib": max(0, peak - before) / 1024}
+
+
+# -- the driver ---------------------------------------------------------------------------------
+def _available(name: str) -> str:
+    """'' when contender ``name`` can run here, else why not."""
+    import importlib.util
+
+    need = {"obstore-get": "obstore", "s3torchconnector": "s3torchconnector"}
+    need.update({"dcp-s3": "s3torchconnector", "tierckpt-obstore-raw": "obstore"})
+    need["tierckpt-obstore-auto"] = "obstore"
+    mod = need.get(name)
+    if mod and importlib.util.find_spec(mod) is None:
+        return f"{mod} is not installed"
+    return ""
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    """Evict these files (only these) from the page cache."""
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for p in files:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _layout(state: Any) -> Any:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return {"__tensor__": True, "shape": list(state.shape), "dtype": str(state.dtype)[6:]}
+    if isinstance(state, dict):
+        return {k: _layout(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_layout(v) for v in state]
+    return state
+
+
+def _tensors(state: Any) -> list[Any]:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, list):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+def prepare(tmp: Path, gib: float, endpoint: str, admin: Any) -> dict[str, Any]:
+    """Save the state every way the contenders read it; returns the workers' spec."""
+    import torch
+
+    from tierckpt import Checkpointer, LocalTier, S3Tier
+    from tierckpt.bench.state import make_state
+
+    state, info = make_state(gib, seed=0)
+    admin.create_bucket(Bucket=BUCKET)
+    local_dir = tmp / "local"
+    tiers = [
+        LocalTier(local_dir, codec="raw", keep_last=None),
+        S3Tier(f"s3://{BUCKET}/raw", endpoint_url=endpoint, codec="raw", name="s3raw"),
+        S3Tier(f"s3://{BUCKET}/auto", endpoint_url=endpoint, codec="auto", name="s3auto"),
+    ]
+    with Checkpointer(tiers) as ck:
+        res = ck.save(state, step=1).result()
+    stored = {name: r.stored_bytes for name, r in res.items()}
+    blob = tmp / "blob.bin"
+    with open(blob, "wb") as f:
+        for t in _tensors(state):
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+    admin.upload_file(str(blob), BUCKET, "blob")
+    import torch.distributed.checkpoint as dcp
+
+    dcp_dir = tmp / "dcp"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dcp_dir)))
+    if not _available("dcp-s3"):
+        for p in sorted(dcp_dir.rglob("*")):
+            if p.is_file():
+                admin.upload_file(str(p), BUCKET, f"dcp/{p.relative_to(dcp_dir)}")
+    return {
+        "endpoint": endpoint,
+        "nbytes": blob.stat().st_size,
+        "state_bytes": info.nbytes,
+        "tensors": info.tensors,
+        "stored": stored,
+        "blob_file": str(blob),
+        "local_dir": str(local_dir),
+        "dcp_dir": str(dcp_dir),
+        "layout": _layout(state),
+        "part": 8 * MiB,
+        "concurrency": 8,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="~64 MiB, in this process, warm-up + 3 runs"
+    )
+    ap.add_argument(
+        "--in-process", action="store_true", help="measure in this process (quick's default)"
+    )
+    ap.add_argument("--gib", type=float, default=None, help="state size (default 1, quick 1/16)")
+    ap.add_argument("--runs", type=int, default=None, help="measured rounds (default 5, quick 3)")
+    ap.add_argument("--only", default="", help="comma-separated contenders")
+    ap.add_argument("--json", default="bench-out/restore.json", help="where to write results")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        print(json.dumps(worker(args.worker, spec)))
+        return 0
+    gib = args.gib if args.gib is not None else (1 / 16 if args.quick else 1.0)
+    runs = args.runs if args.runs is not None else (3 if args.quick else 5)
+    warmup = True
+    args.in_process = args.in_process or args.quick
+    names = [n for n in LOCAL + S3 if not args.only or n in args.only.split(",")]
+    skipped = {n: why for n in names if (why := _available(n))}
+    names = [n for n in names if n not in skipped]
+
+    from tierckpt.testing.s3servers import ACCESS_KEY, REGION, SECRET_KEY, start_seaweedfs
+
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION=REGION
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-restore-", dir=os.environ.get("TMPDIR")) as t:
+        tmp = Path(t)
+        server = start_seaweedfs(tmp / "seaweedfs")  # volumes on this disk, not /dev/shm
+        try:
+            t0 = time.perf_counter()
+            spec = prepare(tmp, gib, server.endpoint_url, server.admin)
+            print(
+                f"prepared {spec['state_bytes'] / MiB:.0f} MiB in {spec['tensors']} tensors "
+                f"({time.perf_counter() - t0:.1f} s)",
+                file=sys.stderr,
+            )
+            spec_path = tmp / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            times: dict[str, list[float]] = {n: [] for n in names}
+            rss: dict[str, list[float]] = {n: [] for n in names}
+            failed: dict[str, str] = {}
+            cached = [tmp / "local", tmp / "blob.bin", tmp / "dcp", tmp / "seaweedfs"]
+            for rnd in range(runs + warmup):
+                for name in names:
+                    if name in failed:
+                        continue
+                    _drop_cache(cached)
+                    if args.in_process:
+                        try:
+                            got = worker(name, spec)
+                        except Exception as exc:
+                            failed[name] = f"{type(exc).__name__}: {exc}"[:200]
+                            continue
+                        if warmup and rnd == 0:
+                            continue
+                        times[name].append(got["seconds"])
+                        rss[name].append(got["peak_rss_growth_mib"])
+                        continue
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--worker", name, "--spec", str(spec_path)],
+                        capture_output=True,
+                        text=True,
+                        timeout=600,
+                    )
+                    if proc.returncode != 0:
+                        failed[name] = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+                        continue
+                    got = json.loads(proc.stdout.strip().splitlines()[-1])
+                    if warmup and rnd == 0:
+                        continue
+                    times[name].append(got["seconds"])
+                    rss[name].append(got["peak_rss_growth_mib"])
+        finally:
+            server.stop()
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "state_bytes": spec["state_bytes"],
+        "tensors": spec["tensors"],
+        "stored_bytes": spec["stored"],
+        "runs": runs,
+        "warmup": warmup,
+        "contenders": {
+            n: {
+                "median_s": statistics.median(times[n]),
+                "runs_s": times[n],
+                "peak_rss_growth_mib": max(rss[n]),
+            }
+            for n in names
+            if times[n]
+        },
+        "skipped": skipped,
+        "failed": failed,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    return 0
+
+
+def table(results: dict[str, Any]) -> str:
+    """The results as a markdown table, each row against its group's baseline."""
+    c = results["contenders"]
+    nbytes = results["state_bytes"]
+    lines = [
+        f"Restore of {nbytes / MiB:.0f} MiB ({results['tensors']} tensors), "
+        f"median of {results['runs']}, {results['date']}, {results['machine']}",
+        "",
+        "| source | contender | median s | GB/s | peak RSS growth MiB | vs baseline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for group, names, base in (("local", LOCAL, "disk-read"), ("s3", S3, "obstore-get")):
+        ref = c.get(base, {}).get("median_s")
+        for n in names:
+            if n not in c:
+                continue
+            s = c[n]["median_s"]
+            ratio = f"{ref / s:.2f}x" if ref else "-"
+            lines.append(
+                f"| {group} | {n} | {s:.3f} | {nbytes / s / 1e9:.2f} | "
+                f"{c[n]['peak_rss_growth_mib']:.0f} | {ratio} |"
+            )
+    for n, why in {**results["skipped"], **results["failed"]}.items():
+        lines.append(f"| - | {n} | skipped: {why} | | | |")
+    lines.append("")
+    lines.append("vs baseline: the baseline's time / this time (above 1: faster than the baseline)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
