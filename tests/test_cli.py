@@ -90,7 +90,7 @@ def test_semantic_usage_errors_exit_2(ckpt_dir: Path, tmp_path: Path,
     for argv in (["pull", str(ckpt_dir), str(tmp_path / "x")],
                  ["push", "s3://bucket/p", str(tmp_path / "x")],
                  ["gc", str(ckpt_dir), "--keep-last", "0"],
-                 ["ls", "gs://bucket/x"]):
+                 ["ls", "hdfs://bucket/x"]):
         rc, _out, err = run(argv, capsys)
         assert rc == 2, argv
         assert "error" in err and "Traceback" not in err

@@ -51,7 +51,7 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
         scheme = url.split("://", 1)[0]
         raise ValueError(
             f"unsupported URL scheme {scheme!r} in {redact(url)!r}: use a local path, "
-            "file:///path or s3://bucket/prefix"
+            "file:///path, s3://, gs:// or az://"
         )
     path = url.removeprefix("file://")
     if not create and not os.path.isdir(path):
