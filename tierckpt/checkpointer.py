@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -48,6 +48,7 @@ from tierckpt.restore import (
     read_shard,
     restore_into,
 )
+from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
 from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
 from tierckpt.stats import CommitStats, StatsRecorder
 from tierckpt.tree import encode_metadata
@@ -202,7 +203,14 @@ class Checkpointer(PipelineOwner):
         return pipeline.defer(fn)
 
     # -- save ------------------------------------------------------------------------
-    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns at once with a :class:`SaveHandle`.
 
         The checkpoint is the state at this call. Module buffers and loose tensors (which the
@@ -214,13 +222,15 @@ class Checkpointer(PipelineOwner):
         At the first save to a tier this checkpointer takes its writer lease there: if another
         live writer (another job, or another ``Checkpointer`` of this process) holds it,
         ``WriterConflict`` is raised here and nothing is written.
+        ``metrics``: numbers stored with the checkpoint (in its manifest's metadata under
+        ``"metrics"``), which a tier's ``keep_best`` / ``best_metric`` retention ranks by.
         """
         t0 = time.perf_counter()
-        handle = self._save(state, step, metadata)
+        handle = self._save(state, step, with_metrics(metadata, metrics))
         handle.blocked_seconds += time.perf_counter() - t0
         return handle
 
-    def _save(self, state: Any, step: int, metadata: dict[str, Any] | None) -> SaveHandle:
+    def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         manifest_name(step)  # validates the range
@@ -449,6 +459,48 @@ class Checkpointer(PipelineOwner):
     def tier_steps(self) -> dict[str, list[int]]:
         """Which steps are committed on which tier (each list in :meth:`steps` order)."""
         return {t.name: committed_steps(t.backend) for t in self._tiers}
+
+    # -- pins --------------------------------------------------------------------------
+    def pin(self, step: int, *, timeline: int | None = None, reason: str = "") -> CheckpointId:
+        """Keep checkpoint ``step`` on every tier until :meth:`unpin`: retention never removes
+        a pinned checkpoint. The pin is a small marker stored on each tier, so it survives
+        restarts; the step may still be in flight. ``timeline``: default, the one being saved,
+        else the newest holding ``step``. Returns the pinned checkpoint."""
+        cid = self._pin_target(step, timeline)
+        pin_on_tiers([(t.name, t.backend) for t in self._tiers], cid, reason=reason)
+        return cid
+
+    def unpin(self, step: int, *, timeline: int | None = None) -> None:
+        """Let retention remove checkpoint ``step`` again (it goes at the next commit if no
+        other rule keeps it). Unpinning a step that is not pinned does nothing."""
+        pinned = [c for c in self.pinned() if c.step == step
+                  and (timeline is None or c.timeline == timeline)]
+        for cid in pinned:
+            unpin_on_tiers([(t.name, t.backend) for t in self._tiers], cid)
+
+    def pinned(self) -> list[CheckpointId]:
+        """The checkpoints pinned on any tier, oldest first."""
+        out: set[CheckpointId] = set()
+        for t in self._tiers:
+            out.update(pinned_ids(t.backend))
+        return sorted(out)
+
+    def _pin_target(self, step: int, timeline: int | None) -> CheckpointId:
+        if timeline is not None:
+            return CheckpointId(step, timeline)
+        if self._pipeline is not None:
+            for job in self._pipeline.in_flight():
+                if job.step == step:
+                    return job.id
+        if self._last_saved is not None and self._last_saved.step == step:
+            return self._last_saved
+        held = [c for c in self.checkpoints() if c.step == step]
+        if not held:
+            raise CheckpointNotFound(
+                f"cannot pin step {step}: it is neither being saved nor committed on any tier "
+                f"({', '.join(self.tier_names)})"
+            )
+        return held[-1]
 
     # -- load --------------------------------------------------------------------------
     def load(

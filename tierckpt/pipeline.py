@@ -812,7 +812,7 @@ class Pipeline:
         if not self.may_collect(tier, job.rank):
             return
         try:
-            gc_tier(tier.backend, tier.spec.keep_last, protect=self._protected(tier, job))
+            gc_tier(tier.backend, tier.spec.retention, protect=self._protected(tier, job))
         except (BackendError, OSError) as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
 
