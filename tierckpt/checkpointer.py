@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -25,7 +25,7 @@ from tierckpt.catalog import (
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
+from tierckpt.errors import BackendError, CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline import (
@@ -169,6 +169,8 @@ class Checkpointer(PipelineOwner):
         #: what guard() named: its tensors are captured lazily, the rest copied at save()
         self._lazy = LazySources()
         self._warned: set[str] = set()
+        #: callables naming steps retention must keep (protect_steps)
+        self._protectors: list[Callable[[], Iterable[int]]] = []
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -484,6 +486,33 @@ class Checkpointer(PipelineOwner):
         for t in self._tiers:
             out.update(pinned_ids(t.backend))
         return sorted(out)
+
+    def protect_steps(self, fn: Callable[[], Iterable[int]]) -> Callable[[], None]:
+        """Ask ``fn()`` at every retention which steps it must keep on every tier (an
+        integration's live pointers, e.g. Lightning's ``ModelCheckpoint`` files): those are
+        never removed. ``fn`` runs on a background thread; if it raises, that retention is
+        skipped (logged) rather than guessing. Returns a function that removes ``fn``."""
+        with self._lock:
+            self._protectors.append(fn)
+
+        def remove() -> None:
+            with self._lock:
+                self._protectors[:] = [f for f in self._protectors if f is not fn]
+
+        return remove
+
+    def _protected_steps(self) -> Collection[int]:
+        with self._lock:
+            protectors = list(self._protectors)
+        steps: set[int] = set()
+        for fn in protectors:
+            try:
+                steps.update(int(s) for s in fn())
+            except Exception as exc:
+                raise BackendError(
+                    f"cannot tell which steps {fn!r} protects ({exc}); retention skipped"
+                ) from exc
+        return steps
 
     def _pin_target(self, step: int, timeline: int | None) -> CheckpointId:
         if timeline is not None:

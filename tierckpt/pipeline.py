@@ -57,7 +57,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -305,6 +305,10 @@ OUTCOMES = ("committed", "failed", "skipped", "deadline")
 
 
 class Pipeline:
+    #: steps retention keeps on every tier besides its rules (an integration's live pointers),
+    #: asked at each retention; if it raises, that retention is skipped (set by the owner)
+    protect_steps: Callable[[], Collection[int]] = frozenset
+
     def __init__(
         self,
         tiers: list[Tier],
@@ -812,7 +816,9 @@ class Pipeline:
         if not self.may_collect(tier, job.rank):
             return
         try:
-            gc_tier(tier.backend, tier.spec.retention, protect=self._protected(tier, job))
+            protect = self._protected(tier, job)
+            gc_tier(tier.backend, tier.spec.retention, protect=protect,
+                    protect_steps=self.protect_steps())
         except (BackendError, OSError) as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
 
@@ -1463,7 +1469,12 @@ class PipelineOwner:
                 counts=hooks.counts,
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
+            self._pipeline.protect_steps = self._protected_steps
         return self._pipeline
+
+    def _protected_steps(self) -> Collection[int]:
+        """Steps retention must keep besides its rules (see ``Checkpointer.protect_steps``)."""
+        return frozenset()
 
     def _release(self) -> None:
         """Extra resources of the owner, released by ``close()`` after the pipeline."""

@@ -298,6 +298,7 @@ def gc_tier(
     keep_last: int | Retention | None,
     *,
     protect: Collection[CheckpointId] = (),
+    protect_steps: Collection[int] = (),
 ) -> list[CheckpointId]:
     """Apply retention; returns the checkpoints deleted. ``protect``: those being saved now.
 
@@ -305,10 +306,14 @@ def gc_tier(
     rules keep (newest in ``(timeline, step)`` order, keep-period, best by a metric), every
     pinned checkpoint and never the newest one; removes data folders without a manifest only
     when they are older than the newest committed checkpoint (a save of a newer one may
-    still be running) and not pinned.
+    still be running) and not pinned. ``protect_steps``: steps kept on any timeline (an
+    integration's live pointers).
     """
     rule = keep_last if isinstance(keep_last, Retention) else Retention(keep_last=keep_last)
     committed = committed_ids(backend)
+    if protect_steps:
+        steps = set(protect_steps)
+        protect = {*protect, *(c for c in [*committed, *data_ids(backend)] if c.step in steps)}
     deleted: list[CheckpointId] = []
     if not committed:
         return deleted
