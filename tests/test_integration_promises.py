@@ -176,10 +176,11 @@ def _hf_trainer(tmp_path: Path, **train_args: Any) -> tuple[Any, Any, Any]:
             return metrics
 
     callback = TierCkptCallback([tierckpt.LocalTier(tmp_path / "tier", keep_last=1)])
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=4,
-        learning_rate=0.1, report_to=[], use_cpu=True, logging_strategy="no",
-        disable_tqdm=True, **train_args)
+    defaults: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4,
+        "num_train_epochs": 4, "learning_rate": 0.1, "report_to": [], "use_cpu": True,
+        "logging_strategy": "no", "disable_tqdm": True}
+    args = transformers.TrainingArguments(**{**defaults, **train_args})
     torch.manual_seed(0)
     model = Tiny()
     trainer = Trainer(model=model, args=args, train_dataset=Data(), eval_dataset=Data(),
@@ -221,4 +222,61 @@ def test_hf_load_best_model_at_end(tmp_path: Path) -> None:
     assert not torch.equal(weights[4], weights[8])
     folder = Path(state.best_model_checkpoint)
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
+    callback.close()
+
+
+def test_hf_save_strategy_best(tmp_path: Path) -> None:
+    """save_strategy="best": saved through tierckpt when the metric improves, not by the
+    Trainer."""
+    trainer, callback, _ = _hf_trainer(
+        tmp_path, save_strategy="best", eval_strategy="epoch", metric_for_best_model="loss")
+    trainer.train()
+    assert sorted(callback._saved) == [2, 4]  # epochs 1 and 2 improved; 3 and 4 did not
+    assert not any(p.startswith("checkpoint-") for p in os.listdir(tmp_path / "out"))
+    callback.close()
+
+
+def test_hf_best_survives_a_restart(tmp_path: Path) -> None:
+    """The job dies after step 6 (the best is step 4); a new process resumes from the tiers:
+    step 4 is still there (pinned on the tier), and the end loads it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from pathlib import Path
+        sys.path.insert(0, sys.argv[2])
+        import transformers
+        import test_integration_promises as t
+
+        class Crash(transformers.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step == 6:
+                    callback.checkpointer.wait()
+                    os._exit(0)  # killed: no close, no on_train_end
+
+        trainer, callback, _ = t._hf_trainer(
+            Path(sys.argv[1]), save_strategy="epoch", eval_strategy="epoch",
+            load_best_model_at_end=True, metric_for_best_model="loss",
+            greater_is_better=False)
+        trainer.add_callback(Crash())
+        trainer.train()
+        sys.exit(3)  # not reached
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ROOT / "tests")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trainer, callback, model = _hf_trainer(
+        tmp_path, save_strategy="epoch", eval_strategy="epoch", load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=False)
+    assert callback.checkpointer.steps() == [4, 6]
+    assert [c.step for c in callback.checkpointer.pinned()] == [4]
+    resume = callback.materialize(str(tmp_path / "resume"))
+    best4 = callback.checkpointer.load(4)["model"]["lin.weight"]
+    trainer.train(resume_from_checkpoint=resume)
+    assert trainer.state.best_global_step == 4
+    assert callback.checkpointer.steps() == [4, 8]
+    assert torch.equal(model.lin.weight.detach(), best4)
     callback.close()
