@@ -48,18 +48,27 @@ def _lightning_fit(root: Path, tier_dir: Path, epochs: int) -> tuple[Any, Any, A
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 4, generator=g)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, True)),
-                                         batch_size=4)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, True)), batch_size=4
+    )
     io = TierCkptIO([tierckpt.LocalTier(tier_dir, keep_last=1)])
     # the best by val_loss, and the newest every epoch (each keeps one pointer)
     best = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=root / "ckpts", monitor="val_loss", mode="min", save_top_k=1,
-        filename="best-{step}")
+        dirpath=root / "ckpts", monitor="val_loss", mode="min", save_top_k=1, filename="best-{step}"
+    )
     latest = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=root / "ckpts", save_top_k=1, every_n_epochs=1, filename="latest-{step}")
-    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        plugins=[io], callbacks=[best, latest], default_root_dir=root)
+        dirpath=root / "ckpts", save_top_k=1, every_n_epochs=1, filename="latest-{step}"
+    )
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[io],
+        callbacks=[best, latest],
+        default_root_dir=root,
+    )
     model = Net()
     trainer.fit(model, loader, loader)
     return trainer, (best, latest), io, (model, loader)
@@ -104,13 +113,19 @@ def test_lightning_best_checkpoint_survives_keep_last(tmp_path: Path) -> None:
         """
     )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", code, str(tier_dir), last],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tier_dir), last],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "STEPS [8, 28]" in proc.stdout, proc.stdout
     # once Lightning removes the best pointer, its step follows retention again
     io2 = __import__("tierckpt.integrations.lightning", fromlist=["TierCkptIO"]).TierCkptIO(
-        [tierckpt.LocalTier(tier_dir, keep_last=1)])
+        [tierckpt.LocalTier(tier_dir, keep_last=1)]
+    )
     io2.load_checkpoint(last)
     io2.remove_checkpoint(best)
     io2.save_checkpoint({"global_step": 32, "x": torch.ones(2)}, str(tmp_path / "ckpts" / "n.ckpt"))
@@ -168,23 +183,31 @@ def _hf_trainer(tmp_path: Path, **train_args: Any) -> tuple[Any, Any, Any]:
         """Evaluation returns a scripted loss per epoch, so the best step is known."""
 
         def evaluate(self, *a: Any, **k: Any) -> dict[str, float]:
-            epoch = int(round(self.state.epoch or 0)) - 1
+            epoch = round(self.state.epoch or 0) - 1
             metrics = {"eval_loss": HF_EVAL_LOSSES[epoch]}
             self.log(metrics)
-            self.control = self.callback_handler.on_evaluate(self.args, self.state,
-                                                             self.control, metrics=metrics)
+            self.control = self.callback_handler.on_evaluate(
+                self.args, self.state, self.control, metrics=metrics
+            )
             return metrics
 
     callback = TierCkptCallback([tierckpt.LocalTier(tmp_path / "tier", keep_last=1)])
     defaults: dict[str, Any] = {
-        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4,
-        "num_train_epochs": 4, "learning_rate": 0.1, "report_to": [], "use_cpu": True,
-        "logging_strategy": "no", "disable_tqdm": True}
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 4,
+        "num_train_epochs": 4,
+        "learning_rate": 0.1,
+        "report_to": [],
+        "use_cpu": True,
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+    }
     args = transformers.TrainingArguments(**{**defaults, **train_args})
     torch.manual_seed(0)
     model = Tiny()
-    trainer = Trainer(model=model, args=args, train_dataset=Data(), eval_dataset=Data(),
-                      callbacks=[callback])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Data(), eval_dataset=Data(), callbacks=[callback]
+    )
     return trainer, callback, model
 
 
@@ -201,8 +224,13 @@ def test_hf_save_strategy_epoch_saves_through_tierckpt(tmp_path: Path) -> None:
 
 def test_hf_load_best_model_at_end(tmp_path: Path) -> None:
     trainer, callback, model = _hf_trainer(
-        tmp_path, save_strategy="epoch", eval_strategy="epoch", load_best_model_at_end=True,
-        metric_for_best_model="loss", greater_is_better=False)
+        tmp_path,
+        save_strategy="epoch",
+        eval_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=False,
+    )
     weights: dict[int, torch.Tensor] = {}
     orig_save = callback.save
 
@@ -229,7 +257,8 @@ def test_hf_save_strategy_best(tmp_path: Path) -> None:
     """save_strategy="best": saved through tierckpt when the metric improves, not by the
     Trainer."""
     trainer, callback, _ = _hf_trainer(
-        tmp_path, save_strategy="best", eval_strategy="epoch", metric_for_best_model="loss")
+        tmp_path, save_strategy="best", eval_strategy="epoch", metric_for_best_model="loss"
+    )
     trainer.train()
     assert sorted(callback._saved) == [2, 4]  # epochs 1 and 2 improved; 3 and 4 did not
     assert not any(p.startswith("checkpoint-") for p in os.listdir(tmp_path / "out"))
@@ -265,12 +294,22 @@ def test_hf_best_survives_a_restart(tmp_path: Path) -> None:
         """
     )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ROOT / "tests")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), str(ROOT / "tests")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     trainer, callback, model = _hf_trainer(
-        tmp_path, save_strategy="epoch", eval_strategy="epoch", load_best_model_at_end=True,
-        metric_for_best_model="loss", greater_is_better=False)
+        tmp_path,
+        save_strategy="epoch",
+        eval_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=False,
+    )
     assert callback.checkpointer.steps() == [4, 6]
     assert [c.step for c in callback.checkpointer.pinned()] == [4]
     resume = callback.materialize(str(tmp_path / "resume"))

@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def _phase(folder: Path, tier_kwargs: dict[str, object], script: str) -> dict[str, object]:
     """Run ``script`` in a fresh interpreter with ``ck`` open on ``folder``; it may set
     ``out``, returned as JSON. ``save(step, **kw)`` saves a small state."""
-    code = textwrap.dedent(
-        """
+    code = (
+        textwrap.dedent(
+            """
         import json, sys, torch
         from tierckpt import Checkpointer, LocalTier
         ck = Checkpointer([LocalTier(sys.argv[1], **json.loads(sys.argv[2]))])
@@ -35,11 +36,17 @@ def _phase(folder: Path, tier_kwargs: dict[str, object], script: str) -> dict[st
             ck.save({"w": torch.full((64,), float(step))}, step, **kw).wait()
         out = None
         """
-    ) + textwrap.dedent(script) + "\nck.close()\nprint('OUT' + json.dumps(out))\n"
+        )
+        + textwrap.dedent(script)
+        + "\nck.close()\nprint('OUT' + json.dumps(out))\n"
+    )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
         [sys.executable, "-c", code, str(folder), json.dumps(tier_kwargs)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("OUT")][-1]
@@ -77,8 +84,11 @@ def test_keep_best_by_metric_across_restarts(tmp_path: Path) -> None:
 
 def test_keep_best_max_mode_keeps_the_highest(tmp_path: Path) -> None:
     kw = {"keep_last": 1, "keep_best": 2, "best_metric": "acc", "best_mode": "max"}
-    _phase(tmp_path, kw, "for s, a in [(1, .5), (2, .9), (3, .7), (4, .8), (5, .1)]:"
-                         " save(s, metrics={'acc': a})")
+    _phase(
+        tmp_path,
+        kw,
+        "for s, a in [(1, .5), (2, .9), (3, .7), (4, .8), (5, .1)]: save(s, metrics={'acc': a})",
+    )
     assert _steps(tmp_path) == [2, 4, 5]
 
 
@@ -107,8 +117,10 @@ def test_pin_a_step_in_flight_before_it_commits(tmp_path: Path) -> None:
 
 
 def test_pin_reaches_every_tier(tmp_path: Path) -> None:
-    tiers = [MemoryTier(namespace=f"pin-{os.getpid()}", keep_last=1),
-             LocalTier(tmp_path, keep_last=1)]
+    tiers = [
+        MemoryTier(namespace=f"pin-{os.getpid()}", keep_last=1),
+        LocalTier(tmp_path, keep_last=1),
+    ]
     with Checkpointer(tiers) as ck:
         ck.save({"w": torch.ones(4)}, 1).wait()
         ck.pin(1)

@@ -25,7 +25,13 @@ from tierckpt.catalog import (
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import BackendError, CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
+from tierckpt.errors import (
+    BackendError,
+    CheckpointFailed,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    TierCkptError,
+)
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline import (
@@ -50,7 +56,7 @@ from tierckpt.restore import (
 )
 from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
 from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
-from tierckpt.stats import CommitStats, StatsRecorder
+from tierckpt.stats import CheckpointEvent, CommitStats, StatsRecorder, outcome_of
 from tierckpt.tree import encode_metadata
 
 __all__ = ["Checkpointer"]
@@ -89,6 +95,10 @@ class Checkpointer(PipelineOwner):
         on_commit: called with a :class:`TierResult` each time a checkpoint commits on a
             tier (on a background thread; see :mod:`tierckpt.stats`). More with
             :meth:`add_callback`.
+        on_event: called with a :class:`~tierckpt.stats.CheckpointEvent` for every outcome
+            of every tier's copy: commits, failures, skips (``max_behind``), deadline
+            give-ups, and saves skipped by ``on_busy="skip"``. More with
+            :meth:`add_event_callback`; sinks in :mod:`tierckpt.integrations.sinks`.
         stats_history: how many commits :meth:`stats` remembers (default 1000).
         exit_timeout_s: when the interpreter exits with saves still in flight, how long they
             get to finish before the unfinished ones are abandoned, never committed (default
@@ -113,6 +123,7 @@ class Checkpointer(PipelineOwner):
         world_size: int | None = None,
         repopulate: bool = True,
         on_commit: Callable[[TierResult], Any] | None = None,
+        on_event: Callable[[CheckpointEvent], Any] | None = None,
         stats_history: int = 1000,
         exit_timeout_s: float | None = None,
         save_deadline: float | None = None,
@@ -159,6 +170,8 @@ class Checkpointer(PipelineOwner):
         self._counts: dict[str, Counter[str]] = {t.name: Counter() for t in self._tiers}
         if on_commit is not None:
             self._stats.add_callback(on_commit)
+        if on_event is not None:
+            self._stats.add_event_callback(on_event)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
         #: the timeline saves go to; None: chosen from the tiers at the next save (the first
@@ -190,10 +203,25 @@ class Checkpointer(PipelineOwner):
         return PipelineHooks(
             commit=self._strategy.commit,
             on_result=self._stats.record,
-            on_failure=self._strategy.report_failure,
+            on_failure=self._on_failure,
             retains=self._strategy.retains,
             counts=self._counts,
         )
+
+    def _on_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
+        """A tier's copy failed, was skipped or given up: to the strategy (other ranks),
+        then to stats and the event callbacks."""
+        try:
+            self._strategy.report_failure(tier, job, error)
+        finally:
+            self._stats.record_failure(
+                outcome_of(error),
+                job.step,
+                tier.name,
+                error,
+                timeline=job.timeline,
+                blocked_seconds=job.handle.blocked_seconds,
+            )
 
     def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
         """Run a commit's waiting part on the pipeline's commit threads (the strategy's
@@ -257,6 +285,13 @@ class Checkpointer(PipelineOwner):
         if self.on_busy == "skip" and busy:
             log.warning("step %d skipped: the previous checkpoint is still flushing", step)
             handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True, timeline=timeline)
+            self._stats.record_failure(
+                "save_skipped",
+                step,
+                "",
+                "on_busy='skip': the previous save was still flushing",
+                timeline=timeline,
+            )
             return handle
         # only the walk (validation + tensor references) runs here; the layout is computed by
         # the capture thread, so training pays microseconds per tensor, not the whole plan
@@ -475,8 +510,11 @@ class Checkpointer(PipelineOwner):
     def unpin(self, step: int, *, timeline: int | None = None) -> None:
         """Let retention remove checkpoint ``step`` again (it goes at the next commit if no
         other rule keeps it). Unpinning a step that is not pinned does nothing."""
-        pinned = [c for c in self.pinned() if c.step == step
-                  and (timeline is None or c.timeline == timeline)]
+        pinned = [
+            c
+            for c in self.pinned()
+            if c.step == step and (timeline is None or c.timeline == timeline)
+        ]
         for cid in pinned:
             unpin_on_tiers([(t.name, t.backend) for t in self._tiers], cid)
 
@@ -739,14 +777,26 @@ class Checkpointer(PipelineOwner):
             return pipeline.counts()  # read under the lock the pipeline counts under
         return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
 
-    def stats(self) -> list[CommitStats]:
+    def stats(self, *, failures: bool = False) -> list[CommitStats]:
         """One :class:`CommitStats` per checkpoint per tier committed so far, oldest first.
 
         Step, tier, raw and stored bytes, seconds from ``save()`` to the commit, GB/s,
         compression ratio and the seconds training was blocked by that save. The history is
-        bounded (``stats_history``, default the last 1000 commits).
+        bounded (``stats_history``, default the last 1000 commits). ``failures=True`` also
+        lists each copy that failed, was skipped or given up, and each skipped save
+        (``outcome``, ``error``; zero bytes), in the order they happened.
         """
-        return self._stats.stats()
+        return self._stats.stats(failures=failures)
+
+    def add_event_callback(
+        self, fn: Callable[[CheckpointEvent], Any]
+    ) -> Callable[[CheckpointEvent], Any]:
+        """Call ``fn(event)`` for every outcome of every save on every tier (commits,
+        failures, skips, deadline give-ups; see :class:`~tierckpt.stats.CheckpointEvent`)."""
+        return self._stats.add_event_callback(fn)
+
+    def remove_event_callback(self, fn: Callable[[CheckpointEvent], Any]) -> None:
+        self._stats.remove_event_callback(fn)
 
     def add_callback(self, fn: Callable[[TierResult], Any]) -> Callable[[TierResult], Any]:
         """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.stats`)."""

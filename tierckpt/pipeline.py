@@ -817,8 +817,12 @@ class Pipeline:
             return
         try:
             protect = self._protected(tier, job)
-            gc_tier(tier.backend, tier.spec.retention, protect=protect,
-                    protect_steps=self.protect_steps())
+            gc_tier(
+                tier.backend,
+                tier.spec.retention,
+                protect=protect,
+                protect_steps=self.protect_steps(),
+            )
         except (BackendError, OSError) as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
 
@@ -1247,7 +1251,14 @@ class Pipeline:
         seconds = time.perf_counter() - job.handle.started
         codec_desc = ",".join(sorted({c["id"] for c in codecs})) or "raw"
         result = TierResult(
-            tier.name, job.step, job.laid_out.data_bytes, stored, seconds, codec_desc, job.timeline
+            tier.name,
+            job.step,
+            job.laid_out.data_bytes,
+            stored,
+            seconds,
+            codec_desc,
+            job.timeline,
+            blocked_seconds=job.handle.blocked_seconds,
         )
         log.info(
             "committed %s on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",

@@ -99,7 +99,7 @@ class TierSpec:
 
     @property
     def retention(self) -> Retention:
-        """This tier's retention rules (applied after each commit; see :mod:`tierckpt.retention`)."""
+        """This tier's retention rules, applied after each commit (:mod:`tierckpt.retention`)."""
         return Retention(
             keep_last=self.keep_last,
             keep_every_n_steps=self.keep_every_n_steps,

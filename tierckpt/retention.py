@@ -211,8 +211,7 @@ def _pin_name(cid: CheckpointId) -> str:
 def pin_checkpoint(backend: Backend, cid: CheckpointId, *, reason: str = "") -> None:
     """Write ``cid``'s pin marker: retention on this tier never removes ``cid`` until
     :func:`unpin_checkpoint`. The checkpoint may still be in flight (or not yet on this tier)."""
-    body = {"step": cid.step, "timeline": cid.timeline, "pinned_at": time.time(),
-            "reason": reason}
+    body = {"step": cid.step, "timeline": cid.timeline, "pinned_at": time.time(), "reason": reason}
     backend.put_atomic(_pin_name(cid), json.dumps(body).encode(), overwrite=True)
 
 
@@ -242,11 +241,12 @@ def _best(
     for cid in committed:
         try:
             value = stored_metrics(backend, cid).get(rule.best_metric)
-        except Exception as exc:  # noqa: BLE001 - unreadable: keep it, decide next time
+        except Exception as exc:  # unreadable: keep it, decide next time
             if not backend.exists(manifest_name(cid.step, timeline=cid.timeline)):
                 continue  # gone meanwhile (another process's retention)
-            log.warning("retention on %s keeps %s: its metrics cannot be read: %s",
-                        backend.url, cid, exc)
+            log.warning(
+                "retention on %s keeps %s: its metrics cannot be read: %s", backend.url, cid, exc
+            )
             unknown.add(cid)
             continue
         if value is not None:
@@ -257,9 +257,7 @@ def _best(
     return {cid for _, cid in scored[: rule.keep_best]}, unknown
 
 
-def kept_ids(
-    backend: Backend, committed: list[CheckpointId], rule: Retention
-) -> set[CheckpointId]:
+def kept_ids(backend: Backend, committed: list[CheckpointId], rule: Retention) -> set[CheckpointId]:
     """Which of ``committed`` (oldest first) the rules keep, pins included."""
     if not committed:
         return set()
@@ -275,6 +273,7 @@ def kept_ids(
         keep |= best | unknown
     keep.update(pinned_ids(backend))
     return keep
+
 
 log = logging.getLogger("tierckpt")
 
