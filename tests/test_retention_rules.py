@@ -163,3 +163,18 @@ def test_bad_retention_and_metrics_are_refused(tmp_path: Path) -> None:
             ck.save({"w": torch.ones(1)}, 1, metrics={"a": 1.0}, metadata={"metrics": {}})
         # a 0-d tensor is a number
         ck.save({"w": torch.ones(1)}, 1, metrics={"loss": torch.tensor(0.25)}).wait()
+
+
+def test_offline_gc_honours_pins(tmp_path: Path) -> None:
+    from tierckpt.offline import gc
+
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        for s in (1, 2, 3, 4):
+            ck.save({"w": torch.ones(4)}, s).wait()
+        ck.pin(2)
+        backend = ck.backend("local")
+    dry = gc(backend, 1, dry_run=True)
+    assert [c.step for c in dry.expired] == [1, 3]
+    assert [c.step for c in dry.retained] == [2, 4]
+    gc(backend, 1)
+    assert _steps(tmp_path) == [2, 4]
