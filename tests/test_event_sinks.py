@@ -7,14 +7,16 @@ from __future__ import annotations
 import errno
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 import tierckpt
 from tierckpt import Checkpointer, LocalTier
-from tierckpt.stats import CheckpointEvent
+
+if TYPE_CHECKING:
+    from tierckpt.stats import CheckpointEvent
 
 
 class _Events:

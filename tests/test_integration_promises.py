@@ -86,14 +86,14 @@ def test_lightning_best_checkpoint_survives_keep_last(tmp_path: Path) -> None:
     assert read_pointer(last)["step"] == 16  # type: ignore[index]
     best_step = read_pointer(best)["step"]  # type: ignore[index]
     assert best_step == 8  # epoch 1, 4 batches an epoch
-    steps = io.checkpointer.steps()
-    # the best and the newest stay; the others went (keep_last=1 still works)
-    assert steps == [8, 16], steps
     # the failure: CheckpointNotFound "step 8 is not committed on any tier"
     trainer.validate(model, loader, ckpt_path=best, verbose=False)
     at8 = io.checkpointer.load(8)["state_dict"]["lin.weight"]
     assert torch.equal(model.lin.weight.detach(), at8)  # the best step's weights
     assert not torch.equal(at8, io.checkpointer.load(16)["state_dict"]["lin.weight"])
+    steps = io.checkpointer.steps()
+    # the best and the newest stay; the others went (keep_last=1 still works)
+    assert steps == [8, 16], steps
     io.close()
 
     # a restarted job (a fresh process) resumes from the latest and saves more steps: the

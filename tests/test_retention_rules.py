@@ -18,7 +18,6 @@ import torch
 
 import tierckpt
 from tierckpt import Checkpointer, LocalTier, MemoryTier
-from tierckpt.retention import Retention, gc_tier, pinned_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,6 +116,8 @@ def test_pin_a_step_in_flight_before_it_commits(tmp_path: Path) -> None:
 
 
 def test_pin_reaches_every_tier(tmp_path: Path) -> None:
+    from tierckpt.retention import pinned_ids
+
     tiers = [
         MemoryTier(namespace=f"pin-{os.getpid()}", keep_last=1),
         LocalTier(tmp_path, keep_last=1),
@@ -135,6 +136,8 @@ def test_pin_reaches_every_tier(tmp_path: Path) -> None:
 
 def test_gc_tier_never_removes_what_it_cannot_judge(tmp_path: Path) -> None:
     """A manifest whose metrics cannot be read is kept (retention never guesses)."""
+    from tierckpt.retention import Retention, gc_tier
+
     with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
         for s, loss in ((1, 0.1), (2, 6.0), (3, 5.0), (4, 7.0)):
             ck.save({"w": torch.ones(4)}, s, metrics={"loss": loss}).wait()

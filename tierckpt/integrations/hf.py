@@ -245,7 +245,9 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         step = int(state.global_step)
         state.best_metric = value
         state.best_global_step = step
-        state.best_model_checkpoint = os.path.join(str(args.output_dir), f"checkpoint-{step}")
+        if args.load_best_model_at_end:
+            # the folder is materialized before the Trainer loads it (_prepare_best)
+            state.best_model_checkpoint = os.path.join(str(args.output_dir), f"checkpoint-{step}")
         self._previous_best = previous
         return True
 
