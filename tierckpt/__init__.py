@@ -26,10 +26,11 @@ from tierckpt.errors import (
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
-from tierckpt.stats import CommitStats
+from tierckpt.stats import CheckpointEvent, CommitStats
 
 __all__ = [
     "BackendError",
+    "CheckpointEvent",
     "CheckpointFailed",
     "CheckpointId",
     "CheckpointNotFound",
