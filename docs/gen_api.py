@@ -36,6 +36,7 @@ MODULES = [
     ("tierckpt.integrations.lightning", "PyTorch Lightning"),
     ("tierckpt.integrations.hf", "Hugging Face transformers"),
     ("tierckpt.integrations", "Integration helpers"),
+    ("tierckpt.integrations.sinks", "Metrics sinks"),
 ]
 
 

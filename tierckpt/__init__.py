@@ -35,11 +35,12 @@ from tierckpt.policy import (
     TierPolicy,
     TierSpec,
 )
-from tierckpt.stats import CommitStats
+from tierckpt.stats import CheckpointEvent, CommitStats
 
 __all__ = [
     "AzureTier",
     "BackendError",
+    "CheckpointEvent",
     "CheckpointExists",
     "CheckpointFailed",
     "CheckpointId",

@@ -23,6 +23,9 @@ class TierResult:
     codec: str
     #: the checkpoint's timeline (see :class:`~tierckpt.format.CheckpointId`)
     timeline: int = 0
+    #: seconds training had waited for this save when it committed here (in ``save()`` and
+    #: in ``wait_captured()`` before the optimizer step)
+    blocked_seconds: float = 0.0
 
     @property
     def ratio(self) -> float:

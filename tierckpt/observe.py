@@ -6,6 +6,7 @@ Kept so that code and docs that ``import tierckpt.observe`` keep working; new co
 
 from __future__ import annotations
 
-from tierckpt.stats import CommitCallback, CommitStats, StatsRecorder
+from tierckpt import stats as _new
+from tierckpt.stats import *  # noqa: F403  (the same names, one list: stats.__all__)
 
-__all__ = ["CommitCallback", "CommitStats", "StatsRecorder"]
+__all__ = list(_new.__all__)

@@ -11,6 +11,19 @@ Per tier:
     step, so after a rollback the abandoned run's checkpoints go first (see
     :class:`~tierckpt.format.CheckpointId`). Older ones are deleted after a newer one commits:
     manifest first, then data. The newest committed checkpoint is never deleted.
+``keep_every_n_steps``
+    a checkpoint whose step is a multiple of n is never removed by retention (Orbax's
+    ``keep_period``): e.g. ``keep_last=2, keep_every_n_steps=1000`` keeps the two newest and
+    every 1000th.
+``keep_best``, ``best_metric``, ``best_mode``
+    keep the ``keep_best`` best committed checkpoints by the metric ``best_metric`` that
+    ``save(..., metrics={...})`` stored with them, lowest first (``best_mode="min"``, the
+    default) or highest (``"max"``); besides the ``keep_last`` newest. Checkpoints saved
+    without that metric are kept by the other rules only. ``keep_last=None`` with
+    ``keep_best`` set keeps the best and the newest only.
+Pinned checkpoints (``Checkpointer.pin(step)``) are never removed by retention until
+unpinned, whatever the rules above say. Every rule is decided from what the tier stores
+(manifests, pin markers), so a restarted job keeps the same checkpoints.
 ``every``
     this tier receives every n-th checkpoint (by save call count): e.g. RAM and NVMe every
     checkpoint, S3 every 10th.
@@ -37,7 +50,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
@@ -45,6 +58,7 @@ from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.config import S3_DRIVERS, s3_driver
 from tierckpt.redact import redact, refuse_credentials
+from tierckpt.retention import Retention
 
 __all__ = [
     "AzureTier",
@@ -71,6 +85,11 @@ class TierSpec:
     source: str | None = None
     #: keyword-only, so subclasses' own positional fields keep their places
     max_behind: int = field(default=2, kw_only=True)
+    #: retention beyond keep_last (see the module docstring and :class:`Retention`)
+    keep_every_n_steps: int | None = field(default=None, kw_only=True)
+    keep_best: int | None = field(default=None, kw_only=True)
+    best_metric: str | None = field(default=None, kw_only=True)
+    best_mode: Literal["min", "max"] = field(default="min", kw_only=True)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -83,6 +102,21 @@ class TierSpec:
             raise ValueError(f"tier {self.name!r}: source must be a tier name or None")
         if type(self.max_behind) is not int or self.max_behind < 1:
             raise ValueError(f"tier {self.name!r}: max_behind must be an int >= 1")
+        try:
+            self.retention  # noqa: B018 - validates the retention fields
+        except ValueError as exc:
+            raise ValueError(f"tier {self.name!r}: {exc}") from None
+
+    @property
+    def retention(self) -> Retention:
+        """This tier's retention rules, applied after each commit (:mod:`tierckpt.retention`)."""
+        return Retention(
+            keep_last=self.keep_last,
+            keep_every_n_steps=self.keep_every_n_steps,
+            keep_best=self.keep_best,
+            best_metric=self.best_metric,
+            best_mode=self.best_mode,
+        )
 
     def make_backend(self) -> Backend:
         raise NotImplementedError
@@ -90,6 +124,20 @@ class TierSpec:
     def receives(self, save_index: int) -> bool:
         """Whether the ``save_index``-th save (0-based) goes to this tier."""
         return save_index % self.every == 0
+
+
+def _set_retention(
+    spec: TierSpec,
+    keep_every_n_steps: int | None,
+    keep_best: int | None,
+    best_metric: str | None,
+    best_mode: str,
+) -> None:
+    """Set the retention fields of a tier spec whose ``__init__`` is written by hand."""
+    object.__setattr__(spec, "keep_every_n_steps", keep_every_n_steps)
+    object.__setattr__(spec, "keep_best", keep_best)
+    object.__setattr__(spec, "best_metric", best_metric)
+    object.__setattr__(spec, "best_mode", best_mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +168,12 @@ class LocalTier(TierSpec):
         name: str = "local",
         source: str | None = None,
         max_behind: int = 2,
+        keep_every_n_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
     ) -> None:
+        _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
         object.__setattr__(self, "path", os.fspath(path))
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
@@ -155,8 +208,13 @@ class S3Tier(TierSpec):
         source: str | None = None,
         max_behind: int = 2,
         driver: str | None = None,
+        keep_every_n_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
         **options: Any,
     ) -> None:
+        _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
         # which S3 client moves the bytes: "obstore" or "boto3" (a boto3 client= implies it)
         driver = driver or ("boto3" if "client" in options else s3_driver())
         if driver not in S3_DRIVERS:
@@ -273,8 +331,13 @@ class _CloudTier(TierSpec):
         name: str = "",
         source: str | None = None,
         max_behind: int = 2,
+        keep_every_n_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
         **options: Any,
     ) -> None:
+        _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
         scheme, label = self._scheme()
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)

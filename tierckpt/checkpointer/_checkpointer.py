@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -28,7 +28,7 @@ from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import CheckpointFailed
+from tierckpt.errors import BackendError, CheckpointFailed, CheckpointNotFound
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline import (
@@ -44,7 +44,8 @@ from tierckpt.pipeline import (
 )
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec
-from tierckpt.stats import CommitStats, StatsRecorder
+from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
+from tierckpt.stats import CheckpointEvent, CommitStats, StatsRecorder, outcome_of
 from tierckpt.tree import encode_metadata
 
 __all__ = ["Checkpointer"]
@@ -81,6 +82,10 @@ class Checkpointer(PipelineOwner):
         on_commit: called with a :class:`TierResult` each time a checkpoint commits on a
             tier (on a background thread; see :mod:`tierckpt.stats`). More with
             :meth:`add_callback`.
+        on_event: called with a :class:`~tierckpt.stats.CheckpointEvent` for every outcome
+            of every tier's copy: commits, failures, skips (``max_behind``), deadline
+            give-ups, and saves skipped by ``on_busy="skip"``. More with
+            :meth:`add_event_callback`; sinks in :mod:`tierckpt.integrations.sinks`.
         stats_history: how many commits :meth:`stats` remembers (default 1000).
         exit_timeout_s: when the interpreter exits with saves still in flight, how long they
             get to finish before the unfinished ones are abandoned, never committed (default
@@ -105,6 +110,7 @@ class Checkpointer(PipelineOwner):
         world_size: int | None = None,
         repopulate: bool = True,
         on_commit: Callable[[TierResult], Any] | None = None,
+        on_event: Callable[[CheckpointEvent], Any] | None = None,
         stats_history: int = 1000,
         exit_timeout_s: float | None = None,
         save_deadline: float | None = None,
@@ -151,6 +157,8 @@ class Checkpointer(PipelineOwner):
         self._counts: dict[str, Counter[str]] = {t.name: Counter() for t in self._tiers}
         if on_commit is not None:
             self._stats.add_callback(on_commit)
+        if on_event is not None:
+            self._stats.add_event_callback(on_event)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
         #: the timeline saves go to; None: chosen from the tiers at the next save (the first
@@ -160,6 +168,8 @@ class Checkpointer(PipelineOwner):
         self._last_saved: CheckpointId | None = None
         #: what guard() named: its tensors are captured lazily, the rest copied at save()
         self._guarded = GuardedSources()
+        #: callables naming steps retention must keep (protect_steps)
+        self._protectors: list[Callable[[], Iterable[int]]] = []
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -179,10 +189,25 @@ class Checkpointer(PipelineOwner):
         return PipelineHooks(
             commit=self._strategy.commit,
             on_result=self._stats.record,
-            on_failure=self._strategy.report_failure,
+            on_failure=self._on_failure,
             retains=self._strategy.retains,
             counts=self._counts,
         )
+
+    def _on_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
+        """A tier's copy failed, was skipped or given up: to the strategy (other ranks),
+        then to stats and the event callbacks."""
+        try:
+            self._strategy.report_failure(tier, job, error)
+        finally:
+            self._stats.record_failure(
+                outcome_of(error),
+                job.step,
+                tier.name,
+                error,
+                timeline=job.timeline,
+                blocked_seconds=job.handle.blocked_seconds,
+            )
 
     def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
         """Run a commit's waiting part on the pipeline's commit threads (the strategy's
@@ -194,7 +219,14 @@ class Checkpointer(PipelineOwner):
         return pipeline.defer(fn)
 
     # -- save ------------------------------------------------------------------------
-    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns at once with a :class:`SaveHandle`.
 
         The checkpoint is the state at this call. Module buffers and loose tensors (which the
@@ -206,13 +238,15 @@ class Checkpointer(PipelineOwner):
         At the first save to a tier this checkpointer takes its writer lease there: if another
         live writer (another job, or another ``Checkpointer`` of this process) holds it,
         ``WriterConflict`` is raised here and nothing is written.
+        ``metrics``: numbers stored with the checkpoint (in its manifest's metadata under
+        ``"metrics"``), which a tier's ``keep_best`` / ``best_metric`` retention ranks by.
         """
         t0 = time.perf_counter()
-        handle = self._save(state, step, metadata)
+        handle = self._save(state, step, with_metrics(metadata, metrics))
         handle.blocked_seconds += time.perf_counter() - t0
         return handle
 
-    def _save(self, state: Any, step: int, metadata: dict[str, Any] | None) -> SaveHandle:
+    def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         manifest_name(step)  # validates the range
@@ -237,6 +271,13 @@ class Checkpointer(PipelineOwner):
         if self.on_busy == "skip" and busy:
             log.warning("step %d skipped: the previous checkpoint is still flushing", step)
             handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True, timeline=timeline)
+            self._stats.record_failure(
+                "save_skipped",
+                step,
+                "",
+                "on_busy='skip': the previous save was still flushing",
+                timeline=timeline,
+            )
             return handle
         # only the walk (validation + tensor references) runs here; the layout is computed by
         # the capture thread, so training pays microseconds per tensor, not the whole plan
@@ -378,6 +419,78 @@ class Checkpointer(PipelineOwner):
         """Which steps are committed on which tier (each list in :meth:`steps` order)."""
         return {t.name: committed_steps(t.backend) for t in self._tiers}
 
+    # -- pins --------------------------------------------------------------------------
+    def pin(self, step: int, *, timeline: int | None = None, reason: str = "") -> CheckpointId:
+        """Keep checkpoint ``step`` on every tier until :meth:`unpin`: retention never removes
+        a pinned checkpoint. The pin is a small marker stored on each tier, so it survives
+        restarts; the step may still be in flight. ``timeline``: default, the one being saved,
+        else the newest holding ``step``. Returns the pinned checkpoint."""
+        cid = self._pin_target(step, timeline)
+        pin_on_tiers([(t.name, t.backend) for t in self._tiers], cid, reason=reason)
+        return cid
+
+    def unpin(self, step: int, *, timeline: int | None = None) -> None:
+        """Let retention remove checkpoint ``step`` again (it goes at the next commit if no
+        other rule keeps it). Unpinning a step that is not pinned does nothing."""
+        pinned = [
+            c
+            for c in self.pinned()
+            if c.step == step and (timeline is None or c.timeline == timeline)
+        ]
+        for cid in pinned:
+            unpin_on_tiers([(t.name, t.backend) for t in self._tiers], cid)
+
+    def pinned(self) -> list[CheckpointId]:
+        """The checkpoints pinned on any tier, oldest first."""
+        out: set[CheckpointId] = set()
+        for t in self._tiers:
+            out.update(pinned_ids(t.backend))
+        return sorted(out)
+
+    def protect_steps(self, fn: Callable[[], Iterable[int]]) -> Callable[[], None]:
+        """Ask ``fn()`` at every retention which steps it must keep on every tier (an
+        integration's live pointers, e.g. Lightning's ``ModelCheckpoint`` files): those are
+        never removed. ``fn`` runs on a background thread; if it raises, that retention is
+        skipped (logged) rather than guessing. Returns a function that removes ``fn``."""
+        with self._lock:
+            self._protectors.append(fn)
+
+        def remove() -> None:
+            with self._lock:
+                self._protectors[:] = [f for f in self._protectors if f is not fn]
+
+        return remove
+
+    def _protected_steps(self) -> Collection[int]:
+        with self._lock:
+            protectors = list(self._protectors)
+        steps: set[int] = set()
+        for fn in protectors:
+            try:
+                steps.update(int(s) for s in fn())
+            except Exception as exc:
+                raise BackendError(
+                    f"cannot tell which steps {fn!r} protects ({exc}); retention skipped"
+                ) from exc
+        return steps
+
+    def _pin_target(self, step: int, timeline: int | None) -> CheckpointId:
+        if timeline is not None:
+            return CheckpointId(step, timeline)
+        if self._pipeline is not None:
+            for job in self._pipeline.in_flight():
+                if job.step == step:
+                    return job.id
+        if self._last_saved is not None and self._last_saved.step == step:
+            return self._last_saved
+        held = [c for c in self.checkpoints() if c.step == step]
+        if not held:
+            raise CheckpointNotFound(
+                f"cannot pin step {step}: it is neither being saved nor committed on any tier "
+                f"({', '.join(self.tier_names)})"
+            )
+        return held[-1]
+
     # -- load --------------------------------------------------------------------------
     def load(
         self,
@@ -457,14 +570,26 @@ class Checkpointer(PipelineOwner):
             return pipeline.counts()  # read under the lock the pipeline counts under
         return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
 
-    def stats(self) -> list[CommitStats]:
+    def stats(self, *, failures: bool = False) -> list[CommitStats]:
         """One :class:`CommitStats` per checkpoint per tier committed so far, oldest first.
 
         Step, tier, raw and stored bytes, seconds from ``save()`` to the commit, GB/s,
         compression ratio and the seconds training was blocked by that save. The history is
-        bounded (``stats_history``, default the last 1000 commits).
+        bounded (``stats_history``, default the last 1000 commits). ``failures=True`` also
+        lists each copy that failed, was skipped or given up, and each skipped save
+        (``outcome``, ``error``; zero bytes), in the order they happened.
         """
-        return self._stats.stats()
+        return self._stats.stats(failures=failures)
+
+    def add_event_callback(
+        self, fn: Callable[[CheckpointEvent], Any]
+    ) -> Callable[[CheckpointEvent], Any]:
+        """Call ``fn(event)`` for every outcome of every save on every tier (commits,
+        failures, skips, deadline give-ups; see :class:`~tierckpt.stats.CheckpointEvent`)."""
+        return self._stats.add_event_callback(fn)
+
+    def remove_event_callback(self, fn: Callable[[CheckpointEvent], Any]) -> None:
+        self._stats.remove_event_callback(fn)
 
     def add_callback(self, fn: Callable[[TierResult], Any]) -> Callable[[TierResult], Any]:
         """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.stats`)."""

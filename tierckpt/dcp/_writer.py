@@ -554,7 +554,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         if self._pipeline is None or not self._pipeline.may_collect(t, rank):
             return  # retention only while this writer holds the location's lease
         try:
-            gc_tier(t.backend, t.spec.keep_last)
+            gc_tier(t.backend, t.spec.retention)
         except OSError as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", t.name, exc)
 

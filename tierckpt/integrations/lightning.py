@@ -30,7 +30,12 @@ How it maps Lightning onto tierckpt:
   has it. A path that is not a pointer (a ``.ckpt`` written by ``torch.save``) is loaded with
   Lightning's own ``TorchCheckpointIO``, so older runs still resume.
 * ``remove_checkpoint(path)`` removes the pointer; the data follows each tier's
-  ``keep_last`` retention.
+  ``keep_last`` retention. Retention never removes a step that a live pointer names
+  (``best_model_path``, ``last.ckpt``, the top-k files): at each retention the plugin reads
+  the pointers in the folders it wrote to or loaded from (so a restarted job protects the
+  previous run's pointers too), and those steps are kept on every tier until Lightning
+  removes their pointers. With ``save_top_k=-1`` Lightning keeps every pointer, and so
+  tierckpt keeps every step: use ``save_top_k=k`` for retention.
 * Values tierckpt cannot store without pickle (objects in ``hyper_parameters``) are stored as
   their ``repr()`` text (see :func:`~tierckpt.integrations.sanitize_state`).
   ``LightningModule.load_from_checkpoint`` reads files with ``torch.load`` and does not go
@@ -91,6 +96,11 @@ def read_pointer(path: Any) -> dict[str, Any] | None:
     return doc
 
 
+def _parent(path: Any) -> str:
+    text = str(path)
+    return text.rsplit("/", 1)[0] if "/" in text else "."
+
+
 def _closure_modules(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.nn.Module]:
     """The LightningModule in Lightning's step closure, ``partial(_wrap_closure, model, ...)``.
 
@@ -133,6 +143,9 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         # resumed run must save its own (on a new timeline, see Checkpointer.load).
         self._steps: set[int] = set()
         self._fallback = TorchCheckpointIO()
+        #: folders holding this run's pointers: the steps they name are kept by retention
+        self._pointer_dirs: set[str] = set()
+        self._unprotect = self.checkpointer.protect_steps(self._live_pointer_steps)
         # from the start, so the optimizer and the module are known at the first save
         self._install_guard()
 
@@ -166,8 +179,9 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             self.checkpointer.save(state, step, metadata={"lightning_path": str(path)})
             self._steps.add(step)
         fs = get_filesystem(path)
-        parent = str(path).rsplit("/", 1)[0] if "/" in str(path) else "."
+        parent = _parent(path)
         fs.makedirs(parent, exist_ok=True)
+        self._pointer_dirs.add(parent)
         pointer = {"format": POINTER_FORMAT, "version": 1, "step": step,
                    "tiers": self.checkpointer.tier_names}
         with fs.open(path, "w") as f:
@@ -181,6 +195,7 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             loaded: dict[str, Any] = self._fallback.load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only)
             return loaded
+        self._pointer_dirs.add(_parent(path))
         self.checkpointer.wait()  # a save from this process may still be flushing
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         state: dict[str, Any] = self.checkpointer.load(pointer["step"], map_location=device)
@@ -191,6 +206,28 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
+
+    def _live_pointer_steps(self) -> set[int]:
+        """The steps named by the pointer files now in the folders this plugin wrote to or
+        loaded from (read from the files, so a restarted job sees them too)."""
+        steps: set[int] = set()
+        for folder in list(self._pointer_dirs):
+            fs = get_filesystem(folder)
+            if not fs.isdir(folder):
+                continue
+            for entry in fs.ls(folder, detail=True):
+                if entry.get("type") != "file" or int(entry.get("size") or 0) > _MAX_POINTER:
+                    continue
+                name = str(entry["name"])
+                if "://" in folder and "://" not in name:
+                    name = folder.split("://", 1)[0] + "://" + name
+                try:
+                    pointer = read_pointer(name)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                if pointer is not None:
+                    steps.add(int(pointer["step"]))
+        return steps
 
     def teardown(self) -> None:
         """End of a fit: wait until every checkpoint is committed on every tier."""

@@ -14,7 +14,7 @@ from tierckpt.format import (
     CheckpointId,
 )
 from tierckpt.offline._leases import leases
-from tierckpt.retention import gc_tier
+from tierckpt.retention import gc_tier, pinned_ids
 
 
 # -- gc ----------------------------------------------------------------------------------------
@@ -61,12 +61,13 @@ def gc(
         )
     committed = committed_ids(backend)
     newest = committed[-1] if committed else None
-    expired = committed[: max(len(committed) - keep_last, 0)]
+    pinned = set(pinned_ids(backend))  # never removed (Checkpointer.pin)
+    expired = [c for c in committed[: max(len(committed) - keep_last, 0)] if c not in pinned]
     committed_set = set(committed)
     leftovers = [
         c for c in data_ids(backend) if c not in committed_set and newest is not None and c < newest
     ]
-    plan = GcPlan(committed[len(expired) :], expired, leftovers)
+    plan = GcPlan([c for c in committed if c not in expired], expired, leftovers)
     if dry_run:
         return plan
     gc_tier(backend, keep_last)

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,6 +35,9 @@ log = logging.getLogger("tierckpt")
 
 
 class _PipelineBase:
+    #: steps retention keeps on every tier besides its rules (an integration's live pointers),
+    #: asked at each retention; if it raises, that retention is skipped (set by the owner)
+    protect_steps: Callable[[], Collection[int]] = frozenset
     tiers: list[Tier]
     on_result: Callable[[TierResult, SaveHandle], None] | None
     on_failure: Callable[[Tier, SaveJob, BaseException], None] | None

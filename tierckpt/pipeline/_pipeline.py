@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -247,7 +247,12 @@ class PipelineOwner:
                 counts=hooks.counts,
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
+            self._pipeline.protect_steps = self._protected_steps
         return self._pipeline
+
+    def _protected_steps(self) -> Collection[int]:
+        """Steps retention must keep besides its rules (see ``Checkpointer.protect_steps``)."""
+        return frozenset()
 
     def _release(self) -> None:
         """Extra resources of the owner, released by ``close()`` after the pipeline."""

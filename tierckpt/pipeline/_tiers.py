@@ -63,7 +63,13 @@ class _TiersMixin(_StallMixin):
         if not self._leases.may_collect(tier, job.rank):
             return
         try:
-            gc_tier(tier.backend, tier.spec.keep_last, protect=self._protected(tier, job))
+            protect = self._protected(tier, job)
+            gc_tier(
+                tier.backend,
+                tier.spec.retention,
+                protect=protect,
+                protect_steps=self.protect_steps(),
+            )
         except (BackendError, OSError) as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
 
@@ -344,7 +350,14 @@ class _TiersMixin(_StallMixin):
         seconds = time.perf_counter() - job.handle.started
         codec_desc = ",".join(sorted({c["id"] for c in codecs})) or "raw"
         result = TierResult(
-            tier.name, job.step, job.laid_out.data_bytes, stored, seconds, codec_desc, job.timeline
+            tier.name,
+            job.step,
+            job.laid_out.data_bytes,
+            stored,
+            seconds,
+            codec_desc,
+            job.timeline,
+            blocked_seconds=job.handle.blocked_seconds,
         )
         log.info(
             "committed %s on %s: %d bytes in %.3f s (%.2f GB/s), codec %s ratio %.2f",
