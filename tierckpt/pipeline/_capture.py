@@ -10,6 +10,9 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from tierckpt import devices
 from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
 from tierckpt.capture import copy_chunk
@@ -78,10 +81,16 @@ class _CaptureMixin(_StallMixin):
     def _capture(self, job: SaveJob) -> None:
         emit = self._emitter(job.step, None)
         self._check_abandoned(job)
+        # this thread works on the state's device (a fresh thread's is GPU 0 on every rank)
+        cuda = devices.cuda_devices(job.ready_events)
+        device = cuda[0] if cuda else None
+        devices.use_device(device)
         if job.plan is None:
             assert job.collected is not None
             t0 = time.perf_counter() if emit else 0.0
-            job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
+            # resolve_conj / resolve_neg run on the capture stream, after the save point
+            with self._streams.ordered_after(job.ready_events):
+                job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
             job.collected = None
             if emit is not None:
                 emit("plan", job.plan.data_bytes, time.perf_counter() - t0)
@@ -124,7 +133,7 @@ class _CaptureMixin(_StallMixin):
                 state = _ChunkState(chunk, slot, job, {t.name for t in takers})
                 for codec in {t.codec for t in takers}:
                     state.encoded[codec] = self._pool.submit(
-                        _encode, codec, chunk.dtype, view, event, emit
+                        _encode, codec, chunk.dtype, view, event, emit, device
                     )
                 if takers:
                     self._held_chunks.append(state)
@@ -136,18 +145,31 @@ class _CaptureMixin(_StallMixin):
                 break
             for t in takers:
                 self._tier_q[t.name].put(("chunk", job, state))
+        if len(cuda) == 1:
+            # every copy is queued: the optimizer's step hook may now make the training stream
+            # wait for these events on the GPU instead of waiting on the host
+            job.queued_events = (cuda[0], list(events))
         for ev in events:
-            ev.synchronize()
+            ev.synchronize()  # blocking events: this thread sleeps until the copy is done
+        # the copies are done: the save holds no device storage from here (not until the
+        # slowest tier commits); the arena slots hold the bytes
+        plan.sources.clear()
         job.handle._set_captured()
 
     # -- tiers -----------------------------------------------------------------------
 
 
 def _encode(
-    tier_codec: Codec, dtype: str, view: memoryview, event: Any, emit: _Emit | None = None
+    tier_codec: Codec,
+    dtype: str,
+    view: memoryview,
+    event: Any,
+    emit: _Emit | None = None,
+    device: torch.device | None = None,
 ) -> Encoded:
+    devices.use_device(device)  # an encoder thread works on the chunk's device
     if event is not None:
-        event.synchronize()
+        event.synchronize()  # a blocking event: sleeps, no spin
     if isinstance(tier_codec, SupportsProfile):  # the auto policy measures its candidate, once
         tier_codec.profile(dtype, view)
     codec = tier_codec.for_dtype(dtype)
