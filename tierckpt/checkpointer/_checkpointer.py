@@ -160,6 +160,8 @@ class Checkpointer(PipelineOwner):
         self._last_saved: CheckpointId | None = None
         #: what guard() named: its tensors are captured lazily, the rest copied at save()
         self._guarded = GuardedSources()
+        # last: nothing after this may fail and leave the arena's thread behind
+        self._start_arena_prebuild()
 
     # -- properties ------------------------------------------------------------------
     @property

@@ -30,6 +30,9 @@ class _CaptureMixin(_StallMixin):
         """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
         biggest = max((c.raw_size for c in plan.chunks), default=0)
         slot = align_up(max(biggest, 4096))
+        if self.arena is None and self._prebuilt is not None:
+            # built at the writer's construction, off the save's critical path
+            self.arena, self._prebuilt = self._prebuilt.take(), None
         a = self.arena
         if a is not None:
             slot = max(slot, a.slot_bytes)
