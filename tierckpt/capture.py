@@ -22,7 +22,7 @@ import torch
 from tierckpt import devices as cuda_api
 from tierckpt.plan import ChunkPlan, ShardLayout
 
-__all__ = ["CaptureStreams", "copy_chunk"]
+__all__ = ["CaptureStreams", "compress_chunk", "copy_chunk"]
 
 #: a chunk with more pieces than this, all on one CUDA device, is gathered on the device first
 GATHER_MIN_PIECES = 8
@@ -139,3 +139,56 @@ def copy_chunk(
             ev.synchronize()  # blocking events: the thread sleeps, no core spins
         return None
     return event
+
+
+def _device_compressible(device: torch.device) -> bool:
+    """Whether a chunk on ``device`` is compressed there (tests widen this to the CPU)."""
+    return device.type == "cuda"
+
+
+def compress_chunk(
+    plan: ShardLayout,
+    chunk: ChunkPlan,
+    slot: torch.Tensor,
+    streams: CaptureStreams,
+    ready: dict[torch.device, Any],
+    codec: Any,
+) -> tuple[int, Any] | None:
+    """Compress ``chunk`` on its device, then copy only the stored bytes into ``slot``.
+
+    On the capture stream of the chunk's device: gather its pieces into the device staging
+    buffer (after the save point), encode with ``codec`` (an nvCOMP codec: byte planes split
+    on the device, pieces compressed in RAW mode, so the CPU decodes the result), and queue
+    one non-blocking copy of the stored chunk into the pinned slot. Returns (stored size, the
+    event to wait on), or None when the chunk is not on one device that compresses, or the
+    stored chunk would be no smaller than the raw one (the caller then copies raw bytes).
+    """
+    sources = [plan.sources[p.span] for p in chunk.pieces]
+    devs = {s.device for s in sources}
+    if len(devs) != 1:
+        return None
+    (dev,) = devs
+    if not _device_compressible(dev):
+        return None
+    cuda = dev.type == "cuda"
+    cuda_api.use_device(dev)
+    stream = streams.stream(dev) if cuda else None
+    with cuda_api.on_streams([stream] if stream is not None else []):
+        if stream is not None:
+            if dev in ready:
+                stream.wait_event(ready[dev])
+            for s in sources:
+                s.record_stream(stream)
+        staging = streams.staging_buffer(dev, chunk.raw_size)[: chunk.raw_size]
+        for p, s in zip(chunk.pieces, sources, strict=True):
+            staging[p.dst_offset : p.dst_offset + p.length].copy_(
+                s[p.src_offset : p.src_offset + p.length], non_blocking=True
+            )
+        stored = codec.encode_device(staging)
+        n = int(stored.numel())
+        if n >= chunk.raw_size or n > slot.numel():
+            return None
+        slot[:n].copy_(stored, non_blocking=True)
+        event = cuda_api.blocking_event()
+        event.record(stream)
+    return n, event

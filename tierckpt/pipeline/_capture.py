@@ -15,8 +15,9 @@ import torch
 from tierckpt import devices
 from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
-from tierckpt.capture import copy_chunk
+from tierckpt.capture import compress_chunk, copy_chunk
 from tierckpt.codecs import Codec, SupportsProfile
+from tierckpt.codecs.nvcomp import NvcompCodec
 from tierckpt.format import align_up, checksum
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, _ChunkState, _Emit, _Follow
@@ -118,10 +119,23 @@ class _CaptureMixin(_StallMixin):
             t0 = time.perf_counter() if emit else 0.0
             self._check_abandoned(job)
             slot = self._acquire(a)
+            with self._lock:
+                codecs = {t.codec for t in direct if t.name not in job.given_up}
+            # every tier fed from the arena takes one nvCOMP codec: compress on the device,
+            # and only the compressed bytes cross PCIe
+            dev_codec = _device_codec(codecs, chunk.dtype)
+            on_device: tuple[int, Any] | None = None
             try:
                 t1 = time.perf_counter() if emit else 0.0
                 slot_t = a.slot(slot)
-                event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
+                if dev_codec is not None:
+                    on_device = compress_chunk(
+                        plan, chunk, slot_t, self._streams, job.ready_events, dev_codec
+                    )
+                if on_device is not None:
+                    event = on_device[1]
+                else:
+                    event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
             except BaseException:
                 a.release(slot)
                 raise
@@ -135,6 +149,13 @@ class _CaptureMixin(_StallMixin):
                 takers = [t for t in direct if t.name not in job.given_up]
                 state = _ChunkState(chunk, slot, job, {t.name for t in takers})
                 for codec in {t.codec for t in takers}:
+                    if on_device is not None and dev_codec is not None:
+                        stored = view[: on_device[0]]
+                        config = dev_codec.get_config()
+                        state.encoded[codec] = self._pool.submit(
+                            _stored, stored, event, config, emit, device
+                        )
+                        continue
                     state.encoded[codec] = self._pool.submit(
                         _encode, codec, chunk.dtype, view, event, emit, device
                     )
@@ -193,4 +214,33 @@ def _encode(
     digest = checksum(data)
     if emit is not None:
         emit("checksum", len(memoryview(data).cast("B")), time.perf_counter() - t0)
+    return Encoded(data, digest, config)
+
+
+def _device_codec(codecs: set[Codec], dtype: str) -> NvcompCodec | None:
+    """The nvCOMP codec (for ``dtype``) when it is the only codec the chunk is encoded with."""
+    if len(codecs) != 1:
+        return None
+    (codec,) = codecs
+    if not isinstance(codec, NvcompCodec):
+        return None
+    per_dtype = codec.for_dtype(dtype)
+    return per_dtype if isinstance(per_dtype, NvcompCodec) else None
+
+
+def _stored(
+    data: memoryview,
+    event: Any,
+    config: dict[str, Any],
+    emit: _Emit | None = None,
+    device: torch.device | None = None,
+) -> Encoded:
+    """A chunk compressed on the device: wait for its copy, then checksum the stored bytes."""
+    devices.use_device(device)
+    if event is not None:
+        event.synchronize()
+    t0 = time.perf_counter() if emit else 0.0
+    digest = checksum(data)
+    if emit is not None:
+        emit("checksum", len(data), time.perf_counter() - t0)
     return Encoded(data, digest, config)
