@@ -75,9 +75,15 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     """Replace tierckpt.devices' CUDA calls with recording fakes (undone by monkeypatch)."""
     rec = FakeCuda()
 
+    current = threading.local()
+
     def set_device(index: int) -> None:
+        current.index = index
         with rec.lock:
             rec.set_device.append((threading.current_thread().name, index))
+
+    def current_device() -> int:
+        return int(getattr(current, "index", 0))  # a fresh thread's device is 0
 
     def new_stream(device: torch.device) -> FakeStream:
         s = FakeStream(device)
@@ -103,6 +109,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
             rec.stream_waits.append((device, event))
 
     monkeypatch.setattr(devices, "set_device", set_device)
+    monkeypatch.setattr(devices, "current_device", current_device)
     monkeypatch.setattr(devices, "new_stream", new_stream)
     monkeypatch.setattr(devices, "blocking_event", blocking_event)
     monkeypatch.setattr(devices, "on_streams", on_streams)

@@ -197,9 +197,10 @@ def test_nvcomp_on_a_side_stream_stays_on_it(
     assert cuda.streams == [] and side.waited_streams == []
 
 
-def test_devices_use_device_ignores_cpu_and_caches_per_thread(cuda: FakeCuda) -> None:
+def test_devices_use_device_ignores_cpu_and_sets_only_on_change(cuda: FakeCuda) -> None:
     devices.use_device(None)
     devices.use_device("cpu")
     devices.use_device("cuda:2")
     devices.use_device(torch.device("cuda", 2))
-    assert [i for _, i in cuda.set_device] == [2]
+    devices.use_device("cuda:0")
+    assert [i for _, i in cuda.set_device] == [2, 0]

@@ -41,6 +41,11 @@ def set_device(index: int) -> None:
     torch.cuda.set_device(index)
 
 
+def current_device() -> int:
+    """``torch.cuda.current_device()`` of the calling thread."""
+    return int(torch.cuda.current_device())
+
+
 def new_stream(device: torch.device) -> Any:
     """A new CUDA stream on ``device`` (never the default stream)."""
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -81,9 +86,10 @@ def use_device(device: torch.device | str | None) -> None:
     if dev.type != "cuda":
         return
     index = dev.index if dev.index is not None else 0
-    if getattr(_local, "device", None) != index:
+    # asked each time, not cached: on a user's thread (a load decoding on the GPU) the
+    # user may have changed the device since
+    if current_device() != index:
         set_device(index)
-        _local.device = index
 
 
 def thread_stream(device: torch.device) -> Any:
