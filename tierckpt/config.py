@@ -82,9 +82,24 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "Checkpointer / TierWriter(host_buffer_bytes=)",
         "TIERCKPT_HOST_BUFFER_BYTES",
-        "1/8 of RAM, at least 256 MiB, at most 32 GiB",
+        "1/8 of RAM, at most 32 GiB, divided by LOCAL_WORLD_SIZE, at least 256 MiB",
         "int > 0 (bytes)",
         "the host arena budget: state is captured into it and written out from it",
+    ),
+    Knob(
+        "",
+        "LOCAL_WORLD_SIZE",
+        "1",
+        "int >= 1",
+        "ranks on this node (torchrun sets it): the default arena budget is shared among them",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_ARENA_PREBUILD",
+        "on when CUDA is available",
+        "bool",
+        "allocate, touch and pin the host arena on a background thread started when the "
+        "writer is made, not in the first save",
     ),
     Knob(
         "Checkpointer / TierWriter(chunk_bytes=)",
