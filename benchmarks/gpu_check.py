@@ -247,7 +247,9 @@ def make_compute(device: torch.device, seconds: float) -> tuple[Callable[[], flo
         t = time.perf_counter()
         for _ in range(n):
             a @ b
-        _sync(device)
+        # only the training stream: a device-wide synchronize would also wait for capture's
+        # side-stream copies and book a capture that overruns compute as compute
+        torch.cuda.current_stream(device).synchronize()
         return time.perf_counter() - t
 
     alone = statistics.median(run() for _ in range(2))

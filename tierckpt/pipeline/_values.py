@@ -157,6 +157,9 @@ class SaveJob:
     #: tiers whose copy of this job can no longer be given up: committing, or failed on
     #: their own (changed under the pipeline's lock)
     settled: set[str] = field(default_factory=set)
+    #: (device, copy events) once capture has queued every copy of a one-device state: the
+    #: optimizer's step hook makes the training stream wait for them (no host wait)
+    queued_events: tuple[torch.device, list[Any]] | None = None
 
     @property
     def id(self) -> CheckpointId:
