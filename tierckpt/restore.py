@@ -52,7 +52,7 @@ from tierckpt.format import (
 )
 from tierckpt.limits import MAX_DIMS
 from tierckpt.tree import decode_tree, dtype_from_name
-from tierckpt.verify import read_verified
+from tierckpt.verify import read_verified, read_verified_pieces
 
 __all__ = ["LoadedShard", "read_manifest", "read_shard", "restore_into"]
 
@@ -229,51 +229,55 @@ def read_shard(
     span_offsets = [int(s[0]) for s in index["storages"]]
     chunks: list[ChunkRecord] = index["chunks"]
     repop = _Repopulation(repopulate, ref.file)
-    # compressed chunks are read into one scratch buffer per thread, reused from chunk to
-    # chunk: a fresh buffer per chunk would pay the first touch of new pages every time
-    scratch = threading.local()
-
-    def stored_buffer(n: int) -> memoryview:
-        buf: torch.Tensor | None = getattr(scratch, "buf", None)
-        if buf is None or buf.numel() < n:
-            buf = scratch.buf = torch.empty(n, dtype=torch.uint8)
-        return memoryview(buf.numpy())[:n]  # type: ignore[arg-type]
+    layout = _SpanLayout(span_offsets, [sp.numel() for sp in spans])
+    # a local file is read straight into the storages (one preadv per chunk); from a remote
+    # store one ranged read per chunk beats one per tensor, so its bytes land in a buffer
+    scatter = not backend.is_remote
+    # buffers of one thread, reused from chunk to chunk: a fresh buffer per chunk would pay
+    # the first touch of new pages every time (peak extra memory: a chunk or two per thread)
+    scratch = _ThreadBuffers()
 
     def one(ci: int) -> int:
         rec = chunks[ci]
         codec = codecs[rec.codec]
         lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
-        # a chunk inside one span decodes straight into it; otherwise via a scratch buffer
-        first = max(bisect.bisect_right(span_offsets, lo) - 1, 0)
-        inside = (
-            bool(spans)
-            and span_offsets[first] <= lo
-            and hi <= (span_offsets[first] + spans[first].numel())
-        )
-        if inside:
-            si = first
-            dest = spans[si][lo - span_offsets[si] : hi - span_offsets[si]]
-        else:
-            dest = torch.empty(rec.raw_size, dtype=torch.uint8)
-        dest_view = memoryview(dest.numpy())  # type: ignore[arg-type]
-        stored = dest_view if codec.is_passthrough else stored_buffer(rec.stored_size)
+        parts = layout.parts(lo, hi)
+        if parts is not None and len(parts) == 1 and parts[0][0] >= 0:
+            # inside one span: read (raw) or decode straight into it
+            si, a, b = parts[0]
+            dest_view = _view(spans[si], a - span_offsets[si], b - span_offsets[si])
+            stored = dest_view if codec.is_passthrough else scratch.get("stored", rec.stored_size)
+            read_verified(backend, ref.file, rec, ci, stored, tier=tier, where=where)
+            repop.write(rec.file_offset, stored)
+            if stored is not dest_view:
+                _decode(codec, stored, dest_view, ci, tier, where, ref.file)
+            return rec.stored_size
+        if parts is not None and codec.is_passthrough and scatter:
+            # across spans, raw: scatter the read into every storage it touches
+            views = [
+                _view(spans[si], a - span_offsets[si], b - span_offsets[si])
+                if si >= 0
+                else scratch.get("gap", b - a)  # bytes no storage holds: read, checked, dropped
+                for si, a, b in parts
+            ]
+            read_verified_pieces(backend, ref.file, rec, ci, views, tier=tier, where=where)
+            pos = rec.file_offset
+            for v in views:
+                repop.write(pos, v)
+                pos += len(v)
+            return rec.stored_size
+        # across spans via this thread's (warm) buffer, then one copy into each storage
+        whole = scratch.get("decoded", rec.raw_size)
+        stored = whole if codec.is_passthrough else scratch.get("stored", rec.stored_size)
         read_verified(backend, ref.file, rec, ci, stored, tier=tier, where=where)
         repop.write(rec.file_offset, stored)
-        if stored is not dest_view:
-            try:
-                codec.decode(stored, dest_view)
-            except CorruptChunk as exc:
-                raise CorruptChunk(
-                    f"{where}: chunk {ci}: {exc}", tier=tier, file=ref.file, chunk=ci
-                ) from exc
-        if not inside:
-            for si in range(first, len(spans)):
+        if stored is not whole:
+            _decode(codec, stored, whole, ci, tier, where, ref.file)
+        src = torch.frombuffer(whole, dtype=torch.uint8) if len(whole) else None
+        for si, a, b in parts if parts is not None else layout.overlaps(lo, hi):
+            if si >= 0 and src is not None:
                 off = span_offsets[si]
-                if off >= hi:
-                    break
-                a, b = max(lo, off), min(hi, off + spans[si].numel())
-                if a < b:
-                    spans[si][a - off : b - off].copy_(dest[a - lo : b - lo])
+                spans[si][a - off : b - off].copy_(src[a - lo : b - lo])
         return rec.stored_size
 
     try:
@@ -305,6 +309,78 @@ def read_shard(
         time.perf_counter() - t0,
         copied,
     )
+
+
+def _view(span: torch.Tensor, a: int, b: int) -> memoryview:
+    """Bytes ``a..b`` of a uint8 storage span, as a writable memoryview."""
+    return memoryview(span[a:b].numpy())  # type: ignore[arg-type]
+
+
+def _decode(
+    codec: Codec, stored: memoryview, out: memoryview, ci: int, tier: str, where: str, file: str
+) -> None:
+    try:
+        codec.decode(stored, out)
+    except CorruptChunk as exc:
+        raise CorruptChunk(f"{where}: chunk {ci}: {exc}", tier=tier, file=file, chunk=ci) from exc
+
+
+class _ThreadBuffers:
+    """Per-thread byte buffers, grown on demand and reused (warm pages, no allocation)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, kind: str, n: int) -> memoryview:
+        bufs: dict[str, torch.Tensor] | None = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        buf = bufs.get(kind)
+        if buf is None or buf.numel() < n:
+            buf = bufs[kind] = torch.empty(n, dtype=torch.uint8)
+        return memoryview(buf.numpy())[:n]  # type: ignore[arg-type]
+
+
+class _SpanLayout:
+    """Where a range of the data stream lands: which storage spans, which gaps."""
+
+    def __init__(self, offsets: Sequence[int], sizes: Sequence[int]) -> None:
+        self.offsets = list(offsets)
+        self.sizes = list(sizes)
+        # spans in order without overlap (what every writer produces); anything else takes
+        # the slow path below, which copies each span's share wherever it is
+        self.tiled = all(offsets[i] + sizes[i] <= offsets[i + 1] for i in range(len(offsets) - 1))
+
+    def parts(self, lo: int, hi: int) -> list[tuple[int, int, int]] | None:
+        """``(span or -1 for a gap, start, end)`` covering ``lo..hi`` in order; None where
+        the spans are not tiled."""
+        if not self.tiled:
+            return None
+        offs, sizes = self.offsets, self.sizes
+        out: list[tuple[int, int, int]] = []
+        si = max(bisect.bisect_right(offs, lo) - 1, 0)
+        pos = lo
+        while pos < hi:
+            if si < len(offs) and offs[si] + sizes[si] <= pos:
+                si += 1
+                continue
+            if si >= len(offs) or offs[si] > pos:
+                end = hi if si >= len(offs) else min(hi, offs[si])
+                out.append((-1, pos, end))
+            else:
+                end = min(hi, offs[si] + sizes[si])
+                out.append((si, pos, end))
+            pos = end
+        return out
+
+    def overlaps(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Every span's share of ``lo..hi``, in span order (any layout)."""
+        out = []
+        for si, (off, n) in enumerate(zip(self.offsets, self.sizes, strict=True)):
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((si, a, b))
+        return out
 
 
 class _Repopulation:

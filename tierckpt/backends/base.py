@@ -58,6 +58,7 @@ from __future__ import annotations
 import builtins
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from tierckpt._types import BytesLike as Buffer
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
@@ -152,6 +153,14 @@ class Backend(ABC):
         if len(data) != len(out):
             raise FormatError(f"{self.url}/{name}: short read at {offset}")
         out[:] = data
+
+    def read_into_pieces(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fill ``outs`` in order from the contiguous bytes at ``offset`` (a scatter read:
+        a chunk lands straight in the storages of the tensors it spans). The default calls
+        ``read_into`` once per piece; a backend with a cheaper scatter read overrides it."""
+        for out in outs:
+            self.read_into(name, offset, out)
+            offset += len(out)
 
     def get(self, name: str) -> bytes:
         """The whole object (for small objects: manifests, records)."""

@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,8 @@ DIRECT_ALIGN = 4096
 #: writes shorter than this go through the page cache (direct I/O pays for large writes)
 DIRECT_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: most buffers one preadv call takes (Linux IOV_MAX)
+_IOV_MAX = 1024
 
 
 def _address(view: memoryview) -> int:
@@ -301,6 +304,45 @@ class LocalBackend(Backend):
                         f"expected {len(out) - done} more bytes (truncated?)"
                     )
                 done += n
+        except OSError as exc:
+            raise _os_error(self.url, name, "read", exc) from exc
+        finally:
+            os.close(fd)
+
+    def read_into_pieces(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """One open and ``preadv`` calls that fill every piece (no bounce buffer)."""
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{self.url}/{name} does not exist") from None
+        except OSError as exc:
+            raise _os_error(self.url, name, "open", exc) from exc
+        try:
+            views = [o.cast("B") if o.format != "B" else o for o in outs]
+            views = [v for v in views if len(v)]
+            total = sum(len(v) for v in views)
+            if offset < 0 or offset + total > os.fstat(fd).st_size:
+                raise FormatError(
+                    f"{self.url}/{name}: read of {total} bytes at {offset} past its end "
+                    f"({os.fstat(fd).st_size}; truncated?)"
+                )
+            pos, first = offset, 0
+            while first < len(views):
+                batch = views[first : first + _IOV_MAX]
+                n = os.preadv(fd, batch, pos)
+                if n == 0:
+                    raise FormatError(
+                        f"{self.url}/{name}: file ends at {pos}, expected "
+                        f"{offset + total - pos} more bytes (truncated?)"
+                    )
+                pos += n
+                # drop the pieces filled whole; a piece filled in part is resumed
+                while first < len(views) and n >= len(views[first]):
+                    n -= len(views[first])
+                    first += 1
+                if n:
+                    views[first] = views[first][n:]
         except OSError as exc:
             raise _os_error(self.url, name, "read", exc) from exc
         finally:

@@ -1,0 +1,184 @@
+"""Local load against a cold sequential read of the same bytes from the same disk.
+
+    .venv/bin/python benchmarks/bench_load.py            # ~1 GiB, 5 runs
+    .venv/bin/python benchmarks/bench_load.py --quick    # 0.25 GiB, 5 runs, under a minute
+
+A synthetic training state (bf16 weights + fp32 moments, ~1,300 tensors per GiB: the
+``tierckpt bench`` state) is saved once per codec (raw, auto) to a local tier on disk. Each
+measurement runs in a fresh process that first drops the files from the page cache
+(``fsync`` + ``posix_fadvise(DONTNEED)``), so every variant reads from the disk: ``seq`` reads
+the shard files front to back into one reused 8 MiB buffer (the disk's rate), ``raw`` and
+``auto`` are ``Checkpointer.load()`` of each codec's checkpoint. Variants are interleaved,
+one warm-up round is dropped, medians are reported with the peak RSS of the process.
+Run it with ``PYTHONPATH`` pointing at another checkout to compare two versions of the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("seq", "raw", "auto")
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def drop_cache(path: Path) -> None:
+    """Evict ``path``'s files from the page cache (they are committed: fsync is a no-op)."""
+    for f in _files(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def worker(variant: str, path: Path) -> dict[str, Any]:
+    """One measurement in this (fresh) process."""
+    import torch  # noqa: F401  (imported before the clock starts, as by any trainer)
+
+    from tierckpt import Checkpointer, LocalTier
+
+    drop_cache(path)
+    t0 = time.perf_counter()
+    nbytes = 0
+    if variant == "seq":
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        for f in _files(path):
+            with open(f, "rb", buffering=0) as fh:
+                while n := fh.readinto(view):
+                    nbytes += n
+    else:
+        ck = Checkpointer([LocalTier(path, keep_last=None, codec=variant)])
+        try:
+            state = ck.load()
+        finally:
+            ck.close()
+        nbytes = sum(f.stat().st_size for f in _files(path))
+        del state
+    seconds = time.perf_counter() - t0
+    # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork + exec
+    rss = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmHWM:")
+    )
+    return {"variant": variant, "seconds": seconds, "bytes": nbytes, "peak_rss": rss}
+
+
+def save_states(root: Path, gib: float) -> dict[str, Any]:
+    from tierckpt import Checkpointer, LocalTier
+    from tierckpt.bench.state import make_state
+
+    state, info = make_state(gib)
+    for codec in ("raw", "auto"):
+        ck = Checkpointer([LocalTier(root / codec, keep_last=None, codec=codec)])
+        try:
+            ck.save(state, 1).result()
+        finally:
+            ck.close()
+    return {"state_bytes": info.nbytes, "tensors": info.tensors}
+
+
+def run_one(variant: str, root: Path, before: str | None) -> dict[str, Any]:
+    codec, _, which = variant.partition("@")
+    path = root / ("raw" if codec == "seq" else codec)
+    env = dict(os.environ)
+    if which == "before" and before:
+        env["PYTHONPATH"] = before
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", codec, "--path", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="0.25 GiB (under a minute)")
+    ap.add_argument("--dir", default=None, help="where to save (on disk; default: a temp dir)")
+    ap.add_argument("--json", default="benchmarks/results/bench_load.json")
+    ap.add_argument(
+        "--before",
+        default=None,
+        help="PYTHONPATH of another checkout: also load with its code (raw@before, auto@before)",
+    )
+    ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, Path(args.path))))
+        return 0
+    gib = 0.25 if args.quick else args.gib
+    with tempfile.TemporaryDirectory(prefix="bench_load_", dir=args.dir or "/var/tmp") as d:
+        root = Path(d)
+        info = save_states(root, gib)
+        variants = list(VARIANTS) + (["raw@before", "auto@before"] if args.before else [])
+        samples: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+        for r in range(args.runs + 1):  # round 0 warms up
+            for v in variants:
+                res = run_one(v, root, args.before)
+                if r:
+                    samples[v].append(res)
+    seq = statistics.median(s["seconds"] for s in samples["seq"])
+    rows = []
+    for v in variants:
+        secs = [s["seconds"] for s in samples[v]]
+        med = statistics.median(secs)
+        rows.append(
+            {
+                "variant": v,
+                "median_s": med,
+                "all_s": secs,
+                "stored_bytes": samples[v][0]["bytes"],
+                "gb_per_s": info["state_bytes"] / med / 1e9,
+                "vs_seq_read": seq / med,
+                "peak_rss": max(s["peak_rss"] for s in samples[v]),
+            }
+        )
+    print(
+        f"\nlocal load, {info['state_bytes'] / 2**30:.2f} GiB, {info['tensors']} tensors, "
+        f"medians of {args.runs} (cold page cache)\n"
+    )
+    print("| variant | median s | state GB/s | vs cold seq read | stored MiB | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['variant']} | {row['median_s']:.3f} | {row['gb_per_s']:.2f} | "
+            f"{row['vs_seq_read']:.2f}x | {row['stored_bytes'] / 2**20:.0f} | "
+            f"{row['peak_rss'] / 2**20:.0f} |"
+        )
+    result = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "gib": gib,
+        "runs": args.runs,
+        **info,
+        "rows": rows,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
