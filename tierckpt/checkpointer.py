@@ -39,6 +39,7 @@ from tierckpt.pipeline import (
     default_save_deadline,
     open_tiers,
 )
+from tierckpt.peer import open_peer
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.restore import (
@@ -158,6 +159,12 @@ class Checkpointer(PipelineOwner):
         self._counts: dict[str, Counter[str]] = {t.name: Counter() for t in self._tiers}
         if on_commit is not None:
             self._stats.add_callback(on_commit)
+        #: copies node-RAM commits to partner nodes (a PeerTier in the policy), else None
+        self._peer = open_peer(
+            self.policy.tiers, self._tiers, rank=self.rank, world_size=self.world_size
+        )
+        if self._peer is not None:
+            self._stats.add_callback(self._peer.on_commit)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
         #: the timeline saves go to; None: chosen from the tiers at the next save (the first
@@ -520,6 +527,12 @@ class Checkpointer(PipelineOwner):
             raise ValueError("fallback must be 'error' or 'previous'")
         self._timeline = None  # the run may have gone back: the next save decides again
         tiers = [self._tier(tier)] if tier is not None else self._tiers
+        if self._peer is not None and tier is None:
+            # every rank restores the same checkpoint: shards missing from a node's RAM are
+            # pulled from partners first (a collective on the peer tier's own group)
+            chosen = self._peer.prepare_load(step, timeline)
+            if chosen is not None and step is None:
+                step, timeline = chosen.step, chosen.timeline
         listing: dict[str, list[CheckpointId]] = {}
         for t in tiers:
             try:
@@ -675,6 +688,8 @@ class Checkpointer(PipelineOwner):
         self._stats.remove_callback(fn)
 
     def _release(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
         if self._read_pool is not None:
             self._read_pool.shutdown()
             self._read_pool = None

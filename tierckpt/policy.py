@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
@@ -61,6 +61,9 @@ class TierSpec:
     source: str | None = None
     #: keyword-only, so subclasses' own positional fields keep their places
     max_behind: int = field(default=2, kw_only=True)
+    #: True for a tier that takes no chunks but copies other tiers' commits elsewhere
+    #: (:class:`~tierckpt.PeerTier`): the pipeline leaves it out, the checkpointer drives it
+    is_replica: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
