@@ -28,6 +28,7 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.peer import open_peer
 from tierckpt.pipeline import (
     OUTCOMES,
     Pipeline,
@@ -39,7 +40,6 @@ from tierckpt.pipeline import (
     default_save_deadline,
     open_tiers,
 )
-from tierckpt.peer import open_peer
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.restore import (

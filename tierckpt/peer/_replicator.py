@@ -282,28 +282,34 @@ class PeerReplicator:
             held += [(src, cid) for cid, _m in self._held(self.replica_backend(src), src)]
         smax = self.placement.max_sources()
         k = _CANDIDATES
-        vec = torch.full((2 * k + 2 * k * smax,), -1, dtype=torch.int64)
+        names = [t.name for t in self._tiers]
+        # [own node RAM: k ids][slower tiers: k (id, tier index)][replicas: (source, id)...]
+        vec = torch.full((3 * k + 2 * k * smax,), -1, dtype=torch.int64)
         for i, (cid, _m) in enumerate(own[:k]):
             vec[i] = checkpoint_key(cid)
         for i, cid in enumerate(sorted(slow, reverse=True)[:k]):
-            vec[k + i] = checkpoint_key(cid)
+            vec[k + 2 * i] = checkpoint_key(cid)
+            vec[k + 2 * i + 1] = names.index(slow[cid])
         for i, (src, cid) in enumerate(held[: k * smax]):
-            vec[2 * k + 2 * i] = src
-            vec[2 * k + 2 * i + 1] = checkpoint_key(cid)
+            vec[3 * k + 2 * i] = src
+            vec[3 * k + 2 * i + 1] = checkpoint_key(cid)
         gathered = [torch.empty_like(vec) for _ in range(self._world)]
         dist.all_gather(gathered, vec, group=self._load_group)
         rams: list[set[CheckpointId]] = []
-        slows: list[set[CheckpointId]] = []
+        slows: list[dict[CheckpointId, str]] = []
         holders: dict[tuple[int, CheckpointId], list[int]] = {}
         for h, g in enumerate(gathered):
             v = [int(x) for x in g.tolist()]
             rams.append({checkpoint_of_key(x) for x in v[:k] if x >= 0})
-            slows.append({checkpoint_of_key(x) for x in v[k : 2 * k] if x >= 0})
-            for j in range(2 * k, len(v), 2):
+            slows.append(
+                {checkpoint_of_key(v[j]): names[v[j + 1]] for j in range(k, 3 * k, 2) if v[j] >= 0}
+            )
+            for j in range(3 * k, len(v), 2):
                 if v[j] >= 0:
                     holders.setdefault((v[j], checkpoint_of_key(v[j + 1])), []).append(h)
         avail = [
-            rams[r] | slows[r] | {c for (s, c) in holders if s == r} for r in range(self._world)
+            rams[r] | set(slows[r]) | {c for (s, c) in holders if s == r}
+            for r in range(self._world)
         ]
         common = set.intersection(*avail)
         if step is not None:
@@ -327,21 +333,19 @@ class PeerReplicator:
                 pulls.append((order[0], r))
                 sources.append(f"peer:{order[0]}")
             else:
-                sources.append("slower")
+                sources.append(slows[r].get(chosen, "?"))
         t0 = time.perf_counter()
         pulled = self._pull(chosen, pulls)
         seconds = time.perf_counter() - t0
         mine = sources[me]
-        if mine == "slower":
-            where = slow.get(chosen, "?")
-            sources[me] = where
+        if mine != "noderam" and not mine.startswith("peer:"):
             log.warning(
                 "rank %d: %s is neither in this node's RAM nor on a partner (ranks %s): "
                 "falling back to tier %r",
                 me,
                 chosen,
                 list(self.placement.partners[me]),
-                where,
+                mine,
             )
         elif mine.startswith("peer:"):
             log.warning(
