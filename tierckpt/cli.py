@@ -332,6 +332,10 @@ def cmd_push(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from tierckpt.offline import gc, id_text
 
+    if args.dead_runs:
+        return _gc_dead_runs(args)
+    if args.keep_last is None:
+        raise UsageError("gc needs --keep-last N (or --dead-runs for a node-RAM folder)")
     if args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
     with opened(args, args.url) as backend:
@@ -345,6 +349,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
           + (f": {', '.join(map(id_text, plan.leftovers))}" if plan.leftovers else ""))
     if args.abort_incomplete and not args.dry_run:
         print("aborted unfinished writes under steps/")
+    return 0
+
+
+def _gc_dead_runs(args: argparse.Namespace) -> int:
+    """``gc --dead-runs PATH``: remove the node-RAM folders of runs whose writers are gone."""
+    from tierckpt.noderam import clean_dead_runs
+
+    dead = clean_dead_runs(args.url, stale_after_s=args.stale_after, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for d in dead:
+        print(f"{verb} dead run {d.namespace!r} ({d.bytes} bytes): {d.why}")
+    print(f"{args.url}: {verb} {len(dead)} dead run(s); live runs are never touched")
     return 0
 
 
@@ -507,8 +523,13 @@ def build_parser() -> argparse.ArgumentParser:
              "Delete committed checkpoints beyond the newest N (manifest first, then data; the "
              "newest is never deleted) and the data of saves that never committed.")
     sp.add_argument("url", help="tier URL")
-    sp.add_argument("--keep-last", type=int, required=True, metavar="N",
+    sp.add_argument("--keep-last", type=int, metavar="N",
                     help="committed checkpoints to keep (>= 1)")
+    sp.add_argument("--dead-runs", action="store_true",
+                    help="URL is a node-RAM folder (NodeRamTier's path, e.g. "
+                         "/dev/shm/tierckpt-<uid>): remove the runs in it whose writers are gone")
+    sp.add_argument("--stale-after", type=float, default=600.0, metavar="S",
+                    help="with --dead-runs: only runs unchanged for S seconds (default 600)")
     sp.add_argument("--dry-run", action="store_true", help="say what would be deleted")
     sp.add_argument("--abort-incomplete", action="store_true",
                     help="also discard unfinished writes (temporary files, open multipart "

@@ -302,6 +302,7 @@ def clean_dead_runs(
         return []
     now = time.time()
     out: list[DeadRun] = []
+    seen: set[str] = set()
     for entry in sorted(os.listdir(base)):
         if entry.endswith(REPLICA_SUFFIX):
             ns = entry[: -len(REPLICA_SUFFIX)]
@@ -309,13 +310,16 @@ def clean_dead_runs(
                 continue  # goes (or stays) with its run's folder
         else:
             ns = entry
-        if ns == keep or not _NAMESPACE.match(ns):
+        if ns == keep or ns in seen or not _NAMESPACE.match(ns):
             continue
+        seen.add(ns)
         root = os.path.join(base, ns)
         why = _run_liveness(root, now, stale_after_s) if os.path.isdir(root) else None
         if why is None and os.path.isdir(root):
             continue
         if why is None:  # a replica folder whose run folder is gone
+            if not os.path.isdir(root + REPLICA_SUFFIX):
+                continue
             why = _run_liveness(root + REPLICA_SUFFIX, now, stale_after_s)
             if why is None:
                 continue
