@@ -146,7 +146,7 @@ def test_dead_runs_are_removed_on_start_and_live_ones_never(shm: Path) -> None:
     NodeRamTier(path=shm, namespace="mine", stale_after_s=0).make_backend()
     assert not (shm / "dead").exists() and not (shm / f"dead{REPLICA_SUFFIX}").exists()
     assert (shm / "mine" / "manifests").is_dir() and (shm / "live" / "manifests").is_dir()
-    assert ["live"] == [d.name for d in shm.iterdir() if d.name.startswith("li")]
+    assert [d.name for d in shm.iterdir() if d.name.startswith("li")] == ["live"]
     live.close()
 
 
