@@ -115,7 +115,7 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
             ram(),
             PeerTier(replicas=1, timeout_s=120),
             LocalTier(disk_path),
-            S3Tier(s3_url, endpoint_url=cfg["endpoint"], codec="raw"),
+            S3Tier(s3_url, endpoint_url=cfg["endpoint"], codec="raw", max_attempts=10),
         ]
 
     state = _state(rank, size)

@@ -8,8 +8,11 @@ the local disk or S3.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -150,3 +153,32 @@ def test_two_lost_partners_fall_back_to_s3_and_say_so(
     for rank in (0, 2, 3):
         assert res[rank]["calls"]["s3"] == 0
     assert any("falling back to tier 's3'" in w for w in res[1]["warnings"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.s3
+def test_recovery_benchmark_quick_mode_prints_its_table(tmp_path: Path) -> None:
+    """``benchmarks/bench_recovery.py --quick``: every failure kind restored, bit-exact (the
+    bench checks each restore), the sources named, the baselines measured."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_recovery.py"),
+            "--quick",
+            "--json",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| process crash | NodeRamTier" in proc.stdout
+    s = json.loads(out.read_text())
+    assert s["crash_sources"] == ["noderam", "noderam"]
+    assert s["node_lost_sources"] == ["noderam", "peer:0"]
+    assert s["memcpy_gbps"] > 0 and s["loopback_gbps"] > 0
