@@ -48,6 +48,7 @@ import shutil
 import time
 from dataclasses import dataclass
 
+from tierckpt import config
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.backends.local import LocalBackend
@@ -82,7 +83,7 @@ def default_node_ram_path() -> str:
 def default_namespace() -> str:
     """The run's folder name: torchrun's run id (the same for the restarted workers of a
     run), else ``"default"``."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = config.torchelastic_run_id()
     clean = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)[:128]
     return clean if clean and clean != "none" else "default"
 
