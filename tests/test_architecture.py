@@ -236,10 +236,11 @@ LAYERS: dict[str, int] = {
             "policy",
             "pipeline",
             "restore",
+            "noderam",
         ],
         3,
     ),
-    **dict.fromkeys(["commit", "distributed", "checkpointer"], 4),
+    **dict.fromkeys(["commit", "distributed", "peer", "checkpointer"], 4),
     **dict.fromkeys(
         ["dcp", "integrations", "export", "offline", "tierckpt", "observe", "tools", "objects"], 5
     ),
@@ -251,6 +252,7 @@ NEVER: dict[str, tuple[str, ...]] = {
     "pipeline": ("restore",),  # the write path does not depend on the load path
     "distributed": ("checkpointer", "dcp"),
     "commit": ("checkpointer", "distributed"),
+    "peer": ("checkpointer",),
 }
 
 

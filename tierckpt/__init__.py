@@ -25,6 +25,8 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.noderam import NodeRamTier
+from tierckpt.peer import PeerTier
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
 from tierckpt.stats import CheckpointEvent, CommitStats
 
@@ -45,6 +47,8 @@ __all__ = [
     "LeaseLost",
     "LocalTier",
     "MemoryTier",
+    "NodeRamTier",
+    "PeerTier",
     "RankFailed",
     "S3Tier",
     "SaveDeadlineExceeded",
