@@ -238,10 +238,11 @@ LAYERS: dict[str, int] = {
             "policy",
             "pipeline",
             "restore",
+            "noderam",
         ],
         3,
     ),
-    **dict.fromkeys(["commit", "distributed", "checkpointer"], 4),
+    **dict.fromkeys(["commit", "distributed", "peer", "checkpointer"], 4),
     **dict.fromkeys(
         ["dcp", "integrations", "export", "offline", "tierckpt", "observe", "tools", "objects"], 5
     ),
@@ -253,6 +254,7 @@ NEVER: dict[str, tuple[str, ...]] = {
     "pipeline": ("restore",),  # the write path does not depend on the load path
     "distributed": ("checkpointer", "dcp"),
     "commit": ("checkpointer", "distributed"),
+    "peer": ("checkpointer",),
 }
 
 

@@ -26,6 +26,8 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.noderam import NodeRamTier
+from tierckpt.peer import PeerTier
 from tierckpt.policy import (
     AzureTier,
     GCSTier,
@@ -57,6 +59,8 @@ __all__ = [
     "LeaseLost",
     "LocalTier",
     "MemoryTier",
+    "NodeRamTier",
+    "PeerTier",
     "RankFailed",
     "S3Tier",
     "SaveDeadlineExceeded",

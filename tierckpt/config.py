@@ -39,6 +39,7 @@ __all__ = [
     "exit_timeout_s",
     "host_buffer_bytes",
     "knobs_markdown",
+    "torchelastic_run_id",
     "lease_ttl_s",
     "lease_wait_s",
     "private_tiers",
@@ -170,6 +171,13 @@ KNOBS: tuple[Knob, ...] = (
         "comma-separated tier names",
         "multi-rank: tiers other ranks cannot read (node-local disks); each rank commits its "
         "own copy there (RAM tiers are always private)",
+    ),
+    Knob(
+        "NodeRamTier(namespace=)",
+        "TORCHELASTIC_RUN_ID",
+        "default",
+        "a run id (set by torchrun)",
+        "the node-RAM tier's run folder in /dev/shm: the same for a run's restarted workers",
     ),
     Knob(
         "",
@@ -409,6 +417,12 @@ def private_tiers() -> frozenset[str]:
     """Tier names in ``TIERCKPT_PRIVATE_TIERS`` (comma-separated; blanks ignored)."""
     text = _raw("TIERCKPT_PRIVATE_TIERS") or ""
     return frozenset(n.strip() for n in text.split(",") if n.strip())
+
+
+def torchelastic_run_id() -> str:
+    """torchrun's run id (``TORCHELASTIC_RUN_ID``; "" when unset): the same for the restarted
+    workers of a run, so the node-RAM tier names its folder after it."""
+    return _raw("TORCHELASTIC_RUN_ID") or ""
 
 
 def attempt_id() -> str:

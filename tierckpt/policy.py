@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
@@ -90,6 +90,9 @@ class TierSpec:
     keep_best: int | None = field(default=None, kw_only=True)
     best_metric: str | None = field(default=None, kw_only=True)
     best_mode: Literal["min", "max"] = field(default="min", kw_only=True)
+    #: True for a tier that takes no chunks but copies other tiers' commits elsewhere
+    #: (:class:`~tierckpt.PeerTier`): the pipeline leaves it out, the checkpointer drives it
+    is_replica: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -137,6 +137,12 @@ class Backend(ABC):
         """True when bytes cross a network link (compression usually pays)."""
         return False
 
+    @property
+    def is_node_local(self) -> bool:
+        """True when only processes on this machine can read it (node RAM): in a multi-rank
+        job each node has its own copy, as with a private tier."""
+        return False
+
     # -- writing -------------------------------------------------------------------
     @abstractmethod
     def open_writer(self, name: str) -> ObjectWriter: ...

@@ -31,6 +31,7 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import BackendError, CheckpointFailed, CheckpointNotFound
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.peer import open_peer
 from tierckpt.pipeline import (
     OUTCOMES,
     Pipeline,
@@ -159,6 +160,12 @@ class Checkpointer(PipelineOwner):
             self._stats.add_callback(on_commit)
         if on_event is not None:
             self._stats.add_event_callback(on_event)
+        #: copies node-RAM commits to partner nodes (a PeerTier in the policy), else None
+        self._peer = open_peer(
+            self.policy.tiers, self._tiers, rank=self.rank, world_size=self.world_size
+        )
+        if self._peer is not None:
+            self._stats.add_callback(self._peer.on_commit)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
         #: the timeline saves go to; None: chosen from the tiers at the next save (the first
@@ -571,6 +578,7 @@ class Checkpointer(PipelineOwner):
             tier_named=self._tier,
             read_pool=self._get_read_pool,
             forget_timeline=self._forget_timeline,
+            prepare_load=self._peer.prepare_load if self._peer is not None else None,
         )
 
     def _get_read_pool(self) -> ThreadPoolExecutor:
@@ -623,6 +631,8 @@ class Checkpointer(PipelineOwner):
         self._stats.remove_callback(fn)
 
     def _release(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
         if self._read_pool is not None:
             self._read_pool.shutdown()
             self._read_pool = None

@@ -51,6 +51,9 @@ class LoadContext:
     read_pool: Callable[[], ThreadPoolExecutor]
     #: called once the arguments are checked: the next save chooses its timeline again
     forget_timeline: Callable[[], None]
+    #: the peer replicator's ``prepare_load`` (a PeerTier in the policy), else None: run
+    #: before a load of all tiers, it may choose the checkpoint (see tierckpt.peer)
+    prepare_load: Callable[[int | None, int | None], CheckpointId | None] | None = None
 
 
 def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
@@ -124,6 +127,12 @@ def _load_once(
         raise ValueError("fallback must be 'error' or 'previous'")
     ctx.forget_timeline()  # the run may have gone back: the next save decides again
     tiers = [ctx.tier_named(tier)] if tier is not None else list(ctx.tiers)
+    if ctx.prepare_load is not None and tier is None:
+        # every rank restores the same checkpoint: shards missing from a node's RAM are
+        # pulled from partners first (a collective on the peer tier's own group)
+        chosen = ctx.prepare_load(step, timeline)
+        if chosen is not None and step is None:
+            step, timeline = chosen.step, chosen.timeline
     listing: dict[str, list[CheckpointId]] = {}
     for t in tiers:
         try:

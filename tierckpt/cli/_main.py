@@ -166,9 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--keep-last",
         type=int,
-        required=True,
         metavar="N",
         help="committed checkpoints to keep (>= 1)",
+    )
+    sp.add_argument(
+        "--dead-runs",
+        action="store_true",
+        help="URL is a node-RAM folder (NodeRamTier's path, e.g. "
+        "/dev/shm/tierckpt-<uid>): remove the runs in it whose writers are gone",
+    )
+    sp.add_argument(
+        "--stale-after",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="with --dead-runs: only runs unchanged for S seconds (default 600)",
     )
     sp.add_argument("--dry-run", action="store_true", help="say what would be deleted")
     sp.add_argument(

@@ -76,6 +76,10 @@ def cmd_push(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from tierckpt.offline import gc, id_text
 
+    if args.dead_runs:
+        return _gc_dead_runs(args)
+    if args.keep_last is None:
+        raise UsageError("gc needs --keep-last N (or --dead-runs for a node-RAM folder)")
     if args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
     with opened(args, args.url) as backend:
@@ -98,6 +102,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     )
     if args.abort_incomplete and not args.dry_run:
         print("aborted unfinished writes under steps/")
+    return 0
+
+
+def _gc_dead_runs(args: argparse.Namespace) -> int:
+    """``gc --dead-runs PATH``: remove the node-RAM folders of runs whose writers are gone."""
+    from tierckpt.noderam import clean_dead_runs
+
+    dead = clean_dead_runs(args.url, stale_after_s=args.stale_after, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for d in dead:
+        print(f"{verb} dead run {d.namespace!r} ({d.bytes} bytes): {d.why}")
+    print(f"{args.url}: {verb} {len(dead)} dead run(s); live runs are never touched")
     return 0
 
 

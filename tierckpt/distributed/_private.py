@@ -27,9 +27,10 @@ __all__ = ["is_private_tier"]
 
 
 def is_private_tier(tier: Tier) -> bool:
-    """A tier other ranks cannot read: not durable (per-process RAM), or named in
-    ``TIERCKPT_PRIVATE_TIERS`` (comma-separated tier names, e.g. node-local NVMe)."""
-    return (not tier.backend.is_durable) or tier.name in config.private_tiers()
+    """A tier other ranks cannot read: not durable (per-process RAM), node-local (node RAM),
+    or named in ``TIERCKPT_PRIVATE_TIERS`` (comma-separated tier names, e.g. node-local NVMe)."""
+    b = tier.backend
+    return (not b.is_durable) or b.is_node_local or tier.name in config.private_tiers()
 
 
 _store_lock = threading.Lock()

@@ -90,6 +90,8 @@ def open_tiers(specs: Iterable[TierSpec]) -> list[Tier]:
     DCP writer and reader build their tiers the same way)."""
     out = []
     for spec in specs:
+        if spec.is_replica:
+            continue  # copies commits of other tiers (tierckpt.peer), takes no chunks
         backend = spec.make_backend()
         out.append(Tier(spec, backend, resolve_codec(spec.codec, backend)))
     return out

@@ -1,0 +1,374 @@
+"""Time to restore the whole job's state after each kind of failure, from each tier.
+
+``--ranks`` processes (gloo on 127.0.0.1), each a "node" with its own node-RAM folder in
+/dev/shm and its own disk folder, save ``--size`` bytes each once through the documented
+recipe ``[NodeRamTier, PeerTier(replicas=1), LocalTier, S3Tier]`` (S3: SeaweedFS on
+127.0.0.1). Then, in the same processes, each failure kind and the restore it leaves:
+
+==================  =========================================================================
+process crash       every rank loads with the whole recipe: each shard from its node's RAM
+node lost           rank 1's node RAM and disk are wiped: its shard is pulled from its
+                    partner's RAM, the others read their own RAM (the job's time is the
+                    slowest rank's)
+all RAM lost        a policy of only the local disk and S3, the disk files evicted from the
+                    page cache first (``posix_fadvise(DONTNEED)``): each shard from local disk
+cluster lost        a policy of only S3: each shard from SeaweedFS on 127.0.0.1
+==================  =========================================================================
+
+Baselines measured in the same run, in the same processes: a plain memory copy of each
+rank's state into fresh memory (what a restore into new tensors cannot beat), all ranks at
+once; and the loopback bandwidth of a gloo send of the same bytes between two ranks.
+
+A restore's time runs from a barrier before ``load()`` to the last rank's return (building the
+``Checkpointer`` is outside it). Prints a markdown table; ``--json`` writes the numbers.
+
+    python benchmarks/bench_recovery.py [--quick] [--ranks 4] [--size 256MiB] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _state(rank: int, size: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    n = size // 4
+    parts = 4  # a few tensors, like layers
+    return {f"layer{i}": torch.randn(n // parts, generator=g) for i in range(parts)}
+
+
+def _evict(folder: str) -> None:
+    """Drop a folder's clean pages from the page cache, so a read goes to the disk."""
+    for dirpath, _dirs, files in os.walk(folder):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> None:
+    import faulthandler
+
+    trace = open(os.path.join(out, f"stacks-{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.dump_traceback_later(cfg["timeout"], exit=True, file=trace)
+    try:
+        res = _phases(rank, world, port, cfg)
+        Path(out, f"rank-{rank}.json").write_text(json.dumps(res))
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from tierckpt import Checkpointer, LocalTier, NodeRamTier, PeerTier, S3Tier
+    from tierckpt.distributed import wait_committed
+    from tierckpt.noderam import node_ram_usage
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    size, shm, disk = cfg["size"], cfg["shm"], cfg["disk"]
+    ram_path = os.path.join(shm, f"node-{rank}")
+    disk_path = os.path.join(disk, f"node-{rank}")
+    s3_url = f"s3://{cfg['bucket']}/run"
+    kw = {"chunk_bytes": 32 * MiB, "host_buffer_bytes": max(256 * MiB, 2 * size)}
+
+    def ram() -> Any:
+        return NodeRamTier(path=ram_path, namespace="job", stale_after_s=None)
+
+    def recipe() -> list[Any]:
+        return [
+            ram(),
+            PeerTier(replicas=1, timeout_s=120),
+            LocalTier(disk_path),
+            S3Tier(s3_url, endpoint_url=cfg["endpoint"], codec="raw", max_attempts=10),
+        ]
+
+    state = _state(rank, size)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    out: dict[str, Any] = {"bytes": nbytes}
+
+    # -- save once through the recipe, replicas included --------------------------------
+    ck = Checkpointer(recipe(), **kw)
+    ck.save(state, 1).wait(timeout=600)
+    wait_committed(ck.backend("s3"), 1, timeout=600)
+    assert ck._peer is not None and ck._peer.wait_idle(600)
+    dist.barrier()
+    out["replica_bytes"] = node_ram_usage(os.path.join(ram_path, "job.replicas"))
+    out["node_ram_bytes"] = node_ram_usage(os.path.join(ram_path, "job")) - out["replica_bytes"]
+    ck.close()
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        mine = time.perf_counter() - t0
+        t = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the job's time: its slowest rank
+        return float(t.item())
+
+    # -- baselines ------------------------------------------------------------------------
+    copies: list[Any] = []
+    memcpy = []
+    for _ in range(cfg["repeat"]):
+        memcpy.append(timed(lambda: copies.append({k: v.clone() for k, v in state.items()})))
+        copies.clear()
+    out["memcpy_s"] = min(memcpy)
+    group = dist.new_group(backend="gloo")
+    flat = torch.cat([v.view(-1) for v in state.values()]).view(torch.uint8)
+    buf = torch.empty_like(flat)
+
+    def loopback() -> None:
+        if rank == 0:
+            dist.send(flat, 1, group=group)
+        elif rank == 1:
+            dist.recv(buf, 0, group=group)
+
+    loopback()  # warm the pair's connection
+    out["loopback_s"] = min(timed(loopback) for _ in range(cfg["repeat"]))
+
+    def load_with(tiers: list[Any], check: bool = True) -> tuple[float, Any]:
+        c = Checkpointer(tiers, **kw)
+        got: list[Any] = []
+        seconds = timed(lambda: got.append(c.load()))
+        report = c._peer.last_restore if c._peer is not None else None
+        c.close()
+        if check:
+            for k, v in state.items():
+                assert torch.equal(got[0][k], v), k
+        return seconds, report
+
+    def once(tiers: list[Any], before: Any = None) -> tuple[float, Any]:
+        dist.barrier()
+        if before is not None:
+            before()
+        dist.barrier()
+        return load_with(tiers)
+
+    def lose_node() -> None:
+        if rank == 1:
+            shutil.rmtree(ram_path, ignore_errors=True)  # the pulled copy of the last try too
+            os.rename(disk_path, disk_path + ".lost")  # put back after, for the next tries
+
+    def find_node() -> None:
+        if rank == 1:
+            shutil.rmtree(disk_path, ignore_errors=True)
+            os.rename(disk_path + ".lost", disk_path)
+
+    s3_only = [S3Tier(s3_url, endpoint_url=cfg["endpoint"])]
+    kinds: dict[str, list[tuple[float, Any]]] = {"crash": [], "local": [], "lost": [], "s3": []}
+    # the kinds take turns, so that a busy moment of the machine slows each the same; the
+    # fastest try of each counts (a loaded machine only ever slows a restore down)
+    for _ in range(cfg["repeat"]):
+        # process crash: the whole recipe, every shard in its node's RAM
+        kinds["crash"].append(once(recipe()))
+        # all RAM lost: only the local disk (and S3) left, the disk's pages evicted
+        kinds["local"].append(once([LocalTier(disk_path), *s3_only], lambda: _evict(disk_path)))
+        # node lost: rank 1's RAM and disk gone: its shard from its partner's RAM
+        kinds["lost"].append(once(recipe(), lose_node))
+        find_node()
+        # cluster lost: S3 only
+        kinds["s3"].append(once(s3_only))
+    fastest = {k: min(v, key=lambda r: r[0]) for k, v in kinds.items()}
+    out["crash_s"], rep = fastest["crash"]
+    out["crash_sources"] = list(rep.sources)
+    out["local_s"] = fastest["local"][0]
+    out["node_lost_s"], rep = fastest["lost"]
+    out["node_lost_sources"] = list(rep.sources)
+    out["pulled_bytes"] = rep.pulled_bytes
+    out["pull_s"] = rep.pull_seconds
+    out["s3_s"] = fastest["s3"][0]
+    dist.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_s3 import parse_size
+
+    from tierckpt.testing.s3servers import start_seaweedfs
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2 ranks x 64 MiB (under a minute)")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--size", type=parse_size, default=256 * MiB, help="state bytes per rank")
+    ap.add_argument("--dir", default=None, help="folder for the disks (default: temp)")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--repeat", type=int, default=3, help="restores per kind; the fastest counts")
+    ap.add_argument("--timeout", type=float, default=900, help="a rank that hangs ends (s)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ranks, args.size, args.repeat = 2, 64 * MiB, 2
+    if args.ranks < 2:
+        ap.error("--ranks must be at least 2 (a partner is another rank)")
+    shm = f"/dev/shm/tierckpt-bench-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    t_start = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-recovery-") as tmp:
+            server = start_seaweedfs(Path(tmp) / "weed")
+            try:
+                server.admin.create_bucket(Bucket="bench")
+                os.environ["AWS_ACCESS_KEY_ID"] = server.access_key
+                os.environ["AWS_SECRET_ACCESS_KEY"] = server.secret_key
+                os.environ["AWS_DEFAULT_REGION"] = server.region
+                # each "node" has its own disk folder: the local tier commits per node
+                os.environ["TIERCKPT_PRIVATE_TIERS"] = "local"
+                cfg = {
+                    "size": args.size,
+                    "shm": shm,
+                    "disk": str(Path(tmp) / "disk"),
+                    "bucket": "bench",
+                    "endpoint": server.endpoint_url,
+                    "timeout": args.timeout,
+                    "repeat": args.repeat,
+                }
+                results = _launch(args.ranks, cfg, Path(tmp) / "out")
+            finally:
+                server.stop()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    summary = _summary(results, args.ranks, args.size, args.repeat)
+    summary["wall_s"] = time.perf_counter() - t_start
+    print(_table(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def _launch(world: int, cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    out.mkdir(parents=True)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, cfg, str(out))) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(cfg["timeout"] + 30)
+    stacks = [out / f"stacks-{r}.txt" for r in range(world)]
+    hung = [s.read_text() for s in stacks if s.exists() and s.stat().st_size]
+    if hung:
+        raise RuntimeError("a rank hung:\n" + "\n".join(hung))
+    errors = [(out / f"error-{r}.txt") for r in range(world)]
+    bad = [e.read_text() for e in errors if e.exists()]
+    if bad:
+        raise RuntimeError("a rank failed:\n" + "\n".join(bad))
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def _summary(results: list[dict[str, Any]], world: int, size: int, repeat: int) -> dict[str, Any]:
+    r0 = results[0]
+    total = sum(r["bytes"] for r in results)
+    rows = {
+        "process crash": ("NodeRamTier (own node RAM)", r0["crash_s"]),
+        "node lost": ("PeerTier (rank 1 from its partner)", r0["node_lost_s"]),
+        "all RAM lost": ("LocalTier (local disk)", r0["local_s"]),
+        "cluster lost": ("S3Tier (SeaweedFS, 127.0.0.1)", r0["s3_s"]),
+    }
+    pulled = results[1]
+    pull_gbps = pulled["pulled_bytes"] / pulled["pull_s"] / 1e9 if pulled["pull_s"] else 0.0
+    loop_gbps = r0["bytes"] / r0["loopback_s"] / 1e9
+    return {
+        "ranks": world,
+        "arena_bytes": max(256 * MiB, 2 * size),
+        "repeat": repeat,
+        "bytes_per_rank": size,
+        "job_bytes": total,
+        "rows": {
+            k: {"tier": t, "seconds": s, "gbps": total / s / 1e9} for k, (t, s) in rows.items()
+        },
+        "memcpy_s": r0["memcpy_s"],
+        "memcpy_gbps": total / r0["memcpy_s"] / 1e9,
+        "loopback_gbps": loop_gbps,
+        "pull_gbps": pull_gbps,
+        "crash_sources": r0["crash_sources"],
+        "node_lost_sources": r0["node_lost_sources"],
+        "node_ram_bytes": [r["node_ram_bytes"] for r in results],
+        "replica_bytes": [r["replica_bytes"] for r in results],
+        "ratios": {
+            "node_ram_vs_local": r0["local_s"] / r0["crash_s"],
+            "node_ram_vs_memcpy": r0["memcpy_s"] / r0["crash_s"],
+            "partner_pull_vs_loopback": pull_gbps / loop_gbps if loop_gbps else 0.0,
+            "node_ram_vs_s3": r0["s3_s"] / r0["crash_s"],
+        },
+    }
+
+
+def _table(s: dict[str, Any]) -> str:
+    mib = s["bytes_per_rank"] / MiB
+    local_s = s["rows"]["all RAM lost"]["seconds"]
+    lines = [
+        f"{s['ranks']} ranks x {mib:.0f} MiB = {s['job_bytes'] / MiB:.0f} MiB job state; "
+        f"restore time = slowest rank, from a barrier to load() returning (fastest of "
+        f"{s['repeat']}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+        "",
+        "| failure | restored from | restore (s) | GB/s | local disk / this |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for kind, row in s["rows"].items():
+        lines.append(
+            f"| {kind} | {row['tier']} | {row['seconds']:.3f} | {row['gbps']:.2f} | "
+            f"{local_s / row['seconds']:.1f}x |"
+        )
+    lines.append(
+        f"| (baseline) | plain memory copy, all ranks at once | {s['memcpy_s']:.3f} | "
+        f"{s['memcpy_gbps']:.2f} | {local_s / s['memcpy_s']:.1f}x |"
+    )
+    r = s["ratios"]
+    per_node = max(s["node_ram_bytes"]) / MiB
+    replicas = max(s["replica_bytes"]) / MiB
+    lines += [
+        "",
+        f"- node RAM vs local disk: {r['node_ram_vs_local']:.1f}x faster (target >= 5x); "
+        f"vs S3: {r['node_ram_vs_s3']:.1f}x",
+        f"- node RAM vs a plain memory copy: {r['node_ram_vs_memcpy']:.2f}x (target >= 0.5x)",
+        f"- partner pull {s['pull_gbps']:.2f} GB/s vs gloo loopback {s['loopback_gbps']:.2f} GB/s:"
+        f" {r['partner_pull_vs_loopback']:.2f}x (target >= 0.5x)",
+        f"- memory per node: {per_node:.0f} MiB of node RAM for its own checkpoint "
+        f"(keep_last=2 holds up to 3) + {replicas:.0f} MiB of partner replicas (PeerTier "
+        f"keep_last=1): {(per_node + replicas) / mib:.2f}x the node's state; host arena "
+        f"{s['arena_bytes'] / MiB:.0f} MiB besides",
+        f"- sources after a crash: {s['crash_sources']}; after a lost node: "
+        f"{s['node_lost_sources']}",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,402 @@
+"""The peer tier at run time: :class:`PeerReplicator` copies every node-RAM commit to the
+partners in the background, and before a load pulls the shards a rank lacks from them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierckpt.catalog import committed_ids
+from tierckpt.distributed import checkpoint_key, checkpoint_of_key
+from tierckpt.errors import TierCkptError
+from tierckpt.format import CheckpointId, Manifest, encode_manifest, manifest_name
+from tierckpt.handle import TierResult
+from tierckpt.noderam import REPLICA_SUFFIX, NodeRamBackend, NodeRamTier
+from tierckpt.peer._placement import Placement, node_key, ring_placement
+from tierckpt.peer._spec import PeerTier
+from tierckpt.peer._wire import Offer, Received, exchange
+from tierckpt.restore import read_manifest
+from tierckpt.retention import gc_tier
+
+if TYPE_CHECKING:
+    from tierckpt.pipeline import Tier
+
+__all__ = ["PeerReplicator", "RestoreReport", "open_peer"]
+
+log = logging.getLogger("tierckpt")
+
+#: newest checkpoints per rank and per kind compared at a load
+_CANDIDATES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreReport:
+    """Where each rank's shard of a load came from (``PeerReplicator.last_restore``).
+
+    ``sources[r]``: ``"noderam"`` (its own node's RAM), ``"peer:<h>"`` (pulled from rank
+    ``h``'s node RAM), or the name of the slower tier it falls back to."""
+
+    checkpoint: CheckpointId
+    sources: tuple[str, ...]
+    pulled_bytes: int
+    pull_seconds: float
+
+
+def open_peer(
+    specs: Sequence[Any], tiers: Sequence[Tier], *, rank: int, world_size: int
+) -> PeerReplicator | None:
+    """The replicator of the policy's :class:`PeerTier`, or None without one (or in a job of
+    one process, where there is no partner: logged). Creates its process groups: every rank
+    must call it together (the ``Checkpointer`` constructor)."""
+    peers = [s for s in specs if isinstance(s, PeerTier)]
+    if not peers:
+        return None
+    if len(peers) > 1:
+        raise ValueError("a policy takes one PeerTier (replicas=N for more copies)")
+    spec = peers[0]
+    rams = [t for t in tiers if isinstance(t.spec, NodeRamTier)]
+    src = [t for t in rams if spec.source in (None, t.name)]
+    if not src:
+        raise ValueError(
+            f"PeerTier {spec.name!r} copies a NodeRamTier's commits: list a NodeRamTier "
+            f"before it" + (f" named {spec.source!r}" if spec.source else "")
+        )
+    if world_size == 1:
+        log.warning("PeerTier %r: a job of one process has no partner; no replicas", spec.name)
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TierCkptError(
+            f"PeerTier {spec.name!r} moves replicas over torch.distributed: initialize the "
+            "process group before building the Checkpointer"
+        )
+    return PeerReplicator(spec, src[0], tiers, rank=rank, world_size=world_size)
+
+
+class PeerReplicator:
+    """Copies this rank's node-RAM commits to its partners and keeps its sources' replicas.
+
+    Two gloo groups over every rank, created here: one only the background thread uses (the
+    copies after each commit), one only the training thread uses (:meth:`prepare_load`), so
+    that neither waits on the other and the training group never carries a byte of it.
+
+    Each node-RAM commit is one *round* on every rank (every rank commits the same
+    checkpoints there, through the process group's store): each rank offers its newest shard
+    to its partners and receives its sources' shards (:func:`~tierckpt.peer._wire.exchange`).
+    A partner keeps ``keep_last`` replicas per source in ``<run folder>.replicas/rank-<s>/``
+    beside its own node-RAM folder, within the node-RAM budget (a replica that does not fit
+    is declined and logged). A round that fails (a partner died: the group's timeout) ends
+    replication for this run, logged; saves and loads go on without it.
+    """
+
+    def __init__(
+        self, spec: PeerTier, ram: Tier, tiers: Sequence[Tier], *, rank: int, world_size: int
+    ) -> None:
+        import torch.distributed as dist
+
+        self.spec = spec
+        self._ram = ram
+        self._tiers = tuple(tiers)
+        self._rank = rank
+        self._world = world_size
+        assert isinstance(ram.spec, NodeRamTier) and isinstance(ram.backend, NodeRamBackend)
+        self._ram_spec: NodeRamTier = ram.spec
+        self._ram_backend: NodeRamBackend = ram.backend
+        timeout = timedelta(seconds=spec.timeout_s)
+        self._bg_group = dist.new_group(backend="gloo", timeout=timeout)
+        self._load_group = dist.new_group(backend="gloo", timeout=timeout)
+        mine = torch.tensor([node_key(self._ram_spec.path)], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine, group=self._load_group)
+        keys = [int(t.item()) for t in gathered]
+        self.placement = (
+            Placement.fixed(spec.placement, world_size)
+            if spec.placement is not None
+            else ring_placement(keys, spec.replicas)
+        )
+        if not self.placement.partners[rank]:
+            log.warning("PeerTier: rank %d has no partner on another node: no replica", rank)
+        self._replicas: dict[int, NodeRamBackend] = {}
+        self._queue: queue.Queue[CheckpointId | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        #: rounds done, bytes sent and received (for tests and stats)
+        self.rounds = 0
+        self.sent_bytes = 0
+        self.received_bytes = 0
+        self.last_restore: RestoreReport | None = None
+
+    # -- replica folders ---------------------------------------------------------------
+    def replica_backend(self, src: int) -> NodeRamBackend:
+        """Where this rank keeps rank ``src``'s replicas (counted in its node-RAM budget)."""
+        b = self._replicas.get(src)
+        if b is None:
+            root = self._ram_spec.root
+            b = NodeRamBackend(
+                os.path.join(root + REPLICA_SUFFIX, f"rank-{src:06d}"),
+                max_bytes=self._ram_spec.max_bytes,
+                budget_root=root,
+            )
+            self._replicas[src] = b
+        return b
+
+    def _held(self, backend: NodeRamBackend, rank: int) -> list[tuple[CheckpointId, Manifest]]:
+        """Checkpoints whose ``rank`` shard is whole on ``backend``, newest first."""
+        out = []
+        for cid in reversed(committed_ids(backend)[-_CANDIDATES:]):
+            try:
+                m = read_manifest(backend, cid.step, "noderam", timeline=cid.timeline)
+                ref = m.shard_for(rank)
+                if backend.size(ref.file) == ref.size:
+                    out.append((cid, m))
+            except (OSError, TierCkptError):
+                continue
+        return out
+
+    def _offer(self, backend: NodeRamBackend, cid: CheckpointId, rank: int) -> Offer | None:
+        try:
+            m = read_manifest(backend, cid.step, "noderam", timeline=cid.timeline)
+            ref = m.shard_for(rank)
+        except (OSError, TierCkptError):
+            return None  # removed by retention meanwhile
+        return Offer(cid, rank, encode_manifest(m), backend._path(ref.file), ref.size)
+
+    # -- background replication ----------------------------------------------------------
+    def on_commit(self, result: TierResult) -> None:
+        """A commit callback (pipeline thread): a node-RAM commit starts a round."""
+        if result.tier != self._ram.name or self._broken is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierckpt-peer", daemon=True)
+                self._thread.start()
+        self._queue.put(CheckpointId(result.step, result.timeline))
+
+    def _run(self) -> None:
+        while True:
+            cid = self._queue.get()
+            try:
+                if cid is None:
+                    return
+                if self._broken is None:
+                    self._round(cid)
+            except Exception as exc:
+                self._broken = str(exc)
+                log.warning(
+                    "PeerTier: replicating %s failed (%s); no more replicas this run (loads "
+                    "still use the replicas already made)",
+                    cid,
+                    exc,
+                )
+            finally:
+                self._queue.task_done()
+
+    def _round(self, cid: CheckpointId) -> None:
+        t0 = time.perf_counter()
+        me = self._rank
+        offer = self._offer(self._ram_backend, cid, me)
+        offers: dict[int, Offer | None] = dict.fromkeys(self.placement.partners[me], offer)
+        sources = self.placement.sources(me)
+
+        def accept(src: int, rank: int, m: Manifest) -> str | None:
+            b = self.replica_backend(rank)
+            if b.exists(manifest_name(m.step, timeline=m.timeline)):
+                return None
+            ref = m.shard_for(rank)
+            try:
+                b.check_budget(ref.size, ref.file)
+            except OSError as exc:
+                log.warning("PeerTier: declining rank %d's replica of %s: %s", src, m.id, exc)
+                return None
+            return b._path(ref.file)
+
+        got = exchange(self._bg_group, me, offers, sources, accept)
+        self.rounds += 1
+        if offer is not None:
+            self.sent_bytes += offer.size * len(offers)
+        for r in got:
+            self._commit_replica(r)
+        log.debug("PeerTier: round for %s in %.3f s", cid, time.perf_counter() - t0)
+
+    def _commit_replica(self, r: Received) -> None:
+        b = self.replica_backend(r.rank)
+        try:
+            b.put_atomic(manifest_name(r.manifest.step, timeline=r.manifest.timeline), r.body)
+        except FileExistsError:
+            pass
+        self.received_bytes += r.size
+        gc_tier(b, self.spec.keep_last)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the rounds queued so far are done (tests, benchmarks, close)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread is not None and self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the queued rounds (bounded by ``timeout``), then stop the thread."""
+        th = self._thread
+        if th is None:
+            return
+        self._queue.put(None)
+        th.join(timeout)
+        if th.is_alive():
+            log.warning("PeerTier: replication still busy after %.0f s; abandoned", timeout)
+
+    # -- load ---------------------------------------------------------------------------
+    def prepare_load(self, step: int | None, timeline: int | None) -> CheckpointId | None:
+        """Before a load (training thread, every rank together): agree on the newest
+        checkpoint every rank can restore (from its node RAM, from a partner's replica, or
+        from a slower tier it lists) and pull from partners the shards whose node RAM lacks
+        them into this rank's node RAM. Returns the checkpoint to load (None: none is common;
+        the load's own agreement then says why)."""
+        import torch.distributed as dist
+
+        me = self._rank
+        own = self._held(self._ram_backend, me)
+        slow: dict[CheckpointId, str] = {}
+        for t in self._tiers:
+            if t is self._ram:
+                continue
+            try:
+                for cid in committed_ids(t.backend)[-_CANDIDATES:]:
+                    slow.setdefault(cid, t.name)
+            except TierCkptError as exc:
+                log.warning("cannot list tier %s: %s", t.name, exc)
+        held: list[tuple[int, CheckpointId]] = []
+        for src in self.placement.sources(me):
+            held += [(src, cid) for cid, _m in self._held(self.replica_backend(src), src)]
+        smax = self.placement.max_sources()
+        k = _CANDIDATES
+        names = [t.name for t in self._tiers]
+        # [own node RAM: k ids][slower tiers: k (id, tier index)][replicas: (source, id)...]
+        vec = torch.full((3 * k + 2 * k * smax,), -1, dtype=torch.int64)
+        for i, (cid, _m) in enumerate(own[:k]):
+            vec[i] = checkpoint_key(cid)
+        for i, cid in enumerate(sorted(slow, reverse=True)[:k]):
+            vec[k + 2 * i] = checkpoint_key(cid)
+            vec[k + 2 * i + 1] = names.index(slow[cid])
+        for i, (src, cid) in enumerate(held[: k * smax]):
+            vec[3 * k + 2 * i] = src
+            vec[3 * k + 2 * i + 1] = checkpoint_key(cid)
+        gathered = [torch.empty_like(vec) for _ in range(self._world)]
+        dist.all_gather(gathered, vec, group=self._load_group)
+        rams: list[set[CheckpointId]] = []
+        slows: list[dict[CheckpointId, str]] = []
+        holders: dict[tuple[int, CheckpointId], list[int]] = {}
+        for h, g in enumerate(gathered):
+            v = [int(x) for x in g.tolist()]
+            rams.append({checkpoint_of_key(x) for x in v[:k] if x >= 0})
+            slows.append(
+                {checkpoint_of_key(v[j]): names[v[j + 1]] for j in range(k, 3 * k, 2) if v[j] >= 0}
+            )
+            for j in range(3 * k, len(v), 2):
+                if v[j] >= 0:
+                    holders.setdefault((v[j], checkpoint_of_key(v[j + 1])), []).append(h)
+        avail = [
+            rams[r] | set(slows[r]) | {c for (s, c) in holders if s == r}
+            for r in range(self._world)
+        ]
+        common = set.intersection(*avail)
+        if step is not None:
+            common = {c for c in common if c.step == step}
+        if timeline is not None:
+            common = {c for c in common if c.timeline == timeline}
+        if not common:
+            return None
+        chosen = max(common)
+        sources: list[str] = []
+        pulls: list[tuple[int, int]] = []  # (holder, receiver)
+        for r in range(self._world):
+            if chosen in rams[r]:
+                sources.append("noderam")
+                continue
+            have = holders.get((r, chosen), [])
+            order = [p for p in self.placement.partners[r] if p in have] + sorted(
+                set(have) - set(self.placement.partners[r])
+            )
+            if order:
+                pulls.append((order[0], r))
+                sources.append(f"peer:{order[0]}")
+            else:
+                sources.append(slows[r].get(chosen, "?"))
+        t0 = time.perf_counter()
+        pulled = self._pull(chosen, pulls)
+        seconds = time.perf_counter() - t0
+        mine = sources[me]
+        if mine != "noderam" and not mine.startswith("peer:"):
+            log.warning(
+                "rank %d: %s is neither in this node's RAM nor on a partner (ranks %s): "
+                "falling back to tier %r",
+                me,
+                chosen,
+                list(self.placement.partners[me]),
+                mine,
+            )
+        elif mine.startswith("peer:"):
+            log.warning(
+                "rank %d: %s was not in this node's RAM: pulled %d bytes from partner rank %s "
+                "in %.3f s",
+                me,
+                chosen,
+                pulled,
+                mine[5:],
+                seconds,
+            )
+        else:
+            log.info("rank %d: restoring %s from this node's RAM", me, chosen)
+        self.last_restore = RestoreReport(chosen, tuple(sources), pulled, seconds)
+        return chosen
+
+    def _pull(self, cid: CheckpointId, pulls: list[tuple[int, int]]) -> int:
+        """Run the pulls (holder -> receiver) this rank takes part in; returns bytes received.
+        A pulled shard lands in this rank's node RAM and commits there (its manifest,
+        create-only, unless the node already had it)."""
+        me = self._rank
+        offers: dict[int, Offer | None] = {}
+        for h, r in pulls:
+            if h == me:
+                offers[r] = self._offer(self.replica_backend(r), cid, r)
+        sources = [h for h, r in pulls if r == me]
+        if not offers and not sources:
+            return 0
+
+        def accept(src: int, rank: int, m: Manifest) -> str | None:
+            ref = m.shard_for(rank)
+            if rank != me or m.id != cid:
+                return None
+            try:
+                self._ram_backend.check_budget(ref.size, ref.file)
+            except OSError as exc:  # decline: the load reads a slower tier instead
+                log.warning("rank %d: cannot pull %s into node RAM: %s", me, cid, exc)
+                return None
+            return self._ram_backend._path(ref.file)
+
+        got = exchange(self._load_group, me, offers, sources, accept, tag=1)
+        n = 0
+        for rec in got:
+            try:
+                self._ram_backend.put_atomic(
+                    manifest_name(rec.manifest.step, timeline=rec.manifest.timeline), rec.body
+                )
+            except FileExistsError:
+                pass
+            n += rec.size
+        if sources and not got:
+            # every rank goes on to the load's agreement, which then finds this rank short
+            log.warning("rank %d: partner rank(s) %s could not send %s", me, sources, cid)
+        return n

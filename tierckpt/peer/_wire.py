@@ -1,0 +1,218 @@
+"""Moving shard files between ranks over a gloo process group: :func:`exchange`.
+
+One exchange is a round every rank of the group takes part in (those with nothing to send or
+receive return at once). Each sender offers one file (a committed shard and the manifest that
+lists it) to each of its destinations; each receiver decides from the manifest whether it takes
+the file and where it goes. Four steps, each posted without blocking on every pair and then
+waited for, so that no order of ranks can deadlock:
+
+1. headers (``valid, step, timeline, file size, manifest length``) from senders to receivers;
+2. the manifests (for valid headers);
+3. the receivers' answers (take it or not: already held, over budget, invalid);
+4. the file, in pieces of at most :data:`PIECE_BYTES`, straight from a copy-on-write map of the
+   sender's file into a shared map of the receiver's temporary file: no staging copy on either
+   side, so a transfer takes no host memory beyond the replica itself.
+
+A receiver renames its file into place once it is whole; committing it (its manifest, create-
+only) is the caller's. Everything here blocks the calling thread; the process group must be
+used by that one thread only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierckpt.backends.base import validate_name
+from tierckpt.errors import FormatError
+from tierckpt.format import CheckpointId, Manifest, decode_manifest
+from tierckpt.limits import MAX_MANIFEST_BYTES
+
+__all__ = ["PIECE_BYTES", "Offer", "Received", "exchange", "send_file_map"]
+
+#: the largest single send: big enough that per-message cost vanishes, small enough that a
+#: dead peer is noticed within one piece's time
+PIECE_BYTES = 256 << 20
+_HEADER = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A committed shard file this rank sends: ``path`` on this node, ``manifest`` its
+    checkpoint's manifest (encoded), ``rank`` whose shard it is."""
+
+    cid: CheckpointId
+    rank: int
+    manifest: bytes
+    path: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A file that arrived: ``rank``'s shard of ``manifest``, now at ``path``."""
+
+    src: int
+    rank: int
+    manifest: Manifest
+    body: bytes
+    path: str
+    size: int
+
+
+#: (source rank, whose shard, manifest) -> the file's final path, or None to decline
+Accept = Callable[[int, int, Manifest], "str | None"]
+
+
+def send_file_map(path: str, size: int) -> tuple[Any, torch.Tensor]:
+    """A private copy-on-write map of ``path`` (no copy is made unless written) as a uint8
+    tensor: writable, so torch takes it without a warning; unlinking the file meanwhile
+    (retention) does not disturb it."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size != size:
+            raise FormatError(f"{path}: {os.fstat(f.fileno()).st_size} bytes, expected {size}")
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _recv_map(path: str, size: int) -> tuple[str, int, Any, torch.Tensor]:
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return tmp, fd, mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _close(mm: Any) -> None:
+    """Unmap now, or (a tensor of a finished send still refers to it) when collected."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
+def _wait(works: Sequence[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def exchange(
+    group: Any,
+    me: int,
+    offers: dict[int, Offer | None],
+    sources: Sequence[int],
+    accept: Accept,
+    tag: int = 0,
+) -> list[Received]:
+    """One round: send ``offers`` (destination rank -> offer; None: nothing this round) and
+    receive from ``sources``; ``accept`` names where a received file goes. See the module
+    docstring. Raises on a broken peer (the group's timeout) or a malformed manifest."""
+    import torch.distributed as dist
+
+    def isend(t: torch.Tensor, dst: int, k: int) -> Any:
+        return dist.isend(t, dst, group=group, tag=tag * 64 + k)
+
+    def irecv(t: torch.Tensor, src: int, k: int) -> Any:
+        return dist.irecv(t, src, group=group, tag=tag * 64 + k)
+
+    # 1. headers
+    out_h = {}
+    for dst, o in offers.items():
+        v = (
+            [0] * _HEADER
+            if o is None
+            else [1, o.cid.step, o.cid.timeline, o.size, len(o.manifest), o.rank]
+        )
+        out_h[dst] = torch.tensor(v, dtype=torch.int64)
+    in_h = {src: torch.zeros(_HEADER, dtype=torch.int64) for src in sources}
+    _wait([isend(t, d, 0) for d, t in out_h.items()] + [irecv(t, s, 0) for s, t in in_h.items()])
+    heads = {s: [int(x) for x in t.tolist()] for s, t in in_h.items()}
+    for s, h in heads.items():
+        if h[0] and not 0 < h[4] <= MAX_MANIFEST_BYTES:
+            raise FormatError(f"rank {s} announced a manifest of {h[4]} bytes")
+    # 2. manifests
+    m_out = {
+        d: torch.frombuffer(bytearray(o.manifest), dtype=torch.uint8)
+        for d, o in offers.items()
+        if o is not None
+    }
+    m_in = {s: torch.empty(h[4], dtype=torch.uint8) for s, h in heads.items() if h[0]}
+    _wait([isend(t, d, 1) for d, t in m_out.items()] + [irecv(t, s, 1) for s, t in m_in.items()])
+    # 3. answers
+    takes: dict[int, tuple[str, Manifest, bytes, int, int]] = {}
+    for s, t in m_in.items():
+        body = t.numpy().tobytes()
+        _valid, step, timeline, size, _n, rank = heads[s]
+        m = decode_manifest(body, where=f"manifest sent by rank {s}")
+        ref = m.shard_for(rank)
+        validate_name(ref.file)
+        if (m.step, m.timeline) != (step, timeline) or ref.size != size:
+            raise FormatError(f"rank {s} sent a manifest that does not match its header {heads[s]}")
+        path = accept(s, rank, m)
+        if path is not None:
+            takes[s] = (path, m, body, size, rank)
+    ans_out = {s: torch.tensor([int(s in takes)], dtype=torch.int64) for s in m_in}
+    ans_in = {d: torch.zeros(1, dtype=torch.int64) for d, o in offers.items() if o is not None}
+    _wait(
+        [isend(t, s, 2) for s, t in ans_out.items()] + [irecv(t, d, 2) for d, t in ans_in.items()]
+    )
+    # 4. the files
+    sending = {d: offers[d] for d, t in ans_in.items() if int(t.item())}
+    maps_out: dict[int, tuple[Any, torch.Tensor]] = {}
+    maps_in: dict[int, tuple[str, int, Any, torch.Tensor]] = {}
+    received: list[Received] = []
+    try:
+        for d, o in sending.items():
+            assert o is not None
+            maps_out[d] = send_file_map(o.path, o.size)
+        for s, (path, _m, _b, size, _r) in takes.items():
+            maps_in[s] = _recv_map(path, size)
+        works: list[Any] = []
+        longest = max(
+            [o.size for o in sending.values() if o] + [x[3] for x in takes.values()] + [0]
+        )
+        for i, start in enumerate(range(0, longest, PIECE_BYTES)):
+            works = []
+            for d, (_mm, t) in maps_out.items():
+                if start < t.numel():
+                    works.append(isend(t[start : start + PIECE_BYTES], d, 3 + i % 60))
+            for s, (_tmp, _fd, _mm, t) in maps_in.items():
+                if start < t.numel():
+                    works.append(irecv(t[start : start + PIECE_BYTES], s, 3 + i % 60))
+            _wait(works)
+        del works
+        for s in list(maps_in):
+            tmp, fd, mm, _t = maps_in.pop(s)
+            del _t
+            _close(mm)  # MAP_SHARED: the bytes are in the file whether or not it unmaps now
+            os.close(fd)
+            path, m, body, size, rank = takes[s]
+            os.replace(tmp, path)
+            received.append(Received(s, rank, m, body, path, size))
+    finally:
+        for d in list(maps_out):
+            mm, _t = maps_out.pop(d)
+            del _t
+            _close(mm)
+        for s in list(maps_in):  # a failed round: nothing half-written stays
+            tmp, fd, mm, _t = maps_in.pop(s)
+            del _t
+            _close(mm)
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return received
