@@ -27,6 +27,7 @@ from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
 from tierckpt.stats import CommitStats
+from tierckpt.urls import tier
 
 __all__ = [
     "BackendError",
@@ -57,4 +58,5 @@ __all__ = [
     "UnsupportedObject",
     "WriterConflict",
     "__version__",
+    "tier",
 ]

@@ -111,7 +111,7 @@ class LocalTier(TierSpec):
         source: str | None = None,
         max_behind: int = 2,
     ) -> None:
-        object.__setattr__(self, "path", os.fspath(path))
+        object.__setattr__(self, "path", _folder_of(os.fspath(path)))
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
         object.__setattr__(self, "name", name)
@@ -124,6 +124,27 @@ class LocalTier(TierSpec):
 
     def make_backend(self) -> Backend:
         return LocalBackend(self.path)
+
+
+def _folder_of(path: str) -> str:
+    """The folder a LocalTier writes to: a plain path, or ``file:///abs/path``. Any other
+    ``scheme://`` is refused: written as a relative path it would create ``./s3:/bucket``."""
+    if not isinstance(path, str) or "://" not in path:
+        return path
+    scheme, _, rest = path.partition("://")
+    if scheme.lower() == "file":
+        host, slash, folder = rest.partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise ValueError(
+                f"LocalTier({path!r}): a file URL names a folder on this machine: "
+                "file:///absolute/path"
+            )
+        return "/" + folder
+    raise ValueError(
+        f"LocalTier({redact(path)!r}) takes a folder on this machine, not a {scheme}:// URL; "
+        f"use tierckpt.tier({redact(path)!r}) (or the tier class of that store, e.g. S3Tier) "
+        "to write there"
+    )
 
 
 @dataclass(frozen=True, slots=True, init=False)

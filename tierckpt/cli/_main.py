@@ -51,24 +51,39 @@ _TIMELINE_HELP = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
-    common.add_argument(
+def _global_options(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """The options every command takes, accepted before or after the command's name.
+
+    The copy on each command's parser defaults to SUPPRESS so that an option given before
+    the command (``tierckpt --debug ls URL``) is not reset by the command's own default.
+    """
+    unset: object = argparse.SUPPRESS if after_command else None
+    off: object = argparse.SUPPRESS if after_command else False
+    parser.add_argument(
         "--endpoint-url",
         metavar="URL",
-        default=None,
         help="S3 endpoint (S3-compatible servers); default AWS_ENDPOINT_URL",
+        default=unset,
     )
-    common.add_argument(
-        "--debug", action="store_true", help="show tracebacks and tierckpt's debug log"
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks and tierckpt's debug log",
+        default=off,
     )
-    common.add_argument(
+    parser.add_argument(
         "--debug-botocore",
         action="store_true",
         help="also log botocore's requests and responses (their headers hold "
         "session tokens and signatures: never share this output); "
         "or TIERCKPT_DEBUG_BOTOCORE=1",
+        default=off,
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    _global_options(common, after_command=True)
 
     p = _Parser(
         prog="tierckpt",
@@ -78,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`tierckpt COMMAND --help` describes each command.",
     )
     p.add_argument("--version", action="version", version=f"tierckpt {__version__}")
+    _global_options(p, after_command=False)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
