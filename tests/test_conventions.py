@@ -1,0 +1,51 @@
+"""Habits users bring from concurrent.futures, Orbax, DCP: a SaveHandle is usable as a Future,
+``latest_step()``, step-based ``every=`` that survives restarts, a finite S3 retention default,
+``Stateful`` objects in the native API."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer, LocalTier
+from tierckpt.errors import CheckpointFailed, CheckpointSkipped
+from tierckpt.handle import SaveHandle
+
+
+def test_save_handle_works_with_concurrent_futures(tmp_path: Path) -> None:
+    seen: list[object] = []
+    called = threading.Event()
+    with Checkpointer(
+        [LocalTier(tmp_path / "a", name="a"), LocalTier(tmp_path / "b", name="b")]
+    ) as ck:
+        h = ck.save({"w": torch.arange(1000.0)}, step=3)
+        assert isinstance(h.future, futures.Future)
+        done, not_done = futures.wait([h.future], timeout=120)
+        assert h.future in done and not not_done
+        results = h.future.result()
+        assert set(results) == {"a", "b"} and results["a"].step == 3
+        h.add_done_callback(lambda hh: (seen.append(hh), called.set()))
+        h.future.add_done_callback(lambda f: seen.append(f.result()["b"].tier))
+        assert called.wait(10) and seen == [h, "b"]
+        # as_completed over several saves
+        hs = [ck.save({"w": torch.full((10,), float(s))}, step=s) for s in (4, 5)]
+        assert sorted(
+            next(iter(f.result().values())).step
+            for f in futures.as_completed([x.future for x in hs], timeout=120)
+        ) == [4, 5]
+
+
+def test_future_carries_the_failure_and_the_skip(tmp_path: Path) -> None:
+    with Checkpointer([LocalTier(tmp_path, name="a")]) as ck:
+        ck.save({"w": torch.zeros(4)}, step=1).wait()
+        h = ck.save({"w": torch.zeros(4)}, step=1)  # committed already: refused on the tier
+        with pytest.raises(CheckpointFailed):
+            h.future.result(timeout=120)
+    h2 = SaveHandle(9, ("s",), skipped=True)  # what save() returns with on_busy="skip"
+    assert h2.future.done()
+    with pytest.raises(CheckpointSkipped):
+        h2.future.result()
