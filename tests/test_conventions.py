@@ -49,3 +49,47 @@ def test_future_carries_the_failure_and_the_skip(tmp_path: Path) -> None:
     assert h2.future.done()
     with pytest.raises(CheckpointSkipped):
         h2.future.result()
+
+
+def test_latest_step_follows_tiers_and_timelines(tmp_path: Path) -> None:
+    tiers = [
+        LocalTier(tmp_path / "a", name="a", keep_last=None),
+        LocalTier(tmp_path / "b", name="b", every=2, keep_last=None),
+    ]
+    with Checkpointer(tiers) as ck:
+        assert ck.latest_step() is None and ck.latest_step("a") is None
+        for s in (1, 2, 3):
+            ck.save({"w": torch.full((4,), float(s))}, step=s).wait()
+        assert ck.latest_step() == 3 and ck.latest_step("b") == 2
+    with Checkpointer(tiers) as ck:  # a new process's view: from the tiers
+        assert ck.latest_step() == 3
+        ck.load(step=1)
+        ck.save({"w": torch.zeros(4)}, step=2).wait()  # rollback: timeline 1
+        assert ck.latest_step() == 2  # what load() returns, though step 3 is higher
+        assert ck.load()["w"][0].item() == 0.0
+        assert ck.latest_step(timeline=0) == 3 and ck.latest_step(timeline=1) == 2
+        assert ck.latest_step(timeline=5) is None
+
+
+def test_every_counts_steps_and_survives_a_restart(tmp_path: Path) -> None:
+    """``every=10``: the tier gets the steps that are multiples of 10, whatever the number of
+    save() calls and across processes (Orbax's save_interval_steps)."""
+
+    def tiers() -> list[LocalTier]:
+        return [
+            LocalTier(tmp_path / "fast", name="fast", keep_last=None),
+            LocalTier(tmp_path / "slow", name="slow", every=10, keep_last=None),
+        ]
+
+    with Checkpointer(tiers()) as ck:
+        for s in range(5, 25, 5):  # 5, 10, 15, 20
+            h = ck.save({"w": torch.full((4,), float(s))}, step=s)
+            h.wait()
+            assert ("slow" in h.tiers) == (s % 10 == 0)
+        assert ck.steps("slow") == [10, 20]
+    with Checkpointer(tiers()) as ck:  # restarted: no count starts over at the first save
+        ck.load()
+        for s in (25, 30, 35):
+            ck.save({"w": torch.full((4,), float(s))}, step=s).wait()
+        assert ck.steps("slow") == [10, 20, 30]
+        assert ck.steps("fast") == [5, 10, 15, 20, 25, 30, 35]

@@ -12,8 +12,12 @@ Per tier:
     :class:`~tierckpt.format.CheckpointId`). Older ones are deleted after a newer one commits:
     manifest first, then data. The newest committed checkpoint is never deleted.
 ``every``
-    this tier receives every n-th checkpoint (by save call count): e.g. RAM and NVMe every
-    checkpoint, S3 every 10th.
+    this tier receives the saves whose step is a multiple of ``every`` (as Orbax's
+    ``save_interval_steps``): e.g. RAM and NVMe every checkpoint, S3 ``every=1000`` gets
+    steps 0, 1000, 2000, ... It counts steps, not ``save()`` calls, so a restarted process
+    (or one that skipped saves) sends the same steps to the tier as an uninterrupted run.
+    Pick it as a multiple of the save interval: saving every 300 steps with ``every=1000``
+    reaches the tier only at multiples of 3000. ``every=1`` (default): every save.
 ``codec``
     ``"auto"`` (default: raw to RAM and local disk, compressed to remote tiers when that is
     faster), ``"raw"``, ``"zstd"``, any registered codec id, or a :class:`Codec` instance.
@@ -77,9 +81,11 @@ class TierSpec:
     def make_backend(self) -> Backend:
         raise NotImplementedError
 
-    def receives(self, save_index: int) -> bool:
-        """Whether the ``save_index``-th save (0-based) goes to this tier."""
-        return save_index % self.every == 0
+    def receives(self, step: int) -> bool:
+        """Whether a save of ``step`` goes to this tier: ``step`` is a multiple of ``every``.
+
+        A function of the step alone, so every rank and every restart agree without state."""
+        return step % self.every == 0
 
 
 @dataclass(frozen=True, slots=True)

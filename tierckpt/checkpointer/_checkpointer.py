@@ -223,9 +223,8 @@ class Checkpointer(PipelineOwner):
             for job in pipeline.in_flight():
                 if job.step == step:
                     raise ValueError(f"step {step} is already being saved")
-            index = self._save_count
             self._save_count += 1
-        tiers = [t for t in self._tiers if t.spec.receives(index)]
+        tiers = [t for t in self._tiers if t.spec.receives(step)]
         busy = bool(pipeline.in_flight())
         timeline, choose = self._propose_timeline(step)
         # with several ranks: an attempt id for the completion records (one all-reduce at the
@@ -373,6 +372,18 @@ class Checkpointer(PipelineOwner):
         :meth:`checkpoints` lists every checkpoint with its timeline.
         """
         return steps_of(self.checkpoints(tier))
+
+    def latest_step(self, tier: str | None = None, *, timeline: int | None = None) -> int | None:
+        """The newest committed step (on ``tier``, or on any tier); None when there is none.
+
+        Newest as :meth:`load` means it: the newest step of the newest timeline, so after a
+        rollback this is the resumed run's step even when the abandoned run reached a higher
+        one. ``timeline``: the newest step of that timeline only.
+        """
+        ids = self.checkpoints(tier)
+        if timeline is not None:
+            ids = [c for c in ids if c.timeline == timeline]
+        return ids[-1].step if ids else None
 
     def tier_steps(self) -> dict[str, list[int]]:
         """Which steps are committed on which tier (each list in :meth:`steps` order)."""
