@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierckpt import Checkpointer, LocalTier
+from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.errors import CheckpointFailed, CheckpointSkipped
 from tierckpt.handle import SaveHandle
+from tierckpt.policy import S3_DEFAULT_KEEP_LAST
 
 
 def test_save_handle_works_with_concurrent_futures(tmp_path: Path) -> None:
@@ -93,3 +94,15 @@ def test_every_counts_steps_and_survives_a_restart(tmp_path: Path) -> None:
             ck.save({"w": torch.full((4,), float(s))}, step=s).wait()
         assert ck.steps("slow") == [10, 20, 30]
         assert ck.steps("fast") == [5, 10, 15, 20, 25, 30, 35]
+
+
+@pytest.mark.s3
+def test_s3_tier_keeps_a_finite_number_by_default(moto_server, s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    bucket = s3_bucket(moto_server)
+    assert S3Tier("s3://b/run").keep_last == S3_DEFAULT_KEEP_LAST == 5
+    assert S3Tier("s3://b/run", keep_last=None).keep_last is None  # an archive, on request
+    tier = S3Tier(f"s3://{bucket}/run", endpoint_url=moto_server.endpoint_url)
+    with Checkpointer([tier]) as ck:
+        for s in range(1, 8):
+            ck.save({"w": torch.full((100,), float(s))}, step=s).wait()
+        assert ck.steps("s3") == [3, 4, 5, 6, 7]

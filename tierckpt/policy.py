@@ -7,7 +7,8 @@ A *tier* is a backend placed in the hierarchy with a policy. Tiers are listed fa
 Per tier:
 
 ``keep_last``
-    keep this many newest committed checkpoints (``None`` keeps all); newest by timeline, then
+    keep this many newest committed checkpoints (``None`` keeps all; defaults: 1 in RAM, 3 on
+    local disk, 5 on S3); newest by timeline, then
     step, so after a rollback the abandoned run's checkpoints go first (see
     :class:`~tierckpt.format.CheckpointId`). Older ones are deleted after a newer one commits:
     manifest first, then data. The newest committed checkpoint is never deleted.
@@ -153,9 +154,18 @@ def _folder_of(path: str) -> str:
     )
 
 
+#: how many checkpoints an :class:`S3Tier` keeps unless told (``keep_last=None`` keeps all)
+S3_DEFAULT_KEEP_LAST = 5
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class S3Tier(TierSpec):
-    """An S3-compatible bucket: ``S3Tier("s3://bucket/prefix", endpoint_url=...)``."""
+    """An S3-compatible bucket: ``S3Tier("s3://bucket/prefix", endpoint_url=...)``.
+
+    ``keep_last`` defaults to :data:`S3_DEFAULT_KEEP_LAST` (5): a bucket is billed by what it
+    holds, and a run that saves for weeks must not keep every checkpoint by accident. Pass
+    ``keep_last=None`` to keep all (an archive), or another number.
+    """
 
     url: str = ""
     options: dict[str, Any] = field(default_factory=dict)
@@ -164,7 +174,7 @@ class S3Tier(TierSpec):
         self,
         url: str,
         *,
-        keep_last: int | None = None,
+        keep_last: int | None = S3_DEFAULT_KEEP_LAST,
         every: int = 1,
         codec: CodecSpec = "auto",
         name: str = "s3",
