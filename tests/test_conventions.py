@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, LocalTier, S3Tier
-from tierckpt.errors import CheckpointFailed, CheckpointSkipped
+from tierckpt.errors import CheckpointFailed, CheckpointSkipped, StateMismatch
 from tierckpt.handle import SaveHandle
 from tierckpt.policy import S3_DEFAULT_KEEP_LAST
 
@@ -106,3 +106,45 @@ def test_s3_tier_keeps_a_finite_number_by_default(moto_server, s3_bucket) -> Non
         for s in range(1, 8):
             ck.save({"w": torch.full((100,), float(s))}, step=s).wait()
         assert ck.steps("s3") == [3, 4, 5, 6, 7]
+
+
+class _Counter:
+    """A user class of DCP's Stateful protocol."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.ema = torch.zeros(3)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"seen": self.seen, "ema": self.ema}
+
+    def load_state_dict(self, sd: dict[str, object]) -> None:
+        self.seen = int(sd["seen"])  # type: ignore[call-overload]
+        self.ema = sd["ema"].clone()  # type: ignore[attr-defined]
+
+
+def test_native_save_and_load_of_stateful_objects(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    app = _Counter()
+    app.seen, app.ema = 7, torch.tensor([1.0, 2.0, 3.0])
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save({"model": model, "optim": opt, "app": app, "step": 7}, step=7).wait()
+        model2 = torch.nn.Linear(4, 2)
+        opt2 = torch.optim.Adam(model2.parameters())  # fresh: no state yet
+        app2 = _Counter()
+        into = {"model": model2, "optim": opt2, "app": app2, "step": 0}
+        out = ck.load(into=into)
+        assert out is into and into["step"] == 7 and into["model"] is model2
+        assert torch.equal(model2.weight, model.weight) and torch.equal(model2.bias, model.bias)
+        assert torch.equal(
+            opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+        )
+        assert app2.seen == 7 and torch.equal(app2.ema, app.ema)
+        plain = ck.load()  # what was stored: the state_dicts
+        assert set(plain) == {"model", "optim", "app", "step"} and plain["app"]["seen"] == 7
+        with pytest.raises(StateMismatch, match="missing from checkpoint"):
+            ck.load(into={"model": model2, "other": 1})

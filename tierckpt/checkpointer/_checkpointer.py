@@ -25,6 +25,7 @@ from tierckpt.catalog import (
 )
 from tierckpt.checkpointer._guarded import GuardedSources, as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
+from tierckpt.checkpointer._stateful import expand_stateful, has_stateful, load_stateful
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
@@ -44,6 +45,7 @@ from tierckpt.pipeline import (
 )
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec
+from tierckpt.restore import restore_into
 from tierckpt.stats import CommitStats, StatsRecorder
 from tierckpt.tree import encode_metadata
 
@@ -238,8 +240,9 @@ class Checkpointer(PipelineOwner):
             handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True, timeline=timeline)
             return handle
         # only the walk (validation + tensor references) runs here; the layout is computed by
-        # the capture thread, so training pays microseconds per tensor, not the whole plan
-        collected = collect_state(state)
+        # the capture thread, so training pays microseconds per tensor, not the whole plan;
+        # top-level Stateful objects (a module, an optimizer) give their state_dict(), as in DCP
+        collected = collect_state(expand_stateful(state))
 
         handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
         if not tiers:
@@ -419,7 +422,23 @@ class Checkpointer(PipelineOwner):
         small ``keep_last``): when retention removes the chosen checkpoint while it is being
         read, the tiers are listed again and the newest committed one is loaded instead (up to
         ``LOAD_ATTEMPTS`` times; single-rank jobs).
+
+        A top-level value of ``into`` with ``state_dict()`` / ``load_state_dict()`` (DCP's
+        ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
+        through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``.
         """
+        if has_stateful(into):
+            return load_stateful(
+                into,
+                lambda: self.load(
+                    step,
+                    tier=tier,
+                    map_location=map_location,
+                    fallback=fallback,
+                    timeline=timeline,
+                ),
+                restore_into,
+            )
         return load(
             self._load_context(),
             step,
