@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from tierckpt._version import __version__
+from tierckpt.cli import _hints
 from tierckpt.cli._common import UsageError, configure_logging, wire_debug_requested
 from tierckpt.cli._inspect import cmd_inspect, cmd_ls, cmd_verify
 from tierckpt.cli._manage import cmd_export, cmd_gc, cmd_pull, cmd_push, cmd_unlock
@@ -270,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(ns.debug, wire)
     try:
-        return int(ns.func(ns))
+        return _run(ns)
     except UsageError as exc:
         print(f"tierckpt {ns.command}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
@@ -283,4 +284,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         kind = "" if isinstance(exc, TierCkptError) else f"{type(exc).__name__}: "
         print(f"tierckpt {ns.command}: error: {kind}{redact(str(exc))}", file=sys.stderr)
+        hint = _hints.hint_for(exc, getattr(ns, "endpoint_url", None))
+        if hint:
+            print(hint, file=sys.stderr)
         return 1
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """The command, with a "waiting for ..." line on stderr when it shows nothing for 2 s
+    (bench and demo print their own progress)."""
+    if ns.command in ("bench", "demo"):
+        return int(ns.func(ns))
+    urls = [getattr(ns, a) for a in ("url", "src", "dest") if isinstance(getattr(ns, a, None), str)]
+    what = " -> ".join(redact(u) for u in urls) or ns.command
+    with _hints.WaitNotice(what) as notice:
+        _hints.current = notice
+        try:
+            return int(ns.func(ns))
+        finally:
+            _hints.current = None
