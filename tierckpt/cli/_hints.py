@@ -8,12 +8,12 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 from urllib.parse import urlsplit
 
-from tierckpt.backends.base import Backend
-from tierckpt.format import Manifest
-from tierckpt.restore import read_index
+if TYPE_CHECKING:
+    from tierckpt.backends.base import Backend
+    from tierckpt.format import Manifest
 
 #: a command silent for this long gets a "waiting for ..." line on stderr
 WAIT_NOTICE_S = 2.0
@@ -109,6 +109,8 @@ def _host_port(url: str | None) -> str:
 def stored_codecs(backend: Backend, manifest: Manifest) -> list[str]:
     """The codec ids the checkpoint's chunks are stored with, from its shard indexes (what
     ``inspect`` shows); the manifest's list where an index cannot be read."""
+    from tierckpt.restore import read_index
+
     ids: set[str] = set()
     try:
         for ref in manifest.shards:
