@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tiers: list[tierckpt.TierSpec] = [tierckpt.MemoryTier(), tierckpt.LocalTier(args.dir)]
     if args.s3:
-        tiers.append(tierckpt.S3Tier(args.s3, endpoint_url=args.endpoint_url, every=5))
+        tiers.append(tierckpt.S3Tier(args.s3, endpoint_url=args.endpoint_url,
+                                         every=5 * args.every))  # every 5th save
     with tierckpt.Checkpointer(tiers) as ck:
         ck.guard(opt, model)  # optimizer.step() waits for an unfinished capture: one extra line
 

@@ -42,7 +42,7 @@ def main() -> None:
 
     tiers: list[tierckpt.TierSpec] = [tierckpt.LocalTier(args.dir, keep_last=3)]
     if args.s3:
-        tiers.append(tierckpt.S3Tier(args.s3, endpoint_url=args.endpoint_url, every=2))
+        tiers.append(tierckpt.S3Tier(args.s3, endpoint_url=args.endpoint_url, every=2 * args.every))
     ck = tierckpt.Checkpointer(tiers)
     ck.guard(opt, model)  # optimizer.step() waits until pending saves are captured
 

@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parent.parent / "tierckpt"
 #: what exists for people, not for training runs: the runtime must never import these
 TOOLING = ("tierckpt.bench", "tierckpt.demo", "tierckpt.testing")
 #: outside the runtime too: the command line, which starts the benchmark and demo lazily
-NOT_RUNTIME = (*TOOLING, "tierckpt.cli")
+NOT_RUNTIME = (*TOOLING, "tierckpt.cli", "tierckpt.__main__")
 
 #: the cycles through function-local or type-only imports that are known, each removed by a
 #: planned step (none now: each entry names one, until that step removes it)
@@ -236,6 +236,7 @@ LAYERS: dict[str, int] = {
             "lease",
             "retention",
             "policy",
+            "urls",
             "pipeline",
             "restore",
             "noderam",

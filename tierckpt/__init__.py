@@ -38,6 +38,7 @@ from tierckpt.policy import (
     TierSpec,
 )
 from tierckpt.stats import CheckpointEvent, CommitStats
+from tierckpt.urls import tier
 
 __all__ = [
     "AzureTier",
@@ -74,4 +75,5 @@ __all__ = [
     "UnsupportedObject",
     "WriterConflict",
     "__version__",
+    "tier",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from tierckpt.errors import CheckpointFailed, CheckpointSkipped
@@ -37,7 +39,15 @@ class TierResult:
 
 
 class SaveHandle:
-    """Tracks one ``save()``: ``captured``, ``done(tier)``, ``wait(tier)``, ``result()``."""
+    """Tracks one ``save()``: ``captured``, ``done(tier)``, ``wait(tier)``, ``result()``.
+
+    For code written around :mod:`concurrent.futures`, :attr:`future` is a real
+    :class:`~concurrent.futures.Future` kept in sync with the handle: it resolves when every
+    tier has finished, to the per-tier results, or to the same :class:`CheckpointFailed` /
+    :class:`CheckpointSkipped` that :meth:`wait` raises. ``futures.wait``, ``as_completed``
+    and ``add_done_callback`` work on it (the handle is not itself a ``Future`` because its
+    ``done()`` and ``result()`` take a tier).
+    """
 
     def __init__(
         self, step: int, tiers: tuple[str, ...], *, skipped: bool = False, timeline: int = 0
@@ -60,10 +70,13 @@ class SaveHandle:
         self._results: dict[str, TierResult] = {}
         self._errors: dict[str, BaseException] = {}
         self._lock = threading.Lock()
+        self._future: Future[dict[str, TierResult]] = Future()
+        self._future.set_running_or_notify_cancel()  # cannot be cancelled: it is under way
         if skipped or not tiers:
             self._captured.set()
             for e in self._tier_events.values():
                 e.set()
+            self._resolve_future()
 
     # -- set by the pipeline ---------------------------------------------------------
     def _set_captured(self, error: BaseException | None = None) -> None:
@@ -78,6 +91,25 @@ class SaveHandle:
             if error is not None:
                 self._errors[tier] = error
         self._tier_events[tier].set()
+        if self.done():
+            self._resolve_future()
+
+    def _resolve_future(self) -> None:
+        """Settle :attr:`future` once every tier is done (exactly once, whoever gets here)."""
+        try:
+            results = self.result(timeout=0)
+        except BaseException as e:  # CheckpointFailed / CheckpointSkipped, as wait() raises
+            outcome: BaseException | None = e
+            results = {}
+        else:
+            outcome = None
+        with self._lock:
+            if self._future.done():
+                return
+            if outcome is not None:
+                self._future.set_exception(outcome)
+            else:
+                self._future.set_result(results)
 
     # -- for users -----------------------------------------------------------------
     @property
@@ -140,6 +172,19 @@ class SaveHandle:
         self.wait(None, timeout)
         with self._lock:
             return dict(self._results)
+
+    @property
+    def future(self) -> Future[dict[str, TierResult]]:
+        """A :class:`concurrent.futures.Future` for the whole save (every tier), see above."""
+        return self._future
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
+        """Call ``fn(handle)`` once every tier has finished (at once if it already has).
+
+        Like ``Future.add_done_callback``; it runs on the thread that finished the last tier,
+        so keep it short. An exception it raises is logged by ``concurrent.futures``.
+        """
+        self._future.add_done_callback(lambda _f: fn(self))
 
     @property
     def errors(self) -> dict[str, BaseException]:

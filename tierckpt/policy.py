@@ -7,7 +7,8 @@ A *tier* is a backend placed in the hierarchy with a policy. Tiers are listed fa
 Per tier:
 
 ``keep_last``
-    keep this many newest committed checkpoints (``None`` keeps all); newest by timeline, then
+    keep this many newest committed checkpoints (``None`` keeps all; defaults: 1 in RAM, 3 on
+    local disk, 5 on S3); newest by timeline, then
     step, so after a rollback the abandoned run's checkpoints go first (see
     :class:`~tierckpt.format.CheckpointId`). Older ones are deleted after a newer one commits:
     manifest first, then data. The newest committed checkpoint is never deleted.
@@ -25,8 +26,12 @@ Pinned checkpoints (``Checkpointer.pin(step)``) are never removed by retention u
 unpinned, whatever the rules above say. Every rule is decided from what the tier stores
 (manifests, pin markers), so a restarted job keeps the same checkpoints.
 ``every``
-    this tier receives every n-th checkpoint (by save call count): e.g. RAM and NVMe every
-    checkpoint, S3 every 10th.
+    this tier receives the saves whose step is a multiple of ``every`` (as Orbax's
+    ``save_interval_steps``): e.g. RAM and NVMe every checkpoint, S3 ``every=1000`` gets
+    steps 0, 1000, 2000, ... It counts steps, not ``save()`` calls, so a restarted process
+    (or one that skipped saves) sends the same steps to the tier as an uninterrupted run.
+    Pick it as a multiple of the save interval: saving every 300 steps with ``every=1000``
+    reaches the tier only at multiples of 3000. ``every=1`` (default): every save.
 ``codec``
     ``"auto"`` (default: raw to RAM and local disk, compressed to remote tiers when that is
     faster), ``"raw"``, ``"zstd"``, any registered codec id, or a :class:`Codec` instance.
@@ -124,9 +129,11 @@ class TierSpec:
     def make_backend(self) -> Backend:
         raise NotImplementedError
 
-    def receives(self, save_index: int) -> bool:
-        """Whether the ``save_index``-th save (0-based) goes to this tier."""
-        return save_index % self.every == 0
+    def receives(self, step: int) -> bool:
+        """Whether a save of ``step`` goes to this tier: ``step`` is a multiple of ``every``.
+
+        A function of the step alone, so every rank and every restart agree without state."""
+        return step % self.every == 0
 
 
 def _set_retention(
@@ -177,7 +184,7 @@ class LocalTier(TierSpec):
         best_mode: Literal["min", "max"] = "min",
     ) -> None:
         _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
-        object.__setattr__(self, "path", os.fspath(path))
+        object.__setattr__(self, "path", _folder_of(os.fspath(path)))
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
         object.__setattr__(self, "name", name)
@@ -192,9 +199,39 @@ class LocalTier(TierSpec):
         return LocalBackend(self.path)
 
 
+def _folder_of(path: str) -> str:
+    """The folder a LocalTier writes to: a plain path, or ``file:///abs/path``. Any other
+    ``scheme://`` is refused: written as a relative path it would create ``./s3:/bucket``."""
+    if not isinstance(path, str) or "://" not in path:
+        return path
+    scheme, _, rest = path.partition("://")
+    if scheme.lower() == "file":
+        host, slash, folder = rest.partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise ValueError(
+                f"LocalTier({path!r}): a file URL names a folder on this machine: "
+                "file:///absolute/path"
+            )
+        return "/" + folder
+    raise ValueError(
+        f"LocalTier({redact(path)!r}) takes a folder on this machine, not a {scheme}:// URL; "
+        f"use tierckpt.tier({redact(path)!r}) (or the tier class of that store, e.g. S3Tier) "
+        "to write there"
+    )
+
+
+#: how many checkpoints an :class:`S3Tier` keeps unless told (``keep_last=None`` keeps all)
+S3_DEFAULT_KEEP_LAST = 5
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class S3Tier(TierSpec):
-    """An S3-compatible bucket: ``S3Tier("s3://bucket/prefix", endpoint_url=...)``."""
+    """An S3-compatible bucket: ``S3Tier("s3://bucket/prefix", endpoint_url=...)``.
+
+    ``keep_last`` defaults to :data:`S3_DEFAULT_KEEP_LAST` (5): a bucket is billed by what it
+    holds, and a run that saves for weeks must not keep every checkpoint by accident. Pass
+    ``keep_last=None`` to keep all (an archive), or another number.
+    """
 
     url: str = ""
     options: dict[str, Any] = field(default_factory=dict)
@@ -204,7 +241,7 @@ class S3Tier(TierSpec):
         self,
         url: str,
         *,
-        keep_last: int | None = None,
+        keep_last: int | None = S3_DEFAULT_KEEP_LAST,
         every: int = 1,
         codec: CodecSpec = "auto",
         name: str = "s3",

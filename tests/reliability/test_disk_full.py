@@ -37,8 +37,13 @@ def _state(step: int, n: int = 300_000) -> dict[str, Any]:
 
 
 def _s3(server: Any, bucket: str) -> S3Tier:
+    # keep_last=None: the tests check every step reached S3 (the default keeps the 5 newest)
     return S3Tier(
-        f"s3://{bucket}/run", endpoint_url=server.endpoint_url, codec="raw", max_attempts=2
+        f"s3://{bucket}/run",
+        endpoint_url=server.endpoint_url,
+        codec="raw",
+        max_attempts=2,
+        keep_last=None,
     )
 
 

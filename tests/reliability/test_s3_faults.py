@@ -72,6 +72,7 @@ def run_faulty_s3(
             f"s3://{bucket}/run",
             endpoint_url=proxy.endpoint_url,
             codec="raw",
+            keep_last=None,  # every committed step must be listed (the default keeps 5)
             part_size=5 << 20,
             max_attempts=4,
             connect_timeout=2,
@@ -116,7 +117,8 @@ def run_faulty_s3(
     assert committed <= listed, f"reported committed but not listed: {committed - listed}"
     landed_anyway = listed - committed
     left = s3_leftovers(server.admin, bucket, "run/")
-    with Checkpointer([S3Tier(f"s3://{bucket}/run", endpoint_url=server.endpoint_url)]) as ck2:
+    s3_all = S3Tier(f"s3://{bucket}/run", endpoint_url=server.endpoint_url, keep_last=None)
+    with Checkpointer([s3_all]) as ck2:
         for step in sorted(listed):
             assert_same(saved[step], ck2.load(step=step))
         # the faults are over: the next save commits, and its retention pass removes the data

@@ -117,7 +117,7 @@ def test_soak_1000(tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Rec
 def _burst(
     tmp_path: Path, server: Any, bucket: str, on_busy: str, n: int
 ) -> tuple[list[Any], dict[int, dict[str, Any]], Checkpointer, float]:
-    s3 = S3Tier(f"s3://{bucket}/run", endpoint_url=server.endpoint_url, codec="raw")
+    s3 = S3Tier(f"s3://{bucket}/run", endpoint_url=server.endpoint_url, codec="raw", keep_last=None)
     ck = Checkpointer(
         [LocalTier(tmp_path / "nvme", keep_last=None), s3],
         chunk_bytes=64 << 10,

@@ -1,7 +1,7 @@
 """Rollback and resume: a run resumed from an older step is a new timeline.
 
-Rolling back after a loss spike is routine: load step 7 of a run that reached 10, train on,
-save 8, 9, ... The resumed run's checkpoints are on a new timeline, newer than every
+Rolling back after a loss spike is routine: load step 6 of a run that reached 10, train on,
+save 7, 8, ... The resumed run's checkpoints are on a new timeline, newer than every
 checkpoint of the abandoned run whatever their step numbers: retention keeps the newest
 ``(timeline, step)`` ids, so the resumed run's commits are never deleted in favour of the
 abandoned run's (which go as they become older), a save at a step the abandoned run also
@@ -39,8 +39,9 @@ from tierckpt.retention import delete_step
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "format_v1"
 TRAINED = 10  # the run that is abandoned reached this step
-ROLLBACK = 7  # the step the resumed run loads
-UNTIL = 11  # the resumed run saves ROLLBACK+1..UNTIL (8..10 collide with abandoned steps)
+# 6: the archive (every=3) holds steps 3, 6, 9 of the abandoned run
+ROLLBACK = 6  # the step the resumed run loads
+UNTIL = 11  # the resumed run saves ROLLBACK+1..UNTIL (7..10 collide with abandoned steps)
 
 
 def _phase(phase: str, spec: dict[str, Any], out: Path, timeout: float = 300) -> Any:
@@ -72,9 +73,10 @@ def _kept(keep: int, resumed: list[int]) -> list[list[int]]:
 
 
 def _archived(resumed: list[int]) -> list[list[int]]:
-    """What the archive holds: every 3rd save of each process, all kept."""
-    ids = [[s, 0] for s in range(1, TRAINED + 1, 3)]
-    return ids + [[s, 1] for i, s in enumerate(resumed) if i % 3 == 0]
+    """What the archive holds: the steps that are multiples of 3 (``every=3`` counts steps,
+    in the abandoned run and in the resumed one alike), all kept."""
+    ids = [[s, 0] for s in range(1, TRAINED + 1) if s % 3 == 0]
+    return ids + [[s, 1] for s in resumed if s % 3 == 0]
 
 
 def _newest_per_step(ids: list[list[int]]) -> list[list[int]]:
@@ -100,9 +102,9 @@ def _state(run: int, step: int) -> dict[str, Any]:
 def test_rollback_in_a_fresh_process_keeps_the_resumed_runs_checkpoints(
     where: str, keep: int, tmp_path: Path, request: pytest.FixtureRequest, record: Recorder
 ) -> None:
-    """Tiers: ``local`` (and ``s3``) keep the last ``keep`` checkpoints; ``archive`` gets every
-    3rd checkpoint and keeps them all (the operator finds step 7 there). Each phase is a fresh
-    process."""
+    """Tiers: ``local`` (and ``s3``) keep the last ``keep`` checkpoints; ``archive`` gets the
+    steps that are multiples of 3 and keeps them all (the operator finds step 6 there). Each
+    phase is a fresh process."""
     spec: dict[str, Any] = {
         "local": str(tmp_path / "local"),
         "archive": str(tmp_path / "archive"),
@@ -117,9 +119,9 @@ def test_rollback_in_a_fresh_process_keeps_the_resumed_runs_checkpoints(
     trained = _phase("train", {**spec, "steps": TRAINED}, tmp_path / "train")
     for t in kept_tiers:
         assert trained["steps"][t] == list(range(TRAINED - keep + 1, TRAINED + 1))
-    assert trained["steps"]["archive"] == [1, 4, ROLLBACK, TRAINED]
+    assert trained["steps"]["archive"] == [3, ROLLBACK, 9]
 
-    # a fresh process goes back to step 7 and trains on: 8, 9, 10 collide with abandoned steps
+    # a fresh process goes back to step 6 and trains on: 7..10 collide with abandoned steps
     resumed = _phase("resume", {**spec, "load_step": ROLLBACK, "until": UNTIL}, tmp_path / "resume")
     assert resumed["loaded"] == [1, ROLLBACK]
     saved: list[int] = []
@@ -137,8 +139,8 @@ def test_rollback_in_a_fresh_process_keeps_the_resumed_runs_checkpoints(
         assert sv["ids"]["archive"] == _archived(saved)
     log = (tmp_path / "resume" / "log.txt").read_text()
     assert (
-        "step 8 is not after the newest checkpoint (step 10, timeline 0): starting timeline 1"
-        in log
+        f"step {ROLLBACK + 1} is not after the newest checkpoint (step 10, timeline 0): "
+        "starting timeline 1" in log
     )
 
     # a fresh process loads the resumed run's newest, and its steps, never the abandoned ones

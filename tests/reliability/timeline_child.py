@@ -37,8 +37,8 @@ def marker(s: Any) -> list[int]:
 
 
 def tiers(spec: dict[str, Any]) -> list[Any]:
-    """``local`` (and ``s3``) keep ``keep_last``; ``archive`` receives every 3rd checkpoint
-    and keeps them all (where an operator finds the older step to go back to)."""
+    """``local`` (and ``s3``) keep ``keep_last``; ``archive`` receives the steps that are
+    multiples of 3 and keeps them all (where an operator finds the older step to go back to)."""
     k = spec["keep_last"]
     out: list[Any] = [LocalTier(spec["local"], keep_last=k)]
     if spec.get("s3"):

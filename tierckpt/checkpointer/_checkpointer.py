@@ -25,6 +25,7 @@ from tierckpt.catalog import (
 )
 from tierckpt.checkpointer._guarded import GuardedSources, as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
+from tierckpt.checkpointer._stateful import expand_stateful, has_stateful, load_stateful
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.config import resolve_writer_config
 from tierckpt.distributed import MultiRankCommit
@@ -45,6 +46,7 @@ from tierckpt.pipeline import (
 )
 from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec
+from tierckpt.restore import restore_into
 from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
 from tierckpt.stats import CheckpointEvent, CommitStats, StatsRecorder, outcome_of
 from tierckpt.tree import encode_metadata
@@ -266,9 +268,8 @@ class Checkpointer(PipelineOwner):
             for job in pipeline.in_flight():
                 if job.step == step:
                     raise ValueError(f"step {step} is already being saved")
-            index = self._save_count
             self._save_count += 1
-        tiers = [t for t in self._tiers if t.spec.receives(index)]
+        tiers = [t for t in self._tiers if t.spec.receives(step)]
         busy = bool(pipeline.in_flight())
         timeline, choose = self._propose_timeline(step)
         # with several ranks: an attempt id for the completion records (one all-reduce at the
@@ -289,8 +290,9 @@ class Checkpointer(PipelineOwner):
             )
             return handle
         # only the walk (validation + tensor references) runs here; the layout is computed by
-        # the capture thread, so training pays microseconds per tensor, not the whole plan
-        collected = collect_state(state)
+        # the capture thread, so training pays microseconds per tensor, not the whole plan;
+        # top-level Stateful objects (a module, an optimizer) give their state_dict(), as in DCP
+        collected = collect_state(expand_stateful(state))
 
         handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
         if not tiers:
@@ -446,6 +448,18 @@ class Checkpointer(PipelineOwner):
         """
         return steps_of(self.checkpoints(tier))
 
+    def latest_step(self, tier: str | None = None, *, timeline: int | None = None) -> int | None:
+        """The newest committed step (on ``tier``, or on any tier); None when there is none.
+
+        Newest as :meth:`load` means it: the newest step of the newest timeline, so after a
+        rollback this is the resumed run's step even when the abandoned run reached a higher
+        one. ``timeline``: the newest step of that timeline only.
+        """
+        ids = self.checkpoints(tier)
+        if timeline is not None:
+            ids = [c for c in ids if c.timeline == timeline]
+        return ids[-1].step if ids else None
+
     def tier_steps(self) -> dict[str, list[int]]:
         """Which steps are committed on which tier (each list in :meth:`steps` order)."""
         return {t.name: committed_steps(t.backend) for t in self._tiers}
@@ -556,7 +570,23 @@ class Checkpointer(PipelineOwner):
         small ``keep_last``): when retention removes the chosen checkpoint while it is being
         read, the tiers are listed again and the newest committed one is loaded instead (up to
         ``LOAD_ATTEMPTS`` times; single-rank jobs).
+
+        A top-level value of ``into`` with ``state_dict()`` / ``load_state_dict()`` (DCP's
+        ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
+        through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``.
         """
+        if has_stateful(into):
+            return load_stateful(
+                into,
+                lambda: self.load(
+                    step,
+                    tier=tier,
+                    map_location=map_location,
+                    fallback=fallback,
+                    timeline=timeline,
+                ),
+                restore_into,
+            )
         return load(
             self._load_context(),
             step,

@@ -73,6 +73,10 @@ def progress_bar(total: int, desc: str) -> Any:
     """A byte progress bar (size, rate, ETA) on stderr; silent when stderr is not a terminal."""
     from tqdm import tqdm
 
+    from tierckpt.cli import _hints
+
+    if _hints.current is not None:  # the bar shows progress from here: no "waiting for"
+        _hints.current.quiet()
     return tqdm(
         total=total,
         desc=desc,

@@ -41,12 +41,17 @@ def _status(c: Any, newest: Any) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from tierckpt.cli._hints import stored_codecs
     from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
 
     with opened(args, args.url) as backend:
         listed = list_checkpoints(backend)
         pending = uncommitted_ids(backend)
         writers = leases(backend)
+        # what the chunks are stored with (the manifest names the tier's setting, e.g. auto)
+        codecs = {
+            c.id: stored_codecs(backend, c.manifest) for c in listed if c.manifest is not None
+        }
     newest = listed[-1].id if listed else None
     if args.json:
         doc = [
@@ -61,7 +66,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "world_size": c.manifest.world_size,
                 "raw_bytes": c.manifest.raw_bytes,
                 "stored_bytes": c.manifest.stored_bytes,
-                "codecs": list(c.manifest.codecs),
+                "codecs": codecs[c.id],
                 "files": sum(s.size for s in c.manifest.shards),
             }
             for c in listed
@@ -113,7 +118,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     f"{ratio:.2f}x",
                     m.world_size,
                     m.tier or "?",
-                    ",".join(m.codecs) or "?",
+                    ",".join(codecs[c.id]) or "?",
                     c.timeline,
                     _status(c, newest),
                 ]

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from tierckpt._version import __version__
+from tierckpt.cli import _hints
 from tierckpt.cli._common import UsageError, configure_logging, wire_debug_requested
 from tierckpt.cli._inspect import cmd_inspect, cmd_ls, cmd_verify
 from tierckpt.cli._manage import cmd_export, cmd_gc, cmd_pull, cmd_push, cmd_unlock
@@ -51,24 +52,39 @@ _TIMELINE_HELP = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
-    common.add_argument(
+def _global_options(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """The options every command takes, accepted before or after the command's name.
+
+    The copy on each command's parser defaults to SUPPRESS so that an option given before
+    the command (``tierckpt --debug ls URL``) is not reset by the command's own default.
+    """
+    unset: object = argparse.SUPPRESS if after_command else None
+    off: object = argparse.SUPPRESS if after_command else False
+    parser.add_argument(
         "--endpoint-url",
         metavar="URL",
-        default=None,
         help="S3 endpoint (S3-compatible servers); default AWS_ENDPOINT_URL",
+        default=unset,
     )
-    common.add_argument(
-        "--debug", action="store_true", help="show tracebacks and tierckpt's debug log"
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks and tierckpt's debug log",
+        default=off,
     )
-    common.add_argument(
+    parser.add_argument(
         "--debug-botocore",
         action="store_true",
         help="also log botocore's requests and responses (their headers hold "
         "session tokens and signatures: never share this output); "
         "or TIERCKPT_DEBUG_BOTOCORE=1",
+        default=off,
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    _global_options(common, after_command=True)
 
     p = _Parser(
         prog="tierckpt",
@@ -78,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`tierckpt COMMAND --help` describes each command.",
     )
     p.add_argument("--version", action="version", version=f"tierckpt {__version__}")
+    _global_options(p, after_command=False)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -273,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(ns.debug, wire)
     try:
-        return int(ns.func(ns))
+        return _run(ns)
     except UsageError as exc:
         print(f"tierckpt {ns.command}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
@@ -286,4 +303,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         kind = "" if isinstance(exc, TierCkptError) else f"{type(exc).__name__}: "
         print(f"tierckpt {ns.command}: error: {kind}{redact(str(exc))}", file=sys.stderr)
+        hint = _hints.hint_for(exc, getattr(ns, "endpoint_url", None))
+        if hint:
+            print(hint, file=sys.stderr)
         return 1
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """The command, with a "waiting for ..." line on stderr when it shows nothing for 2 s
+    (bench and demo print their own progress)."""
+    if ns.command in ("bench", "demo"):
+        return int(ns.func(ns))
+    urls = [getattr(ns, a) for a in ("url", "src", "dest") if isinstance(getattr(ns, a, None), str)]
+    what = " -> ".join(redact(u) for u in urls) or ns.command
+    with _hints.WaitNotice(what) as notice:
+        _hints.current = notice
+        try:
+            return int(ns.func(ns))
+        finally:
+            _hints.current = None

@@ -16,8 +16,10 @@ from tierckpt.cli._common import (
 
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
     from tierckpt.catalog import committed_ids
-    from tierckpt.offline import checkpoint_bytes, copy_checkpoint, resolve_id
+    from tierckpt.offline import checkpoint_bytes, copy_checkpoint, is_s3_url, resolve_id
 
+    # the copy's manifest names the tier it is on now, not the one it was copied from
+    label = "s3" if is_s3_url(dst_url) else "local"
     with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:
         if args.all:
             ids = [
@@ -35,7 +37,7 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
             bar = progress_bar(total, f"{cid}")
             t0 = time.perf_counter()
             try:
-                n = copy_checkpoint(src, dst, cid, progress=bar.update)
+                n = copy_checkpoint(src, dst, cid, progress=bar.update, tier_label=label)
             except FileExistsError:
                 bar.close()
                 print(f"skip {cid}: already committed at {dst.url}")

@@ -418,15 +418,14 @@ class TierWriter(PipelineOwner, StorageWriter):
     ) -> _RankShards:
 
         self._take_over()
-        index = self._save_count
         self._save_count += 1
         tiers = [
             t
             for t in self._tiers
-            if t.spec.receives(index) and not (info.world_size > 1 and is_private_tier(t))
+            if t.spec.receives(step) and not (info.world_size > 1 and is_private_tier(t))
         ]
         for t in self._tiers:
-            if t not in tiers and t.spec.receives(index):
+            if t not in tiers and t.spec.receives(step):
                 log.warning("DCP save skips tier %s: it is private to each process", t.name)
         if not tiers:
             return _RankShards(info.rank, {}, {})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from tierckpt.backends.base import Backend
@@ -14,6 +15,7 @@ from tierckpt.format import (
     CheckpointId,
     checksum,
     decode_manifest,
+    encode_manifest,
     manifest_name,
 )
 from tierckpt.offline._listing import Progress, _id
@@ -60,13 +62,15 @@ def copy_checkpoint(
     *,
     progress: Progress | None = None,
     timeline: int | None = None,
+    tier_label: str | None = None,
 ) -> int:
     """Copy one committed checkpoint from ``src`` to ``dst``; returns the bytes copied.
 
     Shard files stream through in pieces (each chunk's checksum checked on the way) and are
     committed first; the manifest is written last, create-only, so the copy exists on ``dst``
     only once it is whole. Raises ``FileExistsError`` if ``dst`` already has the checkpoint.
-    The copy keeps its step and timeline.
+    The copy keeps its step and timeline. ``tier_label``: the tier the copy's manifest names
+    (``ls`` shows it), e.g. ``"s3"`` for a copy pushed to S3; None keeps the source's.
     """
     cid = _id(src, step, timeline)
     name = manifest_name(cid.step, timeline=cid.timeline)
@@ -101,5 +105,7 @@ def copy_checkpoint(
         except BaseException:
             writer.abort()
             raise
+    if tier_label is not None and tier_label != manifest.tier:
+        manifest_bytes = encode_manifest(replace(manifest, tier=tier_label))
     dst.put_atomic(name, manifest_bytes)
     return copied

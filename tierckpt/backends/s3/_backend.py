@@ -73,6 +73,7 @@ class S3Backend(S3Connection, Backend):
         read_timeout: float = 15,
         client: Any = None,
         conditional_put: bool | None = None,
+        profile: str | None = None,
     ) -> None:
         super().__init__(
             url_or_bucket,
@@ -85,6 +86,7 @@ class S3Backend(S3Connection, Backend):
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             client=client,
+            profile=profile,
         )
         self._conditional = conditional_put
         self._probe_lock = threading.Lock()

@@ -19,6 +19,7 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    ProfileNotFound,
 )
 
 from tierckpt.backends.base import validate_name
@@ -100,6 +101,7 @@ class S3Connection:
         connect_timeout: float = 5,
         read_timeout: float = 15,
         client: Any = None,
+        profile: str | None = None,
     ) -> None:
         if not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
             raise FormatError(
@@ -125,8 +127,15 @@ class S3Connection:
                 max_pool_connections=max_concurrency + 4,
                 tcp_keepalive=True,
             )
-            # a private session: boto3's default session is not thread-safe
-            session = boto3.session.Session()
+            # a private session: boto3's default session is not thread-safe. profile: a
+            # named profile of ~/.aws/config (else AWS_PROFILE / the default chain)
+            try:
+                session = boto3.session.Session(profile_name=profile)
+            except ProfileNotFound as exc:
+                raise FormatError(
+                    f"S3 client for {self.url}: {exc}; name a profile of ~/.aws/config or "
+                    "~/.aws/credentials, or leave profile unset to use the default chain"
+                ) from None
             try:
                 client = session.client(
                     "s3", endpoint_url=endpoint_url, region_name=region, config=config

@@ -1,0 +1,136 @@
+"""The CLI tells the truth and says what to do: ``ls`` shows the codecs a checkpoint is stored
+with, a pushed copy is labelled with the tier it is on, a wait longer than 2 s prints a line,
+missing credentials and an endpoint nobody answers at come with a hint."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer, S3Tier
+from tierckpt.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(50_000), "ids": torch.arange(50_000)}
+
+
+@pytest.mark.s3
+def test_ls_shows_the_stored_codecs_and_push_labels_the_copy(
+    tmp_path: Path,
+    moto_server,
+    s3_bucket,
+    capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
+) -> None:
+    bucket = s3_bucket(moto_server)
+    ep = ["--endpoint-url", moto_server.endpoint_url]
+    url = f"s3://{bucket}/run"
+    with Checkpointer([S3Tier(url, endpoint_url=moto_server.endpoint_url)]) as ck:  # codec auto
+        ck.save(_state(), step=1).wait()
+    rc, out, err = _run(["ls", url, *ep, "--json"], capsys)
+    assert rc == 0, err
+    (c,) = json.loads(out)["checkpoints"]
+    assert "auto" not in c["codecs"] and c["codecs"]
+    rc, out2, _ = _run(["inspect", url, *ep, "--json"], capsys)
+    assert c["codecs"] == json.loads(out2)["codecs"]  # ls and inspect agree
+
+    local = tmp_path / "local"
+    from tierckpt import LocalTier
+
+    with Checkpointer([LocalTier(local, codec="raw")]) as ck:
+        ck.save(_state(), step=2).wait()
+    dest = f"s3://{bucket}/pushed"
+    rc, _out, err = _run(["push", str(local), dest, *ep], capsys)
+    assert rc == 0, err
+    rc, out, _ = _run(["ls", dest, *ep, "--json"], capsys)
+    (c,) = json.loads(out)["checkpoints"]
+    assert c["tier"] == "s3" and c["codecs"] == ["raw"]  # where it is; how it is stored
+    back = tmp_path / "back"
+    assert _run(["pull", dest, str(back), *ep], capsys)[0] == 0
+    rc, out, _ = _run(["ls", str(back), "--json"], capsys)
+    assert json.loads(out)["checkpoints"][0]["tier"] == "local"
+    with Checkpointer([LocalTier(back)]) as ck:
+        assert torch.equal(ck.load()["ids"], _state()["ids"])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tierckpt", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+
+
+def test_unreachable_endpoint_gets_a_hint() -> None:
+    port = _closed_port()
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    p = _cli(["ls", "s3://bucket/run", "--endpoint-url", f"http://127.0.0.1:{port}"], env)
+    assert p.returncode == 1, p.stderr
+    assert f"is --endpoint-url right? nothing answered at 127.0.0.1:{port}" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_wait_prints_a_line_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same command in this process, the notice's 2 s shortened to 0 (how long botocore
+    takes to give up on a refused connection varies with its random backoff)."""
+    from tierckpt.cli import _hints
+
+    monkeypatch.setattr(_hints, "WAIT_NOTICE_S", 0.0)
+    for k, v in (("AWS_ACCESS_KEY_ID", "t"), ("AWS_SECRET_ACCESS_KEY", "t")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    port = _closed_port()
+    rc, _out, err = _run(
+        ["ls", "s3://bucket/run", "--endpoint-url", f"http://127.0.0.1:{port}"], capsys
+    )
+    assert rc == 1
+    assert "tierckpt: waiting for s3://bucket/run (" in err, err
+    assert f"nothing answered at 127.0.0.1:{port}" in err
+
+
+@pytest.mark.s3
+def test_missing_credentials_get_a_hint(moto_server, s3_bucket, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    bucket = s3_bucket(moto_server)
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_CONFIG_FILE=str(empty),
+        AWS_SHARED_CREDENTIALS_FILE=str(empty),
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    p = _cli(["ls", f"s3://{bucket}/run", "--endpoint-url", moto_server.endpoint_url], env)
+    assert p.returncode == 1
+    assert "set AWS_PROFILE" in p.stderr and "AWS_ACCESS_KEY_ID" in p.stderr, p.stderr

@@ -1,0 +1,107 @@
+"""Locations users already write (s3://, file://, plain paths) build the right tier or are
+refused clearly; the CLI takes its global flags before or after the command; python -m works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierckpt
+from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier
+from tierckpt.cli import main
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run", "az://container/run"])
+def test_local_tier_refuses_a_url_instead_of_writing_a_folder_named_after_it(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="tierckpt.tier"):
+        LocalTier(url)
+    assert list(tmp_path.iterdir()) == []  # nothing like ./s3:/bucket/run
+
+
+def test_local_tier_takes_a_file_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "ckpt"
+    t = LocalTier(f"file://{target}")
+    assert t.path == str(target)
+    with Checkpointer([t]) as ck:
+        ck.save({"w": torch.arange(4.0)}, step=1).wait()
+    assert (target / "manifests").is_dir()
+    assert not (tmp_path / "file:").exists()
+    with pytest.raises(ValueError, match="file:///absolute/path"):
+        LocalTier("file://otherhost/x")
+
+
+def test_tier_routes_each_scheme(tmp_path: Path) -> None:
+    assert isinstance(tierckpt.tier(str(tmp_path), keep_last=2), LocalTier)
+    assert tierckpt.tier(f"file://{tmp_path}").path == str(tmp_path)  # type: ignore[attr-defined]
+    s3 = tierckpt.tier("s3://bucket/run", keep_last=4, endpoint_url="http://127.0.0.1:9")
+    assert isinstance(s3, S3Tier) and s3.keep_last == 4
+    mem = tierckpt.tier("memory://ns1")
+    assert isinstance(mem, MemoryTier) and mem.namespace == "ns1"
+    with pytest.raises(ValueError, match="no tier handles hdfs://"):
+        tierckpt.tier("hdfs://nn/run")
+
+
+def test_s3_tier_takes_a_named_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "config"
+    cfg.write_text("[profile train]\nregion = eu-west-3\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(cfg))
+    for var in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    backend = S3Tier("s3://bucket/run", profile="train").make_backend()
+    try:
+        assert backend._client.meta.region_name == "eu-west-3"  # type: ignore[attr-defined]
+    finally:
+        backend.close()
+    with pytest.raises(tierckpt.FormatError, match="profile"):
+        S3Tier("s3://bucket/run", profile="no-such-profile").make_backend()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--debug", "ls", "{d}"],
+        ["ls", "{d}", "--debug"],
+        ["--endpoint-url", "http://127.0.0.1:9", "ls", "{d}"],
+        ["ls", "--json", "{d}"],
+    ],
+)
+def test_global_flags_before_or_after_the_command(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save({"w": torch.ones(2)}, step=3).wait()
+    rc = main([a.format(d=tmp_path) for a in argv])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "3" in out
+
+
+def test_debug_before_the_command_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --debug before the command re-raises (traceback) instead of printing one line
+    with pytest.raises(tierckpt.CheckpointNotFound):
+        main(["--debug", "ls", str(tmp_path / "missing")])
+    assert main(["ls", str(tmp_path / "missing")]) == 1
+
+
+def test_python_dash_m_tierckpt(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    r = subprocess.run(
+        [sys.executable, "-m", "tierckpt", "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("tierckpt ")
