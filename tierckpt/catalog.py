@@ -15,13 +15,13 @@ from collections.abc import Iterable, Sequence
 from tierckpt.backends.base import Backend
 from tierckpt.errors import TierCkptError
 from tierckpt.format import (
-    DATA_DIR,
     MANIFEST_DIR,
     MAX_TIMELINE,
     CheckpointId,
     parse_data_folder,
     parse_manifest_id,
 )
+from tierckpt.layout import data_folder_part
 
 __all__ = [
     "committed_ids",
@@ -72,8 +72,9 @@ def committed_steps(backend: Backend) -> list[int]:
 def data_ids(backend: Backend) -> list[CheckpointId]:
     """Checkpoints that have a data folder (committed or not)."""
     out = set()
-    for name in [*backend.list(f"{DATA_DIR}/"), *backend.incomplete(f"{DATA_DIR}/")]:
-        cid = parse_data_folder(name)
+    # v1 folders are under steps/, v2 ones also under hashed prefixes (tierckpt.layout)
+    for name in [*backend.list(""), *backend.incomplete("")]:
+        cid = parse_data_folder(data_folder_part(name))
         if cid is not None:
             out.add(cid)
     return sorted(out)

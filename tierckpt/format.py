@@ -37,6 +37,7 @@ from tierckpt._types import JSON, BytesLike
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import CorruptCheckpoint, FormatError
 from tierckpt.jsonbound import JsonShape, loads_within, scan
+from tierckpt.layout import manifest_version, shard_file, shard_in_folder
 from tierckpt.tree import tree_side_table
 
 __all__ = [
@@ -68,6 +69,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+#: manifest versions this tierckpt reads: 1, and 2 (shard files under hashed prefixes,
+#: tierckpt.layout; the shard files themselves are version 1)
+MANIFEST_VERSIONS = (1, 2)
 ALIGNMENT = 4096
 FOOTER_SIZE = 64
 MAGIC = b"TIERCKPT"
@@ -194,8 +198,11 @@ def step_prefix(step: int, *, timeline: int = 0) -> str:
     return f"{DATA_DIR}/{_check_step(step):012d}{_suffix(timeline)}/"
 
 
-def shard_name(step: int, rank: int, *, timeline: int = 0) -> str:
-    return f"{step_prefix(step, timeline=timeline)}rank-{rank:06d}.tck"
+def shard_name(step: int, rank: int, *, timeline: int = 0, prefixes: int = 1) -> str:
+    """Rank ``rank``'s shard file: format v2 over ``prefixes`` hashed prefixes (1, the
+    default of RAM and local tiers, is ``00/steps/...``); ``prefixes=0``: the v1 name
+    ``steps/<step>/rank-<r>.tck``. See :mod:`tierckpt.layout`."""
+    return shard_file(step_prefix(step, timeline=timeline), rank, prefixes)
 
 
 def rank_record_name(step: int, rank: int, *, timeline: int = 0) -> str:
@@ -605,9 +612,13 @@ class Manifest:
 
 
 def encode_manifest(m: Manifest) -> bytes:
+    # format v2 (hashed prefixes, tierckpt.layout) only where a file has a v2 name
+    version = manifest_version(
+        [s.file for s in m.shards], step_prefix(m.step, timeline=m.timeline)
+    )
     body: dict[str, JSON] = {
         "format": "tierckpt-manifest",
-        "version": FORMAT_VERSION,
+        "version": version,
         "step": m.step,
         "world_size": m.world_size,
         "created": m.created,
@@ -672,8 +683,12 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest holds values JSON cannot carry ({exc})") from None
     if stored != checksum(canon.encode("utf-8")):
         raise CorruptCheckpoint(f"{where}: manifest checksum mismatch")
-    if body.get("version") != FORMAT_VERSION:
-        raise FormatError(f"{where}: unsupported manifest version {body.get('version')!r}")
+    version = body.get("version")
+    if version not in MANIFEST_VERSIONS:
+        raise FormatError(
+            f"{where}: unsupported manifest version {version!r}; this tierckpt reads versions "
+            f"{', '.join(map(str, MANIFEST_VERSIONS))} (upgrade tierckpt)"
+        )
     step = _check_step(body.get("step"))
     timeline = body.get("timeline", 0)
     if type(timeline) is not int or not 0 <= timeline <= MAX_TIMELINE:
@@ -694,10 +709,10 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
             raise FormatError(f"{where}: bad or duplicate shard rank {rank!r}")
         seen.add(rank)
         file = validate_name(s.get("file"))  # type: ignore[arg-type]
-        if not file.startswith(step_prefix(step, timeline=timeline)):
+        if not shard_in_folder(file, step_prefix(step, timeline=timeline), version):
             raise FormatError(
                 f"{where}: shard file {file!r} is outside step {step}'s folder "
-                f"({step_prefix(step, timeline=timeline)})"
+                f"({'' if version == 1 else '<hh>/'}{step_prefix(step, timeline=timeline)})"
             )
         size = s.get("size")
         if type(size) is not int or not FOOTER_SIZE <= size <= 1 << 50:

@@ -92,8 +92,10 @@ from tierckpt.format import (
     encode_index,
     manifest_name,
     shard_name,
+    step_prefix,
 )
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.layout import prefixes_for, shard_file
 from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
 from tierckpt.plan import ChunkPlan, CollectedState, ShardLayout, layout_plan
 from tierckpt.policy import TierSpec, resolve_codec
@@ -262,6 +264,12 @@ class SaveJob:
     def shard(self) -> str:
         """This rank's shard file name."""
         return shard_name(self.step, self.rank, timeline=self.timeline)
+
+    def shard_on(self, tier: Tier) -> str:
+        """This rank's shard file name on ``tier``: format v2 (hashed prefixes) unless the
+        tier's ``prefixes`` knob is 0 (see tierckpt.layout)."""
+        prefixes = prefixes_for(tier.spec.prefixes, remote=tier.backend.is_remote)
+        return shard_file(step_prefix(self.step, timeline=self.timeline), self.rank, prefixes)
 
 
 @dataclass
@@ -1052,7 +1060,7 @@ class Pipeline:
                 f"({tier.backend.url}); refusing to overwrite it — save under another step or "
                 "delete the old one first (tierckpt gc)"
             )
-        tw.writer = tier.backend.open_writer(job.shard)
+        tw.writer = tier.backend.open_writer(job.shard_on(tier))
         tw.emit = self._emitter(job.step, tier.name)
 
     def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
@@ -1133,11 +1141,11 @@ class Pipeline:
         tw.write_seconds += seconds
         if tw.emit is not None:
             tw.emit("sync", size, seconds)
-        self._source_done(tier, job, (job.shard, tw.records, tw.codecs), None)
+        self._source_done(tier, job, (job.shard_on(tier), tw.records, tw.codecs), None)
         if isinstance(tier.codec, SupportsObserve):  # the auto policy learns the link's speed
             tier.codec.observe(tw.stored, tw.write_seconds)
         tw.writer = None
-        ref = ShardRef(job.rank, job.shard, size, footer.index_checksum)
+        ref = ShardRef(job.rank, job.shard_on(tier), size, footer.index_checksum)
         key = (job.step, tier.name)
         with self._lock:  # the exit handler abandons under the same lock: commit or abandon
             if self._abandoned:

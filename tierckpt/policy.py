@@ -43,6 +43,7 @@ from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
+from tierckpt.layout import check_prefixes
 from tierckpt.redact import redact, refuse_credentials
 
 __all__ = ["LocalTier", "MemoryTier", "S3Tier", "TierPolicy", "TierSpec", "resolve_codec"]
@@ -61,6 +62,10 @@ class TierSpec:
     source: str | None = None
     #: keyword-only, so subclasses' own positional fields keep their places
     max_behind: int = field(default=2, kw_only=True)
+    #: format v2: spread each step's files over this many hashed key prefixes (1..256);
+    #: None: 256 on S3, 1 elsewhere; 0: format v1 names (one folder per step), which
+    #: tierckpt before v2 can read. See tierckpt.layout and docs/scale.md.
+    prefixes: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -73,6 +78,11 @@ class TierSpec:
             raise ValueError(f"tier {self.name!r}: source must be a tier name or None")
         if type(self.max_behind) is not int or self.max_behind < 1:
             raise ValueError(f"tier {self.name!r}: max_behind must be an int >= 1")
+        if self.prefixes is not None:
+            try:
+                check_prefixes(self.prefixes)
+            except ValueError as exc:
+                raise ValueError(f"tier {self.name!r}: {exc}") from None
 
     def make_backend(self) -> Backend:
         raise NotImplementedError
@@ -110,10 +120,12 @@ class LocalTier(TierSpec):
         name: str = "local",
         source: str | None = None,
         max_behind: int = 2,
+        prefixes: int | None = None,
     ) -> None:
         object.__setattr__(self, "path", os.fspath(path))
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
         object.__setattr__(self, "every", every)
@@ -143,11 +155,13 @@ class S3Tier(TierSpec):
         name: str = "s3",
         source: str | None = None,
         max_behind: int = 2,
+        prefixes: int | None = None,
         **options: Any,
     ) -> None:
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "options", dict(options))
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)

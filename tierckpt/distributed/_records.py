@@ -114,7 +114,7 @@ def decode_record(data: bytes, *, where: str) -> RankRecord:
         timeline=_timeline_field(body, where),
     )
     if not 0 <= rec.rank < rec.world_size or rec.file != shard_name(
-        rec.step, rec.rank, timeline=rec.timeline
+        rec.step, rec.rank, timeline=rec.timeline, prefixes=0
     ):
         raise FormatError(f"{where}: record names rank {rec.rank} / file {rec.file!r}")
     if not _HEX16.match(rec.index_checksum) or not _ATTEMPT.match(rec.attempt):
