@@ -18,7 +18,7 @@ from helpers import assert_same, trained_state
 import tierckpt
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.cli import build_parser, main
-from tierckpt.format import manifest_name, shard_name, step_prefix
+from tierckpt.format import manifest_name, shard_name
 from tierckpt.testing.s3servers import S3Server
 
 COMMANDS = ["ls", "inspect", "verify", "pull", "push", "gc", "export", "bench", "demo"]

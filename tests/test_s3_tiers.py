@@ -15,8 +15,8 @@ import torch
 from helpers import assert_same, trained_state
 
 from tierckpt import Checkpointer, CheckpointFailed, LocalTier, MemoryTier, S3Tier
-from tierckpt.testing.faultproxy import Fault, FaultProxy
 from tierckpt.format import shard_name
+from tierckpt.testing.faultproxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.s3
 

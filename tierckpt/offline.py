@@ -47,6 +47,7 @@ from tierckpt.format import (
     manifest_name,
     tree_args,
 )
+from tierckpt.layout import data_folder_part
 from tierckpt.lease import LeaseRecord, lease_name, list_leases, owner_status
 from tierckpt.redact import redact
 from tierckpt.restore import read_index, read_manifest
@@ -568,6 +569,9 @@ def gc(
     if abort_incomplete:
         backend.cleanup_incomplete("steps/")
         backend.cleanup_incomplete("manifests/")
+        for name in backend.incomplete(""):  # format v2: under hashed prefixes <hh>/steps/
+            if data_folder_part(name) != name:
+                backend.cleanup_incomplete(name)
     return plan
 
 

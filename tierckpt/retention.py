@@ -15,7 +15,6 @@ from collections.abc import Collection
 
 from tierckpt.backends.base import Backend
 from tierckpt.catalog import committed_ids, data_ids
-from tierckpt.layout import data_folder_part
 from tierckpt.format import (
     MANIFEST_DIR,
     CheckpointId,
@@ -23,6 +22,7 @@ from tierckpt.format import (
     parse_manifest_id,
     step_prefix,
 )
+from tierckpt.layout import data_folder_part
 
 __all__ = [
     "delete_checkpoint",

@@ -70,7 +70,8 @@ def publish_repopulated(loaded: LoadedShard | None, *, tiers: Sequence[Tier], ra
                 # folders belong in TIERCKPT_PRIVATE_TIERS)
                 # the manifest's folders: one in format v1, the hashed ones in v2
                 there: set[str] = set()
-                for folder in sorted({f.file.rsplit("/", 1)[0] + "/" for f in loaded.manifest.shards}):
+                shards = loaded.manifest.shards
+                for folder in sorted({f.file.rsplit("/", 1)[0] + "/" for f in shards}):
                     there.update(t.backend.list(folder))
                 absent = [r.rank for r in loaded.manifest.shards if r.file not in there]
                 if absent:
