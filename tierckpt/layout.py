@@ -115,8 +115,7 @@ def record_name(
 ) -> str:
     """A v2 completion record's name: its fields are in it (see the module docstring)."""
     leaf = (
-        f"rank-{rank:06d}.done.{size}.{index_checksum}.{raw_bytes}.{stored_bytes}."
-        f"{codec}.{attempt}"
+        f"rank-{rank:06d}.done.{size}.{index_checksum}.{raw_bytes}.{stored_bytes}.{codec}.{attempt}"
     )
     if _RECORD.match(leaf) is None:
         raise FormatError(f"cannot name the completion record {leaf!r} (malformed field)")

@@ -771,6 +771,27 @@ class S3Backend(Backend):
                 log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
         return sorted(names)
 
+    def list_after(self, prefix: str, start_after: str = "") -> builtins.list[str]:
+        """ListObjectsV2 with ``StartAfter``: the server skips every key up to it."""
+        if not start_after:
+            return self.list(prefix)
+        cut = len(self._root)
+        names = []
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._root + prefix, StartAfter=self._root + start_after
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rel = str(obj["Key"])[cut:]
+                    try:
+                        names.append(validate_name(rel))
+                    except FormatError:
+                        log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._translate(exc, "list_objects_v2", prefix) from exc
+        return sorted(names)
+
     def delete(self, name: str) -> None:
         try:
             self._call("delete_object", self._key(name))

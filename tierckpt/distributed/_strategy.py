@@ -16,6 +16,12 @@ from tierckpt import config
 from tierckpt.commit import Defer, SaveStart
 from tierckpt.distributed._agree import agree_on_step
 from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
+from tierckpt.distributed._listcommit import (
+    listed_failure_name,
+    tier_prefixes,
+    wait_for_listed_records,
+    write_listed_record,
+)
 from tierckpt.distributed._private import (
     _commit_private,
     _publish_private,
@@ -68,9 +74,13 @@ def report_failure(tier: Tier, job: SaveJob, error: BaseException) -> None:
         body = encode_failure(
             job.step, job.rank, job.attempt, tier.name, _describe(error), timeline=job.timeline
         )
-        tier.backend.put_atomic(
-            rank_failure_name(job.step, job.rank, timeline=job.timeline), body, overwrite=True
+        prefixes = tier_prefixes(tier)
+        name = (
+            listed_failure_name(job.step, job.rank, prefixes, timeline=job.timeline)
+            if prefixes
+            else rank_failure_name(job.step, job.rank, timeline=job.timeline)
         )
+        tier.backend.put_atomic(name, body, overwrite=True)
     except Exception as exc:  # never mask the save's own error
         log.warning(
             "step %d tier %s: could not report rank %d's failure to the other ranks (%s); "
@@ -198,19 +208,34 @@ class MultiRankCommit:
         if is_private_tier(tier):
             st = _publish_private(tier, job, rec)
             return self._defer(lambda: _commit_private(tier, job, st))
-        _write_record(tier.backend, rec)
+        prefixes = tier_prefixes(tier)
+        if prefixes:  # format v2: the record's fields in its name, rank 0 only LISTs
+            write_listed_record(tier.backend, rec, prefixes)
+        else:
+            _write_record(tier.backend, rec)
         if job.rank != 0:
             return None
 
         def wait_and_commit() -> None:
-            records = wait_for_records(
-                tier.backend,
-                tier.name,
-                job.step,
-                job.world_size,
-                job.attempt,
-                timeline=job.timeline,
-            )
+            if prefixes:
+                records = wait_for_listed_records(
+                    tier.backend,
+                    tier.name,
+                    job.step,
+                    job.world_size,
+                    job.attempt,
+                    prefixes,
+                    timeline=job.timeline,
+                )
+            else:
+                records = wait_for_records(
+                    tier.backend,
+                    tier.name,
+                    job.step,
+                    job.world_size,
+                    job.attempt,
+                    timeline=job.timeline,
+                )
             _put_manifest(tier.backend, _manifest(tier.name, job, records))
 
         return self._defer(wait_and_commit)
