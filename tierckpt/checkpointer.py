@@ -44,7 +44,6 @@ from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.restore import (
     LoadedShard,
     is_recoverable,
-    read_manifest,
     read_shard,
     restore_into,
 )
@@ -616,7 +615,7 @@ class Checkpointer(PipelineOwner):
 
     def _load_from(self, tier: Tier, cid: CheckpointId) -> LoadedShard:
         step = cid.step
-        manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
+        manifest = self._strategy.read_manifest(tier, cid)  # multi-rank: once per node
         if manifest.world_size != self.world_size:
             raise TierCkptError(
                 f"{cid} was saved by {manifest.world_size} ranks, this job has "
