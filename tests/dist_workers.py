@@ -835,3 +835,26 @@ if __name__ == "__main__":
     import dist_workers
 
     sys.exit(dist_workers.main(sys.argv[1:]))
+
+
+# -- scale: format v2, LIST-only commit, one manifest read per node (tests/test_scale.py) ----
+
+
+def w_scale_native(rank: int, world: int, s3: dict[str, str], per_node: int) -> dict[str, Any]:
+    """Save two steps to S3 (format v2, 16 prefixes) and load the newest; the ranks form
+    nodes of ``per_node`` (TIERCKPT_NODE), whose leaders alone read the manifest."""
+    os.environ["TIERCKPT_NODE"] = f"node-{rank // per_node}"
+    tier = S3Tier(
+        f"s3://{s3['bucket']}/run", endpoint_url=s3["endpoint"], keep_last=None, prefixes=16
+    )
+    with (
+        tdist.knobs(commit_timeout=60, poll_max=0.2),
+        Checkpointer([tier], host_buffer_bytes=16 << 20, chunk_bytes=64 << 10) as ck,
+    ):
+        for step in (1, 2):
+            ck.save(rank_state(rank, step), step).wait(timeout=60)
+            tdist.wait_committed(ck.backend("s3"), step, timeout=60)
+        dist.barrier()
+        got = ck.load()
+        dist.barrier()
+        return {"diff": same(got, rank_state(rank, 2)), "steps": ck.steps()}

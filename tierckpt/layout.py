@@ -35,6 +35,7 @@ __all__ = [
     "MAX_PREFIXES",
     "ListedRecord",
     "data_folder_part",
+    "describe",
     "hash_prefix",
     "manifest_version",
     "parse_record_name",
@@ -175,3 +176,12 @@ def manifest_version(files: list[str], folder: str) -> int:
     """The format version of a manifest listing ``files``: 1 when every file is in the v1
     step folder (so a checkpoint written with v1 names stays byte for byte v1), else 2."""
     return 1 if all(f.startswith(folder) for f in files) else 2
+
+
+def describe(files: list[str], folder: str) -> str:
+    """How a manifest's files are named, for people: ``format v1`` or ``format v2, N
+    prefixes used``."""
+    if manifest_version(files, folder) == 1:
+        return "format v1"
+    used = {f[:2] for f in files if _HH.match(f)}
+    return f"format v2, {len(used)} prefix{'es' if len(used) != 1 else ''} used"

@@ -1,0 +1,138 @@
+"""Format v2 at scale (docs/scale.md): shard files and records spread over hashed prefixes,
+rank 0 commits from LIST pages alone, the manifest is read once per node at load.
+
+The request counts come from the fault proxy (no faults), so they are the server's view: a
+simulation of many ranks as threads through the real commit code (tierckpt/bench/scale.py,
+also behind benchmarks/bench_scale.py), and real gloo processes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dist_workers
+import pytest
+
+from tierckpt.bench.scale import classify, run_scale
+from tierckpt.layout import hash_prefix
+from tierckpt.testing.faultproxy import FaultProxy
+from tierckpt.testing.s3servers import S3Server
+
+
+def _empty_bucket(server: S3Server, bucket: str) -> None:
+    admin = server.admin
+    for page in admin.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            admin.delete_object(Bucket=bucket, Key=o["Key"])
+    admin.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def weed_bucket(seaweedfs_server: S3Server) -> Iterator[str]:
+    bucket = f"tierckpt-scale-{secrets.token_hex(4)}"
+    seaweedfs_server.admin.create_bucket(Bucket=bucket)
+    yield bucket
+    _empty_bucket(seaweedfs_server, bucket)
+
+
+@pytest.mark.s3
+def test_v2_commit_lists_only_spreads_writes_and_reads_the_manifest_once_per_node(
+    seaweedfs_server: S3Server, weed_bucket: str
+) -> None:
+    ranks, prefixes, per_node = 48, 16, 8
+    r = run_scale(
+        seaweedfs_server.endpoint_url,
+        weed_bucket,
+        ranks=ranks,
+        prefixes=prefixes,
+        ranks_per_node=per_node,
+        workers=16,
+    )
+    # rank 0 learned every record from LIST pages: no GET of a record at all
+    assert r.record_gets == 0 and r.requests.get("GET", 0) == 0
+    assert r.requests.get("LIST", 0) >= 1
+    # each rank's shard and record under its own hashed prefix, the manifest in manifests/
+    expect = Counter(hash_prefix(rank, prefixes) for rank in range(ranks))
+    assert r.writes_by_prefix == {**{hh: 2 * n for hh, n in expect.items()}, "manifests": 1}
+    assert r.max_write_share == max(expect.values()) * 2 / (2 * ranks + 1)
+    # at load the leader of each node of 8 read the manifest, where every rank read it twice
+    assert r.nodes == ranks // per_node == 6
+    assert r.manifest_gets_per_node_load == 6
+    assert r.manifest_gets_per_rank_load == 2 * ranks
+
+
+@pytest.mark.s3
+def test_v1_commit_reads_every_record_from_one_prefix(
+    seaweedfs_server: S3Server, weed_bucket: str
+) -> None:
+    """The baseline the v2 counts are measured against (format v1 names, prefixes=0)."""
+    ranks = 48
+    r = run_scale(seaweedfs_server.endpoint_url, weed_bucket, ranks=ranks, prefixes=0, workers=16)
+    assert r.record_gets == ranks  # rank 0 GETs every record, its own included
+    assert r.writes_by_prefix == {"steps": 2 * ranks, "manifests": 1}
+
+
+@pytest.mark.distributed
+@pytest.mark.s3
+def test_gloo_ranks_commit_by_listing_and_read_the_manifest_once_per_node(
+    moto_server: S3Server, s3_bucket: Callable[[S3Server], str]
+) -> None:
+    """4 real processes, 2 simulated nodes of 2 (TIERCKPT_NODE): the commit GETs no record,
+    and a load reads the manifest twice (once per node), not 4 or 8 times."""
+    bucket = s3_bucket(moto_server)
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        s3 = {"bucket": bucket, "endpoint": proxy.endpoint_url}
+        res = dist_workers.run("w_scale_native", 4, s3=s3, per_node=2, timeout=180)
+        seen = [classify(rec, bucket) for rec in proxy.requests]
+    assert all(r["diff"] == [] and r["steps"] == [1, 2] for r in res)
+    record_gets = [rel for kind, _top, rel in seen if kind == "GET" and "/records/" in rel]
+    manifest_gets = [rel for kind, top, rel in seen if kind == "GET" and top == "manifests"]
+    assert record_gets == []
+    assert len(manifest_gets) == 2, manifest_gets
+    tops = {top for kind, top, _rel in seen if kind in ("PUT", "CreateMPU") and top != "leases"}
+    assert {hash_prefix(rank, 16) for rank in range(4)} <= tops
+
+
+@pytest.fixture(scope="module")
+def dcp_saved_v2(moto_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    root = tmp_path_factory.mktemp("dcp-v2")
+    bucket = f"tierckpt-dcpv2-{secrets.token_hex(4)}"
+    moto_server.admin.create_bucket(Bucket=bucket)
+    s3 = {"bucket": bucket, "endpoint": moto_server.endpoint_url}
+    dist_workers.run("w_dcp_save", 4, root=str(root), s3=s3, step=10, timeout=150)
+    yield {"root": str(root), "s3": s3, "bucket": bucket}
+    _empty_bucket(moto_server, bucket)
+
+
+@pytest.mark.distributed
+@pytest.mark.s3
+def test_dcp_saved_by_4_gloo_ranks_in_v2_loads_onto_2_bit_exact(
+    moto_server: Any, dcp_saved_v2: dict[str, Any]
+) -> None:
+    import json
+
+    bucket = dcp_saved_v2["bucket"]
+    body = json.loads(
+        moto_server.admin.get_object(Bucket=bucket, Key="dcp/manifests/step-000000000010.json")[
+            "Body"
+        ].read()
+    )
+    # format v2 on S3: every rank's file under its hashed prefix
+    assert body["version"] == 2
+    assert [s["file"] for s in body["shards"]] == [
+        f"{hash_prefix(r, 256)}/steps/000000000010/rank-{r:06d}.tck" for r in range(4)
+    ]
+    res = dist_workers.run(
+        "w_dcp_load",
+        2,
+        root=dcp_saved_v2["root"],
+        s3=dcp_saved_v2["s3"],
+        steps=[10],
+        source="s3",
+        timeout=150,
+    )
+    assert res[0]["diff-10"] == []  # resharded 4 -> 2, equal to the unsharded state
+    assert all(r["extra-10"] == {"epoch": 3, "tag": "run-a"} for r in res)
