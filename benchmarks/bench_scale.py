@@ -25,7 +25,7 @@ import sys
 import tempfile
 import uuid
 
-from tierckpt.bench.scale import ScaleResult, run_scale
+from tierckpt.bench.scale import ScaleResult, request_costs, run_scale
 from tierckpt.testing.s3servers import start_seaweedfs
 
 
@@ -51,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="N = 64, 1 repeat")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--costs", action="store_true", help="also time one request of each kind")
     args = ap.parse_args(argv)
     sizes = [64] if args.quick else [int(x) for x in args.ranks.split(",")]
     repeats = 1 if args.quick else args.repeats
     results: list[ScaleResult] = []
+    costs: dict[str, float] = {}
     missed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         server = start_seaweedfs(tmp)
@@ -78,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(r)
                     if prefixes and n >= 1024:
                         missed += [f"N={n}: {m}" for m in check(r)]
+            if args.costs or not args.quick:
+                bucket = f"scale-{uuid.uuid4().hex[:10]}"
+                server.admin.create_bucket(Bucket=bucket)
+                costs = request_costs(server.endpoint_url, bucket)
+                print("median seconds per request (one client):")
+                for kind, sec in costs.items():
+                    print(f"  {kind:<30} {sec * 1000:7.1f} ms")
         finally:
             server.stop()
     print()
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.as_dict() for r in results], f, indent=1)
+            json.dump({"runs": [r.as_dict() for r in results], "costs": costs}, f, indent=1)
     for m in missed:
         print("MISSED:", m)
     return 1 if missed else 0

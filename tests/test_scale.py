@@ -136,3 +136,35 @@ def test_dcp_saved_by_4_gloo_ranks_in_v2_loads_onto_2_bit_exact(
     )
     assert res[0]["diff-10"] == []  # resharded 4 -> 2, equal to the unsharded state
     assert all(r["extra-10"] == {"epoch": 3, "tag": "run-a"} for r in res)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(("local_ranks", "most"), [("8", 2), ("", 8)])
+def test_a_rank_reads_with_at_most_its_share_of_the_nodes_connections(
+    moto_server: S3Server,
+    s3_bucket: Callable[[S3Server], str],
+    monkeypatch: pytest.MonkeyPatch,
+    local_ranks: str,
+    most: int,
+) -> None:
+    """8 ranks on a node with a budget of 16 connections: each reads with at most 2 ranged
+    GETs at once (alone on its node: the backend's 8 readers)."""
+    from tierckpt.backends.s3 import S3Backend
+    from tierckpt.testing.faultproxy import Fault
+
+    bucket = s3_bucket(moto_server)
+    monkeypatch.setenv("TIERCKPT_NODE_S3_CONNECTIONS", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    part = 5 << 20
+    data = bytes(range(256)) * (16 * part // 256)
+    moto_server.admin.put_object(Bucket=bucket, Key="run/big", Body=data)
+    # every GET waits a little, so that those issued together are in flight together
+    with FaultProxy(moto_server.endpoint_url, [Fault("delay", method="GET", seconds=0.2)]) as p:
+        b = S3Backend(f"s3://{bucket}/run", endpoint_url=p.endpoint_url, part_size=part)
+        try:
+            out = bytearray(len(data))
+            b.read_into("big", 0, memoryview(out))
+        finally:
+            b.close()
+        assert out == data
+        assert p.max_in_flight == most

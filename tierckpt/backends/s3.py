@@ -61,6 +61,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
+from tierckpt.config import s3_read_concurrency
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact, refuse_credentials, scrub_exception
 
@@ -384,6 +385,7 @@ class S3Backend(Backend):
         read_timeout: float = 15,
         client: Any = None,
         conditional_put: bool | None = None,
+        read_concurrency: int | None = None,
     ) -> None:
         if not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
             raise FormatError(
@@ -427,6 +429,9 @@ class S3Backend(Backend):
         self._conditional = conditional_put
         self._probe_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrency)
+        # ranged GETs at once: this rank's share of its node's budget (tierckpt.config)
+        self.read_concurrency = s3_read_concurrency(read_concurrency)
+        self._read_slots = threading.BoundedSemaphore(self.read_concurrency)
         self._buffers = _PartBuffers(part_size, keep=max_concurrency + 1)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -675,6 +680,12 @@ class S3Backend(Backend):
             raise errors[0]
 
     def _get_range(self, key: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``key`` from ``start``, at most ``read_concurrency``
+        at once (the rank's share of its node's connections)."""
+        with self._read_slots:
+            self._get_range_now(key, start, out)
+
+    def _get_range_now(self, key: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``key`` from ``start``; resume a cut-off body."""
         need, got, attempt = len(out), 0, 0
         while got < need:

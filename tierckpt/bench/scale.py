@@ -332,3 +332,46 @@ def _load(
 
     with ThreadPoolExecutor(16, thread_name_prefix="scale-load") as pool:
         list(pool.map(node_work, range(len(tiers))))
+
+
+def request_costs(upstream: str, bucket: str, *, samples: int = 30) -> dict[str, float]:
+    """Median seconds of one request of each kind the commit makes, on this server, from one
+    client (through the counting proxy, as in :func:`run_scale`): a record PUT (~300 B), a
+    GET of one, a HEAD, a LIST page of 1,000 keys, a LIST of a 32-key folder, and a LIST past
+    ``StartAfter`` that returns nothing (rank 0's poll of a complete prefix)."""
+    out: dict[str, list[float]] = {}
+    body = b"x" * 300
+    with FaultProxy(upstream) as proxy:
+        b = S3Backend(
+            f"s3://{bucket}/costs", endpoint_url=proxy.endpoint_url, conditional_put=False
+        )
+        try:
+            with ThreadPoolExecutor(32) as pool:
+                list(
+                    pool.map(
+                        lambda i: b.put_atomic(f"big/k-{i:05d}", body, overwrite=True), range(1000)
+                    )
+                )
+                list(
+                    pool.map(
+                        lambda i: b.put_atomic(f"small/k-{i:05d}", body, overwrite=True), range(32)
+                    )
+                )
+
+            def timed(kind: str, fn: Any) -> None:
+                t0 = time.perf_counter()
+                fn()
+                out.setdefault(kind, []).append(time.perf_counter() - t0)
+
+            for i in range(samples):
+                key = f"small/k-{i % 32:05d}"
+                timed("PUT record", lambda: b.put_atomic("rec/k", body, overwrite=True))
+                timed("GET record", lambda k=key: b.get(k))  # type: ignore[misc]
+                timed("HEAD", lambda k=key: b.size(k))  # type: ignore[misc]
+                timed("LIST 32 keys", lambda: b.list("small/"))
+                timed("LIST past StartAfter, empty", lambda: b.list_after("small/", "small/k-~"))
+                if i < 10:
+                    timed("LIST 1,000 keys (1 page)", lambda: b.list("big/"))
+        finally:
+            b.close()
+    return {k: statistics.median(v) for k, v in out.items()}
