@@ -40,6 +40,7 @@ __all__ = [
     "knobs_markdown",
     "lease_ttl_s",
     "lease_wait_s",
+    "node_name",
     "private_tiers",
     "resolve_writer_config",
     "s3_endpoint_url",
@@ -147,6 +148,14 @@ KNOBS: tuple[Knob, ...] = (
         "int >= 1 each",
         "restore: the node's budget of concurrent S3 GETs, shared by the ranks on the node "
         "(LOCAL_WORLD_SIZE, set by torchrun): a rank issues at most budget // ranks at once",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_NODE",
+        "the host name",
+        "string",
+        "multi-rank load: which node this rank is on; the node's lowest rank reads each "
+        "manifest and shares it with the node's ranks",
     ),
     Knob(
         "",
@@ -374,6 +383,11 @@ def s3_read_concurrency(arg: int | None = None) -> int:
     budget = _env_int("TIERCKPT_NODE_S3_CONNECTIONS", 1) or DEFAULT_NODE_S3_CONNECTIONS
     local = _env_int("LOCAL_WORLD_SIZE", 1) or 1
     return max(1, budget // local)
+
+
+def node_name() -> str | None:
+    """``TIERCKPT_NODE`` (None when unset: the host name tells the nodes apart)."""
+    return _raw("TIERCKPT_NODE")
 
 
 def private_tiers() -> frozenset[str]:

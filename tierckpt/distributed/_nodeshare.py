@@ -16,11 +16,11 @@ is the real one (node groups from ``TIERCKPT_NODE`` or the host name, made once 
 from __future__ import annotations
 
 import json
-import os
 import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tierckpt import config
 from tierckpt.errors import (
     BackendError,
     CheckpointNotFound,
@@ -63,7 +63,7 @@ class NodeComm(Protocol):
 
 def node_key() -> str:
     """Which node this process is on: ``TIERCKPT_NODE`` if set, else the host name."""
-    return os.environ.get("TIERCKPT_NODE") or socket.gethostname()
+    return config.node_name() or socket.gethostname()
 
 
 class TorchNodeComm:
