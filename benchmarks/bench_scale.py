@@ -84,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                 bucket = f"scale-{uuid.uuid4().hex[:10]}"
                 server.admin.create_bucket(Bucket=bucket)
                 costs = request_costs(server.endpoint_url, bucket)
-                print("median seconds per request (one client):")
+                direct = request_costs(server.endpoint_url, bucket, through_proxy=False)
+                print("median per request, one client: through the proxy / straight to the server")
                 for kind, sec in costs.items():
-                    print(f"  {kind:<30} {sec * 1000:7.1f} ms")
+                    print(f"  {kind:<30} {sec * 1000:7.1f} ms / {direct[kind] * 1000:7.1f} ms")
+                costs = {**costs, **{f"{k} (direct)": v for k, v in direct.items()}}
         finally:
             server.stop()
     print()

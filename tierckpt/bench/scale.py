@@ -334,17 +334,19 @@ def _load(
         list(pool.map(node_work, range(len(tiers))))
 
 
-def request_costs(upstream: str, bucket: str, *, samples: int = 30) -> dict[str, float]:
+def request_costs(
+    upstream: str, bucket: str, *, samples: int = 30, through_proxy: bool = True
+) -> dict[str, float]:
     """Median seconds of one request of each kind the commit makes, on this server, from one
-    client (through the counting proxy, as in :func:`run_scale`): a record PUT (~300 B), a
+    client (through the counting proxy, as in :func:`run_scale`, or straight to the server
+    with ``through_proxy=False``): a record PUT (~300 B), a
     GET of one, a HEAD, a LIST page of 1,000 keys, a LIST of a 32-key folder, and a LIST past
     ``StartAfter`` that returns nothing (rank 0's poll of a complete prefix)."""
     out: dict[str, list[float]] = {}
     body = b"x" * 300
     with FaultProxy(upstream) as proxy:
-        b = S3Backend(
-            f"s3://{bucket}/costs", endpoint_url=proxy.endpoint_url, conditional_put=False
-        )
+        endpoint = proxy.endpoint_url if through_proxy else upstream
+        b = S3Backend(f"s3://{bucket}/costs", endpoint_url=endpoint, conditional_put=False)
         try:
             with ThreadPoolExecutor(32) as pool:
                 list(
