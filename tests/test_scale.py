@@ -9,6 +9,7 @@ also behind benchmarks/bench_scale.py), and real gloo processes.
 from __future__ import annotations
 
 import secrets
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +17,16 @@ from typing import Any
 import dist_workers
 import pytest
 
+from tierckpt import distributed as tdist
+from tierckpt.backends.memory import MemoryBackend
 from tierckpt.bench.scale import classify, run_scale
+from tierckpt.distributed._listcommit import (
+    listed_failure_name,
+    wait_for_listed_records,
+    write_listed_record,
+)
+from tierckpt.errors import CommitTimeout, RankFailed
+from tierckpt.format import shard_name
 from tierckpt.layout import hash_prefix
 from tierckpt.testing.faultproxy import FaultProxy
 from tierckpt.testing.s3servers import S3Server
@@ -168,3 +178,84 @@ def test_a_rank_reads_with_at_most_its_share_of_the_nodes_connections(
             b.close()
         assert out == data
         assert p.max_in_flight == most
+
+
+# -- the LIST-only wait in one process ---------------------------------------------------------
+
+
+class _Listing(MemoryBackend):
+    """Records every ``list_after`` (prefix, start_after) and every GET."""
+
+    def __init__(self) -> None:
+        super().__init__(f"listing-{secrets.token_hex(4)}")
+        self.lists: list[tuple[str, str]] = []
+        self.gets: list[str] = []
+
+    def list_after(self, prefix: str, start_after: str = "") -> list[str]:
+        self.lists.append((prefix, start_after))
+        return super().list_after(prefix, start_after)
+
+    def get(self, name: str) -> bytes:
+        self.gets.append(name)
+        return super().get(name)
+
+
+def _rec(rank: int, world: int, attempt: str, prefixes: int) -> tdist.RankRecord:
+    return tdist.RankRecord(
+        step=7,
+        rank=rank,
+        world_size=world,
+        attempt=attempt,
+        tier="s3",
+        file=shard_name(7, rank, prefixes=prefixes),
+        size=4160 + rank,
+        index_checksum=f"{rank:016x}",
+        raw_bytes=4096,
+        stored_bytes=4000,
+        codec="zstd",
+    )
+
+
+def test_listed_wait_ignores_other_attempts_lists_past_what_it_has_and_gets_nothing() -> None:
+    world, prefixes = 12, 4
+    b = _Listing()
+    for r in range(world):
+        write_listed_record(b, _rec(r, world, "old-1", prefixes), prefixes)  # a killed attempt
+    for r in range(world - 1):
+        write_listed_record(b, _rec(r, world, "new-2", prefixes), prefixes)
+    timer = threading.Timer(
+        0.3, lambda: write_listed_record(b, _rec(world - 1, world, "new-2", prefixes), prefixes)
+    )
+    with tdist.knobs(poll_initial=0.02, poll_max=0.05, commit_timeout=30):
+        timer.start()
+        got = wait_for_listed_records(b, "s3", 7, world, "new-2", prefixes)
+    assert [(r.rank, r.attempt, r.size, r.index_checksum) for r in got] == [
+        (r, "new-2", 4160 + r, f"{r:016x}") for r in range(world)
+    ]
+    assert all(r.file == shard_name(7, r.rank, prefixes=prefixes) for r in got)
+    assert b.gets == []  # everything came from the names
+    # later polls list only the prefix still missing a record, past its ranks seen before
+    last_hh = hash_prefix(world - 1, prefixes)
+    late = b.lists[-1]
+    assert late[0] == f"{last_hh}/steps/000000000007/records/"
+    before = [r for r in range(world - 1) if hash_prefix(r, prefixes) == last_hh]
+    if before:
+        assert late[1] == f"{late[0]}rank-{max(before):06d}.~"
+    assert {p for p, _ in b.lists[-2:]} == {late[0]}
+
+
+def test_listed_wait_stops_at_a_failure_record_of_this_attempt() -> None:
+    world, prefixes = 4, 2
+    b = _Listing()
+    write_listed_record(b, _rec(0, world, "a-1", prefixes), prefixes)
+    b.put_atomic(
+        listed_failure_name(7, 2, prefixes),
+        tdist.encode_failure(7, 2, "a-1", "s3", "disk full"),
+        overwrite=True,
+    )
+    with tdist.knobs(poll_initial=0.02, poll_max=0.05, commit_timeout=30):
+        with pytest.raises(RankFailed, match=r"rank\(s\) 2 .*disk full"):
+            wait_for_listed_records(b, "s3", 7, world, "a-1", prefixes)
+        # a failure of another attempt does not count: the wait times out naming the ranks
+        with tdist.knobs(commit_timeout=0.3), pytest.raises(CommitTimeout, match="1, 2, 3"):
+            wait_for_listed_records(b, "s3", 7, world, "b-2", prefixes)

@@ -97,6 +97,7 @@ def wait_for_listed_records(
     for r in range(world_size):
         groups.setdefault(hash_prefix(r, prefixes), []).append(r)
     cursor = dict.fromkeys(groups, 0)  # groups[hh][:cursor[hh]] all found
+    short_ranks = world_size <= 10**6
     found: dict[int, RankRecord] = {}
     polls = lists = 0
     pool = ThreadPoolExecutor(max(1, k.record_readers), thread_name_prefix="tierckpt-list")
@@ -108,7 +109,9 @@ def wait_for_listed_records(
             def one(hh: str) -> tuple[str, list[str]]:
                 base = record_folder(folder, hh)
                 c = cursor[hh]
-                after = f"{base}rank-{groups[hh][c - 1]:06d}.~" if c else ""
+                # keys sort by rank while ranks have 6 digits (rank 10^6 would sort before
+                # rank 999,999): past that, list the whole folder
+                after = f"{base}rank-{groups[hh][c - 1]:06d}.~" if c and short_ranks else ""
                 return hh, backend.list_after(base, after)
 
             listed = list(pool.map(one, pending))
