@@ -213,7 +213,7 @@ def tiers(
 
 def _prefixes(b: Any) -> int:
     """The hashed prefixes a tier of this backend writes by default (format v2)."""
-    return prefixes_for(None, remote=b.is_remote)
+    return prefixes_for(None)
 
 
 def _shared_backends(ck: Checkpointer) -> list[Any]:
@@ -468,9 +468,9 @@ def w_repopulate(rank: int, world: int, root: str, s3: dict[str, str] | None) ->
         dist.barrier()  # rank 0 has written the shared manifest before its load returned
         out["shared_steps"] = ck.steps("shared")
         out["private_steps"] = ck.steps("nvme")
-        # the copy keeps the source's (S3's) file name: format v2, 256 prefixes
+        # format v2: the file under its rank's hashed prefix
         out["private_files"] = sorted(
-            os.listdir(os.path.dirname(os.path.join(private, shard_name(2, rank, prefixes=256))))
+            os.listdir(os.path.dirname(os.path.join(private, shard_name(2, rank))))
         )
         ck.close()
         dist.barrier()

@@ -198,9 +198,9 @@ def step_prefix(step: int, *, timeline: int = 0) -> str:
     return f"{DATA_DIR}/{_check_step(step):012d}{_suffix(timeline)}/"
 
 
-def shard_name(step: int, rank: int, *, timeline: int = 0, prefixes: int = 1) -> str:
-    """Rank ``rank``'s shard file: format v2 over ``prefixes`` hashed prefixes (1, the
-    default of RAM and local tiers, is ``00/steps/...``); ``prefixes=0``: the v1 name
+def shard_name(step: int, rank: int, *, timeline: int = 0, prefixes: int = 256) -> str:
+    """Rank ``rank``'s shard file: format v2 over ``prefixes`` hashed prefixes (256: every
+    tier's default, ``<hh>/steps/...``); ``prefixes=0``: the v1 name
     ``steps/<step>/rank-<r>.tck``. See :mod:`tierckpt.layout`."""
     return shard_file(step_prefix(step, timeline=timeline), rank, prefixes)
 

@@ -30,8 +30,7 @@ import xxhash
 from tierckpt.errors import FormatError
 
 __all__ = [
-    "DEFAULT_LOCAL_PREFIXES",
-    "DEFAULT_REMOTE_PREFIXES",
+    "DEFAULT_PREFIXES",
     "MAX_PREFIXES",
     "ListedRecord",
     "data_folder_part",
@@ -49,10 +48,10 @@ __all__ = [
 
 #: ``hh`` is two hex digits: at most 256 prefixes
 MAX_PREFIXES = 256
-#: S3 (remote) tiers: every rank's files spread over all 256 prefixes
-DEFAULT_REMOTE_PREFIXES = 256
-#: RAM and local disks have no per-prefix request limit: one prefix (``00/``)
-DEFAULT_LOCAL_PREFIXES = 1
+#: every tier spreads its ranks' files over all 256 prefixes unless told otherwise (S3 needs
+#: it; on a local disk or in RAM it costs one folder per rank and step, and keeps the names
+#: of a checkpoint the same on every tier, so copies between tiers keep their names)
+DEFAULT_PREFIXES = 256
 
 _HH = re.compile(r"^([0-9a-f]{2})/")
 #: the record fields in its name; the codec id has no dots, so the attempt id (which may) is
@@ -74,12 +73,12 @@ def check_prefixes(prefixes: object) -> int:
     return prefixes
 
 
-def prefixes_for(configured: int | None, *, remote: bool) -> int:
-    """The number of hashed prefixes a tier writes: its ``prefixes`` knob, else 256 on a
-    remote (S3) tier and 1 elsewhere. 0 means format v1 names."""
+def prefixes_for(configured: int | None) -> int:
+    """The number of hashed prefixes a tier writes: its ``prefixes`` knob, else 256. 0 means
+    format v1 names."""
     if configured is not None:
         return check_prefixes(configured)
-    return DEFAULT_REMOTE_PREFIXES if remote else DEFAULT_LOCAL_PREFIXES
+    return DEFAULT_PREFIXES
 
 
 def hash_prefix(rank: int, prefixes: int) -> str:

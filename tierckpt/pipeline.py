@@ -268,7 +268,7 @@ class SaveJob:
     def shard_on(self, tier: Tier) -> str:
         """This rank's shard file name on ``tier``: format v2 (hashed prefixes) unless the
         tier's ``prefixes`` knob is 0 (see tierckpt.layout)."""
-        prefixes = prefixes_for(tier.spec.prefixes, remote=tier.backend.is_remote)
+        prefixes = prefixes_for(tier.spec.prefixes)
         return shard_file(step_prefix(self.step, timeline=self.timeline), self.rank, prefixes)
 
 

@@ -63,8 +63,8 @@ class TierSpec:
     #: keyword-only, so subclasses' own positional fields keep their places
     max_behind: int = field(default=2, kw_only=True)
     #: format v2: spread each step's files over this many hashed key prefixes (1..256);
-    #: None: 256 on S3, 1 elsewhere; 0: format v1 names (one folder per step), which
-    #: tierckpt before v2 can read. See tierckpt.layout and docs/scale.md.
+    #: None: 256; 0: format v1 names (one folder per step), which tierckpt before v2 can
+    #: read. See tierckpt.layout and docs/scale.md.
     prefixes: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:

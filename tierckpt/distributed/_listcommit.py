@@ -52,7 +52,7 @@ log = logging.getLogger("tierckpt")
 
 def tier_prefixes(tier: Tier) -> int:
     """The hashed prefixes ``tier`` writes (0: format v1 names, the GET-based commit)."""
-    return prefixes_for(tier.spec.prefixes, remote=tier.backend.is_remote)
+    return prefixes_for(tier.spec.prefixes)
 
 
 def write_listed_record(backend: Backend, rec: RankRecord, prefixes: int) -> None:
