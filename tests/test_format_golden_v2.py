@@ -14,7 +14,17 @@ from helpers import assert_same
 
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.cli import main as cli_main
-from tierckpt.format import FOOTER_SIZE, Footer, decode_manifest
+from tierckpt.errors import FormatError
+from tierckpt.format import (
+    FOOTER_SIZE,
+    Footer,
+    Manifest,
+    ShardRef,
+    checksum,
+    decode_manifest,
+    encode_manifest,
+    shard_name,
+)
 from tierckpt.layout import hash_prefix
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -59,3 +69,44 @@ def test_v1_and_v2_side_by_side_and_inspect_says_which(
     assert cli_main(["inspect", str(tmp_path / "again")]) == 0
     out = capsys.readouterr().out
     assert ("format v1" if version == 1 else "format v2, 1 prefix used") in out
+
+
+def _v2_manifest(files: list[str]) -> bytes:
+    m = Manifest(
+        step=7,
+        world_size=len(files),
+        shards=tuple(ShardRef(r, f, 4096, "0123456789abcdef") for r, f in enumerate(files)),
+        created=1.0,
+        library_version="t",
+    )
+    return encode_manifest(m)
+
+
+@pytest.mark.parametrize(
+    ("file", "why"),
+    [
+        ("ab/steps/000000000001/rank-000000.tck", "outside step 7's folder"),  # another step
+        ("zz/steps/000000000007/rank-000000.tck", "outside step 7's folder"),  # not 2 hex digits
+        ("abc/steps/000000000007/rank-000000.tck", "outside step 7's folder"),
+        ("ab/../steps/000000000007/rank-000000.tck", "invalid object name"),
+        ("ab/steps/000000000007/../../../evil.tck", "invalid object name"),
+    ],
+)
+def test_v2_manifest_names_are_validated(file: str, why: str) -> None:
+    """A v2 manifest's files must be ``<2 hex digits>/<the checkpoint's folder>...``, every
+    component of the fixed pattern: a hostile name is refused, never followed."""
+    good = shard_name(7, 1, prefixes=16)
+    assert decode_manifest(_v2_manifest([good]), where="t").shards[0].file == good
+    body = json.loads(_v2_manifest([good]))
+    body["shards"][0]["file"] = file
+    body.pop("checksum")
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    body["checksum"] = checksum(canon.encode())
+    with pytest.raises(FormatError, match=why):
+        decode_manifest(json.dumps(body).encode(), where="t")
+
+
+def test_v1_named_checkpoint_stays_byte_for_byte_v1() -> None:
+    """``prefixes=0``: the manifest of v1 names says version 1, readable by tierckpt < v2."""
+    assert json.loads(_v2_manifest([shard_name(7, 0, prefixes=0)]))["version"] == 1
+    assert json.loads(_v2_manifest([shard_name(7, 0)]))["version"] == 2
