@@ -21,7 +21,6 @@ from tierckpt.format import (
     parse_data_folder,
     parse_manifest_id,
 )
-from tierckpt.layout import data_folder_part
 
 __all__ = [
     "committed_ids",
@@ -74,7 +73,7 @@ def data_ids(backend: Backend) -> list[CheckpointId]:
     out = set()
     # v1 folders are under steps/, v2 ones also under hashed prefixes (tierckpt.layout)
     for name in [*backend.list(""), *backend.incomplete("")]:
-        cid = parse_data_folder(data_folder_part(name))
+        cid = parse_data_folder(name)
         if cid is not None:
             out.add(cid)
     return sorted(out)

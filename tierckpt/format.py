@@ -37,7 +37,7 @@ from tierckpt._types import JSON, BytesLike
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import CorruptCheckpoint, FormatError
 from tierckpt.jsonbound import JsonShape, loads_within, scan
-from tierckpt.layout import manifest_version, shard_file, shard_in_folder
+from tierckpt.layout import data_folder_part, manifest_version, shard_file, shard_in_folder
 from tierckpt.tree import tree_side_table
 
 __all__ = [
@@ -180,8 +180,9 @@ def parse_manifest_name(name: str) -> int | None:
 
 
 def parse_data_folder(name: str) -> CheckpointId | None:
-    """The checkpoint whose data folder (``steps/<step>[.t<timeline>]/``) holds ``name``."""
-    return _id_of(_DATA_RE.match(name))
+    """The checkpoint whose data folder (``steps/<step>[.t<timeline>]/``, in format v2 also
+    under a hashed prefix ``<hh>/``) holds ``name``."""
+    return _id_of(_DATA_RE.match(data_folder_part(name)))
 
 
 def _id_of(m: re.Match[str] | None) -> CheckpointId | None:

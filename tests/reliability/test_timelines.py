@@ -234,7 +234,8 @@ def test_names_ids_and_manifests() -> None:
     assert manifest_name(8) == "manifests/step-000000000008.json"
     assert manifest_name(8, timeline=1) == "manifests/step-000000000008.t000001.json"
     assert step_prefix(8, timeline=12) == "steps/000000000008.t000012/"
-    assert shard_name(8, 3, timeline=1) == "steps/000000000008.t000001/rank-000003.tck"
+    assert shard_name(8, 3, timeline=1, prefixes=0) == "steps/000000000008.t000001/rank-000003.tck"
+    assert shard_name(8, 3, timeline=1).endswith("/steps/000000000008.t000001/rank-000003.tck")
     assert rank_record_name(8, 3, timeline=1).startswith("steps/000000000008.t000001/")
     assert rank_failure_name(8, 3, timeline=1).startswith("steps/000000000008.t000001/")
     for cid in (CheckpointId(8), CheckpointId(8, 1), CheckpointId(10**12 - 1, 10**6 - 1)):
