@@ -83,9 +83,9 @@ class TorchNodeComm:
         self._members = next(g for g in groups if me in g)
         self._leader = self._members[0]
         self._rank = me
-        self._group: Any = None
-        if len(self._members) > 1:
-            self._group, _ = dist.new_subgroups_by_enumeration(groups)  # type: ignore[no-untyped-call]
+        # collective: every rank makes every node's group, the same on each (even where its
+        # own node has one rank)
+        self._group: Any = dist.new_subgroups_by_enumeration(groups)[0]  # type: ignore[no-untyped-call]
         self.nodes = len(groups)
 
     @property
@@ -93,7 +93,7 @@ class TorchNodeComm:
         return self._rank == self._leader
 
     def share(self, payload: bytes | None) -> bytes:
-        if self._group is None:  # alone on the node
+        if len(self._members) == 1:  # alone on the node
             assert payload is not None
             return payload
         import torch.distributed as dist
