@@ -222,7 +222,7 @@ def test_checkpointer_and_distributed_do_not_import_each_other() -> None:
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["errors", "_types", "_version", "limits", "config", "redact", "jsonbound"], 0),
     **dict.fromkeys(["backends", "codecs"], 1),
-    **dict.fromkeys(["tree", "format", "verify", "catalog"], 2),
+    **dict.fromkeys(["tree", "format", "layout", "verify", "catalog"], 2),
     **dict.fromkeys(
         [
             "plan",

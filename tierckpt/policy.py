@@ -44,6 +44,7 @@ from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.config import S3_DRIVERS, s3_driver
+from tierckpt.layout import check_prefixes
 from tierckpt.redact import redact, refuse_credentials
 
 __all__ = [
@@ -71,6 +72,10 @@ class TierSpec:
     source: str | None = None
     #: keyword-only, so subclasses' own positional fields keep their places
     max_behind: int = field(default=2, kw_only=True)
+    #: format v2: spread each step's files over this many hashed key prefixes (1..256);
+    #: None: 256; 0: format v1 names (one folder per step), which tierckpt before v2 can
+    #: read. See tierckpt.layout and docs/scale.md.
+    prefixes: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -83,6 +88,11 @@ class TierSpec:
             raise ValueError(f"tier {self.name!r}: source must be a tier name or None")
         if type(self.max_behind) is not int or self.max_behind < 1:
             raise ValueError(f"tier {self.name!r}: max_behind must be an int >= 1")
+        if self.prefixes is not None:
+            try:
+                check_prefixes(self.prefixes)
+            except ValueError as exc:
+                raise ValueError(f"tier {self.name!r}: {exc}") from None
 
     def make_backend(self) -> Backend:
         raise NotImplementedError
@@ -120,10 +130,12 @@ class LocalTier(TierSpec):
         name: str = "local",
         source: str | None = None,
         max_behind: int = 2,
+        prefixes: int | None = None,
     ) -> None:
         object.__setattr__(self, "path", os.fspath(path))
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
         object.__setattr__(self, "every", every)
@@ -155,6 +167,7 @@ class S3Tier(TierSpec):
         source: str | None = None,
         max_behind: int = 2,
         driver: str | None = None,
+        prefixes: int | None = None,
         **options: Any,
     ) -> None:
         # which S3 client moves the bytes: "obstore" or "boto3" (a boto3 client= implies it)
@@ -165,6 +178,7 @@ class S3Tier(TierSpec):
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "options", dict(options))
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
@@ -273,12 +287,14 @@ class _CloudTier(TierSpec):
         name: str = "",
         source: str | None = None,
         max_behind: int = 2,
+        prefixes: int | None = None,
         **options: Any,
     ) -> None:
         scheme, label = self._scheme()
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "options", dict(options))
         object.__setattr__(self, "name", name or label)
         object.__setattr__(self, "keep_last", keep_last)
