@@ -31,8 +31,10 @@ import torch.distributed as dist
 from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier
 from tierckpt import distributed as tdist
 from tierckpt.distributed import _strategy
+from tierckpt.distributed._listcommit import write_listed_record
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound
-from tierckpt.format import manifest_name, rank_record_name, shard_name, step_prefix
+from tierckpt.format import manifest_name, shard_name, step_prefix
+from tierckpt.layout import parse_record_name, prefixes_for
 
 _PRELOAD = [
     "torch",
@@ -209,6 +211,11 @@ def tiers(
     return out
 
 
+def _prefixes(b: Any) -> int:
+    """The hashed prefixes a tier of this backend writes by default (format v2)."""
+    return prefixes_for(None)
+
+
 def _shared_backends(ck: Checkpointer) -> list[Any]:
     return [ck.backend(n) for n in ck.tier_names if n != "memory"]
 
@@ -228,14 +235,14 @@ def w_save_load(rank: int, world: int, root: str, s3: dict[str, str] | None) -> 
 
         # step 2: rank 0 is the slowest rank (its record, and so its commit, comes 2 s late on
         # the shared tiers); the others finish first
-        original = _strategy._write_record
+        original = _strategy.write_listed_record  # format v2 tiers: the LIST-only commit
         if rank == 0:
 
             def slow(*a: Any, **k: Any) -> Any:
                 time.sleep(2.0)
                 return original(*a, **k)
 
-            _strategy._write_record = slow  # type: ignore[assignment]
+            _strategy.write_listed_record = slow  # type: ignore[assignment]
         try:
             h2 = ck.save(rank_state(rank, 2), 2)
             h2.wait("local", timeout=60)
@@ -243,7 +250,7 @@ def w_save_load(rank: int, world: int, root: str, s3: dict[str, str] | None) -> 
             out["manifest2_after_own_wait"] = ck.backend("local").exists(manifest_name(2))
             h2.wait(timeout=60)
         finally:
-            _strategy._write_record = original  # type: ignore[assignment]
+            _strategy.write_listed_record = original  # type: ignore[assignment]
         for b in _shared_backends(ck):
             tdist.wait_committed(b, 2, timeout=60)
 
@@ -256,23 +263,33 @@ def w_save_load(rank: int, world: int, root: str, s3: dict[str, str] | None) -> 
                     world,
                     "00000000deadbeef",
                     "x",
-                    shard_name(3, 1),
+                    shard_name(3, 1, prefixes=_prefixes(b)),
                     4096,
                     "0123456789abcdef",
                     1,
                     1,
                     "raw",
                 )
-                b.put_atomic(rank_record_name(3, 1), tdist.encode_record(stale), overwrite=True)
-                b.put_atomic(shard_name(3, 1), b"stale bytes of a killed attempt", overwrite=True)
+                write_listed_record(b, stale, _prefixes(b))
+                b.put_atomic(
+                    shard_name(3, 1, prefixes=_prefixes(b)),
+                    b"stale bytes of a killed attempt",
+                    overwrite=True,
+                )
         dist.barrier()
         h3 = ck.save(rank_state(rank, 3), 3)
         h3.wait(timeout=60)
         for b in _shared_backends(ck):
             tdist.wait_committed(b, 3, timeout=60)
-        out["records3"] = sorted(
-            n for n in ck.backend("local").list(step_prefix(3)) if n.endswith(".done.json")
-        )
+        # format v2: the record's fields in its name; the stale attempt's record stays
+        # beside (another name), ignored, until retention removes the step
+        listed = [
+            parse_record_name(n.rsplit("/", 1)[1])
+            for n in ck.backend("local").list("")
+            if f"/{step_prefix(3)}records/" in f"/{n}"
+        ]
+        out["records3"] = sorted(r.rank for r in listed if r and r.attempt != "00000000deadbeef")
+        out["stale3"] = sorted(r.rank for r in listed if r and r.attempt == "00000000deadbeef")
         out["memory_steps"] = ck.steps("memory")
         ck.close()
         dist.barrier()
@@ -342,7 +359,7 @@ def w_kill_save(
             def die(*_a: Any, **_k: Any) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            _strategy._write_record = die  # type: ignore[assignment]
+            _strategy.write_listed_record = die  # type: ignore[assignment]
         h = ck.save(rank_state(rank, 2), 2)
         t0 = time.monotonic()
         try:
@@ -451,7 +468,10 @@ def w_repopulate(rank: int, world: int, root: str, s3: dict[str, str] | None) ->
         dist.barrier()  # rank 0 has written the shared manifest before its load returned
         out["shared_steps"] = ck.steps("shared")
         out["private_steps"] = ck.steps("nvme")
-        out["private_files"] = sorted(os.listdir(os.path.join(private, "steps", f"{2:012d}")))
+        # format v2: the file under its rank's hashed prefix
+        out["private_files"] = sorted(
+            os.listdir(os.path.dirname(os.path.join(private, shard_name(2, rank))))
+        )
         ck.close()
         dist.barrier()
         # the next restart has only the local folders: the checkpoint is there
@@ -815,3 +835,26 @@ if __name__ == "__main__":
     import dist_workers
 
     sys.exit(dist_workers.main(sys.argv[1:]))
+
+
+# -- scale: format v2, LIST-only commit, one manifest read per node (tests/test_scale.py) ----
+
+
+def w_scale_native(rank: int, world: int, s3: dict[str, str], per_node: int) -> dict[str, Any]:
+    """Save two steps to S3 (format v2, 16 prefixes) and load the newest; the ranks form
+    nodes of ``per_node`` (TIERCKPT_NODE), whose leaders alone read the manifest."""
+    os.environ["TIERCKPT_NODE"] = f"node-{rank // per_node}"
+    tier = S3Tier(
+        f"s3://{s3['bucket']}/run", endpoint_url=s3["endpoint"], keep_last=None, prefixes=16
+    )
+    with (
+        tdist.knobs(commit_timeout=60, poll_max=0.2),
+        Checkpointer([tier], host_buffer_bytes=16 << 20, chunk_bytes=64 << 10) as ck,
+    ):
+        for step in (1, 2):
+            ck.save(rank_state(rank, step), step).wait(timeout=60)
+            tdist.wait_committed(ck.backend("s3"), step, timeout=60)
+        dist.barrier()
+        got = ck.load()
+        dist.barrier()
+        return {"diff": same(got, rank_state(rank, 2)), "steps": ck.steps()}

@@ -224,7 +224,7 @@ LAYERS: dict[str, int] = {
         ["errors", "_types", "_version", "limits", "config", "redact", "jsonbound", "devices"], 0
     ),
     **dict.fromkeys(["backends", "codecs"], 1),
-    **dict.fromkeys(["tree", "format", "verify", "catalog"], 2),
+    **dict.fromkeys(["tree", "format", "layout", "verify", "catalog"], 2),
     **dict.fromkeys(
         [
             "plan",

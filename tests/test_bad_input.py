@@ -154,15 +154,15 @@ def test_interrupted_save_is_invisible(tmp_path: Path) -> None:
     _save(tmp_path, step=7)
     _save(tmp_path / "other", step=9)
     # simulate a crash after the shard file landed but before the manifest
-    os.makedirs(tmp_path / "steps" / "000000000009")
+    os.makedirs((tmp_path / shard_name(9, 0)).parent)
     os.replace(tmp_path / "other" / shard_name(9, 0), tmp_path / shard_name(9, 0))
-    (tmp_path / "steps" / "000000000009" / "rank-000000.tck.abcdef.tmp").write_bytes(b"x" * 100)
+    (tmp_path / f"{shard_name(9, 0)}.abcdef.tmp").write_bytes(b"x" * 100)
     with Checkpointer([LocalTier(tmp_path)]) as ck:
         assert ck.steps() == [7]
         assert torch.equal(ck.load()["b"], torch.ones(10))
         # the next committed save cleans the leftovers
         ck.save({"x": torch.zeros(1)}, step=10).wait()
-    assert not (tmp_path / "steps" / "000000000009").exists()
+    assert not (tmp_path / shard_name(9, 0)).parent.exists()
 
 
 def test_every_error_is_in_the_family() -> None:

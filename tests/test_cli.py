@@ -18,7 +18,7 @@ from helpers import assert_same, trained_state
 import tierckpt
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.cli import build_parser, main
-from tierckpt.format import manifest_name, shard_name, step_prefix
+from tierckpt.format import manifest_name, shard_name
 from tierckpt.testing.s3servers import S3Server
 
 COMMANDS = ["ls", "inspect", "verify", "pull", "push", "gc", "export", "bench", "demo"]
@@ -209,7 +209,7 @@ def test_verify_truncated_shard(ckpt_dir: Path, capsys: pytest.CaptureFixture[st
 # -- gc -------------------------------------------------------------------------------------------
 def test_gc(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # a killed save left data without a manifest at step 15
-    (ckpt_dir / step_prefix(15)).mkdir(parents=True)
+    (ckpt_dir / shard_name(15, 0)).parent.mkdir(parents=True)
     (ckpt_dir / shard_name(15, 0)).write_bytes(b"partial")
     rc, out, _ = run(["gc", str(ckpt_dir), "--keep-last", "2", "--dry-run"], capsys)
     assert rc == 0 and "would delete 1 expired checkpoint(s): 10" in out
@@ -219,10 +219,10 @@ def test_gc(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(["gc", str(ckpt_dir), "--keep-last", "2"], capsys)
     assert rc == 0 and "keeping step(s) 20, 30" in out
     assert not (ckpt_dir / manifest_name(10)).exists()
-    assert not (ckpt_dir / step_prefix(10)).exists()
-    assert not (ckpt_dir / step_prefix(15)).exists()
+    assert not (ckpt_dir / shard_name(10, 0)).parent.exists()
+    assert not (ckpt_dir / shard_name(15, 0)).parent.exists()
     # a stray temporary file of an unfinished write
-    tmp = ckpt_dir / step_prefix(30) / "rank-000001.tck.abc123.tmp"
+    tmp = (ckpt_dir / shard_name(30, 0)).parent / "rank-000001.tck.abc123.tmp"
     tmp.write_bytes(b"x")
     rc, out, _ = run(["gc", str(ckpt_dir), "--keep-last", "1", "--abort-incomplete"], capsys)
     assert rc == 0

@@ -18,7 +18,7 @@ from tierckpt import Checkpointer, LocalTier, MemoryTier
 from tierckpt.commit import CommitStrategy, SaveStart, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed, CheckpointNotFound
-from tierckpt.format import CheckpointId, ShardRef
+from tierckpt.format import CheckpointId, Manifest, ShardRef
 from tierckpt.pipeline import SaveJob, Tier
 from tierckpt.policy import resolve_codec
 from tierckpt.restore import LoadedShard
@@ -66,6 +66,9 @@ class Recording:
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
         self._note("publish_repopulated", None if loaded is None else loaded.manifest.id)
         self.inner.publish_repopulated(loaded)
+
+    def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
+        return self.inner.read_manifest(tier, cid)  # not a step of the protocol's order
 
 
 def _recorded(ck: Checkpointer) -> Recording:

@@ -262,11 +262,13 @@ def test_fsdp_saved_by_2_ranks_loads_into_4(tmp_path: Path) -> None:
     )
     assert res[0]["diff-30"] == []
     assert all(r["extra-30"] == {"epoch": 3, "tag": "run-a"} and r["newest"] == 30 for r in res)
+    # format v2: each shard file under its rank's hashed prefix, the DCP metadata in the
+    # step's own folder
     assert sorted(os.listdir(tmp_path / "dcp-local" / "steps" / "000000000030")) == [
         "dcp-metadata.json.zst",
-        "rank-000000.tck",
-        "rank-000001.tck",
     ]
+    for r in (0, 1):
+        assert (tmp_path / "dcp-local" / shard_name(30, r)).is_file()
 
 
 def test_a_tier_copying_from_another_works_under_dcp(tmp_path: Path) -> None:

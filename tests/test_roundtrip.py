@@ -10,6 +10,7 @@ import torch
 from helpers import assert_same, trained_state, zoo_state
 
 from tierckpt import Checkpointer, LocalTier, MemoryTier, StateMismatch
+from tierckpt.format import shard_name
 
 
 @pytest.fixture
@@ -91,8 +92,9 @@ def test_steps_retention_and_step_selection(tmp_path: Path) -> None:
         assert ck.tier_steps() == {"memory": [40], "local": [30, 40]}
         assert ck.load()["x"][0].item() == 40.0
         assert ck.load(step=30)["x"][0].item() == 30.0
-    # retention removed the data of deleted steps too, not only their manifests
-    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == [
+    # retention removed the data of deleted steps too, not only their manifests (format v2:
+    # under rank 0's hashed prefix)
+    assert sorted(p.name for p in (tmp_path / shard_name(1, 0)).parent.parent.iterdir()) == [
         "000000000030",
         "000000000040",
     ]

@@ -15,6 +15,7 @@ import torch
 from helpers import assert_same, trained_state
 
 from tierckpt import Checkpointer, CheckpointFailed, LocalTier, MemoryTier, S3Tier
+from tierckpt.format import shard_name
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.s3
@@ -162,4 +163,6 @@ def test_manifest_written_last_and_create_only(tmp_path: Path, moto_server, s3_b
             "Body"
         ].read()
     )
-    assert body["shards"][0]["file"] == "steps/000000000005/rank-000000.tck"
+    # format v2 on S3: the shard under one of 256 hashed prefixes, the manifest says so
+    assert body["version"] == 2 and body["shards"][0]["file"] == shard_name(5, 0, prefixes=256)
+    assert body["shards"][0]["file"].endswith("/steps/000000000005/rank-000000.tck")

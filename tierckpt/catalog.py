@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from tierckpt.backends.base import Backend
 from tierckpt.errors import TierCkptError
 from tierckpt.format import (
-    DATA_DIR,
     MANIFEST_DIR,
     MAX_TIMELINE,
     CheckpointId,
@@ -72,7 +71,8 @@ def committed_steps(backend: Backend) -> list[int]:
 def data_ids(backend: Backend) -> list[CheckpointId]:
     """Checkpoints that have a data folder (committed or not)."""
     out = set()
-    for name in [*backend.list(f"{DATA_DIR}/"), *backend.incomplete(f"{DATA_DIR}/")]:
+    # v1 folders are under steps/, v2 ones also under hashed prefixes (tierckpt.layout)
+    for name in [*backend.list(""), *backend.incomplete("")]:
         cid = parse_data_folder(name)
         if cid is not None:
             out.add(cid)

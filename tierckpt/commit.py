@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from tierckpt._version import __version__
 from tierckpt.errors import TierCkptError
 from tierckpt.format import CheckpointId, Manifest, ShardRef, encode_manifest, manifest_name
+from tierckpt.restore import read_manifest
 
 if TYPE_CHECKING:
     from tierckpt.pipeline import SaveJob, Tier
@@ -122,6 +123,11 @@ class CommitStrategy(Protocol):
         """Commit the copies of ``loaded`` (``loaded.repopulated``) on faster tiers."""
         ...
 
+    def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
+        """The manifest of ``cid`` on ``tier`` for the load in progress (after
+        :meth:`agree_on_step`; multi-rank: read once per node). Training thread."""
+        ...
+
 
 class SingleRankCommit:
     """The :class:`CommitStrategy` of a job of one process: nobody to wait for or agree with.
@@ -170,6 +176,9 @@ class SingleRankCommit:
 
     def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
         return list(candidates)
+
+    def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
+        return read_manifest(tier.backend, cid.step, tier.name, timeline=cid.timeline)
 
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
         if loaded is None:

@@ -42,12 +42,14 @@ __all__ = [
     "torchelastic_run_id",
     "lease_ttl_s",
     "lease_wait_s",
+    "node_name",
     "private_tiers",
     "resolve_writer_config",
     "S3_DRIVERS",
     "gcs_emulator_host",
     "s3_driver",
     "s3_endpoint_url",
+    "s3_read_concurrency",
     "save_deadline_s",
     "total_ram",
 ]
@@ -163,6 +165,22 @@ KNOBS: tuple[Knob, ...] = (
         "2",
         "float > 0 (seconds)",
         "multi-rank: the largest pause between two polls for completion records",
+    ),
+    Knob(
+        "S3Backend(read_concurrency=)",
+        "TIERCKPT_NODE_S3_CONNECTIONS, LOCAL_WORLD_SIZE",
+        "64, 1",
+        "int >= 1 each",
+        "restore: the node's budget of concurrent S3 GETs, shared by the ranks on the node "
+        "(LOCAL_WORLD_SIZE, set by torchrun): a rank issues at most budget // ranks at once",
+    ),
+    Knob(
+        "",
+        "TIERCKPT_NODE",
+        "the host name",
+        "string",
+        "multi-rank load: which node this rank is on; the node's lowest rank reads each "
+        "manifest and shares it with the node's ranks",
     ),
     Knob(
         "",
@@ -411,6 +429,29 @@ def commit_timeout_s() -> float | None:
 def commit_poll_max_s() -> float | None:
     """``TIERCKPT_COMMIT_POLL_MAX_S``, or None (the multi-rank knobs' default applies)."""
     return _env_seconds("TIERCKPT_COMMIT_POLL_MAX_S", low=0.0, high=math.inf, low_ok=False)
+
+
+#: the node's default budget of concurrent S3 GETs at restore (TIERCKPT_NODE_S3_CONNECTIONS)
+DEFAULT_NODE_S3_CONNECTIONS = 64
+
+
+def s3_read_concurrency(arg: int | None = None) -> int:
+    """How many ranged GETs one rank's S3 backend runs at once: ``arg``, else its share of the
+    node's budget, ``TIERCKPT_NODE_S3_CONNECTIONS`` (64) // ``LOCAL_WORLD_SIZE`` (torchrun's
+    ranks on this node; 1), at least 1. The ranks of a node restoring together then never
+    open more connections than the node's budget."""
+    if arg is not None:
+        if type(arg) is not int or arg < 1:
+            raise ValueError(f"read_concurrency must be an int >= 1, got {arg!r}")
+        return arg
+    budget = _env_int("TIERCKPT_NODE_S3_CONNECTIONS", 1) or DEFAULT_NODE_S3_CONNECTIONS
+    local = _env_int("LOCAL_WORLD_SIZE", 1) or 1
+    return max(1, budget // local)
+
+
+def node_name() -> str | None:
+    """``TIERCKPT_NODE`` (None when unset: the host name tells the nodes apart)."""
+    return _raw("TIERCKPT_NODE")
 
 
 def private_tiers() -> frozenset[str]:

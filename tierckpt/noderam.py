@@ -212,6 +212,7 @@ class NodeRamTier(TierSpec):
         object.__setattr__(self, "max_bytes", max_bytes)
         object.__setattr__(self, "stale_after_s", stale_after_s)
         _set_retention(self, None, None, None, "min")  # keep_last only (no other rules)
+        object.__setattr__(self, "prefixes", None)  # format v2 names, as every tier
         object.__setattr__(self, "source", None)
         object.__setattr__(self, "max_behind", 2)
         object.__setattr__(self, "name", name)

@@ -62,6 +62,7 @@ from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.config import S3_DRIVERS, s3_driver
+from tierckpt.layout import check_prefixes
 from tierckpt.redact import redact, refuse_credentials
 from tierckpt.retention import Retention
 
@@ -98,6 +99,10 @@ class TierSpec:
     #: True for a tier that takes no chunks but copies other tiers' commits elsewhere
     #: (:class:`~tierckpt.PeerTier`): the pipeline leaves it out, the checkpointer drives it
     is_replica: ClassVar[bool] = False
+    #: format v2: spread each step's files over this many hashed key prefixes (1..256);
+    #: None: 256; 0: format v1 names (one folder per step), which tierckpt before v2 can
+    #: read. See tierckpt.layout and docs/scale.md.
+    prefixes: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -110,6 +115,11 @@ class TierSpec:
             raise ValueError(f"tier {self.name!r}: source must be a tier name or None")
         if type(self.max_behind) is not int or self.max_behind < 1:
             raise ValueError(f"tier {self.name!r}: max_behind must be an int >= 1")
+        if self.prefixes is not None:
+            try:
+                check_prefixes(self.prefixes)
+            except ValueError as exc:
+                raise ValueError(f"tier {self.name!r}: {exc}") from None
         try:
             self.retention  # noqa: B018 - validates the retention fields
         except ValueError as exc:
@@ -182,11 +192,13 @@ class LocalTier(TierSpec):
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: Literal["min", "max"] = "min",
+        prefixes: int | None = None,
     ) -> None:
         _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
         object.__setattr__(self, "path", _folder_of(os.fspath(path)))
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
         object.__setattr__(self, "every", every)
@@ -252,6 +264,7 @@ class S3Tier(TierSpec):
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: Literal["min", "max"] = "min",
+        prefixes: int | None = None,
         **options: Any,
     ) -> None:
         _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
@@ -263,6 +276,7 @@ class S3Tier(TierSpec):
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "options", dict(options))
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "keep_last", keep_last)
@@ -375,6 +389,7 @@ class _CloudTier(TierSpec):
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: Literal["min", "max"] = "min",
+        prefixes: int | None = None,
         **options: Any,
     ) -> None:
         _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
@@ -382,6 +397,7 @@ class _CloudTier(TierSpec):
         object.__setattr__(self, "url", url)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", max_behind)
+        object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "options", dict(options))
         object.__setattr__(self, "name", name or label)
         object.__setattr__(self, "keep_last", keep_last)

@@ -44,6 +44,7 @@ from tierckpt.format import (
     parse_manifest_id,
     step_prefix,
 )
+from tierckpt.layout import data_folder_part
 
 __all__ = [
     "PIN_DIR",
@@ -282,9 +283,19 @@ def delete_checkpoint(backend: Backend, cid: CheckpointId) -> None:
     """Delete one checkpoint: manifest first (it stops existing), then its data."""
     backend.delete(manifest_name(cid.step, timeline=cid.timeline))
     prefix = step_prefix(cid.step, timeline=cid.timeline)
-    for name in backend.list(prefix):
-        backend.delete(name)
-    backend.cleanup_incomplete(prefix)
+    # format v1 keeps a step's files in one folder; v2 (tierckpt.layout) also under hashed
+    # prefixes <hh>/ whose number may have changed between runs: one listing of the tier
+    # finds both
+    folders = {prefix}
+    for name in backend.list(""):
+        if data_folder_part(name).startswith(prefix):
+            backend.delete(name)
+            folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
+    for name in backend.incomplete(""):
+        if data_folder_part(name).startswith(prefix):
+            folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
+    for folder in sorted(folders):
+        backend.cleanup_incomplete(folder)
 
 
 def delete_step(backend: Backend, step: int, *, timeline: int = 0) -> None:

@@ -170,7 +170,12 @@ def local_leftovers(root: Path) -> dict[str, list[str]]:
     root = Path(root)
     tmp = sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
     committed = {p.name[5:17] for p in (root / "manifests").glob("step-*.json")}
-    folders = [p for p in (root / "steps").glob("*") if p.is_dir() and p.name not in committed]
+    # step folders of format v1 (steps/<step>) and v2 (<hh>/steps/<step>)
+    folders = [
+        p
+        for p in [*root.glob("steps/*"), *root.glob("*/steps/*")]
+        if p.is_dir() and p.name not in committed
+    ]
     orphans = sorted(
         str(f.relative_to(root))
         for p in folders

@@ -204,4 +204,4 @@ def test_retried_create_multipart_leaves_no_orphan_upload(moto_server: Any, s3_b
 def test_local_backend_lists_no_temp_files(tmp_path: Path) -> None:
     """The premise of the gap above: leftovers are invisible to list(), hence to gc."""
     _dead_local_writer(tmp_path, 5)
-    assert LocalBackend(tmp_path).list("steps/") == []
+    assert [n for n in LocalBackend(tmp_path).list("") if "steps/" in n] == []

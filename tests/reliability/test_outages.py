@@ -136,7 +136,9 @@ def test_follower_behind_a_blackholed_s3_keeps_local_bounded_and_recovers(
                 h.wait("local", timeout=120)  # the local tier commits every step
                 handles.append(h)
                 local = ck.steps("local")
-                folders = [p for p in (nvme / "steps").iterdir() if p.is_dir()]
+                # step folders, format v1 or v2 (<hh>/steps/<step>)
+                folders = [p for p in nvme.glob("*/steps/*") if p.is_dir()]
+                folders += [p for p in nvme.glob("steps/*") if p.is_dir()]
                 most_local = max(most_local, len(local), len(folders))
                 assert len(local) <= keep_last + max_behind, (step, local)
                 assert len(folders) <= keep_last + max_behind, (step, folders)

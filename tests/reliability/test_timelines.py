@@ -206,13 +206,14 @@ def test_v1_golden_checkpoint_is_timeline_0_and_keeps_its_names(tmp_path: Path) 
         h.wait(timeout=60)
         assert h.timeline == 0
         assert (root / "manifests" / "step-000000000043.json").exists()
-        assert (root / "steps" / "000000000043" / "rank-000000.tck").exists()
+        assert (root / shard_name(43, 0)).exists()  # format v2 beside the v1 golden files
         # an older step saved by the same object: the run went back, a new timeline
         h = ck.save(_state(2, 40), 40)
         h.wait(timeout=60)
         assert h.timeline == 1
         assert (root / "manifests" / "step-000000000040.t000001.json").exists()
-        assert (root / "steps" / "000000000040.t000001" / "rank-000000.tck").exists()
+        assert (root / shard_name(40, 0, timeline=1)).exists()
+        assert shard_name(40, 0, timeline=1).endswith("/steps/000000000040.t000001/rank-000000.tck")
         assert ck.checkpoints() == [CheckpointId(42), CheckpointId(43), CheckpointId(40, 1)]
         assert ck.steps() == [42, 43, 40]
         assert _marker(ck.load()) == [2, 40]
@@ -236,7 +237,8 @@ def test_names_ids_and_manifests() -> None:
     assert manifest_name(8) == "manifests/step-000000000008.json"
     assert manifest_name(8, timeline=1) == "manifests/step-000000000008.t000001.json"
     assert step_prefix(8, timeline=12) == "steps/000000000008.t000012/"
-    assert shard_name(8, 3, timeline=1) == "steps/000000000008.t000001/rank-000003.tck"
+    assert shard_name(8, 3, timeline=1, prefixes=0) == "steps/000000000008.t000001/rank-000003.tck"
+    assert shard_name(8, 3, timeline=1).endswith("/steps/000000000008.t000001/rank-000003.tck")
     assert rank_record_name(8, 3, timeline=1).startswith("steps/000000000008.t000001/")
     assert rank_failure_name(8, 3, timeline=1).startswith("steps/000000000008.t000001/")
     for cid in (CheckpointId(8), CheckpointId(8, 1), CheckpointId(10**12 - 1, 10**6 - 1)):

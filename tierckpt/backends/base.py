@@ -186,6 +186,12 @@ class Backend(ABC):
     def list(self, prefix: str = "") -> list[str]:
         """Names of committed objects starting with ``prefix``, sorted."""
 
+    def list_after(self, prefix: str, start_after: str = "") -> builtins.list[str]:
+        """``list(prefix)`` without the names up to ``start_after`` (sorted). A backend that
+        can (S3: ListObjectsV2 ``StartAfter``) skips them on the server, so that a poll of a
+        growing folder reads only what is new (the multi-rank commit's LIST-only wait)."""
+        return [n for n in self.list(prefix) if n > start_after]
+
     @abstractmethod
     def delete(self, name: str) -> None:
         """Delete ``name``; a missing object is not an error."""

@@ -24,7 +24,6 @@ from tierckpt.pipeline import Tier
 from tierckpt.restore import (
     LoadedShard,
     is_recoverable,
-    read_manifest,
     read_shard,
     restore_into,
 )
@@ -233,7 +232,7 @@ def _load_candidates(
 
 def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
     step = cid.step
-    manifest = read_manifest(tier.backend, step, tier.name, timeline=cid.timeline)
+    manifest = ctx.strategy.read_manifest(tier, cid)  # multi-rank: once per node
     if manifest.world_size != ctx.world_size:
         raise TierCkptError(
             f"{cid} was saved by {manifest.world_size} ranks, this job has "

@@ -164,11 +164,14 @@ def _unreadable(listed: Sequence[Any]) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from tierckpt.format import step_prefix
+    from tierckpt.layout import describe as describe_layout
     from tierckpt.offline import inspect_checkpoint
 
     with opened(args, args.url) as backend:
         ins = inspect_checkpoint(backend, args.step, by=args.by, timeline=args.timeline)
     m = ins.manifest
+    layout = describe_layout([s.file for s in m.shards], step_prefix(m.step, timeline=m.timeline))
     if args.json:
         json.dump(
             {
@@ -176,6 +179,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "timeline": m.timeline,
                 "world_size": m.world_size,
                 "tier": m.tier,
+                "format": layout,
                 "created": m.created,
                 "raw_bytes": m.raw_bytes,
                 "stored_bytes": m.stored_bytes,
@@ -209,7 +213,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     ratio = m.raw_bytes / m.stored_bytes if m.stored_bytes else 1.0
-    print(f"{m.id} at {backend.url}")
+    print(f"{m.id} at {backend.url} ({layout})")
     print(
         f"  created {fmt_time(m.created)} by tierckpt {m.library_version or '?'}, "
         f"{m.world_size} rank(s), tier {m.tier or '?'}"

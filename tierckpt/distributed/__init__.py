@@ -26,6 +26,14 @@ Save
     :class:`CommitTimeout`, naming the missing ranks. Either way nothing is committed and the
     previous checkpoint stays the newest committed one.
 
+Format v2 (the default: tiers write their files under hashed prefixes, :mod:`tierckpt.layout`)
+    A rank's completion record carries its fields in its name, under the rank's own prefix
+    (``<hh>/steps/<step>/records/rank-<r>.done.<size>.<crc>.<raw>.<stored>.<codec>.<attempt>``),
+    and rank 0 commits from LIST pages alone, GETting no record: it lists only the
+    ``records/`` folders of prefixes that still miss a record, each from past the last rank
+    seen there with all before it (``StartAfter``). On a tier with ``prefixes=0`` (format v1
+    names) the records are v1 JSON objects that rank 0 GETs, as described above.
+
 Attempt ids
     Records of an earlier, killed attempt at the same step must not be mistaken for this
     one's, so every record carries an attempt id ``<session>-<n>``: the session id is drawn by
@@ -46,7 +54,10 @@ Private tiers
 Load
     :func:`agree_on_step` — one ``all_gather`` of a fixed-size vector in the calling thread —
     makes every rank load the same checkpoint: the newest (step and timeline) whose manifest
-    and own shard index every rank can read.
+    and own shard index every rank can read. Before it, the lowest rank of each node
+    (``TIERCKPT_NODE``, else the host name) reads the candidates' manifests on the shared tiers
+    and shares the bytes with its node's ranks (one broadcast in a node group made at the
+    first load), so a load reads each manifest once per node, not twice per rank.
 
 Timelines
     Every rank must write the same checkpoint id. Where a save chooses its timeline from the

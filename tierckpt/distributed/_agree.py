@@ -11,6 +11,7 @@ import torch
 
 from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
 from tierckpt.distributed._knobs import get_knobs
+from tierckpt.distributed._nodeshare import ManifestCache
 from tierckpt.distributed._records import _ranks
 from tierckpt.errors import CheckpointNotFound
 from tierckpt.format import MAX_STEP, CheckpointId
@@ -24,13 +25,22 @@ __all__ = ["agree_on_step", "checkpoint_key", "checkpoint_of_key"]
 log = logging.getLogger("tierckpt")
 
 
-def _readable(tiers: Sequence[Tier], rank: int, world_size: int, cid: CheckpointId) -> str:
+def _readable(
+    tiers: Sequence[Tier],
+    rank: int,
+    world_size: int,
+    cid: CheckpointId,
+    cache: ManifestCache | None = None,
+) -> str:
     """Empty if this rank can read ``cid`` (manifest + own shard index) on some tier, else
-    why not."""
+    why not. ``cache``: manifests the node's leader read (one read per node)."""
     reasons = []
     for t in tiers:
         try:
-            m = read_manifest(t.backend, cid.step, t.name, timeline=cid.timeline)
+            if cache is not None and (t.name, cid) in cache:
+                m = cache.get(t.name, cid)
+            else:
+                m = read_manifest(t.backend, cid.step, t.name, timeline=cid.timeline)
             if m.world_size != world_size:
                 reasons.append(
                     f"tier {t.name!r}: saved by {m.world_size} ranks, this job has "
@@ -69,6 +79,7 @@ def agree_on_step(
     tiers: Sequence[Tier],
     rank: int,
     world_size: int,
+    cache: ManifestCache | None = None,
 ) -> list[CheckpointId]:
     """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read on
     ``tiers``.
@@ -93,7 +104,7 @@ def agree_on_step(
     mine: list[CheckpointId] = []
     why: dict[CheckpointId, str] = {}
     for cid in list(candidates)[: k.agree_max_candidates]:
-        reason = _readable(tiers, rank, world_size, cid)
+        reason = _readable(tiers, rank, world_size, cid, cache)
         if reason:
             why[cid] = reason
         else:

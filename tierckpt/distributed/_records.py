@@ -12,6 +12,7 @@ from typing import Any
 
 from tierckpt.errors import FormatError
 from tierckpt.format import MAX_STEP, MAX_TIMELINE, ShardRef, shard_name
+from tierckpt.layout import data_folder_part
 
 __all__ = [
     "RankRecord",
@@ -113,8 +114,9 @@ def decode_record(data: bytes, *, where: str) -> RankRecord:
         codec=_field(body, "codec", str, where),
         timeline=_timeline_field(body, where),
     )
-    if not 0 <= rec.rank < rec.world_size or rec.file != shard_name(
-        rec.step, rec.rank, timeline=rec.timeline
+    # the shard's v1 name, or its v2 name under a hashed prefix (tierckpt.layout)
+    if not 0 <= rec.rank < rec.world_size or data_folder_part(rec.file) != shard_name(
+        rec.step, rec.rank, timeline=rec.timeline, prefixes=0
     ):
         raise FormatError(f"{where}: record names rank {rec.rank} / file {rec.file!r}")
     if not _HEX16.match(rec.index_checksum) or not _ATTEMPT.match(rec.attempt):

@@ -13,7 +13,7 @@ from tierckpt.distributed._collectives import collective_device
 from tierckpt.distributed._private import is_private_tier
 from tierckpt.distributed._records import _ranks
 from tierckpt.errors import TierCkptError
-from tierckpt.format import encode_manifest, manifest_name, step_prefix
+from tierckpt.format import encode_manifest, manifest_name
 from tierckpt.restore import LoadedShard
 
 if TYPE_CHECKING:
@@ -68,7 +68,11 @@ def publish_repopulated(loaded: LoadedShard | None, *, tiers: Sequence[Tier], ra
             if not private:
                 # a tier said to be shared must really hold every rank's file (per-node
                 # folders belong in TIERCKPT_PRIVATE_TIERS)
-                there = set(t.backend.list(step_prefix(cid.step, timeline=cid.timeline)))
+                # the manifest's folders: one in format v1, the hashed ones in v2
+                there: set[str] = set()
+                shards = loaded.manifest.shards
+                for folder in sorted({f.file.rsplit("/", 1)[0] + "/" for f in shards}):
+                    there.update(t.backend.list(folder))
                 absent = [r.rank for r in loaded.manifest.shards if r.file not in there]
                 if absent:
                     log.warning(

@@ -16,6 +16,14 @@ from tierckpt import config
 from tierckpt.commit import Defer, SaveStart
 from tierckpt.distributed._agree import agree_on_step
 from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
+from tierckpt.distributed._knobs import get_knobs
+from tierckpt.distributed._listcommit import (
+    listed_failure_name,
+    tier_prefixes,
+    wait_for_listed_records,
+    write_listed_record,
+)
+from tierckpt.distributed._nodeshare import ManifestCache, TorchNodeComm, read_manifests_per_node
 from tierckpt.distributed._private import (
     _commit_private,
     _publish_private,
@@ -31,7 +39,8 @@ from tierckpt.distributed._records import (
 from tierckpt.distributed._repopulate import publish_repopulated
 from tierckpt.distributed._shared import _manifest, _put_manifest, _write_record, wait_for_records
 from tierckpt.errors import CommitTimeout, RankFailed
-from tierckpt.format import CheckpointId, ShardRef, rank_failure_name
+from tierckpt.format import CheckpointId, Manifest, ShardRef, rank_failure_name
+from tierckpt.restore import read_manifest
 
 if TYPE_CHECKING:
     from tierckpt.pipeline import SaveJob, Tier
@@ -68,9 +77,13 @@ def report_failure(tier: Tier, job: SaveJob, error: BaseException) -> None:
         body = encode_failure(
             job.step, job.rank, job.attempt, tier.name, _describe(error), timeline=job.timeline
         )
-        tier.backend.put_atomic(
-            rank_failure_name(job.step, job.rank, timeline=job.timeline), body, overwrite=True
+        prefixes = tier_prefixes(tier)
+        name = (
+            listed_failure_name(job.step, job.rank, prefixes, timeline=job.timeline)
+            if prefixes
+            else rank_failure_name(job.step, job.rank, timeline=job.timeline)
         )
+        tier.backend.put_atomic(name, body, overwrite=True)
     except Exception as exc:  # never mask the save's own error
         log.warning(
             "step %d tier %s: could not report rank %d's failure to the other ranks (%s); "
@@ -119,6 +132,10 @@ class MultiRankCommit:
         self._session = 0
         #: saves begun so far, the ``n`` of the attempt id ``<session>-<n>``
         self._saves = 0
+        #: the node's ranks (made at the first load with a process group)
+        self._node: TorchNodeComm | None = None
+        #: manifests the node's leader read for the current load
+        self._manifests: ManifestCache | None = None
 
     def begin_save(
         self, step: int, busy: bool, *, timeline: int, agree_timeline: bool
@@ -198,19 +215,34 @@ class MultiRankCommit:
         if is_private_tier(tier):
             st = _publish_private(tier, job, rec)
             return self._defer(lambda: _commit_private(tier, job, st))
-        _write_record(tier.backend, rec)
+        prefixes = tier_prefixes(tier)
+        if prefixes:  # format v2: the record's fields in its name, rank 0 only LISTs
+            write_listed_record(tier.backend, rec, prefixes)
+        else:
+            _write_record(tier.backend, rec)
         if job.rank != 0:
             return None
 
         def wait_and_commit() -> None:
-            records = wait_for_records(
-                tier.backend,
-                tier.name,
-                job.step,
-                job.world_size,
-                job.attempt,
-                timeline=job.timeline,
-            )
+            if prefixes:
+                records = wait_for_listed_records(
+                    tier.backend,
+                    tier.name,
+                    job.step,
+                    job.world_size,
+                    job.attempt,
+                    prefixes,
+                    timeline=job.timeline,
+                )
+            else:
+                records = wait_for_records(
+                    tier.backend,
+                    tier.name,
+                    job.step,
+                    job.world_size,
+                    job.attempt,
+                    timeline=job.timeline,
+                )
             _put_manifest(tier.backend, _manifest(tier.name, job, records))
 
         return self._defer(wait_and_commit)
@@ -231,10 +263,33 @@ class MultiRankCommit:
         return self._repopulate and _group_ok(self._rank, self._world_size)
 
     def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
-        """See :func:`agree_on_step`."""
+        """See :func:`agree_on_step`. With a process group, the manifests of the candidates
+        on shared tiers are read once per node (:mod:`._nodeshare`) and kept for this load's
+        :meth:`read_manifest`."""
+        self._manifests = None
+        if _group_ok(self._rank, self._world_size):
+            if self._node is None:
+                self._node = TorchNodeComm()  # collective: every rank, first load
+            k = get_knobs()
+            shared = [t for t in self._tiers if not is_private_tier(t)]
+            reads = [
+                (t.name, t.backend, c) for c in candidates[: k.agree_max_candidates] for t in shared
+            ]
+            self._manifests = read_manifests_per_node(self._node, reads)
         return agree_on_step(
-            candidates, tiers=self._tiers, rank=self._rank, world_size=self._world_size
+            candidates,
+            tiers=self._tiers,
+            rank=self._rank,
+            world_size=self._world_size,
+            cache=self._manifests,
         )
+
+    def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
+        """The manifest of ``cid`` on ``tier`` for this load: the node leader's read where it
+        made one (see :meth:`agree_on_step`), else this rank's own."""
+        if self._manifests is not None and (tier.name, cid) in self._manifests:
+            return self._manifests.get(tier.name, cid)
+        return read_manifest(tier.backend, cid.step, tier.name, timeline=cid.timeline)
 
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
         """See :func:`publish_repopulated`; nothing (and no collective) where loads do not

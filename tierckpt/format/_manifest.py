@@ -13,7 +13,7 @@ from tierckpt.backends.base import validate_name
 from tierckpt.errors import CorruptCheckpoint, FormatError
 from tierckpt.format._names import (
     FOOTER_SIZE,
-    FORMAT_VERSION,
+    MANIFEST_VERSIONS,
     MAX_MANIFEST_BYTES,
     MAX_TIMELINE,
     MAX_WORLD_SIZE,
@@ -24,6 +24,7 @@ from tierckpt.format._names import (
     step_prefix,
 )
 from tierckpt.jsonbound import loads_within
+from tierckpt.layout import manifest_version, shard_in_folder
 
 # -- manifest -------------------------------------------------------------------------
 
@@ -71,9 +72,11 @@ class Manifest:
 
 
 def encode_manifest(m: Manifest) -> bytes:
+    # format v2 (hashed prefixes, tierckpt.layout) only where a file has a v2 name
+    version = manifest_version([s.file for s in m.shards], step_prefix(m.step, timeline=m.timeline))
     body: dict[str, JSON] = {
         "format": "tierckpt-manifest",
-        "version": FORMAT_VERSION,
+        "version": version,
         "step": m.step,
         "world_size": m.world_size,
         "created": m.created,
@@ -138,8 +141,12 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest holds values JSON cannot carry ({exc})") from None
     if stored != checksum(canon.encode("utf-8")):
         raise CorruptCheckpoint(f"{where}: manifest checksum mismatch")
-    if body.get("version") != FORMAT_VERSION:
-        raise FormatError(f"{where}: unsupported manifest version {body.get('version')!r}")
+    version = body.get("version")
+    if version not in MANIFEST_VERSIONS:
+        raise FormatError(
+            f"{where}: unsupported manifest version {version!r}; this tierckpt reads versions "
+            f"{', '.join(map(str, MANIFEST_VERSIONS))} (upgrade tierckpt)"
+        )
     step = _check_step(body.get("step"))
     timeline = body.get("timeline", 0)
     if type(timeline) is not int or not 0 <= timeline <= MAX_TIMELINE:
@@ -160,10 +167,10 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
             raise FormatError(f"{where}: bad or duplicate shard rank {rank!r}")
         seen.add(rank)
         file = validate_name(s.get("file"))  # type: ignore[arg-type]
-        if not file.startswith(step_prefix(step, timeline=timeline)):
+        if not shard_in_folder(file, step_prefix(step, timeline=timeline), version):
             raise FormatError(
                 f"{where}: shard file {file!r} is outside step {step}'s folder "
-                f"({step_prefix(step, timeline=timeline)})"
+                f"({'' if version == 1 else '<hh>/'}{step_prefix(step, timeline=timeline)})"
             )
         size = s.get("size")
         if type(size) is not int or not FOOTER_SIZE <= size <= 1 << 50:

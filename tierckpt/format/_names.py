@@ -11,8 +11,12 @@ import xxhash
 from tierckpt import limits
 from tierckpt._types import BytesLike
 from tierckpt.errors import FormatError
+from tierckpt.layout import data_folder_part, shard_file
 
 FORMAT_VERSION = 1
+#: manifest versions this tierckpt reads: 1, and 2 (shard files under hashed prefixes,
+#: tierckpt.layout; the shard files themselves are version 1)
+MANIFEST_VERSIONS = (1, 2)
 ALIGNMENT = 4096
 FOOTER_SIZE = 64
 MAX_STEP = 10**12 - 1
@@ -116,8 +120,9 @@ def parse_manifest_name(name: str) -> int | None:
 
 
 def parse_data_folder(name: str) -> CheckpointId | None:
-    """The checkpoint whose data folder (``steps/<step>[.t<timeline>]/``) holds ``name``."""
-    return _id_of(_DATA_RE.match(name))
+    """The checkpoint whose data folder (``steps/<step>[.t<timeline>]/``, in format v2 also
+    under a hashed prefix ``<hh>/``) holds ``name``."""
+    return _id_of(_DATA_RE.match(data_folder_part(name)))
 
 
 def _id_of(m: re.Match[str] | None) -> CheckpointId | None:
@@ -134,8 +139,11 @@ def step_prefix(step: int, *, timeline: int = 0) -> str:
     return f"{DATA_DIR}/{_check_step(step):012d}{_suffix(timeline)}/"
 
 
-def shard_name(step: int, rank: int, *, timeline: int = 0) -> str:
-    return f"{step_prefix(step, timeline=timeline)}rank-{rank:06d}.tck"
+def shard_name(step: int, rank: int, *, timeline: int = 0, prefixes: int = 256) -> str:
+    """Rank ``rank``'s shard file: format v2 over ``prefixes`` hashed prefixes (256: every
+    tier's default, ``<hh>/steps/...``); ``prefixes=0``: the v1 name
+    ``steps/<step>/rank-<r>.tck``. See :mod:`tierckpt.layout`."""
+    return shard_file(step_prefix(step, timeline=timeline), rank, prefixes)
 
 
 def rank_record_name(step: int, rank: int, *, timeline: int = 0) -> str:

@@ -13,6 +13,7 @@ from tierckpt.errors import (
 from tierckpt.format import (
     CheckpointId,
 )
+from tierckpt.layout import data_folder_part
 from tierckpt.offline._leases import leases
 from tierckpt.retention import gc_tier, pinned_ids
 
@@ -74,4 +75,7 @@ def gc(
     if abort_incomplete:
         backend.cleanup_incomplete("steps/")
         backend.cleanup_incomplete("manifests/")
+        for name in backend.incomplete(""):  # format v2: under hashed prefixes <hh>/steps/
+            if data_folder_part(name) != name:
+                backend.cleanup_incomplete(name)
     return plan

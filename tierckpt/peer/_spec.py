@@ -54,6 +54,7 @@ class PeerTier(TierSpec):
         object.__setattr__(self, "placement", fixed)
         object.__setattr__(self, "timeout_s", float(timeout_s))
         _set_retention(self, None, None, None, "min")  # keep_last only (no other rules)
+        object.__setattr__(self, "prefixes", None)  # format v2 names, as every tier
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", 2)
         object.__setattr__(self, "name", name)

@@ -161,7 +161,7 @@ class _TiersMixin(_StallMixin):
                 f"({tier.backend.url}); refusing to overwrite it — save under another step or "
                 "delete the old one first (tierckpt gc)"
             )
-        tw.writer = tier.backend.open_writer(job.shard)
+        tw.writer = tier.backend.open_writer(job.shard_on(tier))
         tw.emit = self._emitter(job.step, tier.name)
 
     def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
@@ -242,11 +242,11 @@ class _TiersMixin(_StallMixin):
         tw.write_seconds += seconds
         if tw.emit is not None:
             tw.emit("sync", size, seconds)
-        self._source_done(tier, job, (job.shard, tw.records, tw.codecs), None)
+        self._source_done(tier, job, (job.shard_on(tier), tw.records, tw.codecs), None)
         if isinstance(tier.codec, SupportsObserve):  # the auto policy learns the link's speed
             tier.codec.observe(tw.stored, tw.write_seconds)
         tw.writer = None
-        ref = ShardRef(job.rank, job.shard, size, footer.index_checksum)
+        ref = ShardRef(job.rank, job.shard_on(tier), size, footer.index_checksum)
         key = (job.step, tier.name)
         with self._lock:  # the exit handler abandons under the same lock: commit or abandon
             if self._abandoned:

@@ -15,8 +15,9 @@ from tierckpt import config
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.codecs import Codec
-from tierckpt.format import CheckpointId, ShardRef, shard_name
+from tierckpt.format import CheckpointId, ShardRef, shard_name, step_prefix
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.layout import prefixes_for, shard_file
 from tierckpt.plan import ChunkPlan, CollectedState, ShardLayout
 from tierckpt.policy import TierSpec, resolve_codec
 
@@ -171,6 +172,12 @@ class SaveJob:
     def shard(self) -> str:
         """This rank's shard file name."""
         return shard_name(self.step, self.rank, timeline=self.timeline)
+
+    def shard_on(self, tier: Tier) -> str:
+        """This rank's shard file name on ``tier``: format v2 (hashed prefixes) unless the
+        tier's ``prefixes`` knob is 0 (see tierckpt.layout)."""
+        prefixes = prefixes_for(tier.spec.prefixes)
+        return shard_file(step_prefix(self.step, timeline=self.timeline), self.rank, prefixes)
 
 
 @dataclass

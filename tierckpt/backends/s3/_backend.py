@@ -28,6 +28,7 @@ from tierckpt.backends.s3._errors import (
     _error_info,
 )
 from tierckpt.backends.s3._writer import _S3Writer
+from tierckpt.config import s3_read_concurrency
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact, scrub_exception
 
@@ -74,6 +75,7 @@ class S3Backend(S3Connection, Backend):
         client: Any = None,
         conditional_put: bool | None = None,
         profile: str | None = None,
+        read_concurrency: int | None = None,
     ) -> None:
         super().__init__(
             url_or_bucket,
@@ -90,6 +92,9 @@ class S3Backend(S3Connection, Backend):
         )
         self._conditional = conditional_put
         self._probe_lock = threading.Lock()
+        # ranged GETs at once: this rank's share of its node's budget (tierckpt.config)
+        self.read_concurrency = s3_read_concurrency(read_concurrency)
+        self._read_slots = threading.BoundedSemaphore(self.read_concurrency)
 
     def __repr__(self) -> str:
         return f"S3Backend({self.url!r}, part_size={self.part_size})"
@@ -254,6 +259,12 @@ class S3Backend(S3Connection, Backend):
             raise errors[0]
 
     def _get_range(self, key: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``key`` from ``start``, at most ``read_concurrency``
+        at once (the rank's share of its node's connections)."""
+        with self._read_slots:
+            self._get_range_now(key, start, out)
+
+    def _get_range_now(self, key: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``key`` from ``start``; resume a cut-off body."""
         need, got, attempt = len(out), 0, 0
         while got < need:
@@ -348,6 +359,27 @@ class S3Backend(S3Connection, Backend):
                 names.append(validate_name(rel))
             except FormatError:
                 log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
+        return sorted(names)
+
+    def list_after(self, prefix: str, start_after: str = "") -> builtins.list[str]:
+        """ListObjectsV2 with ``StartAfter``: the server skips every key up to it."""
+        if not start_after:
+            return self.list(prefix)
+        cut = len(self._root)
+        names = []
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._root + prefix, StartAfter=self._root + start_after
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rel = str(obj["Key"])[cut:]
+                    try:
+                        names.append(validate_name(rel))
+                    except FormatError:
+                        log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._translate(exc, "list_objects_v2", prefix) from exc
         return sorted(names)
 
     def delete(self, name: str) -> None:
