@@ -4,6 +4,7 @@ private-tier commit, the load agreement or the repopulation; and :func:`report_f
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 from collections.abc import Sequence
@@ -271,7 +272,10 @@ class MultiRankCommit:
             if self._node is None:
                 self._node = TorchNodeComm()  # collective: every rank, first load
             k = get_knobs()
-            shared = [t for t in self._tiers if not is_private_tier(t)]
+            # only the shared tiers listed before any private one: where a node-local tier
+            # (RAM, node RAM, a local disk) comes first, ranks load from it, and reading the
+            # shared tiers' manifests up front would cost requests (S3 GETs) nobody needs
+            shared = list(itertools.takewhile(lambda t: not is_private_tier(t), self._tiers))
             reads = [
                 (t.name, t.backend, c) for c in candidates[: k.agree_max_candidates] for t in shared
             ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -267,7 +268,15 @@ class PipelineOwner:
                 counts=hooks.counts,
             )
             self._pipeline.exit_timeout_s = self.exit_timeout_s
-            self._pipeline.protect_steps = self._protected_steps
+            # weakly: a pipeline must not keep its owner alive (a dropped DCP writer parks
+            # its pipeline for the next writer only once nothing refers to the writer)
+            protector = weakref.WeakMethod(self._protected_steps)
+
+            def protect_steps() -> Collection[int]:
+                fn = protector()
+                return frozenset() if fn is None else fn()
+
+            self._pipeline.protect_steps = protect_steps
             self._pipeline._prebuilt, self._arena_prebuild = self._arena_prebuild, None
         return self._pipeline
 
