@@ -54,7 +54,7 @@ from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import BackendError, FormatError
 from tierckpt.lease import LEASE_DIR, LeaseRecord, owner_status, parse_lease_name
-from tierckpt.policy import CodecSpec, TierSpec, _set_retention
+from tierckpt.policy import CodecSpec, TierSpec
 
 __all__ = [
     "REPLICA_SUFFIX",
@@ -211,8 +211,6 @@ class NodeRamTier(TierSpec):
         object.__setattr__(self, "namespace", ns)
         object.__setattr__(self, "max_bytes", max_bytes)
         object.__setattr__(self, "stale_after_s", stale_after_s)
-        _set_retention(self, None, None, None, "min")  # keep_last only (no other rules)
-        object.__setattr__(self, "prefixes", None)  # format v2 names, as every tier
         object.__setattr__(self, "source", None)
         object.__setattr__(self, "max_behind", 2)
         object.__setattr__(self, "name", name)

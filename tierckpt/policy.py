@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from tierckpt.backends.base import Backend
@@ -105,6 +105,13 @@ class TierSpec:
     prefixes: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        # a subclass with a hand-written __init__ (slots: no class-level defaults) gets the
+        # defaults of the fields it does not set, so adding a field never breaks one
+        for f in fields(self):
+            if not hasattr(self, f.name):
+                factory: Any = f.default_factory
+                default = f.default if f.default is not MISSING else factory()
+                object.__setattr__(self, f.name, default)
         if not self.name or "/" in self.name:
             raise ValueError(f"tier name must be a non-empty string without '/', got {self.name!r}")
         if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):

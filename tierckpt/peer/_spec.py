@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tierckpt.backends.base import Backend
-from tierckpt.policy import TierSpec, _set_retention
+from tierckpt.policy import TierSpec
 
 __all__ = ["PeerTier"]
 
@@ -53,8 +53,6 @@ class PeerTier(TierSpec):
         object.__setattr__(self, "replicas", replicas)
         object.__setattr__(self, "placement", fixed)
         object.__setattr__(self, "timeout_s", float(timeout_s))
-        _set_retention(self, None, None, None, "min")  # keep_last only (no other rules)
-        object.__setattr__(self, "prefixes", None)  # format v2 names, as every tier
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "max_behind", 2)
         object.__setattr__(self, "name", name)
