@@ -122,9 +122,9 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 def state_on_device(monkeypatch: pytest.MonkeyPatch, index: int) -> None:
     """Make the checkpointer believe every saved state lives on ``cuda:<index>``: its ready
     events (one per CUDA device of the state) name that device."""
-    from tierckpt.checkpointer import _checkpointer
+    from tierckpt.checkpointer import _saving
 
     def ready(_devs: object) -> dict[torch.device, Any]:
         return {torch.device("cuda", index): devices.blocking_event()}
 
-    monkeypatch.setattr(_checkpointer, "record_ready_events", ready)
+    monkeypatch.setattr(_saving, "record_ready_events", ready)

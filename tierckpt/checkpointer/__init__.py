@@ -1,8 +1,10 @@
 """Checkpointer: save / load / wait / close — what users touch.
 
-:class:`Checkpointer` (``_checkpointer``) is the facade and the save half; it hands loads to
-``_loading`` (list the tiers, agree on a checkpoint, read the first readable copy) and keeps
-what ``guard()`` named in ``_guarded`` (which tensors ``save()`` copies at once).
+:class:`Checkpointer` (``_checkpointer``) is the facade: the public API. Its save machinery
+is its base class in ``_saving`` (start a save, the pipeline's callbacks, the optimizer step's
+wait); it hands loads to ``_loading`` (list the tiers, agree on a checkpoint, read the first
+readable copy), keeps what ``guard()`` named in ``_guarded`` (which tensors ``save()`` copies
+at once) and pins and protected steps in ``_retention``.
 """
 
 from __future__ import annotations

@@ -1,55 +1,42 @@
 """Checkpointer: save / load / wait / close — what users touch.
 
-The facade and the save half; loads run in :mod:`._loading`, what ``guard()`` learns lives in
-:mod:`._guarded`."""
+The facade: the public API and its documentation. A save's machinery is in :mod:`._saving`
+(a base class), loads run in :mod:`._loading`, what ``guard()`` learns lives in
+:mod:`._guarded`, pins and protected steps in :mod:`._retention`."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
 
-from tierckpt import config, devices
-from tierckpt.capture import record_ready_events
-from tierckpt.catalog import (
-    committed_steps,
-    newest_committed,
-    steps_of,
-    timeline_for,
-)
-from tierckpt.checkpointer._guarded import GuardedSources, as_modules
+from tierckpt import config
+from tierckpt.catalog import committed_steps, steps_of
+from tierckpt.checkpointer._guarded import as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
-from tierckpt.checkpointer._stateful import expand_stateful, has_stateful, load_stateful
-from tierckpt.commit import CommitStrategy, SingleRankCommit
+from tierckpt.checkpointer._retention import Protectors, pin_target
+from tierckpt.checkpointer._saving import SavePath, resolve_rank
+from tierckpt.checkpointer._stateful import has_stateful, load_stateful
 from tierckpt.config import resolve_writer_config
-from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import BackendError, CheckpointFailed, CheckpointNotFound
-from tierckpt.format import CheckpointId, manifest_name
+from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.peer import open_peer
 from tierckpt.pipeline import (
     OUTCOMES,
     Pipeline,
-    PipelineHooks,
-    PipelineOwner,
-    SaveJob,
     Tier,
     check_save_deadline,
     default_save_deadline,
     open_tiers,
 )
-from tierckpt.plan import collect_state
 from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.restore import restore_into
 from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
-from tierckpt.stats import CheckpointEvent, CommitStats, StatsRecorder, outcome_of
-from tierckpt.tree import encode_metadata
+from tierckpt.stats import CheckpointEvent, CommitStats
 
 __all__ = ["Checkpointer"]
 
@@ -58,7 +45,7 @@ log = logging.getLogger("tierckpt")
 DEFAULT_CHUNK_BYTES = config.DEFAULT_CHUNK_BYTES
 
 
-class Checkpointer(PipelineOwner):
+class Checkpointer(SavePath):
     """Saves training state through a list of tiers without stopping training.
 
     ``save(state, step)`` returns a :class:`SaveHandle` at once; the state is captured into
@@ -133,31 +120,10 @@ class Checkpointer(PipelineOwner):
         if exit_timeout_s is not None and not exit_timeout_s >= 0:
             raise ValueError(f"exit_timeout_s must be >= 0 seconds, got {exit_timeout_s!r}")
         self.exit_timeout_s = exit_timeout_s
-        dist_rank, dist_world = _dist_rank_world()
-        self.rank = dist_rank if rank is None else rank
-        self.world_size = dist_world if world_size is None else world_size
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        self.rank, self.world_size = resolve_rank(rank, world_size)
         self._tiers = open_tiers(self.policy)
         self._pipeline: Pipeline | None = None
-        #: who commits and who agrees: this process alone, or with the job's other ranks
-        self._strategy: CommitStrategy = (
-            SingleRankCommit(repopulate=repopulate)
-            if self.world_size == 1
-            else MultiRankCommit(
-                self._tiers,
-                rank=self.rank,
-                world_size=self.world_size,
-                on_busy=on_busy,
-                repopulate=repopulate,
-                defer=self._defer,
-            )
-        )
-        self._save_count = 0
-        self._lock = threading.Lock()
-        self._last: SaveHandle | None = None
-        self._stats = StatsRecorder(stats_history)
-        self._counts: dict[str, Counter[str]] = {t.name: Counter() for t in self._tiers}
+        self._init_save_path(stats_history)
         if on_commit is not None:
             self._stats.add_callback(on_commit)
         if on_event is not None:
@@ -170,15 +136,8 @@ class Checkpointer(PipelineOwner):
             self._stats.add_callback(self._peer.on_commit)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
-        #: the timeline saves go to; None: chosen from the tiers at the next save (the first
-        #: one, and the first after a load()), see _propose_timeline
-        self._timeline: int | None = None
-        #: the newest checkpoint this object started saving
-        self._last_saved: CheckpointId | None = None
-        #: what guard() named: its tensors are captured lazily, the rest copied at save()
-        self._guarded = GuardedSources()
         #: callables naming steps retention must keep (protect_steps)
-        self._protectors: list[Callable[[], Iterable[int]]] = []
+        self._protectors = Protectors()
         # last: nothing after this may fail and leave the arena's thread behind
         self._start_arena_prebuild()
 
@@ -195,39 +154,6 @@ class Checkpointer(PipelineOwner):
             if t.name == name:
                 return t
         raise KeyError(f"no tier named {name!r}; tiers are {self.tier_names}")
-
-    def _pipeline_hooks(self) -> PipelineHooks:
-        return PipelineHooks(
-            commit=self._strategy.commit,
-            on_result=self._stats.record,
-            on_failure=self._on_failure,
-            retains=self._strategy.retains,
-            counts=self._counts,
-        )
-
-    def _on_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
-        """A tier's copy failed, was skipped or given up: to the strategy (other ranks),
-        then to stats and the event callbacks."""
-        try:
-            self._strategy.report_failure(tier, job, error)
-        finally:
-            self._stats.record_failure(
-                outcome_of(error),
-                job.step,
-                tier.name,
-                error,
-                timeline=job.timeline,
-                blocked_seconds=job.handle.blocked_seconds,
-            )
-
-    def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
-        """Run a commit's waiting part on the pipeline's commit threads (the strategy's
-        ``defer``)."""
-        pipeline = self._pipeline
-        if pipeline is None:
-            fn()
-            return None
-        return pipeline.defer(fn)
 
     # -- save ------------------------------------------------------------------------
     def save(
@@ -257,91 +183,6 @@ class Checkpointer(PipelineOwner):
         handle.blocked_seconds += time.perf_counter() - t0
         return handle
 
-    def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        manifest_name(step)  # validates the range
-        # checked (and copied) now, with the limits a reader applies: not after the data
-        metadata = encode_metadata(metadata)
-        pipeline = self._get_pipeline()
-        with self._lock:
-            for job in pipeline.in_flight():
-                if job.step == step:
-                    raise ValueError(f"step {step} is already being saved")
-            self._save_count += 1
-        tiers = [t for t in self._tiers if t.spec.receives(step)]
-        busy = bool(pipeline.in_flight())
-        timeline, choose = self._propose_timeline(step)
-        # with several ranks: an attempt id for the completion records (one all-reduce at the
-        # first save; at every save with on_busy="skip", so that all ranks skip together; and
-        # wherever the timeline is chosen from the tiers, so that all ranks take the same one)
-        start = self._strategy.begin_save(step, busy, timeline=timeline, agree_timeline=choose)
-        attempt, busy, timeline = start.attempt, start.busy, start.timeline
-        self._timeline = timeline
-        if self.on_busy == "skip" and busy:
-            log.warning("step %d skipped: the previous checkpoint is still flushing", step)
-            handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True, timeline=timeline)
-            self._stats.record_failure(
-                "save_skipped",
-                step,
-                "",
-                "on_busy='skip': the previous save was still flushing",
-                timeline=timeline,
-            )
-            return handle
-        # only the walk (validation + tensor references) runs here; the layout is computed by
-        # the capture thread, so training pays microseconds per tensor, not the whole plan;
-        # top-level Stateful objects (a module, an optimizer) give their state_dict(), as in DCP
-        collected = collect_state(expand_stateful(state))
-
-        handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
-        if not tiers:
-            return handle
-        # before the ready events: on CUDA the copies are queued ahead of the capture's wait
-        collected.tensors = self._guarded.snapshot(collected.tensors, handle)
-        job = SaveJob(
-            step=step,
-            plan=None,
-            collected=collected,
-            chunk_bytes=self.chunk_bytes,
-            tiers=tiers,
-            handle=handle,
-            rank=self.rank,
-            world_size=self.world_size,
-            ready_events=record_ready_events(collected.devices),
-            metadata=metadata,
-            attempt=attempt,
-            timeline=timeline,
-        )
-        # one writer per location: refused here, before anything is written, when another
-        # live writer holds a tier (tierckpt.lease)
-        pipeline.acquire_leases(job)
-        self._last = handle
-        self._last_saved = job.id
-        pipeline.submit(job)
-        return handle
-
-    # -- timelines ---------------------------------------------------------------------
-    def _propose_timeline(self, step: int) -> tuple[int, bool]:
-        """The timeline for a save of ``step``, and whether it was chosen from the tiers now
-        (False: the previous save's timeline goes on).
-
-        The timeline is chosen from the tiers at the first save, at the first save after a
-        ``load()``, and when ``step`` is below the previous save's (the run went back without
-        loading through this object), by :func:`~tierckpt.catalog.timeline_for` from the
-        newest committed checkpoint on any tier — or the one this object last started saving,
-        if newer (it may still be in flight). A save of the same step as the previous one
-        stays on its timeline: a retry, refused where that checkpoint is committed already (a
-        manifest is never overwritten).
-        """
-        last = self._last_saved
-        if self._timeline is not None and (last is None or step >= last.step):
-            return self._timeline, False
-        newest = newest_committed((t.name, t.backend) for t in self._tiers)
-        if last is not None and (newest is None or last > newest):
-            newest = last
-        return timeline_for(step, newest), True
-
     def wait_captured(self, timeout: float | None = None) -> None:
         """Block until every pending save's bytes are in host memory.
 
@@ -349,16 +190,7 @@ class Checkpointer(PipelineOwner):
         capture does not raise here — training goes on, the checkpoint is not committed, and
         the error is logged and kept on the save's handle (``h.wait()`` raises it).
         """
-        if self._pipeline is None:
-            return
-        for job in self._pipeline.in_flight():
-            t0 = time.perf_counter()
-            try:
-                job.handle.wait_captured(timeout)
-            except CheckpointFailed:
-                pass
-            finally:
-                job.handle.blocked_seconds += time.perf_counter() - t0
+        self._wait_captures(timeout, on_device=False)
 
     def guard(
         self,
@@ -383,31 +215,9 @@ class Checkpointer(PipelineOwner):
         self._guarded.learn(optimizer, modules)
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self._wait_before_step()
+            self._wait_captures(None, on_device=True)
 
         return optimizer.register_step_pre_hook(hook)
-
-    def _wait_before_step(self) -> None:
-        """The optimizer step's wait: a save whose copies are all queued on one GPU makes the
-        training stream wait for them there (the host goes on queueing the step's kernels,
-        which run once the copies are done); any other pending save is waited for on the
-        host, as :meth:`wait_captured`."""
-        if self._pipeline is None:
-            return
-        for job in self._pipeline.in_flight():
-            queued = job.queued_events
-            if queued is not None and not job.handle.captured:
-                device, events = queued
-                for ev in events:
-                    devices.current_stream_wait(device, ev)
-                continue
-            t0 = time.perf_counter()
-            try:
-                job.handle.wait_captured()
-            except CheckpointFailed:
-                pass
-            finally:
-                job.handle.blocked_seconds += time.perf_counter() - t0
 
     def _learn(
         self, optimizer: torch.optim.Optimizer | None, modules: Sequence[torch.nn.Module] = ()
@@ -497,44 +307,20 @@ class Checkpointer(PipelineOwner):
         integration's live pointers, e.g. Lightning's ``ModelCheckpoint`` files): those are
         never removed. ``fn`` runs on a background thread; if it raises, that retention is
         skipped (logged) rather than guessing. Returns a function that removes ``fn``."""
-        with self._lock:
-            self._protectors.append(fn)
-
-        def remove() -> None:
-            with self._lock:
-                self._protectors[:] = [f for f in self._protectors if f is not fn]
-
-        return remove
+        return self._protectors.add(fn)
 
     def _protected_steps(self) -> Collection[int]:
-        with self._lock:
-            protectors = list(self._protectors)
-        steps: set[int] = set()
-        for fn in protectors:
-            try:
-                steps.update(int(s) for s in fn())
-            except Exception as exc:
-                raise BackendError(
-                    f"cannot tell which steps {fn!r} protects ({exc}); retention skipped"
-                ) from exc
-        return steps
+        return self._protectors.steps()
 
     def _pin_target(self, step: int, timeline: int | None) -> CheckpointId:
-        if timeline is not None:
-            return CheckpointId(step, timeline)
-        if self._pipeline is not None:
-            for job in self._pipeline.in_flight():
-                if job.step == step:
-                    return job.id
-        if self._last_saved is not None and self._last_saved.step == step:
-            return self._last_saved
-        held = [c for c in self.checkpoints() if c.step == step]
-        if not held:
-            raise CheckpointNotFound(
-                f"cannot pin step {step}: it is neither being saved nor committed on any tier "
-                f"({', '.join(self.tier_names)})"
-            )
-        return held[-1]
+        return pin_target(
+            step,
+            timeline,
+            in_flight=self._pipeline.in_flight() if self._pipeline is not None else (),
+            last_saved=self._last_saved,
+            committed=self.checkpoints,
+            tier_names=self.tier_names,
+        )
 
     # -- load --------------------------------------------------------------------------
     def load(
@@ -618,9 +404,6 @@ class Checkpointer(PipelineOwner):
             )
         return self._read_pool
 
-    def _forget_timeline(self) -> None:
-        self._timeline = None
-
     # -- stats / lifecycle ------------------------------------------------------------
     def tier_counts(self) -> dict[str, dict[str, int]]:
         """Per tier, how many copies of saves this Checkpointer ``committed``, how many
@@ -666,11 +449,3 @@ class Checkpointer(PipelineOwner):
         if self._read_pool is not None:
             self._read_pool.shutdown()
             self._read_pool = None
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

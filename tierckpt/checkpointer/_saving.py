@@ -1,0 +1,246 @@
+"""The save half of :class:`~tierckpt.Checkpointer`: what a ``save()`` does before it returns
+(check the step, choose its timeline, agree with the job's other ranks, copy what the next
+forward pass may write, take the writer leases, hand the job to the pipeline), what the
+pipeline calls back (commit, failure, deferred commit work) and the optimizer step's wait.
+
+:class:`SavePath` is a base class of ``Checkpointer`` holding only private methods: the
+public API and its documentation stay on the facade in ``_checkpointer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any, Literal
+
+from tierckpt import devices
+from tierckpt.capture import record_ready_events
+from tierckpt.catalog import newest_committed, timeline_for
+from tierckpt.checkpointer._guarded import GuardedSources
+from tierckpt.checkpointer._stateful import expand_stateful
+from tierckpt.commit import CommitStrategy, SingleRankCommit
+from tierckpt.distributed import MultiRankCommit
+from tierckpt.errors import CheckpointFailed
+from tierckpt.format import CheckpointId, manifest_name
+from tierckpt.handle import SaveHandle
+from tierckpt.pipeline import PipelineHooks, PipelineOwner, SaveJob, Tier
+from tierckpt.plan import collect_state
+from tierckpt.stats import StatsRecorder, outcome_of
+from tierckpt.tree import encode_metadata
+
+__all__ = ["SavePath", "resolve_rank"]
+
+log = logging.getLogger("tierckpt")
+
+
+class SavePath(PipelineOwner):
+    """The save machinery of a checkpointer; ``Checkpointer.__init__`` sets the fields."""
+
+    on_busy: Literal["block", "skip"]
+    rank: int
+    world_size: int
+    #: when a load reads from a remote tier, also write the checkpoint to the local tiers
+    repopulate: bool
+    #: who commits and who agrees: this process alone, or with the job's other ranks
+    _strategy: CommitStrategy
+    _stats: StatsRecorder
+    _counts: dict[str, Counter[str]]
+    _lock: threading.Lock
+    _save_count: int
+    _last: SaveHandle | None
+    #: the timeline saves go to; None: chosen from the tiers at the next save (the first one,
+    #: and the first after a load()), see _propose_timeline
+    _timeline: int | None
+    #: the newest checkpoint this object started saving
+    _last_saved: CheckpointId | None
+    #: what guard() named: its tensors are captured lazily, the rest copied at save()
+    _guarded: GuardedSources
+
+    def _init_save_path(self, stats_history: int) -> None:
+        """Set this part's fields; ``Checkpointer.__init__`` calls it once the tiers are open
+        and ``rank``, ``world_size``, ``on_busy`` and ``repopulate`` are set."""
+        self._strategy = (
+            SingleRankCommit(repopulate=self.repopulate)
+            if self.world_size == 1
+            else MultiRankCommit(
+                self._tiers,
+                rank=self.rank,
+                world_size=self.world_size,
+                on_busy=self.on_busy,
+                repopulate=self.repopulate,
+                defer=self._defer,
+            )
+        )
+        self._save_count = 0
+        self._lock = threading.Lock()
+        self._last = None
+        self._stats = StatsRecorder(stats_history)
+        self._counts = {t.name: Counter() for t in self._tiers}
+        self._timeline = None
+        self._last_saved = None
+        self._guarded = GuardedSources()
+
+    # -- what the pipeline calls back --------------------------------------------------
+    def _pipeline_hooks(self) -> PipelineHooks:
+        return PipelineHooks(
+            commit=self._strategy.commit,
+            on_result=self._stats.record,
+            on_failure=self._on_failure,
+            retains=self._strategy.retains,
+            counts=self._counts,
+        )
+
+    def _on_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
+        """A tier's copy failed, was skipped or given up: to the strategy (other ranks),
+        then to stats and the event callbacks."""
+        try:
+            self._strategy.report_failure(tier, job, error)
+        finally:
+            self._stats.record_failure(
+                outcome_of(error),
+                job.step,
+                tier.name,
+                error,
+                timeline=job.timeline,
+                blocked_seconds=job.handle.blocked_seconds,
+            )
+
+    def _defer(self, fn: Callable[[], None]) -> Future[None] | None:
+        """Run a commit's waiting part on the pipeline's commit threads (the strategy's
+        ``defer``)."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            fn()
+            return None
+        return pipeline.defer(fn)
+
+    def _forget_timeline(self) -> None:
+        """After a load: the next save chooses its timeline from the tiers again."""
+        self._timeline = None
+
+    # -- starting a save ---------------------------------------------------------------
+    def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        manifest_name(step)  # validates the range
+        # checked (and copied) now, with the limits a reader applies: not after the data
+        metadata = encode_metadata(metadata)
+        pipeline = self._get_pipeline()
+        with self._lock:
+            for job in pipeline.in_flight():
+                if job.step == step:
+                    raise ValueError(f"step {step} is already being saved")
+            self._save_count += 1
+        tiers = [t for t in self._tiers if t.spec.receives(step)]
+        busy = bool(pipeline.in_flight())
+        timeline, choose = self._propose_timeline(step)
+        # with several ranks: an attempt id for the completion records (one all-reduce at the
+        # first save; at every save with on_busy="skip", so that all ranks skip together; and
+        # wherever the timeline is chosen from the tiers, so that all ranks take the same one)
+        start = self._strategy.begin_save(step, busy, timeline=timeline, agree_timeline=choose)
+        attempt, busy, timeline = start.attempt, start.busy, start.timeline
+        self._timeline = timeline
+        if self.on_busy == "skip" and busy:
+            log.warning("step %d skipped: the previous checkpoint is still flushing", step)
+            handle = SaveHandle(step, tuple(t.name for t in tiers), skipped=True, timeline=timeline)
+            self._stats.record_failure(
+                "save_skipped",
+                step,
+                "",
+                "on_busy='skip': the previous save was still flushing",
+                timeline=timeline,
+            )
+            return handle
+        # only the walk (validation + tensor references) runs here; the layout is computed by
+        # the capture thread, so training pays microseconds per tensor, not the whole plan;
+        # top-level Stateful objects (a module, an optimizer) give their state_dict(), as in DCP
+        collected = collect_state(expand_stateful(state))
+
+        handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
+        if not tiers:
+            return handle
+        # before the ready events: on CUDA the copies are queued ahead of the capture's wait
+        collected.tensors = self._guarded.snapshot(collected.tensors, handle)
+        job = SaveJob(
+            step=step,
+            plan=None,
+            collected=collected,
+            chunk_bytes=self.chunk_bytes,
+            tiers=tiers,
+            handle=handle,
+            rank=self.rank,
+            world_size=self.world_size,
+            ready_events=record_ready_events(collected.devices),
+            metadata=metadata,
+            attempt=attempt,
+            timeline=timeline,
+        )
+        # one writer per location: refused here, before anything is written, when another
+        # live writer holds a tier (tierckpt.lease)
+        pipeline.acquire_leases(job)
+        self._last = handle
+        self._last_saved = job.id
+        pipeline.submit(job)
+        return handle
+
+    def _propose_timeline(self, step: int) -> tuple[int, bool]:
+        """The timeline for a save of ``step``, and whether it was chosen from the tiers now
+        (False: the previous save's timeline goes on).
+
+        The timeline is chosen from the tiers at the first save, at the first save after a
+        ``load()``, and when ``step`` is below the previous save's (the run went back without
+        loading through this object), by :func:`~tierckpt.catalog.timeline_for` from the
+        newest committed checkpoint on any tier — or the one this object last started saving,
+        if newer (it may still be in flight). A save of the same step as the previous one
+        stays on its timeline: a retry, refused where that checkpoint is committed already (a
+        manifest is never overwritten).
+        """
+        last = self._last_saved
+        if self._timeline is not None and (last is None or step >= last.step):
+            return self._timeline, False
+        newest = newest_committed((t.name, t.backend) for t in self._tiers)
+        if last is not None and (newest is None or last > newest):
+            newest = last
+        return timeline_for(step, newest), True
+
+    # -- waiting for captures ----------------------------------------------------------
+    def _wait_captures(self, timeout: float | None, *, on_device: bool) -> None:
+        """Wait until every pending save's bytes are in host memory (a failed capture stays on
+        its handle). ``on_device`` (the optimizer step's wait): a save whose copies are all
+        queued on one GPU makes the training stream wait for them there instead (the host
+        goes on queueing the step's kernels, which run once the copies are done)."""
+        if self._pipeline is None:
+            return
+        for job in self._pipeline.in_flight():
+            queued = job.queued_events
+            if on_device and queued is not None and not job.handle.captured:
+                device, events = queued
+                for ev in events:
+                    devices.current_stream_wait(device, ev)
+                continue
+            t0 = time.perf_counter()
+            try:
+                job.handle.wait_captured(timeout)
+            except CheckpointFailed:
+                pass
+            finally:
+                job.handle.blocked_seconds += time.perf_counter() - t0
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and the world size: the arguments, else ``torch.distributed``'s
+    when it is initialized, else 0 and 1."""
+    import torch.distributed as dist
+
+    dist_rank, dist_world = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        dist_rank, dist_world = dist.get_rank(), dist.get_world_size()
+    rank = dist_rank if rank is None else rank
+    world_size = dist_world if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    return rank, world_size
