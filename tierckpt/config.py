@@ -1,12 +1,13 @@
-"""Every knob of tierckpt in one place: the table :data:`KNOBS` and one function per knob that
-resolves it (an argument, else the environment variable, else the default).
+"""Every knob of tierckpt in one place: the table :data:`KNOBS` (kept in :mod:`tierckpt._knobs`,
+re-exported here) and one function per knob that resolves it (an argument, else the
+environment variable, else the default).
 
 The runtime package reads the environment only here (a test parses the package to hold that),
 so each variable is parsed one way and a bad value gives one clear :class:`ValueError` that
 names the variable, the value and what it expects. ``docs/configuration.md`` shows the table
 (:func:`knobs_markdown` renders it; a test keeps the page and the table equal).
 
-This module imports nothing from tierckpt: every other module may import it.
+This module imports only the table from tierckpt: every other module may import it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 import os
 import re
 from dataclasses import dataclass
+
+from tierckpt._knobs import DEFAULT_S3_DRIVER, KNOBS, S3_DRIVERS, Knob, knobs_markdown
 
 __all__ = [
     "CHUNK_ALIGN",
@@ -64,200 +67,12 @@ DEFAULT_COMMIT_TIMEOUT_S = 600.0
 DEFAULT_COMMIT_POLL_MAX_S = 2.0
 DEFAULT_LEASE_TTL_S = 60.0
 DEFAULT_LEASE_WAIT_S = 10.0
-#: the S3 clients a tier can move bytes with. obstore measured faster on restore
-#: (benchmarks/bench_restore.py, docs/object-stores.md), but the default stays boto3 until the
-#: crash, outage and stall suites (written against botocore's hooks) also pass on obstore
-S3_DRIVERS = ("obstore", "boto3")
-DEFAULT_S3_DRIVER = "boto3"
 #: the longest lease ttl / wait accepted (a week)
 LEASE_MAX_S = 7 * 86400.0
 #: an attempt id goes into completion-record names: a short, path-safe word
 _ATTEMPT_RE = re.compile(r"^[0-9A-Za-z._-]{0,100}$")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-
-
-@dataclass(frozen=True, slots=True)
-class Knob:
-    """One row of the configuration table."""
-
-    #: the argument (or field) that sets it in code; "" when only the environment does
-    argument: str
-    #: the environment variable(s) read when the argument is not given
-    env: str
-    default: str
-    kind: str
-    what: str
-
-
-KNOBS: tuple[Knob, ...] = (
-    Knob(
-        "Checkpointer / TierWriter(host_buffer_bytes=)",
-        "TIERCKPT_HOST_BUFFER_BYTES",
-        "1/8 of RAM, at most 32 GiB, divided by LOCAL_WORLD_SIZE, at least 256 MiB",
-        "int > 0 (bytes)",
-        "the host arena budget: state is captured into it and written out from it",
-    ),
-    Knob(
-        "",
-        "LOCAL_WORLD_SIZE",
-        "1",
-        "int >= 1",
-        "ranks on this node (torchrun sets it): the default arena budget is shared among them",
-    ),
-    Knob(
-        "",
-        "TIERCKPT_ARENA_PREBUILD",
-        "on when CUDA is available",
-        "bool",
-        "allocate, touch and pin the host arena on a background thread started when the "
-        "writer is made, not in the first save",
-    ),
-    Knob(
-        "Checkpointer / TierWriter(chunk_bytes=)",
-        "TIERCKPT_CHUNK_BYTES",
-        "64 MiB",
-        "int > 0 (bytes), a multiple of 4096",
-        "target chunk size; lowered to a quarter of the arena (4096-aligned) so at least four "
-        "chunks are in flight",
-    ),
-    Knob(
-        "Checkpointer / TierWriter(io_threads=)",
-        "TIERCKPT_IO_THREADS",
-        "2",
-        "int >= 1",
-        "encoder threads per tier and reader threads at load",
-    ),
-    Knob(
-        "LocalBackend(direct_io=)",
-        "TIERCKPT_DIRECT_IO",
-        "on",
-        "bool (1/true/yes/on, 0/false/no/off)",
-        "raw chunks are written to local tiers with O_DIRECT (off: through the page cache)",
-    ),
-    Knob(
-        "Checkpointer(exit_timeout_s=)",
-        "TIERCKPT_EXIT_TIMEOUT_S",
-        "60",
-        "float (seconds; negative: 0)",
-        "at interpreter exit, how long in-flight saves get to finish before they are "
-        "abandoned, never committed (0: at once); a bad value is logged and the default used",
-    ),
-    Knob(
-        "Checkpointer(save_deadline=)",
-        "TIERCKPT_SAVE_DEADLINE",
-        "30",
-        "float > 0 (seconds; inf: no deadline)",
-        "the longest a save holds training behind a tier fed from the arena that makes no "
-        "progress; past it that tier's copy of the save is given up, never committed",
-    ),
-    Knob(
-        "distributed.knobs(commit_timeout=)",
-        "TIERCKPT_COMMIT_TIMEOUT_S",
-        "600",
-        "float > 0 (seconds)",
-        "multi-rank: how long rank 0 waits for every rank's completion record before failing "
-        "the tier's save",
-    ),
-    Knob(
-        "distributed.knobs(poll_max=)",
-        "TIERCKPT_COMMIT_POLL_MAX_S",
-        "2",
-        "float > 0 (seconds)",
-        "multi-rank: the largest pause between two polls for completion records",
-    ),
-    Knob(
-        "S3Backend(read_concurrency=)",
-        "TIERCKPT_NODE_S3_CONNECTIONS, LOCAL_WORLD_SIZE",
-        "64, 1",
-        "int >= 1 each",
-        "restore: the node's budget of concurrent S3 GETs, shared by the ranks on the node "
-        "(LOCAL_WORLD_SIZE, set by torchrun): a rank issues at most budget // ranks at once",
-    ),
-    Knob(
-        "",
-        "TIERCKPT_NODE",
-        "the host name",
-        "string",
-        "multi-rank load: which node this rank is on; the node's lowest rank reads each "
-        "manifest and shares it with the node's ranks",
-    ),
-    Knob(
-        "",
-        "TIERCKPT_PRIVATE_TIERS",
-        "none",
-        "comma-separated tier names",
-        "multi-rank: tiers other ranks cannot read (node-local disks); each rank commits its "
-        "own copy there (RAM tiers are always private)",
-    ),
-    Knob(
-        "NodeRamTier(namespace=)",
-        "TORCHELASTIC_RUN_ID",
-        "default",
-        "a run id (set by torchrun)",
-        "the node-RAM tier's run folder in /dev/shm: the same for a run's restarted workers",
-    ),
-    Knob(
-        "",
-        "TIERCKPT_ATTEMPT_ID",
-        "empty",
-        "[0-9A-Za-z._-], at most 100",
-        "multi-rank without a torch.distributed group: names this job attempt in completion "
-        "records (set one per attempt)",
-    ),
-    Knob(
-        "",
-        "TIERCKPT_LEASE_TTL",
-        "60",
-        "float in (0, 604800] (seconds)",
-        "how long a writer lease held from another machine stays valid without renewal",
-    ),
-    Knob(
-        "",
-        "TIERCKPT_LEASE_WAIT_S",
-        "10",
-        "float in (0, 604800] (seconds)",
-        "how long a save waits for the first lease acquisition (a slow store) before going on",
-    ),
-    Knob(
-        "tierckpt --debug-botocore",
-        "TIERCKPT_DEBUG_BOTOCORE",
-        "off",
-        "bool (1/true/yes/on, 0/false/no/off)",
-        "CLI: print botocore's wire log (request headers: credentials-bearing)",
-    ),
-    Knob(
-        "S3Tier(driver=)",
-        "TIERCKPT_S3_DRIVER",
-        DEFAULT_S3_DRIVER,
-        "obstore | boto3",
-        "the client that moves s3:// bytes (tiers, offline tools, CLI); boto3 if obstore is absent",
-    ),
-    Knob(
-        "GCSTier(endpoint_url=)",
-        "STORAGE_EMULATOR_HOST",
-        "Google",
-        "host:port or URL",
-        "gs:// tiers and tools talk to this GCS emulator (no OAuth) instead of Google",
-    ),
-    Knob(
-        "open_backend(endpoint_url=)",
-        "AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL",
-        "AWS",
-        "URL",
-        "offline tools and the CLI: the S3-compatible endpoint for s3:// URLs",
-    ),
-)
-
-
-def knobs_markdown() -> str:
-    """:data:`KNOBS` as a Markdown table (the one in ``docs/configuration.md``)."""
-    rows = ["| environment | argument | default | type | what it does |", "|---|---|---|---|---|"]
-    for k in KNOBS:
-        env = ", ".join(f"`{e.strip()}`" for e in k.env.split(","))
-        arg = f"`{k.argument}`" if k.argument else "-"
-        rows.append(f"| {env} | {arg} | {k.default} | {k.kind} | {k.what} |")
-    return "\n".join(rows) + "\n"
 
 
 # -- parsing the environment ------------------------------------------------------------------
