@@ -1,21 +1,75 @@
 """The CPU libraries for nvCOMP's standard bitstreams (zstd frames, raw deflate, LZ4 blocks):
-what encodes and decodes the nvcomp framing on a machine without a GPU."""
+what encodes and decodes the nvcomp framing on a machine without a GPU
+(:func:`encode_frame`, :func:`decode_frame`)."""
 
 from __future__ import annotations
 
 import threading
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zstandard
 
+from tierckpt.codecs._byteplanes import _merge, _run_tasks, _split
+from tierckpt.codecs._nvcomp_framing import _U8, _Layout, assemble, encode_header, parse_frame
 from tierckpt.codecs.zstd import STRICT_FRAMES
 from tierckpt.errors import CorruptChunk, UnknownCodec
 
-if TYPE_CHECKING:
-    pass
-from tierckpt.codecs._nvcomp_framing import _U8
+__all__ = ["decode_frame", "encode_frame"]
+
+
+# -- the framing, encoded and decoded on the CPU ---------------------------------------------
+
+
+def encode_frame(src: _U8, algorithm: str, itemsize: int, piece_bytes: int) -> memoryview:
+    """``src`` in the nvcomp framing, each piece compressed with the CPU library of
+    ``algorithm`` (zstd / deflate / lz4): the bytes a GPU would have stored."""
+    layout = _Layout(src.size, itemsize, piece_bytes)
+    planes = _host_planes(src, layout)
+    compress = _cpu_compressor(algorithm)
+    pieces: list[bytes] = [b""] * layout.n_pieces
+
+    def one(i: int) -> None:
+        plane, start, n = layout.piece(i)
+        pieces[i] = compress(planes[plane][start : start + n])
+
+    _run_tasks(layout.n_pieces, one, 2)
+    header = encode_header(layout, algorithm, itemsize, piece_bytes, [len(p) for p in pieces])
+    return assemble(header, pieces, src[src.size - layout.tail :])
+
+
+def decode_frame(src: _U8, dest: _U8, algorithm: str, itemsize: int) -> None:
+    """Decode the nvcomp framing ``src`` into ``dest`` (its raw length) with the CPU library
+    of ``algorithm``; the framing is validated first (``CorruptChunk``)."""
+    layout, starts, stored = parse_frame(
+        src, dest.size, None, algorithm=algorithm, itemsize=itemsize
+    )
+    decompress = _cpu_decompressor(algorithm)
+    # several planes: one plane-major copy of the body, then merged into `dest`
+    body = dest if layout.n_planes == 1 else np.empty(layout.n_planes * layout.n_elems, np.uint8)
+
+    def one(i: int) -> None:
+        plane, start, n = layout.piece(i)
+        at = plane * layout.n_elems + start
+        decompress(src[starts[i] : starts[i] + stored[i]], body[at : at + n])
+
+    _run_tasks(layout.n_pieces, one, 2)
+    if layout.n_planes > 1:
+        n = layout.n_elems
+        planes = [body[k * n : (k + 1) * n] for k in range(layout.n_planes)]
+        _merge(planes, layout.itemsize, dest[: n * layout.itemsize])
+    if layout.tail:
+        dest[dest.size - layout.tail :] = src[src.size - layout.tail :]
+
+
+def _host_planes(src: _U8, layout: _Layout) -> list[_U8]:
+    if layout.n_planes == 1:
+        return [src[: layout.n_elems]]
+    planes = [np.empty(layout.n_elems, np.uint8) for _ in range(layout.n_planes)]
+    _split(src[: layout.n_elems * layout.itemsize], layout.itemsize, planes)
+    return planes
+
 
 # -- CPU libraries for the standard bitstreams ---------------------------------------------
 

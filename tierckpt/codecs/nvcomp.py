@@ -27,26 +27,23 @@ Pieces cut the body in order: with itemsize 1 the raw bytes; otherwise plane 0, 
 plane holds exactly ``piece_bytes`` raw bytes. Without a GPU, :meth:`NvcompCodec.encode` uses
 the CPU library of a CPU-decodable algorithm and writes the same framing.
 
-The framing lives in ``_nvcomp_framing``, the CPU libraries in ``_nvcomp_cpu``; this module
-holds the codec and its access to the GPU and to nvCOMP.
+The framing lives in ``_nvcomp_framing``, the CPU path in ``_nvcomp_cpu``, the GPU work that
+makes no nvCOMP call (streams, body layout, packing) in ``_nvcomp_device``; this module holds
+the codec and its calls to nvCOMP.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tierckpt import devices
 from tierckpt._types import JSON, BytesLike
-from tierckpt.codecs._byteplanes import _as_u8, _merge, _run_tasks, _split
-from tierckpt.codecs._nvcomp_cpu import (
-    _cpu_compressor,
-    _cpu_decompressor,
-)
+from tierckpt.codecs._byteplanes import _as_u8
+from tierckpt.codecs._nvcomp_cpu import decode_frame, encode_frame
+from tierckpt.codecs._nvcomp_device import device_body, from_body, pack_pieces, piece_offsets
+from tierckpt.codecs._nvcomp_device import work_stream as _work_stream
 from tierckpt.codecs._nvcomp_framing import (
     _ALIGN,
     _HEADER,
@@ -55,7 +52,6 @@ from tierckpt.codecs._nvcomp_framing import (
     ALGORITHMS,
     _align,
     _Layout,
-    assemble,
     encode_header,
     parse_frame,
 )
@@ -117,36 +113,6 @@ def _stream_of(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-@contextlib.contextmanager
-def _work_stream(device: torch.device, *inputs: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-    """Run the block on a stream that is not the default one (usually the training stream):
-    the caller's current stream when it is a side stream already (the capture stream), else
-    this thread's own stream (:func:`tierckpt.devices.thread_stream`). The work stream first
-    waits for the caller's stream (the inputs were made there), and the caller's stream then
-    waits for the work stream; the block appends to the yielded list each tensor it makes and
-    hands back, so the allocator keeps it until the caller's stream has used it."""
-    import torch
-
-    if device.type != "cuda":  # tests drive the GPU code with host tensors
-        yield []
-        return
-    devices.use_device(device)
-    caller = torch.cuda.current_stream(device)
-    if caller != torch.cuda.default_stream(device):
-        yield []
-        return
-    work = devices.thread_stream(device)
-    work.wait_stream(caller)
-    for t in inputs:
-        t.record_stream(work)
-    handed: list[torch.Tensor] = []
-    with devices.on_streams([work]):
-        yield handed
-    caller.wait_stream(work)
-    for t in handed:
-        t.record_stream(caller)
-
-
 def _cuda_available() -> bool:
     try:
         import torch
@@ -191,13 +157,7 @@ class NvcompCodec(Codec):
         if (
             not isinstance(itemsize, int)
             or isinstance(itemsize, bool)
-            or itemsize
-            not in (
-                1,
-                2,
-                4,
-                8,
-            )
+            or itemsize not in (1, 2, 4, 8)
         ):
             raise ValueError(f"nvcomp itemsize must be 1, 2, 4 or 8, got {itemsize!r}")
         opts = dict(options or {})
@@ -252,9 +212,6 @@ class NvcompCodec(Codec):
         """
         return parse_frame(src, raw_len, total, algorithm=self.algorithm, itemsize=self.itemsize)
 
-    def _assemble(self, layout: _Layout, pieces: list[bytes], tail: _U8) -> memoryview:
-        return assemble(self._header(layout, [len(p) for p in pieces]), pieces, tail)
-
     # -- host entry points ----------------------------------------------------------------
 
     def encode(self, data: BytesLike) -> BytesLike:
@@ -273,18 +230,7 @@ class NvcompCodec(Codec):
 
     def encode_cpu(self, data: BytesLike) -> memoryview:
         """The same framing, compressed with the CPU library (zstd / deflate / lz4 only)."""
-        src = _as_u8(data)
-        layout = _Layout(src.size, self.itemsize, self.piece_bytes)
-        planes = self._host_planes(src, layout)
-        compress = _cpu_compressor(self.algorithm)
-        pieces: list[bytes] = [b""] * layout.n_pieces
-
-        def one(i: int) -> None:
-            plane, start, n = layout.piece(i)
-            pieces[i] = compress(planes[plane][start : start + n])
-
-        _run_tasks(layout.n_pieces, one, 2)
-        return self._assemble(layout, pieces, src[src.size - layout.tail :])
+        return encode_frame(_as_u8(data), self.algorithm, self.itemsize, self.piece_bytes)
 
     def decode(self, data: BytesLike, out: memoryview) -> None:
         if _cuda_available() and self._have_nvcomp():
@@ -305,34 +251,7 @@ class NvcompCodec(Codec):
                 "only a CUDA GPU can decode; restore it on a machine with a GPU and the "
                 f"package {_PACKAGE!r}"
             )
-        src = _as_u8(data)
-        dest = _as_u8(out)
-        layout, starts, stored = self._parse(src, dest.size)
-        decompress = _cpu_decompressor(self.algorithm)
-        if layout.n_planes == 1:
-            body = dest
-        else:  # one plane-major copy of the body, then merged into `out`
-            body = np.empty(layout.n_planes * layout.n_elems, np.uint8)
-
-        def one(i: int) -> None:
-            plane, start, n = layout.piece(i)
-            at = plane * layout.n_elems + start
-            decompress(src[starts[i] : starts[i] + stored[i]], body[at : at + n])
-
-        _run_tasks(layout.n_pieces, one, 2)
-        if layout.n_planes > 1:
-            n = layout.n_elems
-            planes = [body[k * n : (k + 1) * n] for k in range(layout.n_planes)]
-            _merge(planes, layout.itemsize, dest[: n * layout.itemsize])
-        if layout.tail:
-            dest[dest.size - layout.tail :] = src[src.size - layout.tail :]
-
-    def _host_planes(self, src: _U8, layout: _Layout) -> list[_U8]:
-        if layout.n_planes == 1:
-            return [src[: layout.n_elems]]
-        planes = [np.empty(layout.n_elems, np.uint8) for _ in range(layout.n_planes)]
-        _split(src[: layout.n_elems * layout.itemsize], layout.itemsize, planes)
-        return planes
+        decode_frame(_as_u8(data), _as_u8(out), self.algorithm, self.itemsize)
 
     # -- GPU entry points -----------------------------------------------------------------
 
@@ -387,10 +306,11 @@ class NvcompCodec(Codec):
         t = tensor.contiguous()
         layout = _Layout(t.numel(), self.itemsize, self.piece_bytes)
         stored: list[int] = []
-        parts: list[torch.Tensor] = []
+        packed: torch.Tensor | None = None
+        out_offsets: list[int] = []
         if layout.n_pieces:
-            body = self._device_body(t, layout)
-            offsets, sizes = self._piece_offsets(layout)
+            body = device_body(t, layout)
+            offsets, sizes = piece_offsets(layout)
             codec = self._nv_codec(device.index or 0, stream)
             bound = int(codec.get_max_comp_buffer_size(nv.as_array(body[: sizes[0]])))
             stride = _align(bound)
@@ -403,40 +323,9 @@ class NvcompCodec(Codec):
             stored = [int(n) for n in result.buffer_sizes]
             if len(stored) != layout.n_pieces or not all(0 < n <= bound for n in stored):
                 raise RuntimeError(f"nvcomp {self.algorithm} returned bad piece sizes")
-            zeros = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
-            pos = layout.header_len()
-            for at, n in zip(out_offsets, stored, strict=True):
-                pad = _align(pos) - pos
-                if pad:
-                    parts.append(zeros[:pad])
-                parts.append(packed[at : at + n])
-                pos += pad + n
-        head = torch.frombuffer(bytearray(self._header(layout, stored)), dtype=torch.uint8)
-        parts.insert(0, head.to(device))
-        if layout.tail:
-            parts.append(t[t.numel() - layout.tail :])
-        return torch.cat(parts)
-
-    def _device_body(self, t: torch.Tensor, layout: _Layout) -> torch.Tensor:
-        import torch
-
-        if layout.n_planes == 1:
-            if t.data_ptr() % _ALIGN:
-                t = t.clone()
-            return t
-        n = layout.n_elems
-        body = torch.empty(layout.n_planes, layout.plane_stride, dtype=torch.uint8, device=t.device)
-        body[:, :n].copy_(t[: n * layout.itemsize].view(n, layout.itemsize).t())
-        return body.view(-1)
-
-    def _piece_offsets(self, layout: _Layout) -> tuple[list[int], list[int]]:
-        offsets, sizes = [], []
-        stride = layout.plane_stride if layout.n_planes > 1 else 0
-        for i in range(layout.n_pieces):
-            plane, start, n = layout.piece(i)
-            offsets.append(plane * stride + start)
-            sizes.append(n)
-        return offsets, sizes
+        header = self._header(layout, stored)
+        tail = t[t.numel() - layout.tail :]
+        return pack_pieces(device, header, packed, out_offsets, stored, layout, tail)
 
     def decode_device(self, data: BytesLike | torch.Tensor, out: torch.Tensor) -> None:
         """Decode a stored chunk into ``out``, a contiguous 1-D uint8 CUDA tensor.
@@ -492,7 +381,7 @@ class NvcompCodec(Codec):
                 body = torch.empty(
                     layout.n_planes * layout.plane_stride, dtype=torch.uint8, device=device
                 )
-            offsets, sizes = self._piece_offsets(layout)
+            offsets, sizes = piece_offsets(layout)
             codec = self._nv_codec(device.index or 0, stream)
             try:
                 result = codec.decode(
@@ -504,12 +393,7 @@ class NvcompCodec(Codec):
                 raise CorruptChunk(f"nvcomp {self.algorithm} decode failed: {exc}") from exc
             if got != sizes:
                 raise CorruptChunk(f"nvcomp {self.algorithm} pieces decoded to wrong sizes")
-            n = layout.n_elems
-            if layout.n_planes > 1:
-                planes = body.view(layout.n_planes, layout.plane_stride)[:, :n]
-                out[: n * layout.itemsize].view(n, layout.itemsize).copy_(planes.t())
-            elif body is not out:
-                out[:n].copy_(body[:n])
+            from_body(body, out, layout)
         if layout.tail:
             assert dev_in is not None
             out[out.numel() - layout.tail :].copy_(dev_in[total - layout.tail :])
