@@ -53,9 +53,9 @@ unpinned, whatever the rules above say. Every rule is decided from what the tier
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypedDict, cast
 
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
@@ -66,12 +66,16 @@ from tierckpt.layout import check_prefixes
 from tierckpt.redact import redact, refuse_credentials
 from tierckpt.retention import Retention
 
+if TYPE_CHECKING:
+    from typing import Unpack
+
 __all__ = [
     "AzureTier",
     "GCSTier",
     "LocalTier",
     "MemoryTier",
     "S3Tier",
+    "TierOptions",
     "TierPolicy",
     "TierSpec",
     "resolve_codec",
@@ -80,9 +84,35 @@ __all__ = [
 CodecSpec = str | Codec | dict[str, Any]
 
 
+class TierOptions(TypedDict, total=False):
+    """The keyword arguments every tier class takes besides its location, ``name`` and
+    ``keep_last`` (whose defaults differ per tier); each is the :class:`TierSpec` field of that
+    name, with its default when not given (see the module docstring for what each does)."""
+
+    every: int
+    codec: CodecSpec
+    source: str | None
+    max_behind: int
+    keep_every_n_steps: int | None
+    keep_best: int | None
+    best_metric: str | None
+    best_mode: Literal["min", "max"]
+    prefixes: int | None
+
+
+#: the names of :class:`TierOptions`
+TIER_OPTIONS = frozenset(TierOptions.__annotations__)
+
+
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """Common fields of every tier; use :class:`MemoryTier`, :class:`LocalTier`, :class:`S3Tier`."""
+    """Common fields of every tier; use :class:`MemoryTier`, :class:`LocalTier`, :class:`S3Tier`.
+
+    Every tier class takes ``name`` and ``keep_last`` (its defaults differ) and the shared
+    keyword options (:class:`TierOptions`): ``every``, ``codec``, ``source``, ``max_behind``,
+    ``keep_every_n_steps``, ``keep_best``, ``best_metric``, ``best_mode`` and ``prefixes``,
+    each described in :mod:`tierckpt.policy`.
+    """
 
     name: str
     keep_last: int | None = None
@@ -152,19 +182,25 @@ class TierSpec:
         A function of the step alone, so every rank and every restart agree without state."""
         return step % self.every == 0
 
+    def _init_fields(self, shared: Mapping[str, object], /, **own: object) -> None:
+        """A subclass's hand-written ``__init__``: set the ``shared`` options given
+        (:class:`TierOptions`; ``TypeError`` for any other name) and the subclass's ``own``
+        fields, then validate; fields set by neither keep their defaults."""
+        unknown = sorted(shared.keys() - TIER_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got unexpected keyword arguments: {', '.join(unknown)}"
+            )
+        for name, value in {**shared, **own}.items():
+            object.__setattr__(self, name, value)
+        TierSpec.__post_init__(self)
 
-def _set_retention(
-    spec: TierSpec,
-    keep_every_n_steps: int | None,
-    keep_best: int | None,
-    best_metric: str | None,
-    best_mode: str,
-) -> None:
-    """Set the retention fields of a tier spec whose ``__init__`` is written by hand."""
-    object.__setattr__(spec, "keep_every_n_steps", keep_every_n_steps)
-    object.__setattr__(spec, "keep_best", keep_best)
-    object.__setattr__(spec, "best_metric", best_metric)
-    object.__setattr__(spec, "best_mode", best_mode)
+
+def _split_options(options: dict[str, Any]) -> tuple[TierOptions, dict[str, Any]]:
+    """A store tier's keyword arguments: the shared tier options, and the store's own
+    (endpoint, credentials profile, client...) that go to its backend."""
+    shared = {k: v for k, v in options.items() if k in TIER_OPTIONS}
+    return cast(TierOptions, shared), {k: v for k, v in options.items() if k not in TIER_OPTIONS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +217,8 @@ class MemoryTier(TierSpec):
 
 @dataclass(frozen=True, slots=True, init=False)
 class LocalTier(TierSpec):
-    """A local folder (NVMe, or any POSIX filesystem)."""
+    """A local folder (NVMe, or any POSIX filesystem); ``options``: the shared tier options
+    (:class:`TierOptions`, listed in :class:`TierSpec`)."""
 
     path: str = ""
 
@@ -190,27 +227,10 @@ class LocalTier(TierSpec):
         path: str | os.PathLike[str],
         *,
         keep_last: int | None = 3,
-        every: int = 1,
-        codec: CodecSpec = "auto",
         name: str = "local",
-        source: str | None = None,
-        max_behind: int = 2,
-        keep_every_n_steps: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: Literal["min", "max"] = "min",
-        prefixes: int | None = None,
+        **options: Unpack[TierOptions],
     ) -> None:
-        _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
-        object.__setattr__(self, "path", _folder_of(os.fspath(path)))
-        object.__setattr__(self, "source", source)
-        object.__setattr__(self, "max_behind", max_behind)
-        object.__setattr__(self, "prefixes", prefixes)
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "keep_last", keep_last)
-        object.__setattr__(self, "every", every)
-        object.__setattr__(self, "codec", codec)
-        TierSpec.__post_init__(self)
+        self._init_fields(options, path=_folder_of(os.fspath(path)), name=name, keep_last=keep_last)
         if not self.path:
             raise ValueError("LocalTier needs a folder path")
 
@@ -249,7 +269,9 @@ class S3Tier(TierSpec):
 
     ``keep_last`` defaults to :data:`S3_DEFAULT_KEEP_LAST` (5): a bucket is billed by what it
     holds, and a run that saves for weeks must not keep every checkpoint by accident. Pass
-    ``keep_last=None`` to keep all (an archive), or another number.
+    ``keep_last=None`` to keep all (an archive), or another number. ``options``: the shared
+    tier options (:class:`TierOptions`, listed in :class:`TierSpec`); the others go to the S3
+    backend (``endpoint_url``, ``profile``...).
     """
 
     url: str = ""
@@ -261,35 +283,18 @@ class S3Tier(TierSpec):
         url: str,
         *,
         keep_last: int | None = S3_DEFAULT_KEEP_LAST,
-        every: int = 1,
-        codec: CodecSpec = "auto",
         name: str = "s3",
-        source: str | None = None,
-        max_behind: int = 2,
         driver: str | None = None,
-        keep_every_n_steps: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: Literal["min", "max"] = "min",
-        prefixes: int | None = None,
         **options: Any,
     ) -> None:
-        _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
+        shared, store = _split_options(options)
         # which S3 client moves the bytes: "obstore" or "boto3" (a boto3 client= implies it)
-        driver = driver or ("boto3" if "client" in options else s3_driver())
+        driver = driver or ("boto3" if "client" in store else s3_driver())
         if driver not in S3_DRIVERS:
             raise ValueError(f"S3Tier: driver must be one of {S3_DRIVERS}, got {driver!r}")
-        object.__setattr__(self, "driver", driver)
-        object.__setattr__(self, "url", url)
-        object.__setattr__(self, "source", source)
-        object.__setattr__(self, "max_behind", max_behind)
-        object.__setattr__(self, "prefixes", prefixes)
-        object.__setattr__(self, "options", dict(options))
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "keep_last", keep_last)
-        object.__setattr__(self, "every", every)
-        object.__setattr__(self, "codec", codec)
-        TierSpec.__post_init__(self)
+        self._init_fields(
+            shared, url=url, name=name, keep_last=keep_last, driver=driver, options=store
+        )
         if not url.startswith("s3://"):
             raise ValueError(f"S3Tier needs an s3://bucket/prefix URL, got {redact(url)!r}")
         refuse_credentials(url)
@@ -377,7 +382,9 @@ def resolve_codec(spec: CodecSpec, backend: Backend) -> Codec:
 
 @dataclass(frozen=True, slots=True, init=False)
 class _CloudTier(TierSpec):
-    """A bucket of a cloud object store reached through obstore (``gs://``, ``az://``)."""
+    """A bucket of a cloud object store reached through obstore (``gs://``, ``az://``);
+    ``options``: the shared tier options (:class:`TierOptions`, listed in :class:`TierSpec`);
+    the others go to the store's backend."""
 
     url: str = ""
     options: dict[str, Any] = field(default_factory=dict)
@@ -387,30 +394,12 @@ class _CloudTier(TierSpec):
         url: str,
         *,
         keep_last: int | None = None,
-        every: int = 1,
-        codec: CodecSpec = "auto",
         name: str = "",
-        source: str | None = None,
-        max_behind: int = 2,
-        keep_every_n_steps: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: Literal["min", "max"] = "min",
-        prefixes: int | None = None,
         **options: Any,
     ) -> None:
-        _set_retention(self, keep_every_n_steps, keep_best, best_metric, best_mode)
+        shared, store = _split_options(options)
         scheme, label = self._scheme()
-        object.__setattr__(self, "url", url)
-        object.__setattr__(self, "source", source)
-        object.__setattr__(self, "max_behind", max_behind)
-        object.__setattr__(self, "prefixes", prefixes)
-        object.__setattr__(self, "options", dict(options))
-        object.__setattr__(self, "name", name or label)
-        object.__setattr__(self, "keep_last", keep_last)
-        object.__setattr__(self, "every", every)
-        object.__setattr__(self, "codec", codec)
-        TierSpec.__post_init__(self)
+        self._init_fields(shared, url=url, name=name or label, keep_last=keep_last, options=store)
         if not url.startswith(f"{scheme}://"):
             raise ValueError(
                 f"{type(self).__name__} needs a {scheme}://bucket/prefix URL, got {redact(url)!r}"
