@@ -1,16 +1,19 @@
-"""Multi-process helpers for the distributed tests: a launcher and the per-rank functions.
+"""Multi-process helpers for the distributed tests: the launcher and the per-rank functions.
 
-``run(fn, world, **kwargs)`` starts ``world`` processes from a *forkserver* that imported torch,
-torch.distributed and tierckpt once (a fresh interpreter per rank costs ~5 s of imports on two
-cores; a fork of the server ~0.1 s), initializes a gloo process group on 127.0.0.1 in each,
-calls ``fn(rank, world, **kwargs)`` and returns every rank's JSON result. A rank that raises
-fails the run with its traceback and log; ``expect_killed`` lists ranks that are meant to die.
+``launch(module, fn, world, ...)`` starts ``world`` processes from a *forkserver* that imported
+torch, torch.distributed and tierckpt once (a fresh interpreter per rank costs ~5 s of imports
+on two cores; a fork of the server ~0.1 s), initializes a gloo process group on 127.0.0.1 in
+each, calls ``module.fn(rank, world, **kwargs)`` and returns every rank's JSON result. A rank
+that raises fails the run with its traceback and log; ``expect_killed`` lists ranks that are
+meant to die. The other worker modules (``parity_workers``, ``peer_workers``) launch their
+functions through it; ``run(fn, world, **kwargs)`` launches the functions of this module.
 
 Run ``python tests/dist_workers.py blocking`` for the rank-0 blocking-time measurement.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import multiprocessing as mp
@@ -48,6 +51,8 @@ _PRELOAD = [
     "tierckpt.dcp",
     "boto3",
     "dist_workers",
+    "parity_workers",
+    "peer_workers",
 ]
 _ctx: Any = None
 
@@ -76,13 +81,30 @@ def run(
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn`` (a function of this module) on ``world`` ranks; every rank's result."""
+    return launch(
+        "dist_workers", fn, world, timeout=timeout, expect_killed=expect_killed, env=env, **kwargs
+    )
+
+
+def launch(
+    module: str,
+    fn: str,
+    world: int,
+    *,
+    timeout: float,
+    expect_killed: tuple[int, ...] = (),
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``module.fn`` on ``world`` ranks; every rank's result. The ranks see this process's
+    ``AWS_*`` and ``TIERCKPT_*`` variables, then ``env``."""
     ctx = _context()
     out = Path(tempfile.mkdtemp(prefix=f"tierckpt-{fn}-"))
     child_env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "TIERCKPT_"))}
     child_env.update(env or {})
     port = _free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world, port, str(out), child_env, kwargs))
+        ctx.Process(target=_child, args=(module, fn, r, world, port, str(out), child_env, kwargs))
         for r in range(world)
     ]
     for p in procs:
@@ -127,7 +149,14 @@ def _tail(path: Path, n: int = 60) -> str:
 
 
 def _child(
-    fn: str, rank: int, world: int, port: int, out: str, env: dict[str, str], kwargs: Any
+    module: str,
+    fn: str,
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    env: dict[str, str],
+    kwargs: Any,
 ) -> None:
     os.environ.update(env)
     log_path = os.path.join(out, f"log-{rank}.txt")
@@ -148,7 +177,7 @@ def _child(
             world_size=world,
             timeout=timedelta(seconds=120),
         )
-        result = globals()[fn](rank, world, **kwargs)
+        result = getattr(importlib.import_module(module), fn)(rank, world, **kwargs)
         Path(out, f"result-{rank}.json.tmp").write_text(json.dumps(result))
         os.replace(Path(out, f"result-{rank}.json.tmp"), Path(out, f"result-{rank}.json"))
     except BaseException:

@@ -2,122 +2,25 @@
 and resharded load, process-based ``async_save``), run on gloo in real processes against
 ``TierWriter``/``TierReader`` and, as the control, ``FileSystemWriter``/``FileSystemReader``.
 
-``run(fn, world, **kwargs)`` starts ``world`` ranks from a forkserver that imported torch,
-DCP and tierckpt once (as :mod:`dist_workers` does), initializes a gloo process group in each
-and returns every rank's JSON result; a rank that raises fails the run with its traceback.
+``run(fn, world, **kwargs)`` starts ``world`` ranks with :func:`dist_workers.launch` (a
+forkserver that imported torch, DCP and tierckpt once, a gloo process group in each) and returns
+every rank's JSON result; a rank that raises fails the run with its traceback.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import multiprocessing as mp
 import os
-import socket
-import sys
-import tempfile
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.tensor",
-    "tierckpt",
-    "tierckpt.dcp",
-    "parity_workers",
-]
-_ctx: Any = None
-
-
-def _context() -> Any:
-    global _ctx
-    if _ctx is None:
-        _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(_PRELOAD)
-    return _ctx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from dist_workers import launch
 
 
 def run(fn: str, world: int, *, timeout: float = 120, **kwargs: Any) -> list[Any]:
-    """Run ``fn`` (a function of this module) on ``world`` ranks; every rank's result."""
-    ctx = _context()
-    out = Path(tempfile.mkdtemp(prefix=f"tierckpt-{fn}-"))
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world, port, str(out), kwargs))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    problems = []
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-            problems.append(f"rank {r} still running after {timeout} s (killed)")
-    results: list[Any] = []
-    for r, p in enumerate(procs):
-        err, res = out / f"error-{r}.txt", out / f"result-{r}.json"
-        if err.exists():
-            problems.append(f"rank {r} raised:\n{err.read_text()}")
-        elif p.exitcode != 0 or not res.exists():
-            problems.append(f"rank {r} exit code {p.exitcode}, no result")
-        results.append(json.loads(res.read_text()) if res.exists() else None)
-    if problems:
-        logs = "\n".join(
-            f"--- log of rank {r}:\n" + _tail(out / f"log-{r}.txt") for r in range(world)
-        )
-        raise AssertionError(f"{fn} on {world} ranks failed: " + "\n".join(problems) + "\n" + logs)
-    return results
-
-
-def _tail(path: Path, n: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def _child(fn: str, rank: int, world: int, port: int, out: str, kwargs: Any) -> None:
-    fd = os.open(os.path.join(out, f"log-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(message)s")
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-        )
-        result = globals()[fn](rank, world, **kwargs)
-        Path(out, f"result-{rank}.json.tmp").write_text(json.dumps(result))
-        os.replace(Path(out, f"result-{rank}.json.tmp"), Path(out, f"result-{rank}.json"))
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Run ``fn`` (a function of this module) on ``world`` ranks (``dist_workers.launch``);
+    every rank's result."""
+    return launch("parity_workers", fn, world, timeout=timeout, **kwargs)
 
 
 # -- writers and readers under test --------------------------------------------------------

@@ -1,42 +1,25 @@
 """Per-rank functions of the node-RAM and peer-tier tests, and their launcher.
 
 Every rank plays a node of its own: its node RAM is ``<shm>/node-<r>`` and its disk
-``<disk>/node-<r>`` (so ``TIERCKPT_PRIVATE_TIERS=local``). ``run(fn, world, ...)`` works like
-:func:`dist_workers.run` (gloo on 127.0.0.1, a forkserver that imported torch once), for the
-functions of this module. Reads are counted per tier by wrapping each backend's read calls.
+``<disk>/node-<r>`` (so ``TIERCKPT_PRIVATE_TIERS=local``). ``run(fn, world, ...)`` launches
+the functions of this module with :func:`dist_workers.launch` (gloo on 127.0.0.1, a forkserver
+that imported torch once). Reads are counted per tier by wrapping each backend's read calls.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing as mp
 import os
 import signal
-import sys
-import tempfile
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from dist_workers import _free_port, _tail, rank_state, same
+from dist_workers import launch, rank_state, same
 
 from tierckpt import Checkpointer, LocalTier, NodeRamTier, PeerTier, S3Tier
 from tierckpt import distributed as tdist
 
 NUMEL = 4096  # 4096 x 8 fp32 and the rest: ~140 KiB per rank
-_ctx: Any = None
-
-
-def _context() -> Any:
-    global _ctx
-    if _ctx is None:
-        _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "torch.distributed", "tierckpt", "peer_workers"])
-    return _ctx
 
 
 def run(
@@ -47,76 +30,12 @@ def run(
     expect_killed: tuple[int, ...] = (),
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn`` (a function of this module) on ``world`` ranks; every rank's result."""
-    ctx = _context()
-    out = Path(tempfile.mkdtemp(prefix=f"tierckpt-{fn}-"))
-    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "TIERCKPT_"))}
-    env["TIERCKPT_PRIVATE_TIERS"] = "local"
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world, port, str(out), env, kwargs))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    problems = []
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-            problems.append(f"rank {r} still running after {timeout} s (killed)")
-    results: list[Any] = []
-    for r, p in enumerate(procs):
-        res = out / f"result-{r}.json"
-        if r in expect_killed:
-            if p.exitcode != -signal.SIGKILL:
-                problems.append(f"rank {r} should have been killed, exit code {p.exitcode}")
-            results.append(None)
-            continue
-        if (out / f"error-{r}.txt").exists():
-            problems.append(f"rank {r} raised:\n{(out / f'error-{r}.txt').read_text()}")
-        elif p.exitcode != 0 or not res.exists():
-            problems.append(f"rank {r} exit code {p.exitcode}, no result")
-        results.append(json.loads(res.read_text()) if res.exists() else None)
-    if problems:
-        logs = "\n".join(f"--- rank {r}:\n" + _tail(out / f"log-{r}.txt") for r in range(world))
-        raise AssertionError(f"{fn} on {world} ranks failed: " + "\n".join(problems) + "\n" + logs)
-    return results
-
-
-def _child(
-    fn: str, rank: int, world: int, port: int, out: str, env: dict[str, str], kwargs: Any
-) -> None:
-    os.environ.update(env)
-    fd = os.open(os.path.join(out, f"log-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s rank{rank} %(threadName)s %(levelname)s %(message)s",
-        force=True,
+    """Run ``fn`` (a function of this module) on ``world`` ranks (``dist_workers.launch``,
+    with ``TIERCKPT_PRIVATE_TIERS=local``); every rank's result."""
+    env = {"TIERCKPT_PRIVATE_TIERS": "local"}
+    return launch(
+        "peer_workers", fn, world, timeout=timeout, expect_killed=expect_killed, env=env, **kwargs
     )
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-        )
-        result = globals()[fn](rank, world, **kwargs)
-        Path(out, f"result-{rank}.json.tmp").write_text(json.dumps(result))
-        os.replace(Path(out, f"result-{rank}.json.tmp"), Path(out, f"result-{rank}.json"))
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # a dead peer can make gloo's destructor wait
 
 
 # -- pieces ------------------------------------------------------------------------------------

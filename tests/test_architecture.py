@@ -298,3 +298,46 @@ def test_no_unit_imports_a_layer_above_it_or_what_it_must_never_import() -> None
         elif dst in NEVER.get(src, ()):
             bad.append(f"{i.source}:{i.line} imports {i.target} (never)")
     assert not bad, "imports against docs/architecture.md:\n" + "\n".join(bad)
+
+
+#: the longest a module of tierckpt may be: past it, split it along its seams into private
+#: modules of its package (a module that long is hard to hold in one's head and to review)
+MAX_MODULE_LINES = 500
+#: modules allowed past MAX_MODULE_LINES, each with the reason (empty is the goal)
+LONG_MODULES: dict[str, str] = {
+    "tierckpt/backends/objstore.py": "split by a parallel branch",
+    "tierckpt/restore.py": "split by a parallel branch",
+    "tierckpt/dcp/_writer.py": "split by a parallel branch",
+}
+
+
+def _long_modules(pkg: Path, limit: int) -> dict[str, int]:
+    """Every module under ``pkg`` longer than ``limit`` lines: its path (from the repository
+    root) and its length."""
+    out = {}
+    for path in sorted(pkg.rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out[path.relative_to(pkg.parent).as_posix()] = n
+    return out
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    """No module in tierckpt/ over MAX_MODULE_LINES lines except those LONG_MODULES names."""
+    long = _long_modules(PKG, MAX_MODULE_LINES)
+    unexplained = {p: n for p, n in long.items() if p not in LONG_MODULES}
+    assert not unexplained, (
+        f"modules over {MAX_MODULE_LINES} lines (split them into private modules of their "
+        f"package, or add them to LONG_MODULES with the reason): {unexplained}"
+    )
+    stale = sorted(p for p in LONG_MODULES if p not in long)
+    assert not stale, f"LONG_MODULES names modules no longer over the limit: remove {stale}"
+
+
+def test_the_length_check_sees_a_long_module(tmp_path: Path) -> None:
+    """The check above can fail: it finds a module past the limit, and only that one."""
+    pkg = tmp_path / "tierckpt"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "long.py").write_text("x = 1\n" * 501)
+    (pkg / "short.py").write_text("x = 1\n" * 500)
+    assert _long_modules(pkg, MAX_MODULE_LINES) == {"tierckpt/sub/long.py": 501}
