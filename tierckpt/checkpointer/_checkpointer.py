@@ -280,7 +280,14 @@ class Checkpointer(SavePath):
         a pinned checkpoint. The pin is a small marker stored on each tier, so it survives
         restarts; the step may still be in flight. ``timeline``: default, the one being saved,
         else the newest holding ``step``. Returns the pinned checkpoint."""
-        cid = self._pin_target(step, timeline)
+        cid = pin_target(
+            step,
+            timeline,
+            in_flight=self._pipeline.in_flight() if self._pipeline is not None else (),
+            last_saved=self._last_saved,
+            committed=self.checkpoints,
+            tier_names=self.tier_names,
+        )
         pin_on_tiers([(t.name, t.backend) for t in self._tiers], cid, reason=reason)
         return cid
 
@@ -311,16 +318,6 @@ class Checkpointer(SavePath):
 
     def _protected_steps(self) -> Collection[int]:
         return self._protectors.steps()
-
-    def _pin_target(self, step: int, timeline: int | None) -> CheckpointId:
-        return pin_target(
-            step,
-            timeline,
-            in_flight=self._pipeline.in_flight() if self._pipeline is not None else (),
-            last_saved=self._last_saved,
-            committed=self.checkpoints,
-            tier_names=self.tier_names,
-        )
 
     # -- load --------------------------------------------------------------------------
     def load(
