@@ -73,7 +73,8 @@ class FakeCuda:
     device_allocs: list[tuple[str, torch.device, int, Any]] = field(default_factory=list)
     #: the pinned host buffers allocated (host tensors here)
     pinned: list[torch.Tensor] = field(default_factory=list)
-    #: in order: ("copy", thread, stream, dst address, src address, nbytes) per copy_async,
+    #: in order: ("copy", thread, stream, dst address, src address, nbytes, the thread's
+    #: current device) per copy_async,
     #: ("copy_many", thread, stream, count), ("record", event, stream), ("sync", event)
     log: list[tuple[Any, ...]] = field(default_factory=list)
     #: what free_bytes() reports
@@ -154,6 +155,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
                     dst.data_ptr(),
                     src.data_ptr(),
                     src.numel() * src.element_size(),
+                    current_device(),
                 )
             )
 

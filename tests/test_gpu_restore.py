@@ -11,6 +11,7 @@ a real GPU and skip without one."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ import torch
 from fake_cuda import FakeCuda, FakeStream
 from test_codecs import _FakeBatch, _FakeNvCodec
 
-from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier, capture, restore_gpu
+from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier, capture, devices, restore_gpu
 from tierckpt.codecs import nvcomp as nvcomp_mod
 from tierckpt.codecs.adaptive import AdaptiveCodec
 from tierckpt.codecs.nvcomp import NvcompCodec
@@ -119,12 +120,12 @@ def test_map_location_cuda_copies_from_pinned_staging_on_a_side_stream(
     assert {a[1] for a in cuda.device_allocs} == {dev}
     copies = _copies(cuda)
     assert copies and cuda.pinned
-    for _, thread, stream, _dst, src, _n in copies:
+    for _, thread, stream, _dst, src, _n, current in copies:
         assert _in_pinned(cuda, src) is not None, "a host-to-device copy from unpinned memory"
         # a stream of the target device made for this read thread: not the default stream
         assert isinstance(stream, FakeStream) and stream in cuda.streams
         assert stream.device == dev and stream.made_by == thread
-        assert thread.startswith("tierckpt-read")
+        assert thread.startswith("tierckpt-read") and current == index
     # each read thread works on the target device; the caller's device is left as it was
     assert cuda.devices_of("tierckpt-read") == {index}
     assert {i for _, i in cuda.set_device} == {index}
@@ -132,6 +133,31 @@ def test_map_location_cuda_copies_from_pinned_staging_on_a_side_stream(
     # the load returns once every copy completed: each event recorded was waited for
     recorded = [e[1] for e in cuda.log if e[0] == "record"]
     assert recorded and all(ev.synchronized_by for ev in recorded)
+
+
+def test_read_threads_select_the_load_s_device_whatever_they_did_before(
+    cuda: FakeCuda,
+) -> None:
+    """The read pool's threads outlive a load, and may have worked on another device since
+    their stream for this one was made: each chunk's thread makes the target current."""
+    state = _state()
+    with Checkpointer([MemoryTier(namespace=uuid.uuid4().hex)], chunk_bytes=8192) as ck:
+        ck.save(state, step=1).wait()
+        pool = ck._get_read_pool()
+        n = pool._max_workers
+        barrier = threading.Barrier(n)
+
+        def elsewhere() -> None:  # one task per pool thread (the barrier holds each)
+            devices.thread_stream(torch.device("cuda", 1))  # its stream for cuda:1 exists
+            devices.use_device("cuda:5")  # ...and it last worked on cuda:5
+            barrier.wait(30)
+
+        for f in [pool.submit(elsewhere) for _ in range(n)]:
+            f.result()
+        start = len(cuda.log)
+        _check(ck.load(map_location="cuda:1"), state)
+    copies = [e for e in cuda.log[start:] if e[0] == "copy"]
+    assert copies and {e[6] for e in copies} == {1}
 
 
 def test_a_staging_slot_is_refilled_only_after_its_copies_completed(

@@ -60,6 +60,7 @@ class AdaptiveCodec(Codec):
         self._link_bps: float | None = None
         self._compress: dict[str, bool] = {}
         self._device_codec: Codec | None = None
+        self._device_ready: dict[torch.device, bool] = {}
 
     # identity semantics: two tiers' policies learn separately even with equal configs
     def __eq__(self, other: object) -> bool:
@@ -93,7 +94,15 @@ class AdaptiveCodec(Codec):
         device-to-host copy: nvCOMP zstd for a remote tier when ``device`` is a CUDA GPU and
         the nvCOMP package imports; None otherwise (the chunk crosses raw and
         :meth:`for_dtype` chooses on the host, as without a GPU)."""
-        if not self.remote or device is None or not nvcomp_ready(device):
+        if not self.remote or device is None:
+            return None
+        with self._lock:
+            ready = self._device_ready.get(device)
+        if ready is None:  # asked once per device: a failed import is not retried per chunk
+            ready = nvcomp_ready(device)
+            with self._lock:
+                self._device_ready[device] = ready
+        if not ready:
             return None
         with self._lock:
             if self._device_codec is None:
