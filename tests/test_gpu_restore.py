@@ -27,7 +27,7 @@ from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier, capture, devic
 from tierckpt.codecs import nvcomp as nvcomp_mod
 from tierckpt.codecs.adaptive import AdaptiveCodec
 from tierckpt.codecs.nvcomp import NvcompCodec
-from tierckpt.errors import CorruptCheckpoint, UnknownCodec
+from tierckpt.errors import CorruptCheckpoint, CorruptChunk, UnknownCodec
 
 CUDA = torch.cuda.is_available()
 
@@ -404,6 +404,40 @@ def test_nvcomp_chunks_cross_compressed_and_decode_on_the_device(
     assert crossed == sum(stored for stored, _, _ in calls)
     raw_bytes = state["w"].nbytes + state["ids"].nbytes
     assert crossed < raw_bytes * 0.85
+
+
+@pytest.mark.usefixtures("fake_nvcomp")
+def test_a_chunk_failing_after_its_copy_was_queued_still_fences_its_slot(
+    cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A device decode that fails after the chunk's bytes were queued for the device: the
+    slot is handed back with an event after that copy, and the load waits for it."""
+    state = _nv_state()
+    tier = LocalTier(tmp_path, codec=NvcompCodec("zstd", piece_bytes=1 << 12))
+    with Checkpointer([tier], chunk_bytes=64 << 10) as ck:
+        ck.save(state, step=1).wait()
+    real = restore_gpu._decode_device
+    calls: list[int] = []
+
+    def failing(*a: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise CorruptChunk("pieces decoded to wrong sizes (test)")
+        real(*a)
+
+    monkeypatch.setattr(restore_gpu, "_decode_device", failing)
+    ck = Checkpointer([LocalTier(tmp_path)])
+    with ck, pytest.raises(CorruptCheckpoint, match="wrong sizes"):
+        ck.load(map_location="cuda:0")
+    queued: dict[Any, int] = {}
+    for entry in cuda.log:
+        if entry[0] == "copy":
+            queued[entry[2]] = queued.get(entry[2], 0) + 1
+        elif entry[0] == "record":
+            queued.pop(entry[2], None)
+    assert _copies(cuda) and not queued, "a copy with no event after it"
+    recorded = [e[1] for e in cuda.log if e[0] == "record"]
+    assert all(ev.synchronized_by for ev in recorded), "returned with copies in flight"
 
 
 @pytest.mark.usefixtures("no_nvcomp")
