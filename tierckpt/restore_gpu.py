@@ -239,22 +239,6 @@ def _room(device: torch.device, nbytes: int) -> bool:
     return nbytes + HEADROOM_BYTES <= free
 
 
-def _wait_all(futures: Sequence[Future[int]]) -> int:
-    """The sum of the futures' results; on the first failure the others are cancelled and
-    the running ones waited for (they use the ring and the device storages) before it is
-    raised."""
-    total = 0
-    try:
-        for f in futures:
-            total += f.result()
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        concurrent.futures.wait(futures)
-        raise
-    return total
-
-
 def read_shard_to_device(
     backend: Backend,
     tier: str,
@@ -325,6 +309,7 @@ def read_shard_to_device(
         parts = [p for p in (tiled if tiled is not None else layout.overlaps(lo, hi)) if p[0] >= 0]
         slot = ring.take()
         event = None
+        stream = None
         try:
             buf = ring.slots[slot]
             if codec.is_passthrough or gpu_decode:
@@ -363,11 +348,18 @@ def read_shard_to_device(
                 event = devices.blocking_event()
                 event.record(stream)
         finally:
+            if event is None and stream is not None:
+                # failed after queuing copies: the slot is reused once they completed
+                event = devices.blocking_event()
+                event.record(stream)
             ring.give(slot, event)
         return rec.stored_size
 
+    futures: list[Future[int]] = []
     try:
-        stored_total = _wait_all([pool.submit(one, ci) for ci in range(len(chunks))])
+        for ci in range(len(chunks)):
+            futures.append(pool.submit(one, ci))
+        stored_total = sum(f.result() for f in futures)
         covered = sum(c.raw_size for c in chunks)
         if covered != data_bytes:
             raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
@@ -378,7 +370,12 @@ def read_shard_to_device(
         as_parameters(tensors, index.get("parameters"), where)
         state = decode_tree(index.get("tree"), tensors, **tree_args(index))
     except BaseException:
-        ring.close()  # before the storages may be freed: no copy is still writing them
+        # the other chunks' threads use the ring and the storages: cancel what has not
+        # started, wait for the rest, then for their copies, before the storages may be freed
+        for f in futures:
+            f.cancel()
+        concurrent.futures.wait(futures)
+        ring.close()
         repop.abort()
         raise
     ring.close()  # every copy completed: the state is on the device when the load returns
