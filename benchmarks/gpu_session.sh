@@ -40,7 +40,8 @@ cat "$OUT/machine.txt"
 # 1. the CUDA tests: nvCOMP on the GPU and its CPU decode, pinned arena, capture, restore
 step "cuda tests"
 timeout 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
-  tests/test_codecs.py tests/test_arena.py tests/test_gpu.py > "$OUT/pytest_gpu.txt" 2>&1
+  tests/test_codecs.py tests/test_arena.py tests/test_gpu.py tests/test_gpu_restore.py \
+  > "$OUT/pytest_gpu.txt" 2>&1
 echo "exit $?" >> "$OUT/pytest_gpu.txt"
 
 # 2. nvCOMP: compress-on-device vs raw copy, ratio, GB/s, CPU decode exact (synthetic bf16

@@ -4,6 +4,7 @@ of results and a non-zero exit when a measured target is missed:
 - restore onto the GPU from the local tier (``load(map_location="cuda")``) against the disk's
   sequential read rate measured in the same run (target >= 0.8x);
 - restore onto the GPU from host RAM (memory tier) against pinned H2D bandwidth (>= 0.7x);
+- restore into existing CUDA tensors (``load(into=...)``) from host RAM: GB/s, exactness;
 - ranks on one node: each process makes CUDA contexts only on its own device
   (``nvidia-smi --query-compute-apps``); 2 processes on one GPU when there is only one.
 
@@ -106,6 +107,24 @@ def restore_checks(nbytes: int, folder: Path) -> dict[str, Any]:
         torch.cuda.synchronize()
         out["restore_ram_gbps"] = raw / (time.perf_counter() - t0) / GB
         out["restore_ram_exact"] = bool(torch.equal(got["small"]["s7"], state["small"]["s7"]))
+        del got
+        # into existing CUDA tensors (a resumed job's model): through a fresh device copy,
+        # then device to device once everything is verified
+        target = {
+            "big": {k: torch.empty_like(v) for k, v in state["big"].items()},
+            "small": {k: torch.empty_like(v) for k, v in state["small"].items()},
+            "step": 0,
+        }
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ck.load(into=target)
+        torch.cuda.synchronize()
+        out["restore_into_gbps"] = raw / (time.perf_counter() - t0) / GB
+        out["restore_into_exact"] = bool(
+            torch.equal(target["big"]["w0"], state["big"]["w0"])
+            and torch.equal(target["small"]["s9"], state["small"]["s9"])
+        )
+        del target
     out["restore_local_ratio"] = out["restore_local_gbps"] / out["disk_read_gbps"]
     out["restore_ram_ratio"] = out["restore_ram_gbps"] / out["pinned_h2d_gbps"]
     return out
@@ -181,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"checks": {}}
     checks: dict[str, Any] = result["checks"]
     if args.dry_run or not torch.cuda.is_available():
-        for name in ("restore_local", "restore_ram", "contexts"):
+        for name in ("restore_local", "restore_ram", "restore_into", "contexts"):
             checks[name] = {"ok": None, "value": "not measured (no CUDA)"}
     else:
         with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
@@ -197,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                     "ok": r["restore_ram_ratio"] >= 0.7 and r["restore_ram_exact"],
                     "value": f"{r['restore_ram_ratio']:.2f}x pinned H2D",
                 }
+                checks["restore_into"] = {  # no target: reported, exactness checked
+                    "ok": r["restore_into_exact"],
+                    "value": f"{r['restore_into_gbps']:.1f} GB/s into CUDA tensors",
+                }
             except Exception as exc:
-                checks["restore_local"] = checks["restore_ram"] = {"ok": False, "value": repr(exc)}
+                failed = {"ok": False, "value": repr(exc)}
+                for name in ("restore_local", "restore_ram", "restore_into"):
+                    checks[name] = failed
             try:
                 c = context_check(folder)
                 result["contexts"] = c

@@ -24,12 +24,18 @@ class FakeEvent:
         self.gate = gate
         self.recorded_on: Any = None
         self.synchronized_by: list[str] = []
+        #: the recorder's ordered log (set by the fake ``blocking_event``)
+        self.log: list[tuple[Any, ...]] | None = None
 
     def record(self, stream: Any = None) -> None:
         self.recorded_on = stream
+        if self.log is not None:
+            self.log.append(("record", self, stream))
 
     def synchronize(self) -> None:
         self.synchronized_by.append(threading.current_thread().name)
+        if self.log is not None:
+            self.log.append(("sync", self))
         if self.gate is not None:
             assert self.gate.wait(30), "test gate never opened"
 
@@ -63,6 +69,16 @@ class FakeCuda:
     current: list[tuple[str, Any]] = field(default_factory=list)
     #: (device, event) the training thread's stream was made to wait for
     stream_waits: list[tuple[torch.device, Any]] = field(default_factory=list)
+    #: (thread, device, nbytes, stream current) of each device buffer allocated
+    device_allocs: list[tuple[str, torch.device, int, Any]] = field(default_factory=list)
+    #: the pinned host buffers allocated (host tensors here)
+    pinned: list[torch.Tensor] = field(default_factory=list)
+    #: in order: ("copy", thread, stream, dst address, src address, nbytes, the thread's
+    #: current device) per copy_async,
+    #: ("copy_many", thread, stream, count), ("record", event, stream), ("sync", event)
+    log: list[tuple[Any, ...]] = field(default_factory=list)
+    #: what free_bytes() reports
+    free: int = 1 << 40
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def devices_of(self, prefix: str) -> set[int]:
@@ -76,6 +92,10 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     rec = FakeCuda()
 
     current = threading.local()
+
+    def stream_now() -> Any:
+        stack = getattr(current, "streams", None)
+        return stack[-1] if stack else None
 
     def set_device(index: int) -> None:
         current.index = index
@@ -93,16 +113,57 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
     def blocking_event() -> FakeEvent:
         ev = FakeEvent()
+        ev.log = rec.log
         with rec.lock:
             rec.events.append(ev)
         return ev
 
     @contextlib.contextmanager
     def on_streams(streams: Iterable[Any]) -> Iterator[None]:
+        streams = list(streams)
         with rec.lock:
             for s in streams:
                 rec.current.append((threading.current_thread().name, s))
-        yield
+        stack = current.__dict__.setdefault("streams", [])
+        stack.extend(streams)
+        try:
+            yield
+        finally:
+            del stack[len(stack) - len(streams) :]
+
+    def device_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+        with rec.lock:
+            rec.device_allocs.append(
+                (threading.current_thread().name, device, nbytes, stream_now())
+            )
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def pinned_empty(nbytes: int) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        with rec.lock:
+            rec.pinned.append(t)
+        return t
+
+    def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+        with rec.lock:
+            rec.log.append(
+                (
+                    "copy",
+                    threading.current_thread().name,
+                    stream_now(),
+                    dst.data_ptr(),
+                    src.data_ptr(),
+                    src.numel() * src.element_size(),
+                    current_device(),
+                )
+            )
+
+    def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        for d, s_ in zip(dsts, srcs, strict=True):
+            d.copy_(s_)
+        with rec.lock:
+            rec.log.append(("copy_many", threading.current_thread().name, stream_now(), len(dsts)))
 
     def current_stream_wait(device: torch.device, event: Any) -> None:
         with rec.lock:
@@ -114,6 +175,12 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(devices, "blocking_event", blocking_event)
     monkeypatch.setattr(devices, "on_streams", on_streams)
     monkeypatch.setattr(devices, "current_stream_wait", current_stream_wait)
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)
+    monkeypatch.setattr(devices, "device_empty", device_empty)
+    monkeypatch.setattr(devices, "pinned_empty", pinned_empty)
+    monkeypatch.setattr(devices, "copy_async", copy_async)
+    monkeypatch.setattr(devices, "copy_many", copy_many)
+    monkeypatch.setattr(devices, "free_bytes", lambda device: rec.free)
     # threads of earlier tests may have cached a device or stream: start clean
     monkeypatch.setattr(devices, "_local", threading.local())
     return rec

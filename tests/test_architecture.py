@@ -250,6 +250,7 @@ LAYERS: dict[str, int] = {
             "urls",
             "pipeline",
             "restore",
+            "restore_gpu",
             "noderam",
         ],
         3,

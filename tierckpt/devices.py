@@ -24,10 +24,17 @@ import torch
 
 __all__ = [
     "blocking_event",
+    "copy_async",
+    "copy_many",
+    "cuda_available",
     "cuda_devices",
     "current_stream_wait",
+    "device_empty",
+    "free_bytes",
+    "indexed",
     "new_stream",
     "on_streams",
+    "pinned_empty",
     "set_device",
     "thread_stream",
     "use_device",
@@ -102,6 +109,55 @@ def thread_stream(device: torch.device) -> Any:
         s = new_stream(device)
         cache[device] = s
     return s
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``."""
+    return bool(torch.cuda.is_available())
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with an index: plain ``cuda`` means the calling thread's current device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", current_device())
+    return device
+
+
+def device_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``nbytes`` on ``device``, allocated on the calling
+    thread's current stream (the stream that may free and reuse it)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised page-locked host buffer of ``nbytes`` (torch's caching host allocator:
+    freed blocks are reused by the next load instead of being pinned again)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src, non_blocking=True)`` on the calling thread's current stream: from
+    pinned host memory to the device it returns at once and the copy engine does the rest."""
+    dst.copy_(src, non_blocking=True)
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every ``i`` on the calling thread's current stream, in
+    as few kernels as torch allows (``_foreach_copy_``: one launch for many small tensors)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dsts, srcs, non_blocking=True)
+        return
+    for d, s in zip(dsts, srcs, strict=True):  # pragma: no cover - torch < 2.1
+        d.copy_(s, non_blocking=True)
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes ``device`` can still hand out: what the driver reports free plus what torch's
+    caching allocator holds reserved but unused."""
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + max(0, int(cached))
 
 
 def current_stream_wait(device: torch.device, event: Any) -> None:

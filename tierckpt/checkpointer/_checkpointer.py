@@ -35,6 +35,7 @@ from tierckpt.pipeline import (
 )
 from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.restore import restore_into
+from tierckpt.restore_gpu import stateful_device
 from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
 from tierckpt.stats import CheckpointEvent, CommitStats
 
@@ -361,12 +362,16 @@ class Checkpointer(SavePath):
         if has_stateful(into):
             return load_stateful(
                 into,
-                lambda: self.load(
+                lambda: load(
+                    self._load_context(),
                     step,
+                    into=None,
                     tier=tier,
                     map_location=map_location,
                     fallback=fallback,
                     timeline=timeline,
+                    # restored onto the targets' GPU where it has room, then handed over
+                    device=stateful_device(into) if map_location is None else None,
                 ),
                 restore_into,
             )
@@ -391,6 +396,7 @@ class Checkpointer(SavePath):
             tier_named=self._tier,
             read_pool=self._get_read_pool,
             forget_timeline=self._forget_timeline,
+            staging=self._arena_for_load,
             prepare_load=self._peer.prepare_load if self._peer is not None else None,
         )
 

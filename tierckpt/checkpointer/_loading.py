@@ -3,6 +3,9 @@
 
 The facade hands each call a :class:`LoadContext` built at that call, so that what a load sees
 (tiers, commit strategy) is what the checkpointer holds at that moment.
+
+A load onto a GPU (``map_location="cuda"``, or ``into=`` tensors on one CUDA device) reads
+through pinned staging straight onto the device (:mod:`tierckpt.restore_gpu`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from tierckpt.arena import HostArena
 from tierckpt.catalog import committed_ids, lineage, steps_of
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.commit import CommitStrategy
@@ -27,6 +31,7 @@ from tierckpt.restore import (
     read_shard,
     restore_into,
 )
+from tierckpt.restore_gpu import DeviceTarget, read_shard_to_device, target_for
 
 __all__ = ["LOAD_ATTEMPTS", "LoadContext", "list_checkpoints", "load"]
 
@@ -53,6 +58,9 @@ class LoadContext:
     #: the peer replicator's ``prepare_load`` (a PeerTier in the policy), else None: run
     #: before a load of all tiers, it may choose the checkpoint (see tierckpt.peer)
     prepare_load: Callable[[int | None, int | None], CheckpointId | None] | None = None
+    #: the host arena as it is now (None: not built yet), whose free slots a load onto a
+    #: GPU stages chunks in
+    staging: Callable[[], HostArena | None] | None = None
 
 
 def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
@@ -79,10 +87,12 @@ def load(
     fallback: Literal["error", "previous"],
     timeline: int | None,
     strict: bool = True,
+    device: torch.device | None = None,
 ) -> Any:
     """:meth:`~tierckpt.Checkpointer.load`: one listing and load, listed again (up to
     ``LOAD_ATTEMPTS`` times, single-rank jobs) when retention removed the chosen checkpoint
-    while it was being read."""
+    while it was being read. ``device``: a CUDA device to restore onto where it has room
+    (the device of ``Stateful`` targets), else the host."""
     seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
     for attempt in range(LOAD_ATTEMPTS):
         try:
@@ -95,6 +105,7 @@ def load(
                 fallback=fallback,
                 timeline=timeline,
                 strict=strict,
+                device=device,
             )
         except CheckpointNotFound:
             if step is not None or ctx.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
@@ -120,6 +131,7 @@ def _load_once(
     fallback: Literal["error", "previous"],
     timeline: int | None,
     strict: bool = True,
+    device: torch.device | None = None,
 ) -> Any:
     """One listing of the tiers and one load of the step chosen from it."""
     if fallback not in ("error", "previous"):
@@ -164,15 +176,19 @@ def _load_once(
         candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
     # every rank must load the same checkpoint: the newest all ranks can read
     candidates = ctx.strategy.agree_on_step(candidates)
+    target = target_for(into, map_location)
+    if target is None and device is not None and map_location is None:
+        target = DeviceTarget(device, optional=True)
     got: LoadedShard | None = None
     try:
-        got = _load_candidates(ctx, tiers, listing, candidates, missing)
+        got = _load_candidates(ctx, tiers, listing, candidates, missing, target)
     finally:
         # the copies to faster tiers become a checkpoint there; with several ranks only
         # once every rank's file is in: a collective, reached by every rank whether its
         # load worked or not
         ctx.strategy.publish_repopulated(got)
-    return _deliver(got, into, map_location, strict)
+    on_target = target is not None and not target.optional  # read onto map_location itself
+    return _deliver(got, into, None if on_target else map_location, strict)
 
 
 def _deliver(
@@ -195,6 +211,7 @@ def _load_candidates(
     listing: dict[str, list[CheckpointId]],
     candidates: list[CheckpointId],
     missing: str,
+    target: DeviceTarget | None = None,
 ) -> LoadedShard:
     """The first readable copy of the first candidate, tiers fastest first.
     ``CheckpointNotFound(missing)`` where no tier holds any candidate."""
@@ -204,7 +221,7 @@ def _load_candidates(
         holders = [t for t in tiers if cid in listing[t.name]]
         for t in holders:
             try:
-                loaded = _load_from(ctx, t, cid)
+                loaded = _load_from(ctx, t, cid, target)
             except BaseException as exc:
                 if not is_recoverable(exc):
                     raise
@@ -230,7 +247,9 @@ def _load_candidates(
     raise CorruptCheckpoint(msg) from first_exc
 
 
-def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
+def _load_from(
+    ctx: LoadContext, tier: Tier, cid: CheckpointId, target: DeviceTarget | None = None
+) -> LoadedShard:
     step = cid.step
     manifest = ctx.strategy.read_manifest(tier, cid)  # multi-rank: once per node
     if manifest.world_size != ctx.world_size:
@@ -249,6 +268,18 @@ def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
                 and not t.backend.exists(manifest_name(step, timeline=cid.timeline))
             ):
                 repop.append(t.backend)
+    if target is not None:
+        return read_shard_to_device(
+            tier.backend,
+            tier.name,
+            manifest,
+            ctx.rank,
+            ctx.read_pool(),
+            target,
+            arena=ctx.staging() if ctx.staging is not None else None,
+            repopulate=repop,
+            publish=False,
+        )
     return read_shard(
         tier.backend,
         tier.name,

@@ -2,9 +2,11 @@
 tensors that shared storage when saved (a weight and its transposed view, tied embeddings)
 share it on the device too, and each storage crosses the bus once.
 
-Onto a GPU from host memory the storages are copied with ``non_blocking=True`` (asynchronous
-from pinned memory, so copies of consecutive storages overlap with queueing the next) and the
-calling thread waits once at the end, on the device's current stream.
+A load onto a GPU reads there directly (:mod:`tierckpt.restore_gpu`), so its tensors arrive
+on the device and are left as they are. Otherwise, onto a GPU from host memory the storages
+are copied with ``non_blocking=True`` (asynchronous from pinned memory, so copies of
+consecutive storages overlap with queueing the next) and the calling thread waits once at the
+end, on the device's current stream.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from typing import Any
 
 import torch
 
+from tierckpt import devices
+
 __all__ = ["to_device"]
 
 
 def to_device(state: Any, device: torch.device) -> Any:
-    """``state`` with every tensor on ``device``; views of one storage stay views of one."""
+    """``state`` with every tensor on ``device``; views of one storage stay views of one.
+    Tensors already there (a load onto the GPU put them there) are left as they are."""
+    device = devices.indexed(device)  # plain "cuda": the current device, as torch means it
     moved: dict[int, torch.UntypedStorage] = {}
     cuda = device.type == "cuda"
 

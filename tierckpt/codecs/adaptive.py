@@ -13,21 +13,30 @@ With both known it compresses when :func:`~tierckpt.codecs.auto.choose_codec` sa
 and the link together move the bytes faster than the link alone (in practice: raw to local
 NVMe, compressed to S3). Until the link is measured it starts from the backend's nature:
 compressed to remote tiers, raw to local ones.
+
+On a GPU a remote tier's policy compresses on the device instead (:meth:`AdaptiveCodec.on_device`):
+nvCOMP zstd before the device-to-host copy, whose RAW pieces the CPU decodes as well, when the
+state is on a CUDA device and the nvCOMP package imports. GPU compression is faster than any
+object-store link, so there is nothing to measure first.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierckpt._types import JSON, BytesLike
 from tierckpt.codecs.auto import CodecProfile, choose_codec, measure_codec
 from tierckpt.codecs.base import Codec
 from tierckpt.codecs.planes import FLOAT_ITEMSIZE, PlanesCodec
 from tierckpt.codecs.raw import RawCodec
+from tierckpt.errors import UnknownCodec
 
-__all__ = ["AdaptiveCodec"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AdaptiveCodec", "nvcomp_ready"]
 
 log = logging.getLogger("tierckpt")
 
@@ -50,6 +59,8 @@ class AdaptiveCodec(Codec):
         self._profiles: dict[str, CodecProfile] = {}
         self._link_bps: float | None = None
         self._compress: dict[str, bool] = {}
+        self._device_codec: Codec | None = None
+        self._device_ready: dict[torch.device, bool] = {}
 
     # identity semantics: two tiers' policies learn separately even with equal configs
     def __eq__(self, other: object) -> bool:
@@ -77,6 +88,28 @@ class AdaptiveCodec(Codec):
         with self._lock:
             compress = self._compress.get(kind, self.remote)
         return self.candidate.for_dtype(dtype_name) if compress else self._raw
+
+    def on_device(self, device: torch.device | None) -> Codec | None:
+        """The codec this tier's chunks on ``device`` are compressed with there, before the
+        device-to-host copy: nvCOMP zstd for a remote tier when ``device`` is a CUDA GPU and
+        the nvCOMP package imports; None otherwise (the chunk crosses raw and
+        :meth:`for_dtype` chooses on the host, as without a GPU)."""
+        if not self.remote or device is None:
+            return None
+        with self._lock:
+            ready = self._device_ready.get(device)
+        if ready is None:  # asked once per device: a failed import is not retried per chunk
+            ready = nvcomp_ready(device)
+            with self._lock:
+                self._device_ready[device] = ready
+        if not ready:
+            return None
+        with self._lock:
+            if self._device_codec is None:
+                from tierckpt.codecs.nvcomp import NvcompCodec
+
+                self._device_codec = NvcompCodec("zstd")
+            return self._device_codec
 
     def profile(self, dtype_name: str, sample: BytesLike) -> None:
         """Measure the candidate on real data, once per kind of chunk (cheap after that)."""
@@ -129,3 +162,19 @@ class AdaptiveCodec(Codec):
                     for k, p in self._profiles.items()
                 },
             }
+
+
+def nvcomp_ready(device: torch.device) -> bool:
+    """Whether chunks on ``device`` can be compressed there: a CUDA device, a GPU present and
+    the nvCOMP package importable."""
+    from tierckpt import devices  # torch: only where a tier asks about a device
+
+    if device.type != "cuda" or not devices.cuda_available():
+        return False
+    from tierckpt.codecs import nvcomp
+
+    try:
+        nvcomp._nvcomp()
+    except UnknownCodec:
+        return False
+    return True

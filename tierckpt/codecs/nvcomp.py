@@ -327,11 +327,19 @@ class NvcompCodec(Codec):
         tail = t[t.numel() - layout.tail :]
         return pack_pieces(device, header, packed, out_offsets, stored, layout, tail)
 
-    def decode_device(self, data: BytesLike | torch.Tensor, out: torch.Tensor) -> None:
+    def decode_device(
+        self,
+        data: BytesLike | torch.Tensor,
+        out: torch.Tensor,
+        *,
+        host_copy: BytesLike | None = None,
+    ) -> None:
         """Decode a stored chunk into ``out``, a contiguous 1-D uint8 CUDA tensor.
 
         ``data`` is host bytes or a uint8 tensor already on the GPU (only its header is read
-        back to the host). The framing is validated here, but NVIDIA documents that several
+        back to the host, unless ``host_copy``, the host bytes it was uploaded from, is
+        given: the restore onto the GPU parses the framing there, with no read-back). The
+        framing is validated here, but NVIDIA documents that several
         nvCOMP GPU decoders cannot detect corrupt pieces: decode only chunks whose checksum
         passed (the restore path verifies before it decodes).
         """
@@ -348,16 +356,24 @@ class NvcompCodec(Codec):
         device = out.device
         inputs = [out, data] if isinstance(data, torch.Tensor) and data.is_cuda else [out]
         with _work_stream(device, *inputs):
-            self._decode_on_stream(data, out, device)
+            self._decode_on_stream(data, out, device, host_copy)
 
     def _decode_on_stream(
-        self, data: BytesLike | torch.Tensor, out: torch.Tensor, device: torch.device
+        self,
+        data: BytesLike | torch.Tensor,
+        out: torch.Tensor,
+        device: torch.device,
+        host_copy: BytesLike | None = None,
     ) -> None:
         import torch
 
         nv = _nvcomp()
         dev_in: torch.Tensor | None
-        if isinstance(data, torch.Tensor):
+        if isinstance(data, torch.Tensor) and host_copy is not None:
+            dev_in = data.to(device=device, dtype=torch.uint8).contiguous().view(-1)
+            total = dev_in.numel()
+            layout, starts, stored = self._parse(_as_u8(host_copy), out.numel(), total)
+        elif isinstance(data, torch.Tensor):
             dev_in = data.to(device=device, dtype=torch.uint8).contiguous().view(-1)
             total = dev_in.numel()
             first = dev_in[: min(total, _HEADER.size)].cpu().numpy()

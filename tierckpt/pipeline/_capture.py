@@ -17,6 +17,7 @@ from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
 from tierckpt.capture import compress_chunk, copy_chunk
 from tierckpt.codecs import Codec, SupportsProfile
+from tierckpt.codecs.adaptive import AdaptiveCodec
 from tierckpt.codecs.nvcomp import NvcompCodec
 from tierckpt.format import align_up, checksum
 from tierckpt.pipeline._stall import _StallMixin
@@ -123,7 +124,7 @@ class _CaptureMixin(_StallMixin):
                 codecs = {t.codec for t in direct if t.name not in job.given_up}
             # every tier fed from the arena takes one nvCOMP codec: compress on the device,
             # and only the compressed bytes cross PCIe
-            dev_codec = _device_codec(codecs, chunk.dtype)
+            dev_codec = _device_codec(codecs, chunk.dtype, device)
             on_device: tuple[int, Any] | None = None
             try:
                 t1 = time.perf_counter() if emit else 0.0
@@ -217,8 +218,13 @@ def _encode(
     return Encoded(data, digest, config)
 
 
-def _device_codec(codecs: set[Codec], dtype: str) -> NvcompCodec | None:
-    """The nvCOMP codec (for ``dtype``) when it is the only codec the chunk is encoded with."""
+def _device_codec(
+    codecs: set[Codec], dtype: str, device: torch.device | None = None
+) -> NvcompCodec | None:
+    """The nvCOMP codec (for ``dtype``) when it is the only codec the chunk is encoded with;
+    a remote tier's ``codec="auto"`` counts as nvCOMP where it compresses on ``device``
+    (:meth:`~tierckpt.codecs.adaptive.AdaptiveCodec.on_device`)."""
+    codecs = {(c.on_device(device) or c) if isinstance(c, AdaptiveCodec) else c for c in codecs}
     if len(codecs) != 1:
         return None
     (codec,) = codecs

@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 
 from tierckpt import config
+from tierckpt.arena import HostArena
 from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
 from tierckpt.handle import SaveHandle, TierResult
@@ -244,6 +245,16 @@ class PipelineOwner:
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         self._arena_prebuild = ArenaPrebuild(self.host_buffer_bytes, self.chunk_bytes, device)
+
+    def _arena_for_load(self) -> HostArena | None:
+        """The host arena if one is built (by the first save, or ahead of it), whose free
+        slots a load onto the GPU stages chunks in; None while there is none (the load then
+        pins a small staging ring of its own)."""
+        pipeline = self._pipeline
+        if pipeline is not None and pipeline.arena is not None:
+            return pipeline.arena
+        pre = pipeline._prebuilt if pipeline is not None else self._arena_prebuild
+        return pre.peek() if pre is not None else None
 
     def _pipeline_hooks(self) -> PipelineHooks:
         """What this owner plugs into the Pipeline (``commit`` at least)."""

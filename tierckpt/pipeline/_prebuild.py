@@ -73,6 +73,14 @@ class ArenaPrebuild:
         except BaseException:
             return None
 
+    def peek(self) -> HostArena | None:
+        """The arena if it is built and no save has taken it yet, without waiting (a load
+        onto the GPU stages through its free slots); None otherwise."""
+        with self._lock:
+            if self._taken or not self._future.done() or self._future.exception() is not None:
+                return None
+            return self._future.result()
+
     def discard(self) -> None:
         """Release the arena if no save took it (the writer is closed)."""
         arena = self.take()
