@@ -75,7 +75,8 @@ def run(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn`` (a function of this module) on ``world`` ranks; every rank's result."""
+    """Run ``fn`` (a function of this module, or ``"module:function"``) on ``world`` ranks;
+    every rank's result."""
     ctx = _context()
     out = Path(tempfile.mkdtemp(prefix=f"tierckpt-{fn}-"))
     child_env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "TIERCKPT_"))}
@@ -148,7 +149,10 @@ def _child(
             world_size=world,
             timeout=timedelta(seconds=120),
         )
-        result = globals()[fn](rank, world, **kwargs)
+        # "module:function" runs a function of another test module (new tests' workers)
+        mod, _, name = fn.rpartition(":")
+        target = getattr(__import__(mod), name) if mod else globals()[fn]
+        result = target(rank, world, **kwargs)
         Path(out, f"result-{rank}.json.tmp").write_text(json.dumps(result))
         os.replace(Path(out, f"result-{rank}.json.tmp"), Path(out, f"result-{rank}.json"))
     except BaseException:
