@@ -54,3 +54,19 @@ def test_a_failure_on_one_node_aborts_the_private_commit_on_every_node(
             assert r["error_types"]["memory"] == "RankFailed", (rank, r)
             assert f"rank {victim}: OSError" in r["messages"]["memory"], (rank, r)
     assert res[0]["error_types"] == {"local": "RankFailed", "memory": "RankFailed"}
+
+
+def test_simulated_32_ranks_put_one_item_per_node_into_rank0s_store() -> None:
+    """The bench's simulation (real TCPStore servers, ranks as threads, the real commit
+    functions) at a small size: 4 nodes of 8 against every rank its own node (the protocol
+    before node stores)."""
+    from tierckpt.bench.private_scale import run_private_scale
+
+    flat = run_private_scale(ranks=32, layout="flat", spread_s=0.1)
+    nodes = run_private_scale(ranks=32, layout="per_node", ranks_per_node=8, spread_s=0.1)
+    assert flat.global_ops["set"] == 32 + 1 and flat.widest_check == 32
+    assert flat.global_ops["get"] == 31  # every other rank fetched the manifest
+    assert nodes.nodes == 4
+    assert nodes.global_ops["set"] == 4 + 1 and nodes.widest_check == 4
+    assert nodes.global_ops["get"] == 3  # the other nodes' leaders
+    assert nodes.global_bytes_out < flat.global_bytes_out / 4

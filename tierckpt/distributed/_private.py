@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["is_private_tier"]
 
+#: the longest pause between two polls of the node's store (a store on the node: polling it
+#: costs rank 0's host nothing, and a rank hears of its node's manifest soon after its leader)
+_NODE_POLL_MAX_S = 0.1
 #: a node's item in rank 0's store is at most this large per record (records are ~300 bytes)
 _MAX_ITEM_BYTES_PER_RANK = 64 << 10
 _FAILED = b"FAILED "
@@ -97,12 +100,14 @@ def _store_wait(
     what: Any,
     deadline: float,
     failed_key: str,
+    poll_max: float | None = None,
 ) -> None:
     """Wait until ``keys`` are in ``st``; CommitTimeout ``where: what`` past ``deadline``
     (``what`` may be a callable, called then); RankFailed at once if a rank set
-    ``failed_key``."""
+    ``failed_key``. Polls with pauses doubling up to ``poll_max`` (the knob's if None)."""
     k = get_knobs()
     delay = k.poll_initial
+    longest = k.poll_max if poll_max is None else min(poll_max, k.poll_max)
     while True:
         if st.check(keys):
             return
@@ -113,7 +118,7 @@ def _store_wait(
         if now >= deadline:
             raise CommitTimeout(f"{where}: {what() if callable(what) else what}")
         time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, k.poll_max)
+        delay = min(delay * 2, longest)
 
 
 def _prefix(tier: Tier, job: SaveJob) -> str:
@@ -244,6 +249,7 @@ def _commit_private(tier: Tier, job: SaveJob, nodes: NodeStores) -> None:
             "the node's leader published no manifest in time; nothing committed",
             deadline,
             failed_key,
+            poll_max=_NODE_POLL_MAX_S,
         )
         body = ns.get(m_key)
         failed_in = ns
