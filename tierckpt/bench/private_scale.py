@@ -19,6 +19,7 @@ store, and to the last rank having written it.
 from __future__ import annotations
 
 import random
+import secrets
 import statistics
 import threading
 import time
@@ -210,7 +211,8 @@ def run_private_scale(
         )
     codec = codec_from_config({"id": "raw"})
     spec = MemoryTier(name="ram")
-    tiers = [Tier(spec, MemoryBackend(f"privscale-{seed}-{r}"), codec) for r in range(ranks)]
+    run = secrets.token_hex(4)  # memory namespaces live as long as the process
+    tiers = [Tier(spec, MemoryBackend(f"privscale-{run}-{r}"), codec) for r in range(ranks)]
     for rep in range(repeats):
         step = rep + 1
         attempt = f"{rnd.getrandbits(60):016x}-{step}"

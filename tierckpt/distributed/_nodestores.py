@@ -13,48 +13,70 @@ store and rank 0's; :func:`make_node_stores` builds it (collective, training thr
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
+
+from tierckpt.distributed._collectives import collective_device
 from tierckpt.errors import TierCkptError
+
+log = logging.getLogger("tierckpt")
 
 __all__ = ["LockedStore", "NodeStores", "make_node_stores"]
 
 
 class LockedStore:
     """A store client shared by this process's threads, one call at a time (a store client is
-    one connection; the commit threads of several tiers use it at once)."""
+    one connection; the commit threads of several tiers use it at once). ``label``: where the
+    store is, for errors (a store's own error says only that a connection failed)."""
 
-    def __init__(self, store: Any, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self, store: Any, lock: threading.Lock | None = None, label: str | None = None
+    ) -> None:
         self.store = store
         self.lock = lock if lock is not None else threading.Lock()
+        self.label = label
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        with self.lock:
+            try:
+                yield
+            except RuntimeError as exc:  # torch's store errors (DistStoreError and others)
+                if self.label is None:
+                    raise
+                raise TierCkptError(
+                    f"{self.label}: {exc} (its host process may have died); nothing committed"
+                ) from exc
 
     def set(self, key: str, value: bytes) -> None:
-        with self.lock:
+        with self._call():
             self.store.set(key, value)
 
     def get(self, key: str) -> bytes:
-        with self.lock:
+        with self._call():
             return bytes(self.store.get(key))
 
     def check(self, keys: list[str]) -> bool:
-        with self.lock:
+        with self._call():
             return bool(self.store.check(keys))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        with self.lock:
+        with self._call():
             return [bytes(b) for b in self.store.multi_get(keys)]
 
     def add(self, key: str, n: int) -> int:
-        with self.lock:
+        with self._call():
             return int(self.store.add(key, n))
 
     def failure(self, key: str) -> bytes | None:
         """The value of ``key`` if it is set (a failure someone reported), else None."""
-        with self.lock:
+        with self._call():
             return bytes(self.store.get(key)) if self.store.check([key]) else None
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -177,19 +199,33 @@ def make_node_stores(
     dist.all_gather_object(wheres, where)
     node_store: LockedStore | None = None
     if len(members) > 1:
+        host, port = wheres[members[0]]
+        label = f"the store of node {node} (rank {members[0]}'s, at {host}:{port})"
         if server is not None:
-            node_store = LockedStore(server)
+            node_store = LockedStore(server, label=label)
         else:
-            host, port = wheres[members[0]]
             try:
                 client = dist.TCPStore(host, int(port), None, False, timeout)  # type: ignore[attr-defined]
+                node_store = LockedStore(client, label=label)
             except RuntimeError as exc:
-                raise TierCkptError(
-                    f"rank {me}: cannot reach the store of its node's leader (rank "
-                    f"{members[0]}) at {host}:{port} ({exc}); the private-tier commit needs "
-                    "it (set TIERCKPT_NODE where the host name does not tell nodes apart)"
-                ) from exc
-            node_store = LockedStore(client)
+                log.warning(
+                    "rank %d cannot reach %s (%s); private tiers commit through rank 0's "
+                    "store, one item per rank (set TIERCKPT_NODE where the host name does not "
+                    "tell the nodes apart)",
+                    me,
+                    label,
+                    exc,
+                )
+    # every rank reached its node's store, or every rank goes without (the same everywhere)
+    ok = torch.tensor([0 if len(members) > 1 and node_store is None else 1], dtype=torch.int64)
+    ok = ok.to(collective_device())
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not int(ok.item()):
+        stores = NodeStores.singleton(me, world, global_store)
+        with _cache_lock:
+            _cache.clear()
+            _cache[id(base)] = (base, stores)
+        return stores
     stores = NodeStores(
         rank=me,
         node=node,

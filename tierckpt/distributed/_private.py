@@ -280,6 +280,7 @@ def _report_private_failure(
         return
     p = _prefix(tier, job)
     body = f"rank {job.rank}: {message}".encode("utf-8", "replace")
+    # rank 0's first: the node's store may be what failed (its leader died)
+    (nodes.global_store if nodes is not None else global_store()).set(f"{p}failed", body)
     if nodes is not None and nodes.node_store is not None:
         nodes.node_store.set(f"{p}failed", body)
-    (nodes.global_store if nodes is not None else global_store()).set(f"{p}failed", body)

@@ -190,9 +190,7 @@ class MultiRankCommit:
                 if any(is_private_tier(t) for t in self._tiers):
                     # collective, the same on every rank (same tiers): private-tier records
                     # go through a store per node, one item per node in rank 0's store
-                    self._nodes = make_node_stores(
-                        node_key(), global_store, max(60.0, get_knobs().commit_timeout)
-                    )
+                    self._nodes = make_node_stores(node_key(), global_store, 60.0)
             if hi != -neg_lo:
                 raise ValueError(
                     f"ranks are saving different steps (from {-neg_lo} to {hi}); every rank "
