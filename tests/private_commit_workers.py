@@ -5,6 +5,7 @@ simulated nodes (``TIERCKPT_NODE`` per rank)."""
 from __future__ import annotations
 
 import os
+import signal
 from collections import Counter
 from typing import Any
 
@@ -13,7 +14,8 @@ from dist_workers import rank_state, same, w_fail_save
 
 from tierckpt import Checkpointer, MemoryTier
 from tierckpt import distributed as tdist
-from tierckpt.distributed import _private
+from tierckpt.distributed import _private, _strategy
+from tierckpt.errors import CheckpointFailed
 
 
 class _Counting:
@@ -83,3 +85,33 @@ def w_private_fail_on_node(rank: int, world: int, root: str, victim: int, per_no
     at step 2) on simulated nodes of ``per_node`` ranks."""
     os.environ["TIERCKPT_NODE"] = f"node-{rank // per_node}"
     return w_fail_save(rank, world, root, victim)
+
+
+def w_private_kill(rank: int, world: int, victim: int, per_node: int) -> dict[str, Any]:
+    """Step 1 commits on a RAM tier; at step 2 the victim dies (SIGKILL) as it is about to
+    publish its record: no rank commits step 2, and each says why."""
+    os.environ["TIERCKPT_NODE"] = f"node-{rank // per_node}"
+    out: dict[str, Any] = {}
+    with tdist.knobs(commit_timeout=4, poll_max=0.2):
+        ck = Checkpointer(
+            [MemoryTier(namespace=f"mem-{os.getpid()}", keep_last=None)],
+            host_buffer_bytes=16 << 20,
+            chunk_bytes=64 << 10,
+        )
+        ck.save(rank_state(rank, 1), 1).wait(timeout=60)
+        dist.barrier()
+        if rank == victim:
+
+            def die(*_a: Any, **_k: Any) -> None:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            _strategy._publish_private = die  # type: ignore[assignment]
+        h = ck.save(rank_state(rank, 2), 2)
+        try:
+            h.wait(timeout=60)
+            out["error"] = None
+        except CheckpointFailed as exc:
+            out["error"] = str(exc)
+            out["error_types"] = {t: type(e).__name__ for t, e in exc.errors.items()}
+        out["steps"] = ck.steps()
+    return out

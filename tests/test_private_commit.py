@@ -70,3 +70,32 @@ def test_simulated_32_ranks_put_one_item_per_node_into_rank0s_store() -> None:
     assert nodes.global_ops["set"] == 4 + 1 and nodes.widest_check == 4
     assert nodes.global_ops["get"] == 3  # the other nodes' leaders
     assert nodes.global_bytes_out < flat.global_bytes_out / 4
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("victim", [3, 2])
+def test_a_rank_killed_on_one_node_leaves_the_private_tier_uncommitted(victim: int) -> None:
+    """2 nodes x 2 ranks; rank 3 (a non-leader) or rank 2 (node 1's leader, whose process
+    hosts node 1's store) dies at step 2: rank 0 times out naming node 1's ranks (or hears
+    from rank 3 that node 1's store is gone), every survivor's save fails on the RAM tier, and
+    step 1 stays the newest everywhere."""
+    res = dist_workers.run(
+        "private_commit_workers:w_private_kill",
+        4,
+        victim=victim,
+        per_node=2,
+        expect_killed=(victim,),
+        timeout=150,
+    )
+    for rank, r in enumerate(res):
+        if rank == victim:
+            continue
+        assert r["error"] is not None and "memory" in r["error_types"], (rank, r)
+        assert r["steps"] == [1], (rank, r)
+    if victim == 3:
+        assert res[0]["error_types"] == {"memory": "CommitTimeout"}
+        assert "none from ranks 2, 3 (of 4" in res[0]["error"]
+    else:  # node 1's store went with its leader: rank 3 says so, to rank 0 too if in time
+        assert "the store of node 1" in res[3]["error"], res[3]
+        assert res[0]["error_types"]["memory"] in ("CommitTimeout", "RankFailed")
+        assert "the store of node 1" in res[0]["error"] or "none from ranks 2, 3" in res[0]["error"]
