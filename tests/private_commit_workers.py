@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -87,9 +89,11 @@ def w_private_fail_on_node(rank: int, world: int, root: str, victim: int, per_no
     return w_fail_save(rank, world, root, victim)
 
 
-def w_private_kill(rank: int, world: int, victim: int, per_node: int) -> dict[str, Any]:
+def w_private_kill(rank: int, world: int, root: str, victim: int, per_node: int) -> dict[str, Any]:
     """Step 1 commits on a RAM tier; at step 2 the victim dies (SIGKILL) as it is about to
-    publish its record: no rank commits step 2, and each says why."""
+    publish its record: no rank commits step 2, and each says why. The survivors stay until
+    all of them have their answer (rank 0's process hosts the process group's store and node
+    0's, as in a job, where rank 0 trains on)."""
     os.environ["TIERCKPT_NODE"] = f"node-{rank // per_node}"
     out: dict[str, Any] = {}
     with tdist.knobs(commit_timeout=4, poll_max=0.2):
@@ -114,4 +118,8 @@ def w_private_kill(rank: int, world: int, victim: int, per_node: int) -> dict[st
             out["error"] = str(exc)
             out["error_types"] = {t: type(e).__name__ for t, e in exc.errors.items()}
         out["steps"] = ck.steps()
+    Path(root, f"done-{rank}").touch()
+    deadline = time.monotonic() + 90
+    while len(list(Path(root).glob("done-*"))) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     return out

@@ -74,7 +74,9 @@ def test_simulated_32_ranks_put_one_item_per_node_into_rank0s_store() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("victim", [3, 2])
-def test_a_rank_killed_on_one_node_leaves_the_private_tier_uncommitted(victim: int) -> None:
+def test_a_rank_killed_on_one_node_leaves_the_private_tier_uncommitted(
+    tmp_path: Path, victim: int
+) -> None:
     """2 nodes x 2 ranks; rank 3 (a non-leader) or rank 2 (node 1's leader, whose process
     hosts node 1's store) dies at step 2: rank 0 times out naming node 1's ranks (or hears
     from rank 3 that node 1's store is gone), every survivor's save fails on the RAM tier, and
@@ -82,6 +84,7 @@ def test_a_rank_killed_on_one_node_leaves_the_private_tier_uncommitted(victim: i
     res = dist_workers.run(
         "private_commit_workers:w_private_kill",
         4,
+        root=str(tmp_path),
         victim=victim,
         per_node=2,
         expect_killed=(victim,),
