@@ -10,6 +10,11 @@ GETs per load (read once per node vs. by every rank).
     python benchmarks/bench_scale.py                      # N = 64, 256, 1024; 5 repeats
     python benchmarks/bench_scale.py --quick              # N = 64, 1 repeat (< 1 min)
     python benchmarks/bench_scale.py --json scale.json
+    python benchmarks/bench_scale.py --private            # private (RAM) tiers: store calls
+
+``--private`` simulates the private-tier commit instead (``tierckpt/bench/private_scale.py``:
+no S3, real ``TCPStore`` servers for rank 0's store and each node's): calls on rank 0's store
+per checkpoint, one store for all ranks (before) against one store per node.
 
 Targets at N = 1024 (format v2): commit <= 1 s after the last record (median of 5), zero
 record GETs, no prefix with more than 2/prefixes + 1 % of the writes, one manifest GET per
@@ -25,6 +30,7 @@ import sys
 import tempfile
 import uuid
 
+from tierckpt.bench.private_scale import PrivateScaleResult, run_private_scale
 from tierckpt.bench.scale import ScaleResult, request_costs, run_scale
 from tierckpt.testing.s3servers import start_seaweedfs
 
@@ -52,9 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="N = 64, 1 repeat")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--costs", action="store_true", help="also time one request of each kind")
+    ap.add_argument("--private", action="store_true", help="the private-tier commit instead")
     args = ap.parse_args(argv)
     sizes = [64] if args.quick else [int(x) for x in args.ranks.split(",")]
     repeats = 1 if args.quick else args.repeats
+    if args.private:
+        return private(sizes, repeats, args.json)
     results: list[ScaleResult] = []
     costs: dict[str, float] = {}
     missed: list[str] = []
@@ -112,6 +121,37 @@ def main(argv: list[str] | None = None) -> int:
     for m in missed:
         print("MISSED:", m)
     return 1 if missed else 0
+
+
+def private(sizes: list[int], repeats: int, json_path: str | None) -> int:
+    """The private-tier commit, both layouts at each N (8 ranks a node)."""
+    runs: list[PrivateScaleResult] = []
+    for n in sizes:
+        for layout in ("flat", "per_node"):
+            print(f"N={n} private tier, {layout}", flush=True)
+            runs.append(
+                run_private_scale(
+                    ranks=n, layout=layout, repeats=repeats, log=lambda s: print(s, flush=True)
+                )
+            )
+    print()
+    print(
+        f"{'N':>5} {'layout':>8} {'calls':>6} {'set':>5} {'get':>5} {'check':>6} "
+        f"{'widest':>6} {'MB out':>7} {'rank 0 ms':>9} {'all ms':>7}  (medians)"
+    )
+    for r in runs:
+        d = r.as_dict()
+        q = r.global_ops
+        print(
+            f"{r.ranks:>5} {r.layout:>8} {d['global_ops_total']:>6} {q.get('set', 0):>5} "
+            f"{q.get('get', 0):>5} {q.get('check', 0):>6} {r.widest_check:>6} "
+            f"{r.global_bytes_out / 1e6:>7.2f} {d['commit_median_s'] * 1000:>9.0f} "
+            f"{d['everyone_median_s'] * 1000:>7.0f}"
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"private": [r.as_dict() for r in runs]}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -80,9 +80,17 @@ def run(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn`` (a function of this module) on ``world`` ranks; every rank's result."""
+    """Run ``fn`` (a function of this module, or ``"module:function"``) on ``world`` ranks;
+    every rank's result."""
+    module, _, name = fn.rpartition(":")
     return launch(
-        "dist_workers", fn, world, timeout=timeout, expect_killed=expect_killed, env=env, **kwargs
+        module or "dist_workers",
+        name,
+        world,
+        timeout=timeout,
+        expect_killed=expect_killed,
+        env=env,
+        **kwargs,
     )
 
 

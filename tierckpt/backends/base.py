@@ -101,6 +101,13 @@ class ObjectWriter(ABC):
     def abort(self) -> None:
         """Discard the object and anything staged for it. Idempotent, never raises."""
 
+    def size_hint(self, data_bytes: int, host_budget: int | None = None) -> None:
+        """Before the first write: the object is a shard file of ``data_bytes`` tensor bytes
+        (before encoding; the file adds its index, alignment and the codec's worst case), on
+        a host whose memory budget is ``host_budget`` bytes. Writers that upload in parts
+        size them from it (S3: within 10,000 parts, :mod:`tierckpt.backends.s3._sizing`);
+        others ignore it."""
+
     def _check_sequential(self, offset: int) -> None:
         if offset != self.size:
             raise BackendError(

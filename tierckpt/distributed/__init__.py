@@ -43,13 +43,17 @@ Attempt ids
     all-reduce so that all ranks skip together.
 
 Private tiers
-    A tier whose storage other ranks cannot see (a RAM tier: each process has its own; or a
-    node-local disk named in ``TIERCKPT_PRIVATE_TIERS``) cannot be polled by rank 0. There the
-    records travel through the process group's key-value store (the ``TCPStore`` behind
-    ``init_process_group``, safe to use from background threads): each rank publishes its
-    record, rank 0 composes the manifest once and publishes it, and every rank writes that same
-    manifest onto its own copy of the tier. Each rank applies retention to its own copy. A
-    rank that fails there sets a failure key in the store, which every waiting rank checks.
+    A tier whose storage other ranks cannot see (a RAM tier: each process has its own; node
+    RAM; or a node-local disk named in ``TIERCKPT_PRIVATE_TIERS``) cannot be polled by rank 0.
+    There the records travel through key-value stores in two levels (:mod:`._private`): each
+    rank puts its record into its node's store (a ``TCPStore`` the node's leader, its lowest
+    rank, starts at the first save; nodes from ``TIERCKPT_NODE`` or the host name), and the
+    node's last rank forwards the node's records as one item to the process group's store
+    on rank 0's host. Rank 0 waits for one item per node, composes the manifest once and
+    publishes it; each node's leader fetches it once for its node's ranks, and every rank
+    writes that same manifest onto its own copy of the tier. Each rank applies retention to
+    its own copy. A rank that fails there sets a failure key in rank 0's store and its
+    node's, which every waiting rank checks (leaders pass on what they hear).
 
 Load
     :func:`agree_on_step` — one ``all_gather`` of a fixed-size vector in the calling thread —

@@ -24,12 +24,18 @@ from tierckpt.distributed._listcommit import (
     wait_for_listed_records,
     write_listed_record,
 )
-from tierckpt.distributed._nodeshare import ManifestCache, TorchNodeComm, read_manifests_per_node
+from tierckpt.distributed._nodeshare import (
+    ManifestCache,
+    TorchNodeComm,
+    node_key,
+    read_manifests_per_node,
+)
+from tierckpt.distributed._nodestores import NodeStores, make_node_stores
 from tierckpt.distributed._private import (
     _commit_private,
     _publish_private,
-    _store,
-    _store_lock,
+    _report_private_failure,
+    global_store,
     is_private_tier,
 )
 from tierckpt.distributed._records import (
@@ -52,12 +58,15 @@ __all__ = ["MultiRankCommit", "report_failure"]
 log = logging.getLogger("tierckpt")
 
 
-def report_failure(tier: Tier, job: SaveJob, error: BaseException) -> None:
+def report_failure(
+    tier: Tier, job: SaveJob, error: BaseException, *, nodes: NodeStores | None = None
+) -> None:
     """Tell the ranks waiting on ``tier`` that this rank's part of ``job`` failed.
 
     Called by the pipeline when a multi-rank save fails on a tier. On a shared tier a non-zero
     rank writes its failure record (rank 0 is the one that waits; nobody waits for rank 0's
-    record); on a private tier any rank sets the attempt's failure key in the store. Best
+    record); on a private tier any rank sets the attempt's failure key in rank 0's store and
+    in its node's (``nodes``: this rank's node stores, where the commit uses them). Best
     effort: storage that just failed may fail again, and then rank 0 falls back on its
     ``commit_timeout``.
     """
@@ -65,13 +74,7 @@ def report_failure(tier: Tier, job: SaveJob, error: BaseException) -> None:
         return  # a verdict on other ranks, not a failure of this rank's own part
     try:
         if is_private_tier(tier):
-            if job.attempt:
-                st = _store()
-                with _store_lock:
-                    st.set(
-                        f"tierckpt/{job.attempt}/{tier.name}/failed",
-                        f"rank {job.rank}: {_describe(error)}".encode("utf-8", "replace"),
-                    )
+            _report_private_failure(tier, job, _describe(error), nodes)
             return
         if job.rank == 0:
             return
@@ -137,6 +140,8 @@ class MultiRankCommit:
         self._node: TorchNodeComm | None = None
         #: manifests the node's leader read for the current load
         self._manifests: ManifestCache | None = None
+        #: the node's ranks and stores for private-tier commits (made at the first save)
+        self._nodes: NodeStores | None = None
 
     def begin_save(
         self, step: int, busy: bool, *, timeline: int, agree_timeline: bool
@@ -182,6 +187,10 @@ class MultiRankCommit:
             drawn, hi, neg_lo, any_busy, timeline = (int(v) for v in t.tolist())
             if self._session == 0:
                 self._session = drawn
+                if any(is_private_tier(t) for t in self._tiers):
+                    # collective, the same on every rank (same tiers): private-tier records
+                    # go through a store per node, one item per node in rank 0's store
+                    self._nodes = make_node_stores(node_key(), global_store, 60.0)
             if hi != -neg_lo:
                 raise ValueError(
                     f"ranks are saving different steps (from {-neg_lo} to {hi}); every rank "
@@ -214,8 +223,9 @@ class MultiRankCommit:
             timeline=job.timeline,
         )
         if is_private_tier(tier):
-            st = _publish_private(tier, job, rec)
-            return self._defer(lambda: _commit_private(tier, job, st))
+            nodes = self._nodes_of(job)
+            _publish_private(tier, job, rec, nodes)
+            return self._defer(lambda: _commit_private(tier, job, nodes))
         prefixes = tier_prefixes(tier)
         if prefixes:  # format v2: the record's fields in its name, rank 0 only LISTs
             write_listed_record(tier.backend, rec, prefixes)
@@ -248,6 +258,12 @@ class MultiRankCommit:
 
         return self._defer(wait_and_commit)
 
+    def _nodes_of(self, job: SaveJob) -> NodeStores:
+        """The node stores made at the first save, else every rank its own node."""
+        if self._nodes is not None and self._nodes.rank == job.rank:
+            return self._nodes
+        return NodeStores.singleton(job.rank, job.world_size, global_store)
+
     def retains(self, tier: Tier, job: SaveJob) -> bool:
         """Rank 0 applies retention to a tier all ranks share; every rank to its own copy of
         a private tier."""
@@ -255,7 +271,7 @@ class MultiRankCommit:
 
     def report_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         """See :func:`report_failure`."""
-        report_failure(tier, job, error)
+        report_failure(tier, job, error, nodes=self._nodes_of(job) if job.attempt else None)
 
     @property
     def repopulates(self) -> bool:

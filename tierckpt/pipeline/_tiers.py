@@ -162,6 +162,8 @@ class _TiersMixin(_StallMixin):
                 "delete the old one first (tierckpt gc)"
             )
         tw.writer = tier.backend.open_writer(job.shard_on(tier))
+        if job.plan is not None:  # lets an object store size its parts from the shard
+            tw.writer.size_hint(job.plan.data_bytes, self.host_buffer_bytes)
         tw.emit = self._emitter(job.step, tier.name)
 
     def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:

@@ -19,7 +19,7 @@ from botocore.exceptions import (
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
-from tierckpt.backends.s3._client import PROBE_PREFIX, MiB, S3Connection
+from tierckpt.backends.s3._client import PROBE_PREFIX, S3Connection
 from tierckpt.backends.s3._errors import (
     _BODY_ERRORS,
     _CONDITIONAL_REJECTED_CODES,
@@ -67,8 +67,8 @@ class S3Backend(S3Connection, Backend):
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
-        part_size: int = 8 * MiB,
-        max_concurrency: int = 8,
+        part_size: int | None = None,
+        max_concurrency: int | None = None,
         max_attempts: int = 4,
         connect_timeout: float = 5,
         read_timeout: float = 15,

@@ -24,6 +24,7 @@ from botocore.exceptions import (
 
 from tierckpt.backends.base import validate_name
 from tierckpt.backends.s3._errors import _AUTH_CODES, _NOT_FOUND_CODES, S3Error, _error_info
+from tierckpt.backends.s3._sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact, refuse_credentials, scrub_exception
 
@@ -95,14 +96,19 @@ class S3Connection:
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
-        part_size: int = 8 * MiB,
-        max_concurrency: int = 8,
+        part_size: int | None = None,
+        max_concurrency: int | None = None,
         max_attempts: int = 4,
         connect_timeout: float = 5,
         read_timeout: float = 15,
         client: Any = None,
         profile: str | None = None,
     ) -> None:
+        # unset: each upload chooses from its shard's size and the host budget (_sizing);
+        # the resolved values are the reads' range size and the connection pool
+        self.part_size_set, self.max_concurrency_set = part_size, max_concurrency
+        part_size = AUTO_PART_SIZE if part_size is None else part_size
+        max_concurrency = AUTO_CONCURRENCY if max_concurrency is None else max_concurrency
         if not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
             raise FormatError(
                 f"part_size={part_size} is too small: S3 needs parts of at least "

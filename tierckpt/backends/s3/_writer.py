@@ -9,8 +9,9 @@ from typing import Any
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import ObjectWriter
-from tierckpt.backends.s3._client import MAX_PARTS, S3Connection
+from tierckpt.backends.s3._client import MAX_PARTS, S3Connection, _PartBuffers
 from tierckpt.backends.s3._errors import S3Error
+from tierckpt.backends.s3._sizing import UploadSizing, choose_upload, shard_size_bound
 from tierckpt.errors import BackendError
 from tierckpt.redact import redact
 
@@ -36,6 +37,40 @@ class _S3Writer(ObjectWriter):
         self._failure: tuple[int, BaseException] | None = None
         self._closed = False  # committed or aborted
         self._aborted = False
+        # the backend's part size, buffers and slots until size_hint chooses others
+        self._part_size = backend.part_size
+        self._buffers = backend._buffers
+        self._own_slots: threading.BoundedSemaphore | None = None
+        self.sizing = UploadSizing(backend.part_size, backend.max_concurrency)
+
+    def size_hint(self, data_bytes: int, host_budget: int | None = None) -> None:
+        """Size this upload's parts for a shard of ``data_bytes`` tensor bytes, its parts in
+        flight for ``host_budget`` (see :mod:`._sizing`); before the first write."""
+        with self._op_lock:
+            if self.size or self._buf is not None or self._upload_id is not None:
+                return  # too late: parts already cut
+            b = self._b
+            size_bound = shard_size_bound(data_bytes)
+            sizing = choose_upload(
+                size_bound,
+                host_budget,
+                part_size=b.part_size_set,
+                max_concurrency=b.max_concurrency_set,
+                pool=b.max_concurrency,
+            )
+            self.sizing = sizing
+            if sizing.part_size != b.part_size:
+                self._part_size = sizing.part_size
+                self._buffers = _PartBuffers(sizing.part_size, keep=sizing.concurrency + 1)
+            if sizing.concurrency < b.max_concurrency:
+                self._own_slots = threading.BoundedSemaphore(sizing.concurrency)
+            log.debug(
+                "%s: parts of %d MiB, %d in flight (object up to %d bytes)",
+                self._where,
+                sizing.part_size >> 20,
+                min(sizing.concurrency, b.max_concurrency),
+                size_bound,
+            )
 
     # -- caller side ------------------------------------------------------------------
     def write(self, offset: int, data: BytesLike) -> None:
@@ -44,13 +79,13 @@ class _S3Writer(ObjectWriter):
                 raise BackendError(f"{self._where}: write after commit/abort")
             self._check_sequential(offset)
             view = memoryview(data).cast("B")
-            part_size = self._b.part_size
+            part_size = self._part_size
             pos, total = 0, len(view)
             try:
                 self._raise_if_failed()
                 while pos < total:
                     if self._buf is None:
-                        self._buf = self._b._buffers.take()
+                        self._buf = self._buffers.take()
                     take = min(part_size - self._fill, total - pos)
                     self._buf[self._fill : self._fill + take] = view[pos : pos + take]
                     self._fill += take
@@ -118,7 +153,7 @@ class _S3Writer(ObjectWriter):
     # -- internals --------------------------------------------------------------------
     def _release_buffer(self) -> None:
         buf, self._buf, self._fill = self._buf, None, 0
-        self._b._buffers.give(buf)
+        self._buffers.give(buf)
 
     def _raise_if_failed(self) -> None:
         with self._lock:
@@ -148,7 +183,7 @@ class _S3Writer(ObjectWriter):
         number = self._next_part
         if number > MAX_PARTS:
             raise S3Error(
-                f"{self._where}: more than {MAX_PARTS} parts of {self._b.part_size} bytes; "
+                f"{self._where}: more than {MAX_PARTS} parts of {self._part_size} bytes; "
                 "use a larger part_size",
                 bucket=self._b.bucket,
                 key=self._key,
@@ -157,14 +192,13 @@ class _S3Writer(ObjectWriter):
         assert buf is not None
         self._buf, self._fill = None, 0
         self._next_part += 1
-        slots = self._b._slots
-        slots.acquire()  # backpressure: released when an in-flight part finishes
+        self._acquire_slot()  # backpressure: released when an in-flight part finishes
         try:
             self._raise_if_failed()
             fut = self._b._executor().submit(self._upload_part, number, buf, length)
         except BaseException:
-            slots.release()
-            self._b._buffers.give(buf)
+            self._release_slot()
+            self._buffers.give(buf)
             raise
         with self._lock:
             self._pending.add(fut)
@@ -174,8 +208,8 @@ class _S3Writer(ObjectWriter):
         with self._lock:
             self._pending.discard(fut)
         if fut.cancelled():  # never ran: _upload_part's finally did not release
-            self._b._slots.release()
-            self._b._buffers.give(buf)
+            self._release_slot()
+            self._buffers.give(buf)
 
     def _upload_part(self, number: int, buf: bytearray, length: int) -> None:
         try:
@@ -205,8 +239,19 @@ class _S3Writer(ObjectWriter):
                     self._failure = (number, exc)
             log.warning("%s: part %d failed: %s", self._where, number, redact(str(exc)))
         finally:
-            self._b._slots.release()
-            self._b._buffers.give(buf)
+            self._release_slot()
+            self._buffers.give(buf)
+
+    def _acquire_slot(self) -> None:
+        """This upload's own bound on parts in flight (size_hint), then the backend's."""
+        if self._own_slots is not None:
+            self._own_slots.acquire()
+        self._b._slots.acquire()
+
+    def _release_slot(self) -> None:
+        self._b._slots.release()
+        if self._own_slots is not None:
+            self._own_slots.release()
 
     def _wait_pending(self) -> None:
         with self._lock:
