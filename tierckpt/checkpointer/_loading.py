@@ -17,6 +17,7 @@ import torch
 
 from tierckpt.catalog import committed_ids, lineage, steps_of
 from tierckpt.checkpointer._to_device import to_device
+from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
@@ -249,7 +250,7 @@ def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
                 and not t.backend.exists(manifest_name(step, timeline=cid.timeline))
             ):
                 repop.append(t.backend)
-    return read_shard(
+    loaded = read_shard(
         tier.backend,
         tier.name,
         manifest,
@@ -258,3 +259,8 @@ def _load_from(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> LoadedShard:
         repopulate=repop,
         publish=False,  # the strategy's publish_repopulated commits the copies
     )
+    if isinstance(tier.codec, SupportsObserveRead):  # the auto policy learns the restore's speed
+        tier.codec.observe_read(
+            loaded.stored_bytes, loaded.raw_bytes, loaded.read_seconds, compressed=loaded.compressed
+        )
+    return loaded

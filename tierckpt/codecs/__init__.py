@@ -5,6 +5,7 @@ from __future__ import annotations
 from tierckpt.codecs.base import (
     Codec,
     SupportsObserve,
+    SupportsObserveRead,
     SupportsProfile,
     SupportsProgressiveDecode,
     codec_from_config,
@@ -28,6 +29,7 @@ __all__ = [
     "PlanesCodec",
     "RawCodec",
     "SupportsObserve",
+    "SupportsObserveRead",
     "SupportsProfile",
     "SupportsProgressiveDecode",
     "ZstdCodec",

@@ -49,6 +49,7 @@ from tierckpt.errors import UnknownCodec
 __all__ = [
     "Codec",
     "SupportsObserve",
+    "SupportsObserveRead",
     "SupportsProfile",
     "SupportsProgressiveDecode",
     "codec_from_config",
@@ -75,6 +76,17 @@ class SupportsObserve(Protocol):
     writing them (the auto policy compresses only when the link is slower than the codec)."""
 
     def observe(self, stored_bytes: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class SupportsObserveRead(Protocol):
+    """A tier codec that learns the tier's restore speed: after a shard was loaded from the tier
+    the load path calls ``observe_read(stored_bytes, raw_bytes, seconds, compressed=...)``
+    (the auto policy stores raw chunks where a compressed restore would be slower)."""
+
+    def observe_read(
+        self, stored_bytes: int, raw_bytes: int, seconds: float, *, compressed: bool
+    ) -> None: ...
 
 
 @runtime_checkable

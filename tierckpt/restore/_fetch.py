@@ -48,11 +48,11 @@ class StreamedFetch:
         into: memoryview,
         pool: ThreadPoolExecutor,
         *,
-        piece_bytes: int = PIECE_BYTES,
+        piece_bytes: int | None = None,
     ) -> None:
         self._into = into
         n = len(into)
-        step = max(1, piece_bytes)
+        step = max(1, piece_bytes or PIECE_BYTES)
         self._bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
         self._hash = xxhash.xxh3_64()
         self._hashed = 0  # pieces folded into the checksum (a prefix of them)
