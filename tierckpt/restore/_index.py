@@ -119,7 +119,7 @@ def parse_tensor_entry(
         return TensorRecord(-1, 0, dtype, shape, stride, 0)
     if type(sid) is not int or not 0 <= sid < len(storage_sizes) or type(off) is not int or off < 0:
         raise FormatError(f"{where}: tensor {i} points outside the storage table")
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     extent = (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
     if numel == 0 or off % item or off + extent > storage_sizes[sid]:
         raise FormatError(f"{where}: tensor {i} does not fit its storage")
@@ -155,7 +155,7 @@ def rebuild_tensor(
     rec = parse_tensor_entry(entry, i, where, sizes)
     if rec.storage == -1:
         return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype)
-    item = torch.empty((), dtype=rec.dtype).element_size()
+    item = rec.dtype.itemsize
     t = torch.empty(0, dtype=rec.dtype)
     t.set_(spans[rec.storage].untyped_storage(), rec.offset // item, rec.shape, rec.stride)
     return t

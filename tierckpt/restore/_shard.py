@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,20 +86,26 @@ def read_shard(
     reader = ChunkReader(
         backend, ref.file, tier, where, codecs, chunks, spans, span_offsets, repop, fetch_pool
     )
+    # every chunk is submitted first; the tensors (views of the storages) and the tree are
+    # built on this thread while the readers fill the storages
+    futures = [pool.submit(reader.read, ci) for ci in range(len(chunks))]
     try:
-        stored_total = sum(pool.map(reader.read, range(len(chunks))))
         # cover every span byte: the chunks must tile the data stream
         covered = sum(c.raw_size for c in chunks)
         if covered != data_bytes:
             raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
-        read_seconds = time.perf_counter() - t0
         sizes = [sp.numel() for sp in spans]
         tensors = [
             rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
         ]
         as_parameters(tensors, index.get("parameters"), where)
         state = decode_tree(index.get("tree"), tensors, **tree_args(index))
+        stored_total = sum(f.result() for f in futures)
+        read_seconds = time.perf_counter() - t0
     except BaseException:
+        for f in futures:
+            f.cancel()
+        wait(futures)  # nothing writes into the storages or the copies after this
         repop.abort()
         raise
     finally:
