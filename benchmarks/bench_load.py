@@ -4,13 +4,17 @@
     .venv/bin/python benchmarks/bench_load.py --quick    # 0.25 GiB, 5 runs, under a minute
 
 A synthetic training state (bf16 weights + fp32 moments, ~1,300 tensors per GiB: the
-``tierckpt bench`` state) is saved once per codec (raw, auto) to a local tier on disk. Each
-measurement runs in a fresh process that first drops the files from the page cache
-(``fsync`` + ``posix_fadvise(DONTNEED)``), so every variant reads from the disk: ``seq`` reads
-the shard files front to back into one reused 8 MiB buffer (the disk's rate), ``raw`` and
-``auto`` are ``Checkpointer.load()`` of each codec's checkpoint. Variants are interleaved,
-one warm-up round is dropped, medians are reported with the peak RSS of the process.
-Run it with ``PYTHONPATH`` pointing at another checkout to compare two versions of the code.
+``tierckpt bench`` state) is saved once per codec (raw, planes) to a local tier on disk
+(``auto`` on a local tier is raw). Each measurement runs in a fresh process that first drops
+the files from the page cache (``fsync`` + ``posix_fadvise(DONTNEED)``) and runs a full garbage
+collection (as ``bench_restore.py`` does: the one full collection a process owes after
+``import torch`` walks ~170,000 objects, 0.25 s here, and would otherwise land in whatever
+allocates next), so every variant reads from the disk: ``seq`` reads the shard files front to
+back into one reused 8 MiB buffer (the disk's rate), ``raw`` and ``planes`` are
+``Checkpointer.load()`` of each codec's checkpoint (``planes``: compressed chunks, fetched in
+pieces while they decode). Variants are interleaved, one warm-up round is dropped, medians are
+reported with the peak RSS of the process and the load average before and after.
+``--before DIR`` also loads with another checkout's code, in the same run.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("seq", "raw", "auto")
+VARIANTS = ("seq", "raw", "planes")
 
 
 def _files(path: Path) -> list[Path]:
@@ -52,6 +56,9 @@ def worker(variant: str, path: Path) -> dict[str, Any]:
     from tierckpt import Checkpointer, LocalTier
 
     drop_cache(path)
+    import gc
+
+    gc.collect()
     t0 = time.perf_counter()
     nbytes = 0
     if variant == "seq":
@@ -84,7 +91,7 @@ def save_states(root: Path, gib: float) -> dict[str, Any]:
     from tierckpt.bench.state import make_state
 
     state, info = make_state(gib)
-    for codec in ("raw", "auto"):
+    for codec in ("raw", "planes"):
         ck = Checkpointer([LocalTier(root / codec, keep_last=None, codec=codec)])
         try:
             ck.save(state, 1).result()
@@ -119,7 +126,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--before",
         default=None,
-        help="PYTHONPATH of another checkout: also load with its code (raw@before, auto@before)",
+        help="PYTHONPATH of another checkout: also load with its code (raw@before, planes@before)",
     )
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -131,13 +138,15 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_load_", dir=args.dir or "/var/tmp") as d:
         root = Path(d)
         info = save_states(root, gib)
-        variants = list(VARIANTS) + (["raw@before", "auto@before"] if args.before else [])
+        variants = list(VARIANTS) + (["raw@before", "planes@before"] if args.before else [])
+        load_before = os.getloadavg()
         samples: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         for r in range(args.runs + 1):  # round 0 warms up
             for v in variants:
                 res = run_one(v, root, args.before)
                 if r:
                     samples[v].append(res)
+        load_after = os.getloadavg()
     seq = statistics.median(s["seconds"] for s in samples["seq"])
     rows = []
     for v in variants:
@@ -156,7 +165,8 @@ def main(argv: list[str]) -> int:
         )
     print(
         f"\nlocal load, {info['state_bytes'] / 2**30:.2f} GiB, {info['tensors']} tensors, "
-        f"medians of {args.runs} (cold page cache)\n"
+        f"medians of {args.runs} (cold page cache), {time.strftime('%Y-%m-%d %H:%M UTC')}, "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
     )
     print("| variant | median s | state GB/s | vs cold seq read | stored MiB | peak RSS MiB |")
     print("|---|---|---|---|---|---|")
@@ -171,6 +181,8 @@ def main(argv: list[str]) -> int:
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "gib": gib,
         "runs": args.runs,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
         **info,
         "rows": rows,
     }

@@ -22,7 +22,8 @@ state's bytes, peak RSS growth of the restoring process, and the ratio to the ro
 Contenders (a contender whose package is missing is listed as skipped, with the reason)
     local: disk-read (sequential ``readinto`` of the blob), tierckpt-local, dcp-fs
     (``FileSystemReader``)
-    s3: tierckpt-{boto3,obstore}-{raw,auto}, obstore-get (ranged GETs of ``--part`` bytes,
+    s3: tierckpt-{boto3,obstore}-{raw,auto}, tierckpt-obstore-planes (compressed chunks
+    whatever the rates), obstore-get (ranged GETs of ``--part`` bytes,
     ``--concurrency`` in flight, into one buffer), boto3-transfer (TransferManager
     ``download_fileobj``, same part size and concurrency), s3torchconnector (its
     ``S3Checkpoint`` reader), dcp-s3 (s3torchconnector's ``S3StorageReader``)
@@ -52,6 +53,7 @@ S3 = [
     "tierckpt-obstore-raw",
     "tierckpt-boto3-auto",
     "tierckpt-obstore-auto",
+    "tierckpt-obstore-planes",
     "s3torchconnector",
     "dcp-s3",
 ]
@@ -248,6 +250,7 @@ def _available(name: str) -> str:
     need = {"obstore-get": "obstore", "s3torchconnector": "s3torchconnector"}
     need.update({"dcp-s3": "s3torchconnector", "tierckpt-obstore-raw": "obstore"})
     need["tierckpt-obstore-auto"] = "obstore"
+    need["tierckpt-obstore-planes"] = "obstore"
     mod = need.get(name)
     if mod and importlib.util.find_spec(mod) is None:
         return f"{mod} is not installed"
@@ -308,11 +311,22 @@ def prepare(tmp: Path, gib: float, endpoint: str, admin: Any) -> dict[str, Any]:
     tiers = [
         LocalTier(local_dir, codec="raw", keep_last=None),
         S3Tier(f"s3://{BUCKET}/raw", endpoint_url=endpoint, codec="raw", name="s3raw"),
-        S3Tier(f"s3://{BUCKET}/auto", endpoint_url=endpoint, codec="auto", name="s3auto"),
+        S3Tier(f"s3://{BUCKET}/planes", endpoint_url=endpoint, codec="planes", name="s3planes"),
     ]
     with Checkpointer(tiers) as ck:
         res = ck.save(state, step=1).result()
     stored = {name: r.stored_bytes for name, r in res.items()}
+    # the auto tier as a training job uses it: a save (the policy measures the codec on the
+    # data and the link's write rate), a load (it learns the restore's rate), a second save
+    # (chunks stored as the measured rates say); the contenders load that second step
+    auto = S3Tier(f"s3://{BUCKET}/auto", endpoint_url=endpoint, codec="auto", name="s3auto")
+    with Checkpointer([auto]) as ck:
+        ck.save(state, step=1).result()
+        ck.load()
+        res = ck.save(state, step=2).result()
+        policy = ck._tiers[0].codec
+        described = policy.describe() if hasattr(policy, "describe") else {}
+    stored["s3auto"] = res["s3auto"].stored_bytes
     blob = tmp / "blob.bin"
     with open(blob, "wb") as f:
         for t in _tensors(state):
@@ -338,7 +352,22 @@ def prepare(tmp: Path, gib: float, endpoint: str, admin: Any) -> dict[str, Any]:
         "layout": _layout(state),
         "part": 8 * MiB,
         "concurrency": 8,
+        "auto_policy": described,
+        "decoder": _decoder_rate(state),
     }
+
+
+def _decoder_rate(state: Any) -> dict[str, float]:
+    """The planes codec's decode rate on one thread, on a sample of the state's floats."""
+    import torch
+
+    from tierckpt.codecs.auto import measure_codec
+    from tierckpt.codecs.planes import PlanesCodec
+
+    fp32 = [t for t in _tensors(state) if t.dtype == torch.float32 and t.numel() >= 1 << 20]
+    sample = fp32[0].contiguous().view(torch.uint8)[: 16 * MiB].numpy()
+    prof = measure_codec(PlanesCodec(itemsize=4, threads=1), sample, repeats=3)
+    return {"decode_bps": prof.decode_bps, "encode_bps": prof.encode_bps, "ratio": prof.ratio}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
     results = {
+        "loadavg": os.getloadavg(),
+        "auto_policy": spec["auto_policy"],
+        "decoder": spec["decoder"],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "state_bytes": spec["state_bytes"],
@@ -475,6 +507,33 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| - | {n} | skipped: {why} | | | |")
     lines.append("")
     lines.append("vs baseline: the baseline's time / this time (above 1: faster than the baseline)")
+    lines.append(f"load average at the end: {results['loadavg'][0]:.1f}")
+    link = c.get("obstore-get", {}).get("median_s")
+    dec = results.get("decoder", {}).get("decode_bps")
+    if link and dec:
+        link_bps = nbytes / link
+        cpus = os.cpu_count() or 1
+        verdict = "faster" if link_bps > dec * cpus else "slower"
+        lines.append(
+            f"link {link_bps / 1e9:.2f} GB/s (obstore ranged GET) vs the planes decoder "
+            f"{dec / 1e9:.2f} GB/s per thread x {cpus} CPUs = {dec * cpus / 1e9:.2f} GB/s: the "
+            f"link is {verdict} than the decoders"
+            + (
+                ", so a compressed restore cannot beat a raw one here"
+                if verdict == "faster"
+                else ""
+            )
+        )
+    pol = results.get("auto_policy") or {}
+    if pol:
+        rates = ", ".join(
+            f"{k} {v / 1e9:.2f} GB/s"
+            for k, v in pol.items()
+            if k.endswith("bps") and isinstance(v, (int, float))
+        )
+        lines.append(
+            f"auto policy after save, load, save: compress {pol.get('compress')} ({rates})"
+        )
     return "\n".join(lines)
 
 

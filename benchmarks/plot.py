@@ -5,7 +5,9 @@
 Writes ``save_blocked.png`` (time training is blocked per checkpoint, immediate and lazy),
 ``save_committed.png`` (time until durable on disk, against raw write + fsync),
 ``save_memory.png`` (peak extra host memory against state and arena size) and
-``train_iter.png`` (training iteration time relative to no checkpointing).
+``train_iter.png`` (training iteration time relative to no checkpointing). Given the JSON of
+``benchmarks/bench_restore.py`` it writes ``restore.png`` (restore time of every contender,
+local and object store, against each group's baseline).
 """
 
 from __future__ import annotations
@@ -259,6 +261,61 @@ def plot_train(result: dict[str, Any], out: Path) -> Path | None:
     return _save(fig, out, "train_iter.png")
 
 
+def plot_restore(result: dict[str, Any], out: Path) -> Path:
+    """Restore seconds per contender (bench_restore.py's JSON), one panel per source."""
+    cs = result["contenders"]
+    groups = (
+        (
+            "local folder",
+            "disk-read",
+            [n for n in cs if n in ("disk-read", "dcp-fs") or n == "tierckpt-local"],
+        ),
+        (
+            "SeaweedFS on 127.0.0.1 (volumes on disk)",
+            "obstore-get",
+            [n for n in cs if n not in ("disk-read", "dcp-fs", "tierckpt-local")],
+        ),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 3]})
+    for ax, (what, base, names) in zip(axes, groups, strict=True):
+        names = sorted(names, key=lambda n: cs[n]["median_s"])
+        secs = [cs[n]["median_s"] for n in names]
+        bars = ax.bar(
+            range(len(names)), secs, color=_colors(names), edgecolor="black", linewidth=0.5
+        )
+        ref = cs.get(base, {}).get("median_s")
+        for b, v in zip(bars, secs, strict=True):
+            label = f"{v:.2f} s" + (f"\n{ref / v:.2f}x" if ref else "")
+            ax.annotate(
+                label,
+                (b.get_x() + b.get_width() / 2, v),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(
+            [n.replace("tierckpt-", "tierckpt\n") for n in names],
+            fontsize=7,
+            rotation=30,
+            ha="right",
+        )
+        ax.set_title(f"{what}\n(ratio: {base}'s time / this time)", fontsize=9)
+        ax.set_ylabel("seconds (median)")
+        if secs:
+            ax.set_ylim(0, max(secs) * 1.25)
+    gib = result["state_bytes"] / GiB
+    fig.suptitle(
+        f"Restore of {gib:.2f} GiB ({result['tensors']} tensors), median of {result['runs']}, "
+        f"{result['date']}, load average {result.get('loadavg', [0])[0]:.1f}\n"
+        f"{result['machine']}",
+        fontsize=9,
+    )
+    return _save(fig, out, "restore.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("json", help="the JSON written by tierckpt bench --json")
@@ -269,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         result = json.load(f)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if "contenders" in result and "state_bytes" in result:  # bench_restore.py's JSON
+        print(f"wrote {plot_restore(result, out)}")
+        return 0
     for fn in (plot_blocked, plot_committed, plot_memory, plot_train):
         path = fn(result, out)
         if path is not None:

@@ -53,13 +53,13 @@ FIXED = [
     (
         "A manifest was read whole before its size was checked: a huge manifest file cost its "
         "size in RAM (65 MiB file: +65 MiB RSS) before being refused",
-        "tierckpt/restore.py read_manifest",
+        "tierckpt/restore/_index.py read_manifest",
         ["test_hostile_checkpoint_refused[manifest: larger than 64 MiB]"],
     ),
     (
         "The manifest under step N's name was trusted to be step N's: a (valid, sealed) manifest "
         "of step M stored there made load(step=N) return step M's state",
-        "tierckpt/restore.py read_manifest",
+        "tierckpt/restore/_index.py read_manifest",
         ["test_manifest_of_another_step_is_refused"],
     ),
     (
@@ -75,7 +75,7 @@ FIXED = [
     (
         "A tensor record with zero strides declaring more than 2**63 elements raised torch's "
         "RuntimeError (numel overflow)",
-        "tierckpt/restore.py _rebuild_tensor",
+        "tierckpt/restore/_index.py rebuild_tensor",
         ["test_hostile_checkpoint_refused[tensor: 2**94 elements through zero strides]"],
     ),
     (
@@ -89,7 +89,7 @@ FIXED = [
         "A restore from S3 failed when repopulating the local tier ran out of space: the "
         "repopulation write error (ENOSPC) aborted the whole load, although the S3 copy was "
         "intact; repopulation is now best effort (that tier is dropped with a warning)",
-        "tierckpt/restore.py read_shard (_Repopulation)",
+        "tierckpt/restore/_shard.py read_shard (_repopulate.Repopulation)",
         [
             "test_restore_from_s3_onto_a_full_local_disk[tmpfs]",
             "test_restore_from_s3_onto_a_full_local_disk[quota]",

@@ -8,6 +8,7 @@ already stores, so bytes that rotted on the source are never copied on as good.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 import xxhash
 
@@ -15,7 +16,7 @@ from tierckpt.backends.base import Backend
 from tierckpt.errors import CorruptChunk
 from tierckpt.format import ChunkRecord, checksum
 
-__all__ = ["read_verified", "read_verified_pieces"]
+__all__ = ["corrupt_chunk", "read_verified", "read_verified_pieces"]
 
 
 def read_verified(
@@ -31,7 +32,7 @@ def read_verified(
     """Read chunk ``ci``'s stored bytes into ``into`` and check them against its checksum."""
     backend.read_into(file, rec.file_offset, into)
     if checksum(into) != rec.checksum:
-        _corrupt(file, rec, ci, tier=tier, where=where)
+        corrupt_chunk(file, rec, ci, tier=tier, where=where)
 
 
 def read_verified_pieces(
@@ -51,10 +52,11 @@ def read_verified_pieces(
     for p in pieces:
         h.update(p)
     if h.hexdigest() != rec.checksum:
-        _corrupt(file, rec, ci, tier=tier, where=where)
+        corrupt_chunk(file, rec, ci, tier=tier, where=where)
 
 
-def _corrupt(file: str, rec: ChunkRecord, ci: int, *, tier: str, where: str) -> None:
+def corrupt_chunk(file: str, rec: ChunkRecord, ci: int, *, tier: str, where: str) -> NoReturn:
+    """Raise the :class:`CorruptChunk` of chunk ``ci`` whose stored bytes fail their checksum."""
     raise CorruptChunk(
         f"{where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) does not "
         "match its checksum",

@@ -21,6 +21,7 @@ import torch
 from tierckpt.arena import HostArena
 from tierckpt.catalog import committed_ids, lineage, steps_of
 from tierckpt.checkpointer._to_device import to_device
+from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
@@ -280,7 +281,7 @@ def _load_from(
             repopulate=repop,
             publish=False,
         )
-    return read_shard(
+    loaded = read_shard(
         tier.backend,
         tier.name,
         manifest,
@@ -289,3 +290,8 @@ def _load_from(
         repopulate=repop,
         publish=False,  # the strategy's publish_repopulated commits the copies
     )
+    if isinstance(tier.codec, SupportsObserveRead):  # the auto policy learns the restore's speed
+        tier.codec.observe_read(
+            loaded.stored_bytes, loaded.raw_bytes, loaded.read_seconds, compressed=loaded.compressed
+        )
+    return loaded

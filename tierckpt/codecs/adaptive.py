@@ -18,6 +18,17 @@ On a GPU a remote tier's policy compresses on the device instead (:meth:`Adaptiv
 nvCOMP zstd before the device-to-host copy, whose RAW pieces the CPU decodes as well, when the
 state is on a CUDA device and the nvCOMP package imports. GPU compression is faster than any
 object-store link, so there is nothing to measure first.
+
+A checkpoint is worth its restore, so the restore has a veto (:meth:`AdaptiveCodec._decide`).
+Loads from the tier report what they measured (:meth:`AdaptiveCodec.observe_read`): a load of
+raw chunks gives the link's read rate, a load of compressed chunks the rate it delivered. A kind
+of chunk is stored raw, whatever the save would gain, when
+
+* the link reads faster than the decoders decode (``decode_bps * parallel < read link``, the
+  decode rate measured with the encode rate on the same sample; until a load measured the read
+  link, the write link stands in for it), or
+* loads of compressed chunks from this tier delivered fewer bytes per second than loads of raw
+  chunks did.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from tierckpt._types import JSON, BytesLike
-from tierckpt.codecs.auto import CodecProfile, choose_codec, measure_codec
+from tierckpt.codecs.auto import CodecProfile, choose_codec, measure_codec, restore_pays
 from tierckpt.codecs.base import Codec
 from tierckpt.codecs.planes import FLOAT_ITEMSIZE, PlanesCodec
 from tierckpt.codecs.raw import RawCodec
@@ -58,6 +69,10 @@ class AdaptiveCodec(Codec):
         self._lock = threading.Lock()
         self._profiles: dict[str, CodecProfile] = {}
         self._link_bps: float | None = None
+        #: stored bytes/s of loads of raw chunks from this tier (the link's read rate)
+        self._read_link_bps: float | None = None
+        #: raw bytes/s delivered by loads of compressed chunks from this tier
+        self._read_compressed_bps: float | None = None
         self._compress: dict[str, bool] = {}
         self._device_codec: Codec | None = None
         self._device_ready: dict[torch.device, bool] = {}
@@ -131,23 +146,52 @@ class AdaptiveCodec(Codec):
             return  # too small to say anything about the link
         bps = stored_bytes / seconds
         with self._lock:
-            self._link_bps = (
-                bps if self._link_bps is None else EMA * bps + (1 - EMA) * self._link_bps
-            )
+            self._link_bps = _ema(self._link_bps, bps)
+            self._decide()
+
+    def observe_read(
+        self, stored_bytes: int, raw_bytes: int, seconds: float, *, compressed: bool
+    ) -> None:
+        """Feed back one load from this tier (the restore's veto, see the module docstring):
+        ``seconds`` to read, verify and decode ``stored_bytes`` into ``raw_bytes``."""
+        if raw_bytes < (1 << 20) or seconds <= 0:
+            return
+        with self._lock:
+            if compressed:
+                self._read_compressed_bps = _ema(self._read_compressed_bps, raw_bytes / seconds)
+            else:
+                self._read_link_bps = _ema(self._read_link_bps, stored_bytes / seconds)
             self._decide()
 
     def _decide(self) -> None:
-        if self._link_bps is None:
+        read_link = self._read_link_bps or self._link_bps
+        if read_link is None:
             return
         for kind, prof in self._profiles.items():
-            choice = choose_codec([prof], self._link_bps, parallel=self.parallel)
-            compress = not choice.codec.is_passthrough
+            compress, reason = True, "no save measured yet"
+            if self._link_bps is not None:
+                choice = choose_codec([prof], self._link_bps, parallel=self.parallel)
+                compress, reason = not choice.codec.is_passthrough, choice.reason
+            if compress and not restore_pays(prof, read_link, parallel=self.parallel):
+                compress = False
+                reason = (
+                    f"the link reads {read_link / 1e9:.2f} GB/s, faster than "
+                    f"{self.parallel} decoders at {prof.decode_bps / 1e9:.2f} GB/s each: a "
+                    "compressed restore would be slower than a raw one"
+                )
+            slow, fast = self._read_compressed_bps, self._read_link_bps
+            if compress and slow is not None and fast is not None and slow < fast:
+                compress = False
+                reason = (
+                    f"compressed loads delivered {slow / 1e9:.2f} GB/s, raw loads "
+                    f"{fast / 1e9:.2f} GB/s"
+                )
             if self._compress.get(kind, self.remote) != compress:
                 log.info(
                     "auto codec: %s chunks now %s (%s)",
                     kind,
                     "compressed" if compress else "raw",
-                    choice.reason,
+                    reason,
                 )
             self._compress[kind] = compress
 
@@ -156,9 +200,11 @@ class AdaptiveCodec(Codec):
         with self._lock:
             return {
                 "link_bps": self._link_bps,
+                "read_link_bps": self._read_link_bps,
+                "read_compressed_bps": self._read_compressed_bps,
                 "compress": dict(self._compress),
                 "profiles": {
-                    k: {"encode_bps": p.encode_bps, "ratio": p.ratio}
+                    k: {"encode_bps": p.encode_bps, "decode_bps": p.decode_bps, "ratio": p.ratio}
                     for k, p in self._profiles.items()
                 },
             }
@@ -178,3 +224,8 @@ def nvcomp_ready(device: torch.device) -> bool:
     except UnknownCodec:
         return False
     return True
+
+
+def _ema(old: float | None, new: float) -> float:
+    """The moving average of a rate: the newest measurement weighs :data:`EMA`."""
+    return new if old is None else EMA * new + (1 - EMA) * old

@@ -27,6 +27,8 @@ __all__ = [
     "choose_codec",
     "measure_codec",
     "profiles_for",
+    "restore_pays",
+    "restore_seconds",
     "transfer_seconds",
 ]
 
@@ -81,6 +83,38 @@ def transfer_seconds(
         return nbytes / link_bps
     encode = nbytes / (profile.encode_bps * max(1, parallel))
     return max(encode, nbytes * profile.ratio / link_bps)
+
+
+def restore_seconds(
+    nbytes: int,
+    link_bps: float,
+    profile: CodecProfile | None = None,
+    *,
+    parallel: int = 1,
+) -> float:
+    """Seconds to restore ``nbytes`` raw bytes over a link reading ``link_bps`` bytes/s: the
+    mirror of :func:`transfer_seconds`, with the decoder (``parallel`` reader threads, each
+    decoding while the next bytes download) in place of the encoder."""
+    if link_bps <= 0:
+        raise ValueError(f"link throughput must be positive, got {link_bps}")
+    if profile is None or profile.codec.is_passthrough:
+        return nbytes / link_bps
+    decode = nbytes / (profile.decode_bps * max(1, parallel))
+    return max(decode, nbytes * profile.ratio / link_bps)
+
+
+def restore_pays(profile: CodecProfile, read_link_bps: float, *, parallel: int = 1) -> bool:
+    """True when restoring ``profile``'s compressed chunks is not slower than raw ones.
+
+    With decode and download overlapped, the compressed restore takes the longer of the two;
+    the raw one takes the download of more bytes. Since the ratio is below 1, compression
+    loses exactly when the link reads faster than the decoders decode: ``decode_bps *
+    parallel < read_link_bps``.
+    """
+    nbytes = 1 << 30
+    return restore_seconds(nbytes, read_link_bps, profile, parallel=parallel) <= restore_seconds(
+        nbytes, read_link_bps
+    )
 
 
 def choose_codec(

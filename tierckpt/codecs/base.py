@@ -40,6 +40,7 @@ import importlib
 import json
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from tierckpt._types import JSON, BytesLike
@@ -48,7 +49,9 @@ from tierckpt.errors import UnknownCodec
 __all__ = [
     "Codec",
     "SupportsObserve",
+    "SupportsObserveRead",
     "SupportsProfile",
+    "SupportsProgressiveDecode",
     "codec_from_config",
     "codec_ids",
     "get_codec",
@@ -73,6 +76,30 @@ class SupportsObserve(Protocol):
     writing them (the auto policy compresses only when the link is slower than the codec)."""
 
     def observe(self, stored_bytes: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class SupportsObserveRead(Protocol):
+    """A tier codec that learns the tier's restore speed: after a shard was loaded from the tier
+    the load path calls ``observe_read(stored_bytes, raw_bytes, seconds, compressed=...)``
+    (the auto policy stores raw chunks where a compressed restore would be slower)."""
+
+    def observe_read(
+        self, stored_bytes: int, raw_bytes: int, seconds: float, *, compressed: bool
+    ) -> None: ...
+
+
+@runtime_checkable
+class SupportsProgressiveDecode(Protocol):
+    """A codec that decodes a chunk while its stored bytes still arrive (the load path's
+    fetch/decode overlap): ``decode_progressive(data, out, ready)`` does what
+    ``decode(data, out)`` does, but ``data`` (the whole stored buffer, at its final size) may
+    hold only a prefix yet, so the codec calls ``ready(n)`` before it reads ``data[:n]``;
+    ``ready`` blocks until those bytes are in (and raises if fetching them failed)."""
+
+    def decode_progressive(
+        self, data: BytesLike, out: memoryview, ready: Callable[[int], None]
+    ) -> None: ...
 
 
 class Codec(ABC):

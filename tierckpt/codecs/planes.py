@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import zstandard
@@ -262,6 +263,14 @@ class PlanesCodec(Codec):
     # -- decode ---------------------------------------------------------------------------
 
     def decode(self, data: BytesLike, out: memoryview) -> None:
+        self.decode_progressive(data, out, _all_there)
+
+    def decode_progressive(
+        self, data: BytesLike, out: memoryview, ready: Callable[[int], None]
+    ) -> None:
+        """:meth:`decode` while ``data`` arrives: segments are independent and stored in
+        order, so segment ``s`` decodes once the bytes up to its last plane are in (``ready``
+        blocks until they are; see :class:`~tierckpt.codecs.base.SupportsProgressiveDecode`)."""
         src = _as_u8(data)
         dest = _as_u8(out)
         if dest.size and not dest.flags.writeable:
@@ -270,6 +279,7 @@ class PlanesCodec(Codec):
         raw_len = dest.size
         if src.size < _HEADER.size:
             raise CorruptChunk(f"planes chunk of {src.size} bytes is shorter than its header")
+        ready(_HEADER.size)
         magic, version, itemsize, reserved, declared, seg_elems, n_entries = _HEADER.unpack_from(
             src.data, 0
         )
@@ -291,6 +301,7 @@ class PlanesCodec(Codec):
         head_len = _HEADER.size + 5 * n_entries
         if src.size < head_len + tail:
             raise CorruptChunk(f"planes chunk of {src.size} bytes is truncated")
+        ready(head_len)
         lengths = np.frombuffer(src, "<u4", n_entries, _HEADER.size).astype(np.int64)
         modes = np.frombuffer(src, np.uint8, n_entries, _HEADER.size + 4 * n_entries)
         plane_lens = np.full(n_entries, seg_elems, np.int64)
@@ -317,6 +328,7 @@ class PlanesCodec(Codec):
         modes_l: list[int] = modes.tolist()
 
         def decode_segment(s: int) -> None:
+            ready(starts_l[(s + 1) * size])
             lo = s * seg_elems
             hi = min(n_elems, lo + seg_elems)
             target = dest[lo * size : hi * size]
@@ -336,7 +348,12 @@ class PlanesCodec(Codec):
 
         _run_tasks(n_segs, decode_segment, self.threads)
         if tail:
+            ready(src.size)
             dest[raw_len - tail :] = src[src.size - tail :]
+
+
+def _all_there(n: int) -> None:
+    """``ready`` of a whole buffer: every byte is there already."""
 
 
 def _unzstd_into(frame: _U8, into: _U8) -> _U8:

@@ -1,0 +1,148 @@
+"""One shard's chunks read into their storages, one call per chunk from the reader threads.
+
+Where a chunk's bytes go, fastest path first:
+
+* raw, inside one storage: read straight into it;
+* raw, across storages, from a local file: one scatter read (``preadv``) into all of them;
+* compressed, from a codec that decodes progressively: the stored bytes are fetched in pieces
+  on a fetch pool while this thread decodes the prefix that has arrived
+  (:mod:`tierckpt.restore._fetch`), straight into the storage, or into this thread's warm
+  buffer and then copied into each storage when the chunk spans several;
+* otherwise: read whole into this thread's warm buffer, verify, decode, copy.
+
+Stored bytes are verified against the index's checksum before the chunk counts as read; a
+mismatch raises :class:`~tierckpt.errors.CorruptChunk` naming the tier, file and chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tierckpt.backends.base import Backend
+from tierckpt.codecs import Codec, SupportsProgressiveDecode
+from tierckpt.format import ChunkRecord
+from tierckpt.restore._fetch import StreamedFetch
+from tierckpt.restore._layout import SpanLayout, ThreadBuffers, decode_chunk, span_view
+from tierckpt.restore._repopulate import Repopulation
+from tierckpt.verify import corrupt_chunk, read_verified, read_verified_pieces
+
+__all__ = ["ChunkReader"]
+
+
+class ChunkReader:
+    """Reads chunk ``ci`` of one shard file into the load's storage spans (:meth:`read`)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        file: str,
+        tier: str,
+        where: str,
+        codecs: Sequence[Codec],
+        chunks: Sequence[ChunkRecord],
+        spans: Sequence[torch.Tensor],
+        span_offsets: Sequence[int],
+        repop: Repopulation,
+        fetch_pool: ThreadPoolExecutor | None,
+    ) -> None:
+        self.backend = backend
+        self.file = file
+        self.tier = tier
+        self.where = where
+        self.codecs = codecs
+        self.chunks = chunks
+        self.spans = spans
+        self.offsets = span_offsets
+        self.repop = repop
+        self.layout = SpanLayout(span_offsets, [sp.numel() for sp in spans])
+        #: a local file is read straight into the storages (one preadv per chunk); from a
+        #: remote store one ranged read per chunk beats one per tensor, so its bytes land in
+        #: a buffer
+        self.scatter = not backend.is_remote
+        #: where compressed chunks are fetched in pieces while they decode (None: whole)
+        self.fetch_pool = fetch_pool
+        # buffers of one thread, reused from chunk to chunk: a fresh buffer per chunk would
+        # pay the first touch of new pages every time (peak extra memory: a chunk or two per
+        # thread)
+        self.scratch = ThreadBuffers()
+
+    def _dest(self, si: int, a: int, b: int) -> memoryview:
+        return span_view(self.spans[si], a - self.offsets[si], b - self.offsets[si])
+
+    def read(self, ci: int) -> int:
+        """Read, verify and decode chunk ``ci`` into the spans; returns its stored size."""
+        rec = self.chunks[ci]
+        codec = self.codecs[rec.codec]
+        lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
+        parts = self.layout.parts(lo, hi)
+        single = parts is not None and len(parts) == 1 and parts[0][0] >= 0
+        if codec.is_passthrough and single:
+            assert parts is not None
+            dest = self._dest(*parts[0])  # read straight into the one storage it covers
+            self._read(rec, ci, dest)
+            self.repop.write(rec.file_offset, dest)
+            return rec.stored_size
+        if codec.is_passthrough and parts is not None and self.scatter:
+            # across spans, raw: scatter the read into every storage it touches
+            views = [
+                self._dest(si, a, b) if si >= 0 else self.scratch.get("gap", b - a)
+                for si, a, b in parts  # a gap: bytes no storage holds, read, checked, dropped
+            ]
+            read_verified_pieces(
+                self.backend, self.file, rec, ci, views, tier=self.tier, where=self.where
+            )
+            pos = rec.file_offset
+            for v in views:
+                self.repop.write(pos, v)
+                pos += len(v)
+            return rec.stored_size
+        if single and not codec.is_passthrough:
+            assert parts is not None
+            self._read_decode(rec, ci, codec, self._dest(*parts[0]))
+            return rec.stored_size
+        # across spans via this thread's (warm) buffer, then one copy into each storage
+        whole = self.scratch.get("decoded", rec.raw_size)
+        if codec.is_passthrough:
+            self._read(rec, ci, whole)
+            self.repop.write(rec.file_offset, whole)
+        else:
+            self._read_decode(rec, ci, codec, whole)
+        src = torch.frombuffer(whole, dtype=torch.uint8) if len(whole) else None
+        for si, a, b in parts if parts is not None else self.layout.overlaps(lo, hi):
+            if si >= 0 and src is not None:
+                off = self.offsets[si]
+                self.spans[si][a - off : b - off].copy_(src[a - lo : b - lo])
+        return rec.stored_size
+
+    def _read(self, rec: ChunkRecord, ci: int, into: memoryview) -> None:
+        read_verified(self.backend, self.file, rec, ci, into, tier=self.tier, where=self.where)
+
+    def _read_decode(self, rec: ChunkRecord, ci: int, codec: Codec, out: memoryview) -> None:
+        """Fetch chunk ``ci``'s stored bytes into this thread's buffer, verify, decode into
+        ``out``: overlapped when the codec decodes progressively, else one after the other."""
+        stored = self.scratch.get("stored", rec.stored_size)
+        if self.fetch_pool is None or not isinstance(codec, SupportsProgressiveDecode):
+            self._read(rec, ci, stored)
+            decode_chunk(codec, stored, out, ci, self.tier, self.where, self.file)
+        else:
+            fetch = StreamedFetch(self.backend, self.file, rec.file_offset, stored, self.fetch_pool)
+            try:
+                decode_chunk(codec, stored, out, ci, self.tier, self.where, self.file, fetch.ready)
+                digest = fetch.finish()
+            except BaseException:
+                # bytes that fail their checksum say more than the decode error they caused
+                try:
+                    digest = fetch.finish()
+                except BaseException:
+                    digest = rec.checksum
+                if digest != rec.checksum:
+                    corrupt_chunk(self.file, rec, ci, tier=self.tier, where=self.where)
+                raise
+            finally:
+                fetch.close()
+            if digest != rec.checksum:
+                corrupt_chunk(self.file, rec, ci, tier=self.tier, where=self.where)
+        self.repop.write(rec.file_offset, stored)

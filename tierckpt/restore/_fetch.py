@@ -1,0 +1,88 @@
+"""A chunk's stored bytes fetched in pieces, so that its decode starts before the last byte.
+
+A compressed chunk is not read whole and then decoded: its stored bytes are cut into pieces
+(a few MiB each) that a fetch pool reads concurrently, in order, into the chunk's buffer, while
+the reader thread decodes whatever prefix has arrived (a codec that decodes progressively, see
+:class:`tierckpt.codecs.SupportsProgressiveDecode`, asks for the bytes it needs with
+:meth:`StreamedFetch.ready`). Fetch and decode overlap within the chunk and across chunks:
+every reader thread does this at once.
+
+The checksum of the stored bytes is computed piece by piece as the prefix grows (on the
+decoding thread, which touches those bytes next anyway); the chunk is accepted only when the
+whole checksum matches. A decode of unverified bytes writes only into the load's fresh
+storages, never into the caller's tensors (``load(into=)`` copies after the whole load
+succeeded), and every codec bounds its output by the chunk's raw size, so decoding before
+verifying cannot do more harm than a corrupt chunk found afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xxhash
+
+from tierckpt.backends.base import Backend
+
+__all__ = ["PIECE_BYTES", "StreamedFetch"]
+
+#: bytes per ranged read of a streamed chunk: one S3 part (the backends' default part size),
+#: small enough that a 64 MiB chunk's first segments decode while the rest downloads
+PIECE_BYTES = 8 << 20
+
+
+class StreamedFetch:
+    """Fetch ``into`` (the stored bytes at ``offset`` of ``file``) in pieces on ``pool``.
+
+    ``ready(n)`` blocks until the first ``n`` bytes are in place (re-raising the fetch's
+    error); ``finish()`` waits for the rest and returns the checksum of all of it;
+    ``close()`` (always, also after an error) cancels what has not started and waits for what
+    has, so nothing writes into ``into`` after it returns.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        file: str,
+        offset: int,
+        into: memoryview,
+        pool: ThreadPoolExecutor,
+        *,
+        piece_bytes: int | None = None,
+    ) -> None:
+        self._into = into
+        n = len(into)
+        step = max(1, piece_bytes or PIECE_BYTES)
+        self._bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
+        self._hash = xxhash.xxh3_64()
+        self._hashed = 0  # pieces folded into the checksum (a prefix of them)
+        self._lock = threading.Lock()
+        self._futures: list[Future[None]] = [
+            pool.submit(backend.read_into, file, offset + a, into[a:b]) for a, b in self._bounds
+        ]
+
+    @property
+    def size(self) -> int:
+        return len(self._into)
+
+    def ready(self, n: int) -> None:
+        """Block until stored bytes ``0..n`` have arrived (and are in the checksum)."""
+        with self._lock:  # one thread hashes: the pieces go into the checksum in order
+            while self._hashed < len(self._bounds) and self._bounds[self._hashed][0] < n:
+                self._futures[self._hashed].result()
+                a, b = self._bounds[self._hashed]
+                self._hash.update(self._into[a:b])
+                self._hashed += 1
+
+    def finish(self) -> str:
+        """Wait for every piece; the checksum of the whole stored chunk (hex, as the index)."""
+        self.ready(len(self._into))
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        """Stop: cancel the pieces not started, wait for the running ones (errors dropped)."""
+        for f in self._futures:
+            f.cancel()
+        for f in self._futures:
+            if not f.cancelled():
+                f.exception()

@@ -1,0 +1,161 @@
+"""Reading a shard's manifest and index, and validating the index's tensor table.
+
+Everything read here comes from storage and may be hostile: sizes are checked before any
+allocation, checksums before any decode, and every tensor record against the storage table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierckpt.backends.base import Backend
+from tierckpt.errors import CorruptCheckpoint, FormatError
+from tierckpt.format import (
+    FOOTER_SIZE,
+    HEAD_PROBE_BYTES,
+    MAX_MANIFEST_BYTES,
+    Footer,
+    Manifest,
+    ShardRef,
+    check_index_head,
+    checksum,
+    decode_index,
+    decode_manifest,
+    manifest_name,
+)
+from tierckpt.limits import MAX_DIMS
+from tierckpt.tree import dtype_from_name
+
+__all__ = [
+    "TensorRecord",
+    "as_parameters",
+    "parse_tensor_entry",
+    "read_index",
+    "read_manifest",
+    "rebuild_tensor",
+]
+
+
+def read_manifest(backend: Backend, step: int, tier: str, *, timeline: int = 0) -> Manifest:
+    """The manifest of ``step`` on ``timeline``, validated; it must say it is that one's."""
+    name = manifest_name(step, timeline=timeline)
+    where = f"tier {tier!r} {backend.url}/{name}"
+    size = backend.size(name)
+    if size > MAX_MANIFEST_BYTES:  # before reading it: a hostile manifest may be huge
+        raise FormatError(f"{where}: manifest is {size} bytes, more than {MAX_MANIFEST_BYTES}")
+    manifest = decode_manifest(backend.get(name), where=where)
+    if manifest.step != step:
+        raise FormatError(f"{where}: the manifest is step {manifest.step}'s, not step {step}'s")
+    if manifest.timeline != timeline:
+        raise FormatError(
+            f"{where}: the manifest is timeline {manifest.timeline}'s, not timeline {timeline}'s"
+        )
+    return manifest
+
+
+def read_index(
+    backend: Backend, ref: ShardRef, tier: str
+) -> tuple[dict[str, Any], bytes | bytearray, bytes]:
+    where = f"tier {tier!r} {backend.url}/{ref.file}"
+    size = backend.size(ref.file)
+    if size != ref.size:
+        raise CorruptCheckpoint(
+            f"{where}: file is {size} bytes, the manifest says {ref.size} (truncated or replaced)"
+        )
+    footer_bytes = bytes(backend.read(ref.file, size - FOOTER_SIZE, FOOTER_SIZE))
+    footer = Footer.decode(footer_bytes, file_size=size, where=where)
+    if footer.index_checksum != ref.index_checksum:
+        raise CorruptCheckpoint(f"{where}: index checksum differs from the manifest's")
+    if footer.index_length > HEAD_PROBE_BYTES:  # a large index: its counts first
+        head = backend.read(ref.file, footer.index_offset, 512)
+        check_index_head(head, index_length=footer.index_length, file_size=size, where=where)
+    blob = backend.read(ref.file, footer.index_offset, footer.index_length)
+    if not isinstance(blob, (bytes, bytearray)):
+        blob = bytes(blob)
+    if checksum(blob) != footer.index_checksum:
+        raise CorruptCheckpoint(f"{where}: index bytes do not match their checksum")
+    return decode_index(blob, file_size=size, where=where), blob, footer_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """One validated entry of an index's tensor table."""
+
+    storage: int  # -1: no elements, no storage
+    offset: int  # bytes into the storage span
+    dtype: torch.dtype
+    shape: list[int]
+    stride: list[int]
+    extent: int  # bytes from ``offset`` to the end of the last element (0 if empty)
+
+
+def parse_tensor_entry(
+    entry: Any, i: int, where: str, storage_sizes: Sequence[int]
+) -> TensorRecord:
+    """Validate tensor ``i``'s record against the storage table; ``FormatError`` if hostile."""
+    if not isinstance(entry, list) or len(entry) != 6:
+        raise FormatError(f"{where}: tensor {i} record malformed")
+    sid, off, dtype_s, shape, stride, _device = entry
+    dtype = dtype_from_name(dtype_s)
+    if (
+        not isinstance(shape, list)
+        or not isinstance(stride, list)
+        or len(shape) != len(stride)
+        or len(shape) > MAX_DIMS
+        or not all(type(v) is int and 0 <= v < 1 << 48 for v in shape + stride)
+    ):
+        raise FormatError(f"{where}: tensor {i} has a malformed shape/stride")
+    numel = math.prod(shape)
+    if numel >= 1 << 62:  # zero strides can declare more elements than torch can count
+        raise FormatError(f"{where}: tensor {i} declares {numel} elements")
+    if sid == -1:
+        if numel != 0:
+            raise FormatError(f"{where}: tensor {i} has elements but no storage")
+        return TensorRecord(-1, 0, dtype, shape, stride, 0)
+    if type(sid) is not int or not 0 <= sid < len(storage_sizes) or type(off) is not int or off < 0:
+        raise FormatError(f"{where}: tensor {i} points outside the storage table")
+    item = dtype.itemsize
+    extent = (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
+    if numel == 0 or off % item or off + extent > storage_sizes[sid]:
+        raise FormatError(f"{where}: tensor {i} does not fit its storage")
+    return TensorRecord(sid, off, dtype, shape, stride, extent)
+
+
+def as_parameters(tensors: list[torch.Tensor], table: object, where: str) -> None:
+    """Make the tensors the index lists as ``nn.Parameter`` again, with their
+    ``requires_grad`` (the index field ``parameters``: ``2 * tensor + requires_grad`` per
+    parameter, as :func:`tierckpt.plan.collect_state` records them), so a load gives back
+    what ``torch.load`` gives back. An index without the field holds no parameters."""
+    if table is None:
+        return
+    if not isinstance(table, list) or len(table) > len(tensors):
+        raise FormatError(f"{where}: index field 'parameters' malformed")
+    seen: set[int] = set()
+    for v in table:
+        if type(v) is not int or not 0 <= v < 2 * len(tensors) or v // 2 in seen:
+            raise FormatError(f"{where}: index field 'parameters' names no tensor ({v!r})")
+        i, grad = divmod(v, 2)
+        seen.add(i)
+        t = tensors[i]
+        if grad and not (t.is_floating_point() or t.is_complex()):
+            raise FormatError(
+                f"{where}: index field 'parameters': tensor {i} of {t.dtype} cannot require grad"
+            )
+        tensors[i] = torch.nn.Parameter(t, requires_grad=bool(grad))
+
+
+def rebuild_tensor(
+    entry: Any, spans: list[torch.Tensor], sizes: Sequence[int], i: int, where: str
+) -> torch.Tensor:
+    rec = parse_tensor_entry(entry, i, where, sizes)
+    if rec.storage == -1:
+        return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype)
+    item = rec.dtype.itemsize
+    t = torch.empty(0, dtype=rec.dtype)
+    t.set_(spans[rec.storage].untyped_storage(), rec.offset // item, rec.shape, rec.stride)
+    return t

@@ -1,0 +1,120 @@
+"""``load(into=...)``: copy a loaded state into the caller's, after checking all of it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tierckpt.errors import (
+    BackendError,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    FormatError,
+    StateMismatch,
+    TierCkptError,
+    UnknownCodec,
+)
+
+__all__ = ["RECOVERABLE", "is_recoverable", "restore_into"]
+
+log = logging.getLogger("tierckpt")
+#: errors that make the reader try the next tier (or step)
+RECOVERABLE = (CorruptCheckpoint, FormatError, BackendError, CheckpointNotFound, UnknownCodec)
+
+
+def restore_into(target: Any, loaded: Any, path: str = "<root>", *, strict: bool = True) -> Any:
+    """Copy ``loaded`` into ``target`` in place (tensors keep their storage); returns target.
+
+    Everything is checked before a byte is copied. ``strict=True``: the dicts must have the
+    same keys (:class:`StateMismatch` otherwise). ``strict=False`` (``load_state_dict``'s
+    and torchsnapshot's partial restore): only the keys both sides hold are restored; the
+    others are left as they are and logged. Shapes must match either way. A tensor loads into
+    a tensor of another floating-point dtype by casting (``copy_``, as ``load_state_dict``
+    does: float32 into bfloat16 rounds); any other dtype difference is refused."""
+    skipped: list[str] = []
+    _check_into(target, loaded, path, strict, skipped)
+    if skipped:
+        log.info(
+            "load(strict=False): %d keys not restored (in only one side): %s",
+            len(skipped),
+            ", ".join(skipped[:10]) + (", ..." if len(skipped) > 10 else ""),
+        )
+    return _copy_into(target, loaded)
+
+
+def _castable(a: torch.dtype, b: torch.dtype) -> bool:
+    return a == b or (a.is_floating_point and b.is_floating_point)
+
+
+def _check_into(target: Any, loaded: Any, path: str, strict: bool, skipped: list[str]) -> None:
+    if isinstance(target, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise StateMismatch(
+                f"{path}: the checkpoint holds a {type(loaded).__name__}, the target a tensor"
+            )
+        if target.shape != loaded.shape or not _castable(target.dtype, loaded.dtype):
+            raise StateMismatch(
+                f"{path}: checkpoint has {loaded.dtype} {tuple(loaded.shape)}, target has "
+                f"{target.dtype} {tuple(target.shape)}"
+                + (
+                    "; a tensor loads into another dtype only between floating-point dtypes"
+                    if target.shape == loaded.shape
+                    else ""
+                )
+            )
+        return
+    if isinstance(target, dict):
+        if not isinstance(loaded, dict):
+            raise StateMismatch(f"{path}: target is a dict, checkpoint a {type(loaded).__name__}")
+        missing = [k for k in target if k not in loaded]
+        extra = [k for k in loaded if k not in target]
+        if (missing or extra) and strict:
+            raise StateMismatch(
+                f"{path}: keys differ — missing from checkpoint: {missing[:10]}, "
+                f"not in target: {extra[:10]} (load(..., strict=False) restores the keys both "
+                "hold)"
+            )
+        skipped.extend(f"{path}[{k!r}]" for k in missing + extra)
+        for k in target:
+            if k in loaded:
+                _check_into(target[k], loaded[k], f"{path}[{k!r}]", strict, skipped)
+        return
+    if isinstance(target, (list, tuple)):
+        if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
+            raise StateMismatch(f"{path}: sequence length or type differs")
+        for i, (a, b) in enumerate(zip(target, loaded, strict=True)):
+            _check_into(a, b, f"{path}[{i}]", strict, skipped)
+
+
+def _copy_into(target: Any, loaded: Any) -> Any:
+    if isinstance(target, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(loaded)
+        return target
+    if isinstance(target, dict):
+        for k in target:
+            if k not in loaded:
+                continue  # strict=False: a key the checkpoint does not hold stays as it is
+            new = _copy_into(target[k], loaded[k])
+            if new is not target[k]:
+                target[k] = new
+        return target
+    if isinstance(target, list):
+        for i in range(len(target)):
+            new = _copy_into(target[i], loaded[i])
+            if new is not target[i]:
+                target[i] = new
+        return target
+    if isinstance(target, tuple):
+        for a, b in zip(target, loaded, strict=True):
+            _copy_into(a, b)
+        return target
+    return loaded
+
+
+def is_recoverable(exc: BaseException) -> bool:
+    return isinstance(exc, RECOVERABLE) or (
+        isinstance(exc, TierCkptError) and not isinstance(exc, StateMismatch)
+    )

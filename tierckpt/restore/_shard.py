@@ -1,0 +1,134 @@
+"""One rank's shard read from one tier: index, chunks on the reader threads, tensors, tree."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierckpt.arena import total_ram
+from tierckpt.backends.base import Backend
+from tierckpt.codecs import Codec, SupportsProgressiveDecode, codec_from_config
+from tierckpt.errors import FormatError
+from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, tree_args
+from tierckpt.restore._chunks import ChunkReader
+from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
+from tierckpt.restore._repopulate import Repopulation
+from tierckpt.tree import decode_tree
+
+__all__ = ["LoadedShard", "read_shard"]
+
+
+@dataclass
+class LoadedShard:
+    state: Any
+    manifest: Manifest
+    tier: str
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    #: faster tiers this rank's shard file was copied to while loading (committed files)
+    repopulated: list[Backend] = field(default_factory=list)
+    #: seconds until every chunk was read, verified and decoded (the tier's read rate)
+    read_seconds: float = 0.0
+    #: whether any chunk was stored compressed (else ``stored_bytes / read_seconds`` is the
+    #: link's read rate)
+    compressed: bool = False
+
+
+def read_shard(
+    backend: Backend,
+    tier: str,
+    manifest: Manifest,
+    rank: int,
+    pool: ThreadPoolExecutor,
+    *,
+    repopulate: Sequence[Backend] = (),
+    publish: bool = True,
+) -> LoadedShard:
+    """Read, verify and decode one rank's shard from one tier.
+
+    ``repopulate``: also copy the shard file to these tiers; ``publish``: and write the
+    manifest there (False where the caller commits the copies: a Checkpointer's commit
+    strategy, which with several ranks waits for every rank's file)."""
+    t0 = time.perf_counter()
+    ref = manifest.shard_for(rank)
+    where = f"tier {tier!r} {backend.url}/{ref.file}"
+    index, index_blob, footer_blob = read_index(backend, ref, tier)
+    codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
+    data_bytes = int(index["data_bytes"])
+    if data_bytes > total_ram():
+        raise FormatError(
+            f"{where}: declares {data_bytes} bytes of tensor data, more than this machine's "
+            "memory; refusing to allocate it"
+        )
+    chunks: list[ChunkRecord] = index["chunks"]
+    for ci, rec in enumerate(chunks):
+        if codecs[rec.codec].is_passthrough and rec.stored_size != rec.raw_size:
+            raise FormatError(
+                f"{where}: raw chunk {ci} stores {rec.stored_size} bytes "
+                f"but declares {rec.raw_size}"
+            )
+    spans = [torch.empty(int(n), dtype=torch.uint8) for _off, n in index["storages"]]
+    span_offsets = [int(s[0]) for s in index["storages"]]
+    repop = Repopulation(repopulate, ref.file)
+    # compressed chunks are fetched in pieces on their own pool while the reader threads
+    # decode (a fetch never waits on a reader, so the two pools cannot deadlock)
+    fetch_pool = (
+        ThreadPoolExecutor(2 * _workers(pool), thread_name_prefix="tierckpt-fetch")
+        if any(isinstance(c, SupportsProgressiveDecode) for c in codecs)
+        else None
+    )
+    reader = ChunkReader(
+        backend, ref.file, tier, where, codecs, chunks, spans, span_offsets, repop, fetch_pool
+    )
+    # every chunk is submitted first; the tensors (views of the storages) and the tree are
+    # built on this thread while the readers fill the storages
+    futures = [pool.submit(reader.read, ci) for ci in range(len(chunks))]
+    try:
+        # cover every span byte: the chunks must tile the data stream
+        covered = sum(c.raw_size for c in chunks)
+        if covered != data_bytes:
+            raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
+        sizes = [sp.numel() for sp in spans]
+        tensors = [
+            rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
+        ]
+        as_parameters(tensors, index.get("parameters"), where)
+        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
+        stored_total = sum(f.result() for f in futures)
+        read_seconds = time.perf_counter() - t0
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        wait(futures)  # nothing writes into the storages or the copies after this
+        repop.abort()
+        raise
+    finally:
+        if fetch_pool is not None:
+            fetch_pool.shutdown(wait=True, cancel_futures=True)
+    copied = repop.finish(
+        ref.size - FOOTER_SIZE - len(index_blob),
+        index_blob + footer_blob,
+        manifest if publish else None,
+    )
+    return LoadedShard(
+        state,
+        manifest,
+        tier,
+        data_bytes,
+        stored_total,
+        time.perf_counter() - t0,
+        copied,
+        read_seconds,
+        any(not codecs[c.codec].is_passthrough for c in chunks),
+    )
+
+
+def _workers(pool: ThreadPoolExecutor) -> int:
+    n = getattr(pool, "_max_workers", 4)
+    return n if isinstance(n, int) and n > 0 else 4
