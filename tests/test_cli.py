@@ -309,7 +309,8 @@ def test_push_pull_ls_verify_on_s3(ckpt_dir: Path, tmp_path: Path, moto_server: 
     bucket = s3_bucket(moto_server)
     url = f"s3://{bucket}/run1"
     ep = ["--endpoint-url", moto_server.endpoint_url]
-    rc, out, err = run(["push", str(ckpt_dir), url, *ep, "--all"], capsys)
+    # --codec keep: the bytes as stored, so the copy pulled back is byte-identical
+    rc, out, err = run(["push", str(ckpt_dir), url, *ep, "--all", "--codec", "keep"], capsys)
     assert rc == 0, err
     assert out.count("committed") == 3
     rc, out, _ = run(["push", str(ckpt_dir), url, *ep, "--step", "30"], capsys)
@@ -323,7 +324,7 @@ def test_push_pull_ls_verify_on_s3(ckpt_dir: Path, tmp_path: Path, moto_server: 
     assert json.loads(out)["step"] == 30
 
     dest = tmp_path / "node2"
-    rc, out, _ = run(["pull", url, str(dest), *ep], capsys)  # newest by default
+    rc, out, _ = run(["pull", url, str(dest), *ep, "--codec", "keep"], capsys)  # the newest
     assert rc == 0 and "copied step 30" in out
     for name in (manifest_name(30), shard_name(30, 0)):
         assert (dest / name).read_bytes() == (ckpt_dir / name).read_bytes()
@@ -349,7 +350,7 @@ def test_pull_refuses_a_corrupt_chunk(ckpt_dir: Path, tmp_path: Path, moto_serve
     bucket = s3_bucket(moto_server)
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint_url)  # no --endpoint-url
     url = f"s3://{bucket}/run"
-    assert run(["push", str(ckpt_dir), url, "--step", "20"], capsys)[0] == 0
+    assert run(["push", str(ckpt_dir), url, "--step", "20", "--codec", "keep"], capsys)[0] == 0
     _flip_byte_in_chunk(ckpt_dir, chunk=0)
     key = f"run/{shard_name(20, 0)}"
     moto_server.admin.put_object(Bucket=bucket, Key=key,

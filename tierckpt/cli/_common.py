@@ -92,12 +92,15 @@ def progress_bar(total: int, desc: str) -> Any:
 
 # -- shared helpers -------------------------------------------------------------------------------
 def open_url(args: argparse.Namespace, url: str, *, create: bool = False) -> Backend:
+    from tierckpt.cli._hints import watch_retries
     from tierckpt.offline import open_backend
 
     try:
-        return open_backend(url, endpoint_url=args.endpoint_url, create=create)
+        backend = open_backend(url, endpoint_url=args.endpoint_url, create=create)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    watch_retries(backend)  # the wait line shows a retried request's attempt
+    return backend
 
 
 class _Closing(AbstractContextManager[Backend]):

@@ -23,8 +23,9 @@ WAIT_REPEAT_S = 5.0
 
 class WaitNotice:
     """Prints ``waiting for URL (N s)`` on stderr when the command has shown nothing for
-    :data:`WAIT_NOTICE_S` seconds, then every :data:`WAIT_REPEAT_S`; :meth:`quiet` stops it
-    (a progress bar took over)."""
+    :data:`WAIT_NOTICE_S` seconds, then every :data:`WAIT_REPEAT_S` — with the attempt while
+    a failed request is retried (``(9 s, retrying: attempt 3 of 4)``, see
+    :func:`watch_retries`); :meth:`quiet` stops it (a progress bar took over)."""
 
     def __init__(self, what: str, out: TextIO | None = None) -> None:
         self.what = what
@@ -32,13 +33,24 @@ class WaitNotice:
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tierckpt-wait", daemon=True)
+        #: the request being retried now: (its attempt, the most it gets); None: none failed
+        self.retrying: tuple[int, int] | None = None
+
+    def attempt_failed(self, attempts: int, max_attempts: int) -> None:
+        """A request's attempt number ``attempts`` failed: the line says the next one runs."""
+        self.retrying = (min(attempts + 1, max_attempts), max_attempts)
+
+    def line(self) -> str:
+        waited = time.monotonic() - self._t0
+        retry = self.retrying
+        more = f", retrying: attempt {retry[0]} of {retry[1]}" if retry is not None else ""
+        return f"tierckpt: waiting for {self.what} ({waited:.0f} s{more})\n"
 
     def _run(self) -> None:
         delay = WAIT_NOTICE_S
         while not self._stop.wait(delay):
-            waited = time.monotonic() - self._t0
             try:
-                self.out.write(f"tierckpt: waiting for {self.what} ({waited:.0f} s)\n")
+                self.out.write(self.line())
                 self.out.flush()
             except (OSError, ValueError):  # stderr closed: nothing to tell
                 return
@@ -60,6 +72,31 @@ class WaitNotice:
 
 #: the notice of the command running now (the progress bar silences it)
 current: WaitNotice | None = None
+
+
+def watch_retries(backend: Backend) -> None:
+    """Tell the current notice when a request of ``backend``'s boto3 client fails and is
+    retried, so its line shows the attempt (``retrying: attempt 3 of 4``). botocore retries
+    inside one call, for seconds with backoff; without this the wait looks like a hang."""
+    client = getattr(backend, "_client", None)
+    events = getattr(getattr(client, "meta", None), "events", None)
+    if events is None:
+        return  # not a boto3 backend: nothing to watch
+    max_attempts = int(getattr(backend, "max_attempts", 0) or 0)
+
+    def on_needs_retry(
+        attempts: int = 0, response: object = None, caught_exception: object = None, **_: object
+    ) -> None:
+        status = getattr(response[0], "status_code", 0) if isinstance(response, tuple) else 0
+        failed = caught_exception is not None or status in (429, 500, 502, 503, 504)
+        notice = current
+        if failed and notice is not None and max_attempts and attempts < max_attempts:
+            notice.attempt_failed(attempts, max_attempts)
+        elif not failed and notice is not None:
+            notice.retrying = None  # answered: no retry going on
+
+    # returns None: botocore's own handler still decides whether and when to retry
+    events.register("needs-retry.s3", on_needs_retry, unique_id="tierckpt-cli-wait-line")
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

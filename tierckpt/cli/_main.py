@@ -171,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--step", type=_step, help="step (default: newest committed)")
         g.add_argument("--all", action="store_true", help="every committed step")
         sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
+        sp.add_argument(
+            "--codec",
+            default="auto",
+            help="how the copy's chunks are stored, as the destination tier's codec= setting: "
+            "auto (default: raw on a local disk, compressed on S3, as a save there would), "
+            "raw, zstd, planes, ...; keep: the bytes as stored at the source (fastest)",
+        )
+        sp.add_argument(
+            "--tier-name",
+            default=None,
+            help="the tier the copy's manifest names (ls shows it; default: local or s3, "
+            "the name LocalTier / S3Tier get by default)",
+        )
 
     sp = add(
         "gc",

@@ -16,10 +16,18 @@ from tierckpt.cli._common import (
 
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
     from tierckpt.catalog import committed_ids
+    from tierckpt.codecs import codec_ids
     from tierckpt.offline import checkpoint_bytes, copy_checkpoint, is_s3_url, resolve_id
+    from tierckpt.offline._recode import recode_checkpoint
 
+    codec = getattr(args, "codec", "auto") or "auto"
+    if codec not in ("auto", "keep") and codec not in codec_ids():
+        raise UsageError(
+            f"--codec {codec!r} is not a codec here: auto, keep, or one of "
+            f"{', '.join(sorted(codec_ids()))}"
+        )
     # the copy's manifest names the tier it is on now, not the one it was copied from
-    label = "s3" if is_s3_url(dst_url) else "local"
+    label = getattr(args, "tier_name", None) or ("s3" if is_s3_url(dst_url) else "local")
     with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:
         if args.all:
             ids = [
@@ -37,7 +45,14 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
             bar = progress_bar(total, f"{cid}")
             t0 = time.perf_counter()
             try:
-                n = copy_checkpoint(src, dst, cid, progress=bar.update, tier_label=label)
+                if codec == "keep":
+                    n = copy_checkpoint(src, dst, cid, progress=bar.update, tier_label=label)
+                else:
+                    # stored as a tier with that codec there stores it (auto: compressed on
+                    # S3, raw on a local disk), not as the source happened to store it
+                    n = recode_checkpoint(
+                        src, dst, cid, codec, progress=bar.update, tier_label=label
+                    )
             except FileExistsError:
                 bar.close()
                 print(f"skip {cid}: already committed at {dst.url}")
@@ -45,10 +60,11 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
             finally:
                 bar.close()
             dt = time.perf_counter() - t0
-            rate = n / dt / 2**20 if dt > 0 else 0.0
+            rate = total / dt / 2**20 if dt > 0 else 0.0
+            how = "as stored" if codec == "keep" else f"codec {codec}"
             print(
-                f"copied {cid}: {src.url} -> {dst.url}, {fmt_bytes(n)} in {dt:.2f} s "
-                f"({rate:.1f} MiB/s), committed"
+                f"copied {cid}: {src.url} -> {dst.url}, {fmt_bytes(total)} read, "
+                f"{fmt_bytes(n)} stored ({how}) in {dt:.2f} s ({rate:.1f} MiB/s), committed"
             )
     return 0
 

@@ -3,12 +3,10 @@ shard read by ranges and verified, falling back tier by tier (see :mod:`tierckpt
 
 from __future__ import annotations
 
-import bisect
 import io
 import logging
 import os
 import uuid
-from collections.abc import Iterable
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,9 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt.backends.base import Backend
 from tierckpt.catalog import committed_ids
-from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
     TiersArg,
@@ -30,6 +26,7 @@ from tierckpt.dcp._common import (
     dcp_metadata_name,
 )
 from tierckpt.dcp._metadata import ItemLocation, decode_metadata
+from tierckpt.dcp._shardfile import _ShardFile
 from tierckpt.dcp._writer import TierWriter
 from tierckpt.distributed import (
     checkpoint_key,
@@ -40,141 +37,18 @@ from tierckpt.distributed import (
 from tierckpt.errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
-    CorruptChunk,
     FormatError,
     TierCkptError,
 )
-from tierckpt.format import CheckpointId, ChunkRecord, Manifest, ShardRef, checksum
+from tierckpt.format import CheckpointId, Manifest, checksum
 from tierckpt.pipeline import Tier
 from tierckpt.policy import TierPolicy
 from tierckpt.restore import (
-    TensorRecord,
     is_recoverable,
-    parse_tensor_entry,
-    read_index,
     read_manifest,
 )
-from tierckpt.tree import decode_tree
 
 log = logging.getLogger("tierckpt")
-
-
-class _ShardFile:
-    """Ranged, verified reads of selected tensors from one rank's shard on one tier."""
-
-    def __init__(self, backend: Backend, tier: str, ref: ShardRef) -> None:
-        self.backend = backend
-        self.tier = tier
-        self.ref = ref
-        self.where = f"tier {tier!r} {backend.url}/{ref.file}"
-        index, _, _ = read_index(backend, ref, tier)
-        self.codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
-        self.chunks: list[ChunkRecord] = index["chunks"]
-        self.chunk_starts = [c.logical_offset for c in self.chunks]
-        self.storages: list[list[int]] = index["storages"]
-        self._storage_sizes: list[int] | None = None
-        self.tensors: list[Any] = index["tensors"]
-        tree = decode_tree(index.get("tree"), lambda i: i)
-        if not isinstance(tree, dict) or not all(
-            isinstance(k, str) and type(v) is int for k, v in tree.items()
-        ):
-            raise FormatError(f"{self.where}: not a DCP shard (its tree is not a key table)")
-        self.keys: dict[str, int] = tree
-
-    def fetch(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors of ``keys``, verified. Each chunk is read once, straight into a fresh
-        buffer (decoded into it when compressed); a tensor that lies inside one chunk is a
-        view of it when the requested tensors use at least half of that chunk (no copy),
-        otherwise its bytes are copied into a buffer of its own so that a few small items do
-        not keep large chunks alive."""
-        out: dict[str, torch.Tensor] = {}
-        # (key, record, logical lo, logical hi) per needed tensor with elements
-        wanted: list[tuple[str, TensorRecord, int, int]] = []
-        for key in keys:
-            if key in out:
-                continue
-            ti = self.keys.get(key)
-            if ti is None or not 0 <= ti < len(self.tensors):
-                raise FormatError(f"{self.where}: no item {key!r} in this shard")
-            if self._storage_sizes is None:
-                self._storage_sizes = [n for _lo, n in self.storages]
-            rec = parse_tensor_entry(self.tensors[ti], ti, self.where, self._storage_sizes)
-            if rec.storage == -1:
-                out[key] = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype)
-                continue
-            lo = self.storages[rec.storage][0] + rec.offset
-            out[key] = torch.empty(0)  # placeholder: keeps keys unique; filled below
-            wanted.append((key, rec, lo, lo + rec.extent))
-        # the chunks each tensor needs, and the requested bytes in each chunk
-        pieces: dict[int, list[int]] = {}
-        used: dict[int, int] = {}
-        for wi, (_key, _rec, lo, hi) in enumerate(wanted):
-            covered = lo
-            ci = max(bisect.bisect_right(self.chunk_starts, lo) - 1, 0)
-            while covered < hi and ci < len(self.chunks):
-                c = self.chunks[ci]
-                c_lo, c_hi = c.logical_offset, c.logical_offset + c.raw_size
-                if c_lo > covered:
-                    break
-                if c_hi > covered:
-                    pieces.setdefault(ci, []).append(wi)
-                    used[ci] = used.get(ci, 0) + min(hi, c_hi) - covered
-                    covered = min(hi, c_hi)
-                ci += 1
-            if covered < hi:
-                raise FormatError(f"{self.where}: bytes {covered}..{hi} are in no chunk")
-        bufs: dict[int, torch.Tensor] = {}  # tensors assembled from copies
-        for ci in sorted(pieces):
-            raw = self._chunk(ci)
-            c = self.chunks[ci]
-            c_lo, c_hi = c.logical_offset, c.logical_offset + c.raw_size
-            share = 2 * used[ci] >= c.raw_size
-            for wi in pieces[ci]:
-                key, rec, lo, hi = wanted[wi]
-                item = rec.dtype.itemsize
-                if share and c_lo <= lo and hi <= c_hi and (lo - c_lo) % item == 0:
-                    t = torch.empty(0, dtype=rec.dtype)
-                    t.set_(raw.untyped_storage(), (lo - c_lo) // item, rec.shape, rec.stride)
-                    out[key] = t
-                    continue
-                buf = bufs.get(wi)
-                if buf is None:
-                    buf = bufs[wi] = torch.empty(hi - lo, dtype=torch.uint8)
-                a, b = max(lo, c_lo), min(hi, c_hi)
-                buf[a - lo : b - lo].copy_(raw[a - c_lo : b - c_lo])
-            del raw
-        for wi, buf in bufs.items():
-            key, rec, _lo, _hi = wanted[wi]
-            t = torch.empty(0, dtype=rec.dtype)
-            t.set_(buf.untyped_storage(), 0, rec.shape, rec.stride)
-            out[key] = t
-        return out
-
-    def _chunk(self, ci: int) -> torch.Tensor:
-        """Chunk ``ci``'s raw bytes, read once into a fresh buffer and verified."""
-        rec = self.chunks[ci]
-        codec = self.codecs[rec.codec]
-        out = torch.empty(rec.raw_size, dtype=torch.uint8)
-        view = memoryview(out.numpy())  # type: ignore[arg-type]
-        direct = codec.is_passthrough and rec.stored_size == rec.raw_size
-        stored = view if direct else memoryview(bytearray(rec.stored_size))
-        self.backend.read_into(self.ref.file, rec.file_offset, stored)
-        if checksum(stored) != rec.checksum:
-            raise CorruptChunk(
-                f"{self.where}: chunk {ci} (file bytes {rec.file_offset}..+{rec.stored_size}) "
-                "does not match its checksum",
-                tier=self.tier,
-                file=self.ref.file,
-                chunk=ci,
-            )
-        if not direct:
-            try:
-                codec.decode(stored, view)
-            except CorruptChunk as exc:
-                raise CorruptChunk(
-                    f"{self.where}: chunk {ci}: {exc}", tier=self.tier, file=self.ref.file, chunk=ci
-                ) from exc
-        return out
 
 
 class TierReader(StorageReader):
@@ -339,12 +213,14 @@ class TierReader(StorageReader):
                 raise FormatError(f"DCP item {req.storage_index} has no storage location")
             per_rank.setdefault(loc.rank, []).append((req, loc.key))
         ranks = sorted(per_rank)
+        # a stored tensor wanted whole, by one request, is read straight into its target
+        targets = {r: _direct_targets(items, planner) for r, items in per_rank.items()}
         with ThreadPoolExecutor(self.io_threads, thread_name_prefix="tierckpt-dcp-read") as pool:
             # at most io_threads shards' tensors in memory; copies happen on this thread
             pending: list[tuple[int, CFuture[dict[str, torch.Tensor]]]] = []
             it = iter(ranks)
             for r in it:
-                pending.append((r, pool.submit(self._fetch_rank, r, per_rank[r])))
+                pending.append((r, pool.submit(self._fetch_rank, r, per_rank[r], targets[r])))
                 if len(pending) >= self.io_threads:
                     break
             while pending:
@@ -352,19 +228,26 @@ class TierReader(StorageReader):
                 values = fut.result()
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append((nxt, pool.submit(self._fetch_rank, nxt, per_rank[nxt])))
-                _apply(per_rank[r], values, planner)
+                    pending.append(
+                        (nxt, pool.submit(self._fetch_rank, nxt, per_rank[nxt], targets[nxt]))
+                    )
+                _apply(per_rank[r], values, planner, targets.pop(r))
                 del values
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _fetch_rank(self, rank: int, items: list[tuple[ReadItem, str]]) -> dict[str, torch.Tensor]:
+    def _fetch_rank(
+        self,
+        rank: int,
+        items: list[tuple[ReadItem, str]],
+        targets: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         keys = [k for _, k in items]
         errors: list[str] = []
         for t, m in self._holders:
             try:
-                return _ShardFile(t.backend, t.name, m.shard_for(rank)).fetch(keys)
+                return _ShardFile(t.backend, t.name, m.shard_for(rank)).fetch(keys, targets)
             except BaseException as exc:
                 if not is_recoverable(exc):
                     raise
@@ -381,8 +264,31 @@ class TierReader(StorageReader):
         )
 
 
+def _direct_targets(
+    items: list[tuple[ReadItem, str]], planner: LoadPlanner
+) -> dict[str, torch.Tensor]:
+    """The destination tensors of stored tensors that one request reads whole: the fetch may
+    fill them in place (see ``_ShardFile.fetch``)."""
+    count: dict[str, int] = {}
+    for _req, key in items:
+        count[key] = count.get(key, 0) + 1
+    out: dict[str, torch.Tensor] = {}
+    for req, key in items:
+        if req.type == LoadItemType.BYTE_IO or count[key] != 1:
+            continue
+        if any(req.storage_offsets) or any(req.dest_offsets):
+            continue
+        target = planner.resolve_tensor(req).detach()
+        if list(target.shape) == list(req.lengths):
+            out[key] = target
+    return out
+
+
 def _apply(
-    items: list[tuple[ReadItem, str]], values: dict[str, torch.Tensor], planner: LoadPlanner
+    items: list[tuple[ReadItem, str]],
+    values: dict[str, torch.Tensor],
+    planner: LoadPlanner,
+    targets: dict[str, torch.Tensor] | None = None,
 ) -> None:
     from torch.distributed._shard._utils import narrow_tensor_by_index
 
@@ -391,8 +297,13 @@ def _apply(
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(value.numpy().tobytes()))
             continue
+        target = targets.get(key) if targets is not None else None
+        if target is not None and value is target:
+            planner.commit_tensor(req, target)  # filled in place by the fetch
+            continue
         src = narrow_tensor_by_index(value, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
+        if target is None:
+            target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise FormatError(
                 f"DCP item {req.storage_index}: stored piece {tuple(src.size())} does not match "

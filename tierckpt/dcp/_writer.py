@@ -8,10 +8,7 @@ import io
 import logging
 import os
 import threading
-import time
 import uuid
-import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,19 +17,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt._version import __version__
 from tierckpt.capture import record_ready_events
-from tierckpt.catalog import newest_committed, timeline_for
 from tierckpt.config import resolve_writer_config
-from tierckpt.dcp._common import (
-    _DCP_VERSION,
-    _SHARDS_FQN,
-    METADATA_VERSION,
-    TiersArg,
-    _parse_step,
-    _runtimes,
-    dcp_metadata_name,
-)
+from tierckpt.dcp._commit import choose_timeline, commit_all, gather_reports
+from tierckpt.dcp._common import _DCP_VERSION, _SHARDS_FQN, TiersArg, _parse_step, _runtimes
 from tierckpt.dcp._metadata import (
     ItemLocation,
     _PlanInfo,
@@ -40,29 +28,19 @@ from tierckpt.dcp._metadata import (
     _ShardOnTier,
     encode_metadata,
 )
+from tierckpt.dcp._parking import HookTarget, park, take_over
 from tierckpt.distributed import is_private_tier
 from tierckpt.errors import (
-    BackendError,
-    CheckpointExists,
     CheckpointFailed,
     FormatError,
     TierCkptError,
     UnsupportedObject,
 )
-from tierckpt.format import (
-    CheckpointId,
-    Manifest,
-    ShardRef,
-    checksum,
-    encode_manifest,
-    manifest_name,
-    step_prefix,
-)
+from tierckpt.format import CheckpointId, ShardRef, step_prefix
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy
-from tierckpt.retention import gc_tier
 
 log = logging.getLogger("tierckpt")
 
@@ -150,7 +128,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
         self._info: _PlanInfo | None = None
         self._closed = False
-        self._hook: _HookTarget | None = None
+        self._hook: HookTarget | None = None
         #: a save of this writer is between its shard and its commit (see _take_over)
         self._in_save = False
         self._taken_over = False
@@ -158,6 +136,8 @@ class TierWriter(PipelineOwner, StorageWriter):
         #: newest checkpoint this writer saved; as for Checkpointer
         self._timeline: int | None = None
         self._last_saved: CheckpointId | None = None
+        #: this rank's job of the save in progress (retention protects it, see _retain)
+        self._job: SaveJob | None = None
 
     #: what a pickled writer carries: its configuration, not its threads, lock or clients
     _PICKLED = (
@@ -236,39 +216,9 @@ class TierWriter(PipelineOwner, StorageWriter):
         checkpoint ``checkpoint_id`` names: refused with :class:`CheckpointExists`, or with
         ``overwrite=True`` saved again on a new timeline."""
         step = self._require_step()
-        last = self._last_saved
-        newest: CheckpointId | None = None
-        if self._timeline is not None and (last is None or step >= last.step):
-            timeline = there_on = self._timeline
-        else:
-            newest = newest_committed((t.name, t.backend) for t in self._tiers)
-            if last is not None and (newest is None or last > newest):
-                newest = last
-            timeline = timeline_for(step, newest)
-            there_on = newest.timeline if newest is not None else timeline
-        name = manifest_name(step, timeline=there_on)
-        there = [t for t in self._tiers if t.backend.exists(name)]
-        if there and not self.overwrite:
-            t = there[0]
-            raise CheckpointExists(
-                f"Checkpoint already exists: {CheckpointId(step, there_on)} is already "
-                f"committed on tier {t.name!r} ({t.backend.url}); refusing to overwrite it — "
-                "save under another step, or pass TierWriter(..., overwrite=True) to save it "
-                "again on a new timeline (the committed one stays)"
-            )
-        if there:
-            if newest is None:
-                newest = newest_committed((t.name, t.backend) for t in self._tiers)
-            top = max(c for c in (newest, last, CheckpointId(step, there_on)) if c is not None)
-            # as a rollback does: a new timeline above every one there; the old save stays
-            timeline = timeline_for(step, CheckpointId(step, top.timeline))
-            log.warning(
-                "DCP step %d is already committed (timeline %d); overwrite=True: saving it "
-                "again on timeline %d, the committed one is kept",
-                step,
-                there_on,
-                timeline,
-            )
+        timeline = choose_timeline(
+            self._tiers, step, self._timeline, self._last_saved, overwrite=self.overwrite
+        )
         cid = CheckpointId(step, timeline)
         self._timeline = timeline
         self._last_saved = cid
@@ -326,16 +276,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         step = self._require_step()
         info = self._info
         world = info.world_size if info is not None else len(results)
-        shards: dict[int, _RankShards] = {}
-        storage: dict[MetadataIndex, Any] = {}
-        for per_rank in results:
-            for wr in per_rank:
-                if isinstance(wr.storage_data, _RankShards):
-                    shards[wr.storage_data.rank] = wr.storage_data
-                else:
-                    storage[wr.index] = wr.storage_data
-        if sorted(shards) != list(range(world)):
-            raise CheckpointFailed(f"step {step}: shard reports from ranks {sorted(shards)} only")
+        shards, storage = gather_reports(step, world, results)
         metadata.version = metadata.version or _DCP_VERSION
         metadata.storage_data = storage
         timeline = info.timeline if info is not None else 0
@@ -343,31 +284,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             checkpoint_id=self._location(timeline), save_id=self.save_id
         )
         blob = encode_metadata(metadata)
-        committed: list[str] = []
-        failed: dict[str, BaseException] = {}
-        for t in self._tiers:
-            missing = [r for r in range(world) if t.name not in shards[r].tiers]
-            if len(missing) == world:
-                continue  # this tier did not take part in this save
-            if missing:
-                why = {r: shards[r].errors.get(t.name, "?") for r in missing[:3]}
-                failed[t.name] = CheckpointFailed(f"ranks {missing[:10]} failed there: {why}")
-                log.error("step %d not committed on tier %s: %s", step, t.name, failed[t.name])
-                continue
-            try:
-                self._commit_tier(
-                    t,
-                    CheckpointId(step, timeline),
-                    world,
-                    [shards[r].tiers[t.name] for r in range(world)],
-                    blob,
-                )
-                committed.append(t.name)
-            except (BackendError, OSError, FormatError) as exc:
-                failed[t.name] = exc
-                log.error("step %d: commit on tier %s failed: %s", step, t.name, exc)
-        if not committed:
-            raise CheckpointFailed(f"DCP step {step} was committed on no tier", failed)
+        commit_all(self._tiers, CheckpointId(step, timeline), world, shards, blob, self._retain)
 
     # -- internals -------------------------------------------------------------------
     def _require_step(self) -> int:
@@ -380,7 +297,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         # writer dropped after dcp.save (DCP's idiom: a new writer per save) is collected at
         # once and its __del__ closes the pipeline and releases the leases; a reference cycle
         # would hold them until the cyclic GC runs and refuse the next writer meanwhile
-        target = self._hook = _HookTarget(self)
+        target = self._hook = HookTarget(self)
 
         def commit(tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int) -> None:
             w = target.ref()
@@ -393,7 +310,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         # dropped without close() after its saves (DCP's idiom: a new writer per dcp.save):
         # park the warm pipeline for the next writer of the same tiers in this process
         try:
-            if not self._closed and self._pipeline is not None and _park(self):
+            if not self._closed and self._pipeline is not None and park(self):
                 return
         except Exception:
             pass
@@ -444,6 +361,7 @@ class TierWriter(PipelineOwner, StorageWriter):
             attempt=info.save_id,
             timeline=info.timeline,
         )
+        self._job = job
         pipeline.acquire_leases(job)  # WriterConflict when another live writer is there
         pipeline.submit(job)
         errors: dict[str, str] = {}
@@ -469,41 +387,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         A pipeline parked by a dropped writer of the same tiers and settings is adopted (its
         threads, host buffer and leases stay warm: no setup per save); one parked for other
         settings on these locations is closed, releasing its leases."""
-        olds: list[TierWriter] = []
-        stale: list[_Parked] = []
-        urls = {t.backend.url for t in self._tiers}
-        with _LOCATIONS_LOCK:
-            if self._taken_over:
-                raise TierCkptError(
-                    "this TierWriter was closed: a newer TierWriter of this process took its "
-                    "location over (save through the newest writer)"
-                )
-            self._in_save = True
-            for p in list(_PARKED):
-                if not urls & p.urls:
-                    continue
-                _PARKED.remove(p)
-                if self._pipeline is None and p.config == self._config():
-                    fresh, self._tiers, self._pipeline = self._tiers, p.tiers, p.pipeline
-                    p.target.ref = weakref.ref(self)
-                    self._hook = p.target
-                    stale.append(_Parked(p.config, set(), p.pipeline, fresh, p.target, False))
-                else:
-                    stale.append(p)
-            for t in self._tiers:
-                old = _LOCATIONS.get(t.backend.url)
-                if old is not None and old is not self and not old._closed:
-                    if old._in_save:
-                        continue  # a concurrent save: its lease refuses this writer
-                    old._taken_over = True
-                    if old not in olds:
-                        olds.append(old)
-                _LOCATIONS[t.backend.url] = self
-        for old in olds:
-            log.info("a newer TierWriter of this process takes over; closing the older one")
-            old.close()
-        for p in stale:
-            p.close()
+        take_over(self)
 
     def _config(self) -> tuple[Any, ...]:
         return (
@@ -515,114 +399,19 @@ class TierWriter(PipelineOwner, StorageWriter):
             self.exit_timeout_s,
         )
 
-    def _commit_tier(
-        self,
-        t: Tier,
-        cid: CheckpointId,
-        world: int,
-        shards: list[_ShardOnTier],
-        blob: bytes,
-    ) -> None:
-        step = cid.step
-        name = dcp_metadata_name(step, timeline=cid.timeline)
-        t.backend.put_atomic(name, blob, overwrite=True)
-        m = Manifest(
-            step=step,
-            world_size=world,
-            shards=tuple(s.ref for s in shards),
-            created=time.time(),
-            library_version=__version__,
-            tier=t.name,
-            raw_bytes=sum(s.raw_bytes for s in shards),
-            stored_bytes=sum(s.stored_bytes for s in shards) + len(blob),
-            codecs=tuple(sorted({s.codec for s in shards})),
-            metadata={
-                "dcp": {
-                    "file": name,
-                    "size": len(blob),
-                    "checksum": checksum(blob),
-                    "encoding": "json+zstd",
-                    "version": METADATA_VERSION,
-                }
-            },
-            timeline=cid.timeline,
-        )
-        t.backend.put_atomic(manifest_name(step, timeline=cid.timeline), encode_manifest(m))
-        log.info("DCP %s committed on tier %s (%d ranks)", cid, t.name, world)
-        rank = self._info.rank if self._info is not None else self.rank
-        if self._pipeline is None or not self._pipeline.may_collect(t, rank):
-            return  # retention only while this writer holds the location's lease
-        try:
-            gc_tier(t.backend, t.spec.retention)
-        except OSError as exc:
-            log.warning("retention on tier %s failed (will retry next save): %s", t.name, exc)
+    def _retain(self, t: Tier) -> None:
+        """Apply ``t``'s retention after a commit there, on the pipeline's thread for ``t``
+        (off the save's critical path, as :class:`~tierckpt.Checkpointer`'s): only while
+        this writer holds the location's lease, never deleting a save in flight."""
+        job = self._job
+        if self._pipeline is not None and job is not None:
+            self._pipeline.retain_later(t, job)
 
 
 def _dist_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-#: the newest live TierWriter of this process per tier location (backend URL; see _take_over)
-_LOCATIONS: weakref.WeakValueDictionary[str, TierWriter] = weakref.WeakValueDictionary()
-#: reentrant: dropping the last reference to a writer under it runs __del__ (_park) there
-_LOCATIONS_LOCK = threading.RLock()
-
-
-class _HookTarget:
-    """The writer a pipeline's commit hook reports to (weakly: the pipeline must not keep its
-    writer alive), moved to the next writer when a parked pipeline is adopted."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, writer: TierWriter) -> None:
-        self.ref: weakref.ref[TierWriter] = weakref.ref(writer)
-
-
-@dataclass(eq=False)
-class _Parked:
-    """A warm pipeline of a dropped writer, waiting for the next writer of its tiers."""
-
-    config: tuple[Any, ...]
-    urls: set[str]
-    pipeline: Pipeline | None
-    tiers: list[Tier]
-    target: _HookTarget
-    #: close the pipeline (False: only the backends, the pipeline lives on adopted)
-    owns_pipeline: bool = True
-
-    def close(self) -> None:
-        try:
-            if self.owns_pipeline and self.pipeline is not None:
-                self.pipeline.close()
-        finally:
-            for t in self.tiers:
-                t.backend.close()
-
-
-#: parked pipelines, oldest first; a few at most (each holds threads, a host buffer, leases)
-_PARKED: list[_Parked] = []
-_MAX_PARKED = 2
-
-
-def _park(w: TierWriter) -> bool:
-    """Park ``w``'s idle pipeline (``w`` is being collected); False: not parked, close it."""
-    pipeline, target = w._pipeline, w._hook
-    if pipeline is None or target is None or w._in_save or w._taken_over or pipeline.in_flight():
-        return False
-    evicted: list[_Parked] = []
-    with _LOCATIONS_LOCK:
-        _PARKED.append(
-            _Parked(w._config(), {t.backend.url for t in w._tiers}, pipeline, w._tiers, target)
-        )
-        while len(_PARKED) > _MAX_PARKED:
-            evicted.append(_PARKED.pop(0))
-    w._pipeline = None
-    w._closed = True
-    for p in evicted:
-        p.close()
-    return True
 
 
 #: writers unpickled in this process, by the original writer's key: DCP's background save

@@ -55,6 +55,13 @@ def _pieces(index: dict[str, Any], size: int) -> Iterator[tuple[int, int, int, i
         pos += n
 
 
+def side_files(metadata: Any) -> list[str]:
+    """Files a manifest's metadata names besides the shards (a DCP checkpoint's metadata)."""
+    dcp = metadata.get("dcp") if isinstance(metadata, dict) else None
+    f = dcp.get("file") if isinstance(dcp, dict) else None
+    return [f] if isinstance(f, str) else []
+
+
 def copy_checkpoint(
     src: Backend,
     dst: Backend,
@@ -105,6 +112,8 @@ def copy_checkpoint(
         except BaseException:
             writer.abort()
             raise
+    for side in side_files(manifest.metadata):  # a DCP checkpoint's metadata: before the manifest
+        dst.put_atomic(side, src.get(side), overwrite=True)
     if tier_label is not None and tier_label != manifest.tier:
         manifest_bytes = encode_manifest(replace(manifest, tier=tier_label))
     dst.put_atomic(name, manifest_bytes)

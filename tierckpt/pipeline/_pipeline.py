@@ -156,6 +156,13 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
         its lease there, checked by reading it back."""
         return self._leases.may_collect(tier, rank)
 
+    def retain_later(self, tier: Tier, job: SaveJob) -> None:
+        """Apply ``tier``'s retention on its thread, after what is queued there: for an owner
+        that commits itself (the DCP writer's coordinator), off its save's critical path.
+        As after a commit here: only while this writer holds the lease, keeping the saves in
+        flight (``job`` is the owner's save just committed)."""
+        self._tier_q[tier.name].put(("retain", job, None))
+
     def release_leases(self) -> None:
         """Delete this writer's leases that are still its own (close, exit)."""
         self._leases.release_all()

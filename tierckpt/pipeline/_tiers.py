@@ -102,6 +102,12 @@ class _TiersMixin(_StallMixin):
             if kind == "lease":
                 self._leases.take(tier, job, payload)
                 continue
+            if kind == "retain":  # an owner's commit asked for it (Pipeline.retain_later)
+                try:
+                    self._retain(tier, job)
+                except Exception as exc:  # this thread must live on to write the next saves
+                    log.warning("retention on tier %s failed: %s", tier.name, exc)
+                continue
             self._tier_busy(tier, progressed=False, idle=False)
             tw = progress.setdefault(id(job), _TierWrite())
             ok = False

@@ -1,0 +1,156 @@
+"""The coordinator's side of a DCP save: the timeline, chosen before any rank writes; then
+the commit: every rank's shard report gathered and, on each tier where every rank's shard is
+durable, DCP's metadata file and, last, the tier's manifest (see :mod:`tierckpt.dcp`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from tierckpt._version import __version__
+from tierckpt.catalog import newest_committed, timeline_for
+from tierckpt.dcp._common import METADATA_VERSION, dcp_metadata_name
+from tierckpt.dcp._metadata import _RankShards, _ShardOnTier
+from tierckpt.errors import BackendError, CheckpointExists, CheckpointFailed, FormatError
+from tierckpt.format import CheckpointId, Manifest, checksum, encode_manifest, manifest_name
+from tierckpt.pipeline import Tier
+
+log = logging.getLogger("tierckpt")
+
+#: called once a tier's manifest is written: apply that tier's retention (in the background)
+RetainFn = Callable[[Tier], None]
+
+
+def choose_timeline(
+    tiers: list[Tier],
+    step: int,
+    timeline: int | None,
+    last: CheckpointId | None,
+    *,
+    overwrite: bool,
+) -> int:
+    """The timeline of a save of ``step`` by a writer on ``timeline`` (None: not chosen yet)
+    whose previous save was ``last`` (see ``TierWriter.prepare_global_plan``)."""
+    newest: CheckpointId | None = None
+    if timeline is not None and (last is None or step >= last.step):
+        there_on = timeline
+    else:
+        newest = newest_committed((t.name, t.backend) for t in tiers)
+        if last is not None and (newest is None or last > newest):
+            newest = last
+        timeline = timeline_for(step, newest)
+        there_on = newest.timeline if newest is not None else timeline
+    name = manifest_name(step, timeline=there_on)
+    there = [t for t in tiers if t.backend.exists(name)]
+    if there and not overwrite:
+        t = there[0]
+        raise CheckpointExists(
+            f"Checkpoint already exists: {CheckpointId(step, there_on)} is already "
+            f"committed on tier {t.name!r} ({t.backend.url}); refusing to overwrite it — "
+            "save under another step, or pass TierWriter(..., overwrite=True) to save it "
+            "again on a new timeline (the committed one stays)"
+        )
+    if there:
+        if newest is None:
+            newest = newest_committed((t.name, t.backend) for t in tiers)
+        top = max(c for c in (newest, last, CheckpointId(step, there_on)) if c is not None)
+        # as a rollback does: a new timeline above every one there; the old save stays
+        timeline = timeline_for(step, CheckpointId(step, top.timeline))
+        log.warning(
+            "DCP step %d is already committed (timeline %d); overwrite=True: saving it "
+            "again on timeline %d, the committed one is kept",
+            step,
+            there_on,
+            timeline,
+        )
+    return timeline
+
+
+def gather_reports(
+    step: int, world: int, results: list[list[WriteResult]]
+) -> tuple[dict[int, _RankShards], dict[MetadataIndex, Any]]:
+    """Every rank's shard report, by rank, and the items' storage locations; a save whose
+    reports do not come from every rank of ``world`` fails (nothing of it is committed)."""
+    shards: dict[int, _RankShards] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for per_rank in results:
+        for wr in per_rank:
+            if isinstance(wr.storage_data, _RankShards):
+                shards[wr.storage_data.rank] = wr.storage_data
+            else:
+                storage[wr.index] = wr.storage_data
+    if sorted(shards) != list(range(world)):
+        raise CheckpointFailed(f"step {step}: shard reports from ranks {sorted(shards)} only")
+    return shards, storage
+
+
+def commit_all(
+    tiers: list[Tier],
+    cid: CheckpointId,
+    world: int,
+    shards: dict[int, _RankShards],
+    blob: bytes,
+    retain: RetainFn,
+) -> None:
+    """Commit ``cid`` on every tier where all ``world`` ranks' shards are durable; a tier
+    where some ranks failed is left uncommitted (logged). Raises :class:`CheckpointFailed`
+    when no tier took the checkpoint."""
+    committed: list[str] = []
+    failed: dict[str, BaseException] = {}
+    for t in tiers:
+        missing = [r for r in range(world) if t.name not in shards[r].tiers]
+        if len(missing) == world:
+            continue  # this tier did not take part in this save
+        if missing:
+            why = {r: shards[r].errors.get(t.name, "?") for r in missing[:3]}
+            failed[t.name] = CheckpointFailed(f"ranks {missing[:10]} failed there: {why}")
+            log.error("step %d not committed on tier %s: %s", cid.step, t.name, failed[t.name])
+            continue
+        try:
+            commit_tier(t, cid, world, [shards[r].tiers[t.name] for r in range(world)], blob)
+            committed.append(t.name)
+        except (BackendError, OSError, FormatError) as exc:
+            failed[t.name] = exc
+            log.error("step %d: commit on tier %s failed: %s", cid.step, t.name, exc)
+            continue
+        retain(t)
+    if not committed:
+        raise CheckpointFailed(f"DCP step {cid.step} was committed on no tier", failed)
+
+
+def commit_tier(
+    t: Tier, cid: CheckpointId, world: int, shards: list[_ShardOnTier], blob: bytes
+) -> None:
+    """Write DCP's metadata ``blob`` on ``t``, then the manifest listing every rank's shard
+    (the commit: a tier without the manifest holds no checkpoint)."""
+    step = cid.step
+    name = dcp_metadata_name(step, timeline=cid.timeline)
+    t.backend.put_atomic(name, blob, overwrite=True)
+    m = Manifest(
+        step=step,
+        world_size=world,
+        shards=tuple(s.ref for s in shards),
+        created=time.time(),
+        library_version=__version__,
+        tier=t.name,
+        raw_bytes=sum(s.raw_bytes for s in shards),
+        stored_bytes=sum(s.stored_bytes for s in shards) + len(blob),
+        codecs=tuple(sorted({s.codec for s in shards})),
+        metadata={
+            "dcp": {
+                "file": name,
+                "size": len(blob),
+                "checksum": checksum(blob),
+                "encoding": "json+zstd",
+                "version": METADATA_VERSION,
+            }
+        },
+        timeline=cid.timeline,
+    )
+    t.backend.put_atomic(manifest_name(step, timeline=cid.timeline), encode_manifest(m))
+    log.info("DCP %s committed on tier %s (%d ranks)", cid, t.name, world)
