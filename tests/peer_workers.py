@@ -8,6 +8,7 @@ functions of this module. Reads are counted per tier by wrapping each backend's 
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import multiprocessing as mp
@@ -108,7 +109,10 @@ def _child(
             world_size=world,
             timeout=timedelta(seconds=120),
         )
-        result = globals()[fn](rank, world, **kwargs)
+        # "module:function" names a worker of another test module (peer_fault_workers)
+        mod, _, name = fn.rpartition(":")
+        func = getattr(importlib.import_module(mod), name) if mod else globals()[fn]
+        result = func(rank, world, **kwargs)
         Path(out, f"result-{rank}.json.tmp").write_text(json.dumps(result))
         os.replace(Path(out, f"result-{rank}.json.tmp"), Path(out, f"result-{rank}.json"))
     except BaseException:
@@ -150,6 +154,7 @@ class ReadCounter:
         self.calls[name] = 0
         self.bytes[name] = 0
         read, read_into, get = backend.read, backend.read_into, backend.get
+        pieces = backend.read_into_pieces  # the zero-copy load's scatter read
 
         def count(n: int) -> None:
             self.calls[name] += 1
@@ -168,7 +173,12 @@ class ReadCounter:
             count(len(data))
             return data
 
+        def c_pieces(obj: str, offset: int, outs: Any) -> None:
+            count(sum(memoryview(o).nbytes for o in outs))
+            pieces(obj, offset, outs)
+
         backend.read, backend.read_into, backend.get = c_read, c_read_into, c_get
+        backend.read_into_pieces = c_pieces
 
 
 class Warnings(logging.Handler):
