@@ -261,7 +261,7 @@ class PeerReplicator:
         except FileExistsError:
             pass
         self.received_bytes += r.size
-        gc_tier(b, self.spec.keep_last)
+        gc_tier(b, self.spec.retention)  # keep_last, keep_every_n_steps, keep_best
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the rounds queued so far are done (tests, benchmarks, close)."""
