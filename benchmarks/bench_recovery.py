@@ -7,6 +7,8 @@ recipe ``[NodeRamTier, PeerTier(replicas=1), LocalTier, S3Tier]`` (S3: SeaweedFS
 
 ==================  =========================================================================
 process crash       every rank loads with the whole recipe: each shard from its node's RAM
+process crash,      the same read with a policy of only the NodeRamTier: the tier's own cost,
+node RAM alone      without listing the slower tiers and the partners' agreement
 node lost           rank 1's node RAM and disk are wiped: its shard is pulled from its
                     partner's RAM, the others read their own RAM (the job's time is the
                     slowest rank's)
@@ -288,6 +290,7 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
     s3_only = [S3Tier(s3_url, endpoint_url=cfg["endpoint"])]
     kinds: dict[str, list[tuple[float, Any]]] = {
         "crash": [],
+        "ram_only": [],
         "local": [],
         "local_warm": [],
         "lost": [],
@@ -298,6 +301,9 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
     for _ in range(cfg["repeat"]):
         # process crash: the whole recipe, every shard in its node's RAM
         kinds["crash"].append(once(recipe()))
+        # the same read with a policy of node RAM alone: the tier's own cost, without the
+        # recipe's listing of the slower tiers and the partners' agreement
+        kinds["ram_only"].append(once([ram()]))
         # all RAM lost: only the local disk (and S3) left, the disk's pages evicted (cold)...
         disk_only = [LocalTier(disk_path), *s3_only]
         kinds["local"].append(once(disk_only, lambda: _evict(disk_path), "cold"))
@@ -311,6 +317,7 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
     fastest = {k: min(v, key=lambda r: r[0]) for k, v in kinds.items()}
     out["crash_s"], rep = fastest["crash"]
     out["crash_sources"] = list(rep.sources)
+    out["ram_only_s"] = fastest["ram_only"][0]
     out["local_s"] = fastest["local"][0]
     out["local_warm_s"] = fastest["local_warm"][0]
     out["cache_state"] = cache_state
@@ -404,6 +411,7 @@ def _summary(results: list[dict[str, Any]], world: int, size: int, repeat: int) 
     total = sum(r["bytes"] for r in results)
     rows = {
         "process crash": ("NodeRamTier (own node RAM)", r0["crash_s"]),
+        "process crash, node RAM alone": ("NodeRamTier, no other tier listed", r0["ram_only_s"]),
         "node lost": ("PeerTier (rank 1 from its partner)", r0["node_lost_s"]),
         "all RAM lost, cold": ("LocalTier (local disk, page cache evicted)", r0["local_s"]),
         "all RAM lost, warm": ("LocalTier (local disk, in the page cache)", r0["local_warm_s"]),
@@ -433,6 +441,8 @@ def _summary(results: list[dict[str, Any]], world: int, size: int, repeat: int) 
         "ratios": {
             "node_ram_vs_local": r0["local_s"] / r0["crash_s"],
             "node_ram_vs_local_warm": r0["local_warm_s"] / r0["crash_s"],
+            "node_ram_alone_vs_local": r0["local_s"] / r0["ram_only_s"],
+            "node_ram_alone_vs_local_warm": r0["local_warm_s"] / r0["ram_only_s"],
             "node_ram_vs_memcpy": r0["memcpy_s"] / r0["crash_s"],
             "partner_pull_vs_loopback": pull_gbps / loop_gbps if loop_gbps else 0.0,
             "node_ram_vs_s3": r0["s3_s"] / r0["crash_s"],
@@ -470,6 +480,8 @@ def _table(s: dict[str, Any]) -> str:
         f"warm (files in the page cache): {r['node_ram_vs_local_warm']:.1f}x "
         f"({'met' if r['node_ram_vs_local_warm'] >= 5 else 'NOT met'}); "
         f"vs S3: {r['node_ram_vs_s3']:.1f}x",
+        f"- node RAM alone (no slower tier listed) vs local disk: cold "
+        f"{r['node_ram_alone_vs_local']:.1f}x, warm {r['node_ram_alone_vs_local_warm']:.1f}x",
         f"- page cache before the local-disk restores (rank 0, each try): cold "
         f"{s['cache_state']['rank 0']['cold']}; warm {s['cache_state']['rank 0']['warm']}",
         f"- node RAM vs a plain memory copy: {r['node_ram_vs_memcpy']:.2f}x (target >= 0.5x)",
