@@ -7,11 +7,19 @@ recipe ``[NodeRamTier, PeerTier(replicas=1), LocalTier, S3Tier]`` (S3: SeaweedFS
 
 ==================  =========================================================================
 process crash       every rank loads with the whole recipe: each shard from its node's RAM
+process crash,      the same read with a policy of only the NodeRamTier: the tier's own cost,
+node RAM alone      without listing the slower tiers and the partners' agreement
 node lost           rank 1's node RAM and disk are wiped: its shard is pulled from its
                     partner's RAM, the others read their own RAM (the job's time is the
                     slowest rank's)
-all RAM lost        a policy of only the local disk and S3, the disk files evicted from the
-                    page cache first (``posix_fadvise(DONTNEED)``): each shard from local disk
+all RAM lost,       a policy of only the local disk and S3, each shard from local disk, the
+cold                disk files evicted from the page cache first (``fsync`` then
+                    ``posix_fadvise(DONTNEED)``; ``/proc/sys/vm/drop_caches`` where that left
+                    pages behind and it is writable), the eviction checked with ``mincore``:
+                    what a restarted job reads on a real node, where the training process's
+                    memory pressure (and, after a reboot, the reboot) has evicted them
+all RAM lost,       the same, the files read once just before (every page resident, checked
+warm                with ``mincore``): the best case for the disk, a restart right after a save
 cluster lost        a policy of only S3: each shard from SeaweedFS on 127.0.0.1
 ==================  =========================================================================
 
@@ -28,6 +36,8 @@ A restore's time runs from a barrier before ``load()`` to the last rank's return
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import multiprocessing as mp
 import os
@@ -60,16 +70,100 @@ def _state(rank: int, size: int) -> dict[str, Any]:
     return {f"layer{i}": torch.randn(n // parts, generator=g) for i in range(parts)}
 
 
-def _evict(folder: str) -> None:
-    """Drop a folder's clean pages from the page cache, so a read goes to the disk."""
-    for dirpath, _dirs, files in os.walk(folder):
-        for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+def _files(folder: str) -> list[str]:
+    return [os.path.join(d, f) for d, _dirs, files in os.walk(folder) for f in files]
+
+
+_libc: Any = None
+
+
+def _mincore_fn() -> Any:
+    """libc's ``mmap``, ``mincore`` and ``munmap`` through ctypes (None where unavailable)."""
+    global _libc
+    if _libc is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            _libc = libc
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+def resident_bytes(folder: str) -> tuple[int, int] | None:
+    """(bytes of the folder's files in the page cache, bytes of its files), by ``mincore``
+    on a shared read-only map of each file (mapping faults nothing in); None without it."""
+    libc = _mincore_fn()
+    if libc is None:
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for path in _files(folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                continue
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
             try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                pages = (size + page - 1) // page
+                vec = (ctypes.c_ubyte * pages)()
+                if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                    return None
+                resident += min(size, sum(b & 1 for b in vec) * page)
+                total += size
             finally:
-                os.close(fd)
+                libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+    return resident, total
+
+
+def _evict(folder: str) -> str:
+    """Drop a folder's pages from the page cache, so that a read goes to the disk; returns
+    how (``fadvise``, ``drop_caches``) and what ``mincore`` says is left resident."""
+    for path in _files(folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    how = "fadvise"
+    res = resident_bytes(folder)
+    if (
+        res is not None
+        and res[0] > res[1] // 100
+        and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    ):
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")  # the whole machine's clean page cache: only when fadvise did not do
+        how = "drop_caches"
+        res = resident_bytes(folder)
+    return how if res is None else f"{how}, {res[0] / max(1, res[1]):.1%} resident"
+
+
+def _warm(folder: str) -> str:
+    """Read a folder's files once, so that every page is in the page cache."""
+    for path in _files(folder):
+        with open(path, "rb") as f:
+            while f.read(8 << 20):
+                pass
+    res = resident_bytes(folder)
+    return "read once" if res is None else f"read once, {res[0] / max(1, res[1]):.1%} resident"
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out: str) -> None:
@@ -172,10 +266,14 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
                 assert torch.equal(got[0][k], v), k
         return seconds, report
 
-    def once(tiers: list[Any], before: Any = None) -> tuple[float, Any]:
+    cache_state: dict[str, list[str]] = {"cold": [], "warm": []}
+
+    def once(tiers: list[Any], before: Any = None, cache: str = "") -> tuple[float, Any]:
         dist.barrier()
         if before is not None:
-            before()
+            said = before()
+            if cache:
+                cache_state[cache].append(said)
         dist.barrier()
         return load_with(tiers)
 
@@ -190,14 +288,27 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
             os.rename(disk_path + ".lost", disk_path)
 
     s3_only = [S3Tier(s3_url, endpoint_url=cfg["endpoint"])]
-    kinds: dict[str, list[tuple[float, Any]]] = {"crash": [], "local": [], "lost": [], "s3": []}
+    kinds: dict[str, list[tuple[float, Any]]] = {
+        "crash": [],
+        "ram_only": [],
+        "local": [],
+        "local_warm": [],
+        "lost": [],
+        "s3": [],
+    }
     # the kinds take turns, so that a busy moment of the machine slows each the same; the
     # fastest try of each counts (a loaded machine only ever slows a restore down)
     for _ in range(cfg["repeat"]):
         # process crash: the whole recipe, every shard in its node's RAM
         kinds["crash"].append(once(recipe()))
-        # all RAM lost: only the local disk (and S3) left, the disk's pages evicted
-        kinds["local"].append(once([LocalTier(disk_path), *s3_only], lambda: _evict(disk_path)))
+        # the same read with a policy of node RAM alone: the tier's own cost, without the
+        # recipe's listing of the slower tiers and the partners' agreement
+        kinds["ram_only"].append(once([ram()]))
+        # all RAM lost: only the local disk (and S3) left, the disk's pages evicted (cold)...
+        disk_only = [LocalTier(disk_path), *s3_only]
+        kinds["local"].append(once(disk_only, lambda: _evict(disk_path), "cold"))
+        # ... and with every page in the page cache (warm)
+        kinds["local_warm"].append(once(disk_only, lambda: _warm(disk_path), "warm"))
         # node lost: rank 1's RAM and disk gone: its shard from its partner's RAM
         kinds["lost"].append(once(recipe(), lose_node))
         find_node()
@@ -206,7 +317,10 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
     fastest = {k: min(v, key=lambda r: r[0]) for k, v in kinds.items()}
     out["crash_s"], rep = fastest["crash"]
     out["crash_sources"] = list(rep.sources)
+    out["ram_only_s"] = fastest["ram_only"][0]
     out["local_s"] = fastest["local"][0]
+    out["local_warm_s"] = fastest["local_warm"][0]
+    out["cache_state"] = cache_state
     out["node_lost_s"], rep = fastest["lost"]
     out["node_lost_sources"] = list(rep.sources)
     out["pulled_bytes"] = rep.pulled_bytes
@@ -297,8 +411,10 @@ def _summary(results: list[dict[str, Any]], world: int, size: int, repeat: int) 
     total = sum(r["bytes"] for r in results)
     rows = {
         "process crash": ("NodeRamTier (own node RAM)", r0["crash_s"]),
+        "process crash, node RAM alone": ("NodeRamTier, no other tier listed", r0["ram_only_s"]),
         "node lost": ("PeerTier (rank 1 from its partner)", r0["node_lost_s"]),
-        "all RAM lost": ("LocalTier (local disk)", r0["local_s"]),
+        "all RAM lost, cold": ("LocalTier (local disk, page cache evicted)", r0["local_s"]),
+        "all RAM lost, warm": ("LocalTier (local disk, in the page cache)", r0["local_warm_s"]),
         "cluster lost": ("S3Tier (SeaweedFS, 127.0.0.1)", r0["s3_s"]),
     }
     pulled = results[1]
@@ -319,10 +435,14 @@ def _summary(results: list[dict[str, Any]], world: int, size: int, repeat: int) 
         "pull_gbps": pull_gbps,
         "crash_sources": r0["crash_sources"],
         "node_lost_sources": r0["node_lost_sources"],
+        "cache_state": {f"rank {i}": r["cache_state"] for i, r in enumerate(results)},
         "node_ram_bytes": [r["node_ram_bytes"] for r in results],
         "replica_bytes": [r["replica_bytes"] for r in results],
         "ratios": {
             "node_ram_vs_local": r0["local_s"] / r0["crash_s"],
+            "node_ram_vs_local_warm": r0["local_warm_s"] / r0["crash_s"],
+            "node_ram_alone_vs_local": r0["local_s"] / r0["ram_only_s"],
+            "node_ram_alone_vs_local_warm": r0["local_warm_s"] / r0["ram_only_s"],
             "node_ram_vs_memcpy": r0["memcpy_s"] / r0["crash_s"],
             "partner_pull_vs_loopback": pull_gbps / loop_gbps if loop_gbps else 0.0,
             "node_ram_vs_s3": r0["s3_s"] / r0["crash_s"],
@@ -332,13 +452,13 @@ def _summary(results: list[dict[str, Any]], world: int, size: int, repeat: int) 
 
 def _table(s: dict[str, Any]) -> str:
     mib = s["bytes_per_rank"] / MiB
-    local_s = s["rows"]["all RAM lost"]["seconds"]
+    local_s = s["rows"]["all RAM lost, cold"]["seconds"]
     lines = [
         f"{s['ranks']} ranks x {mib:.0f} MiB = {s['job_bytes'] / MiB:.0f} MiB job state; "
         f"restore time = slowest rank, from a barrier to load() returning (fastest of "
         f"{s['repeat']}); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
         "",
-        "| failure | restored from | restore (s) | GB/s | local disk / this |",
+        "| failure | restored from | restore (s) | GB/s | local disk (cold) / this |",
         "|---|---|---:|---:|---:|",
     ]
     for kind, row in s["rows"].items():
@@ -355,8 +475,15 @@ def _table(s: dict[str, Any]) -> str:
     replicas = max(s["replica_bytes"]) / MiB
     lines += [
         "",
-        f"- node RAM vs local disk: {r['node_ram_vs_local']:.1f}x faster (target >= 5x); "
+        f"- node RAM vs local disk, cold (page cache evicted): {r['node_ram_vs_local']:.1f}x "
+        f"faster (target >= 5x: {'met' if r['node_ram_vs_local'] >= 5 else 'NOT met'}); "
+        f"warm (files in the page cache): {r['node_ram_vs_local_warm']:.1f}x "
+        f"({'met' if r['node_ram_vs_local_warm'] >= 5 else 'NOT met'}); "
         f"vs S3: {r['node_ram_vs_s3']:.1f}x",
+        f"- node RAM alone (no slower tier listed) vs local disk: cold "
+        f"{r['node_ram_alone_vs_local']:.1f}x, warm {r['node_ram_alone_vs_local_warm']:.1f}x",
+        f"- page cache before the local-disk restores (rank 0, each try): cold "
+        f"{s['cache_state']['rank 0']['cold']}; warm {s['cache_state']['rank 0']['warm']}",
         f"- node RAM vs a plain memory copy: {r['node_ram_vs_memcpy']:.2f}x (target >= 0.5x)",
         f"- partner pull {s['pull_gbps']:.2f} GB/s vs gloo loopback {s['loopback_gbps']:.2f} GB/s:"
         f" {r['partner_pull_vs_loopback']:.2f}x (target >= 0.5x)",

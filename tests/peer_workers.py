@@ -30,11 +30,19 @@ def run(
     expect_killed: tuple[int, ...] = (),
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn`` (a function of this module) on ``world`` ranks (``dist_workers.launch``,
-    with ``TIERCKPT_PRIVATE_TIERS=local``); every rank's result."""
+    """Run ``fn`` (a function of this module, or ``"module:function"`` for a worker of another
+    test module) on ``world`` ranks (``dist_workers.launch``, with
+    ``TIERCKPT_PRIVATE_TIERS=local``); every rank's result."""
     env = {"TIERCKPT_PRIVATE_TIERS": "local"}
+    module, _, name = fn.rpartition(":")
     return launch(
-        "peer_workers", fn, world, timeout=timeout, expect_killed=expect_killed, env=env, **kwargs
+        module or "peer_workers",
+        name,
+        world,
+        timeout=timeout,
+        expect_killed=expect_killed,
+        env=env,
+        **kwargs,
     )
 
 
@@ -69,6 +77,7 @@ class ReadCounter:
         self.calls[name] = 0
         self.bytes[name] = 0
         read, read_into, get = backend.read, backend.read_into, backend.get
+        pieces = backend.read_into_pieces  # the zero-copy load's scatter read
 
         def count(n: int) -> None:
             self.calls[name] += 1
@@ -87,7 +96,12 @@ class ReadCounter:
             count(len(data))
             return data
 
+        def c_pieces(obj: str, offset: int, outs: Any) -> None:
+            count(sum(memoryview(o).nbytes for o in outs))
+            pieces(obj, offset, outs)
+
         backend.read, backend.read_into, backend.get = c_read, c_read_into, c_get
+        backend.read_into_pieces = c_pieces
 
 
 class Warnings(logging.Handler):

@@ -178,7 +178,13 @@ def test_recovery_benchmark_quick_mode_prints_its_table(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| process crash | NodeRamTier" in proc.stdout
+    # the local disk both cold (evicted, checked with mincore) and warm
+    assert "| all RAM lost, cold | LocalTier" in proc.stdout
+    assert "| all RAM lost, warm | LocalTier" in proc.stdout
     s = json.loads(out.read_text())
     assert s["crash_sources"] == ["noderam", "noderam"]
     assert s["node_lost_sources"] == ["noderam", "peer:0"]
     assert s["memcpy_gbps"] > 0 and s["loopback_gbps"] > 0
+    assert s["ratios"]["node_ram_vs_local"] > 0 and s["ratios"]["node_ram_vs_local_warm"] > 0
+    cold = s["cache_state"]["rank 0"]["cold"]
+    assert cold and all(c.startswith(("fadvise", "drop_caches")) for c in cold), cold

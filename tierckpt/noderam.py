@@ -47,6 +47,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 from tierckpt import config
 from tierckpt._types import BytesLike
@@ -178,6 +179,12 @@ class NodeRamTier(TierSpec):
     ``namespace``: this run's folder in it (default: torchrun's run id); ``max_bytes``: the
     budget (default half of the tmpfs); ``stale_after_s``: how long a dead run's folder is left
     before opening this tier removes it (``None``: never on open).
+
+    Retention as on the other tiers (``keep_last``, ``keep_every_n_steps``, ``keep_best`` by
+    ``best_metric``/``best_mode``, pins), decided from the manifests in node RAM, so a
+    restarted worker keeps the same ones. What a rule keeps stays inside ``max_bytes``:
+    retention never deletes a kept checkpoint to make room, so once kept checkpoints fill the
+    budget, saves fail on this tier (``BackendError``, ENOSPC) while the slower tiers go on.
     """
 
     path: str = ""
@@ -196,6 +203,10 @@ class NodeRamTier(TierSpec):
         stale_after_s: float | None = DEFAULT_STALE_AFTER_S,
         codec: CodecSpec = "raw",
         name: str = "noderam",
+        keep_every_n_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
     ) -> None:
         base = os.path.abspath(os.fspath(path)) if path is not None else default_node_ram_path()
         ns = default_namespace() if namespace is None else namespace
@@ -217,6 +228,10 @@ class NodeRamTier(TierSpec):
         object.__setattr__(self, "keep_last", keep_last)
         object.__setattr__(self, "every", every)
         object.__setattr__(self, "codec", codec)
+        object.__setattr__(self, "keep_every_n_steps", keep_every_n_steps)
+        object.__setattr__(self, "keep_best", keep_best)
+        object.__setattr__(self, "best_metric", best_metric)
+        object.__setattr__(self, "best_mode", best_mode)
         TierSpec.__post_init__(self)
 
     @property

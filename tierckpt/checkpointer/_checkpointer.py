@@ -134,7 +134,7 @@ class Checkpointer(SavePath):
             self.policy.tiers, self._tiers, rank=self.rank, world_size=self.world_size
         )
         if self._peer is not None:
-            self._stats.add_callback(self._peer.on_commit)
+            self._stats.add_event_callback(self._peer.on_event)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
         #: callables naming steps retention must keep (protect_steps)

@@ -1,19 +1,26 @@
-"""``tierckpt demo``: train, lose the node, restore from S3 elsewhere, continue bit for bit.
+"""``tierckpt demo``: train, crash, restart from node RAM, lose the node, restore from S3
+elsewhere, continue bit for bit.
 
 What it does, on this machine, with nothing to configure:
 
 1. starts an S3 server (moto) on 127.0.0.1 in this process, so it outlives the children;
 2. **reference**: a child process trains a small GPT on bytes for ``--steps`` steps,
    checkpointing the classic way (a blocking ``torch.save`` every ``--every`` steps);
-3. **node 1**: a child trains the same run with tierckpt (``MemoryTier -> LocalTier ->
-   S3Tier``, default codec policy) and is killed with SIGKILL partway;
-4. **node 2**: a fresh child with an empty local folder restores the newest checkpoint
+3. **node 1**: a child trains the same run with tierckpt (``NodeRamTier -> LocalTier ->
+   S3Tier``, default codec policy; node RAM is a folder in ``/dev/shm``) and is killed with
+   SIGKILL at ``--crash-at`` (a crashed process);
+4. **node 1, restarted** (as torchrun would): a new process restores from the node's RAM,
+   reading nothing from the disk or S3 (counted), trains on, and at ``--kill-at`` the whole
+   node is lost: the process is killed and its RAM and disk folders are removed;
+5. **node 2**: a fresh child with empty RAM and disk folders restores the newest checkpoint
    committed on S3 and trains to the end;
-5. checks that node 1's losses and node 2's losses after the restore equal the reference's
-   bit for bit (and the final states' sha256), then prints a table: training time blocked per
-   checkpoint against ``torch.save``, bytes written per tier, compression, restore time.
+6. checks that every child's losses equal the reference's bit for bit (and the final states'
+   sha256), then prints tables: training time blocked per checkpoint against ``torch.save``,
+   bytes written per tier, and per failure the tier the restore read and its time.
 
-Exits 1 if the continuation is not bit-identical. The training itself is in
+Each child after the first tierckpt one is started while its predecessor still trains and
+waits (``--wait-go``) before it opens a tier, so Python's and torch's start-up is not on the
+demo's clock. Exits 1 if the continuation is not bit-identical. The training itself is in
 :mod:`tierckpt.demo.train`.
 """
 
@@ -75,33 +82,55 @@ def _bar(total: int, desc: str) -> Any:
     )
 
 
+def _on_tier(commits: list[dict[str, Any]], tier: str, step: int) -> bool:
+    return any(c.get("tier") == tier and int(c.get("step", -1)) >= step for c in commits)
+
+
 def _on_s3(commits: list[dict[str, Any]], step: int) -> bool:
-    return any(c.get("tier") == "s3" and int(c.get("step", -1)) >= step for c in commits)
+    return _on_tier(commits, "s3", step)
 
 
-def run_child(
-    name: str,
-    argv: list[str],
-    env: dict[str, str],
-    log_path: str,
-    *,
-    total: int,
-    first_step: int = 1,
-    kill_when: Callable[[int, list[dict[str, Any]]], bool] | None = None,
-) -> ChildRun:
-    """Run ``python -m tierckpt.demo.train argv``; SIGKILL it once ``kill_when(step,
-    commits)`` (the commit events seen so far) holds."""
-    run = ChildRun(name, log_path)
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tierckpt.demo.train", *argv],
+def start_child(
+    argv: list[str], env: dict[str, str], log_path: str, *, wait_go: bool = False
+) -> subprocess.Popen[str]:
+    """Start ``python -m tierckpt.demo.train argv``, its stderr into ``log_path``. With
+    ``wait_go`` it imports and builds its model, then waits for :func:`run_child` before it
+    opens a tier (started early, its start-up overlaps the previous child's training)."""
+    with open(log_path, "w"):
+        pass  # the child and the parent both append (stderr, and stray stdout lines)
+    with open(log_path, "a") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tierckpt.demo.train", *argv]
+            + (["--wait-go"] if wait_go else []),
+            stdin=subprocess.PIPE if wait_go else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,
             env=env,
             text=True,
             bufsize=1,
         )
+
+
+def run_child(
+    name: str,
+    proc: subprocess.Popen[str],
+    log_path: str,
+    *,
+    total: int,
+    first_step: int = 1,
+    kill_when: Callable[[int, list[dict[str, Any]]], bool] | None = None,
+) -> ChildRun:
+    """Let the child ``proc`` (:func:`start_child`) go and follow it to its end; SIGKILL it
+    once ``kill_when(step, commits)`` (the commit events seen so far) holds."""
+    run = ChildRun(name, log_path)
+    t0 = time.perf_counter()
+    if proc.stdin is not None:
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.close()
+        except OSError:
+            pass  # it died already: its exit status and log say why
+    with open(log_path, "a") as log:
         watchdog = threading.Timer(CHILD_TIMEOUT_S, proc.kill)
         watchdog.daemon = True
         watchdog.start()
@@ -178,9 +207,12 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join("  " + ln for ln in lines)
 
 
-def report(ref: ChildRun, node1: ChildRun, node2: ChildRun, state_bytes: int) -> str:
+def report(
+    ref: ChildRun, node1: ChildRun, restart: ChildRun, node2: ChildRun, state_bytes: int
+) -> str:
     out = []
-    blocked = list(node1.blocked.values()) + list(node2.blocked.values())
+    tiered = (node1, restart, node2)
+    blocked = [b for run in tiered for b in run.blocked.values()]
     saves = [e["seconds"] for e in ref.torch_saves]
     fsyncs = [e["fsync_seconds"] for e in ref.torch_saves]
     out.append(
@@ -205,10 +237,11 @@ def report(ref: ChildRun, node1: ChildRun, node2: ChildRun, state_bytes: int) ->
             "tierckpt's copy also lands on local disk and in S3 in the background"
         )
     out.append("")
-    out.append("Bytes written per tier (node 1 until the kill, then node 2):")
+    out.append("Bytes written per tier (node 1, restarted node 1, node 2):")
     rows = []
-    for tier in ("memory", "local", "s3"):
-        cs = [c for c in node1.commits + node2.commits if c["tier"] == tier]
+    commits = [c for run in tiered for c in run.commits]
+    for tier in ("noderam", "memory", "local", "s3"):
+        cs = [c for c in commits if c["tier"] == tier]
         if not cs:
             continue
         raw = sum(c["raw"] for c in cs)
@@ -228,32 +261,73 @@ def report(ref: ChildRun, node1: ChildRun, node2: ChildRun, state_bytes: int) ->
     out.append(
         _table(rows, ["tier", "commits", "raw", "written", "ratio", "codec", "save->commit"])
     )
+    rows = []
+    for failure, run in (
+        ("process crash (node 1 restarted)", restart),
+        ("node lost (node 2, empty RAM, disk)", node2),
+    ):
+        r = run.restored
+        if r is None:
+            continue
+        read = {k: int(v) for k, v in r.get("read", {}).items()}
+        rows.append(
+            [
+                failure,
+                _source(read),
+                str(r["step"]),
+                *(_mib(read[t]) if read.get(t) else "0" for t in ("noderam", "local", "s3")),
+                _ms(r["seconds"]),
+            ]
+        )
+    if rows:
+        out.append("")
+        out.append("Restore after each failure (bytes read from each tier, counted):")
+        out.append(_table(rows, ["failure", "from", "step", "node RAM", "local", "S3", "restore"]))
     if node2.restored:
         r = node2.restored
-        out.append("")
         out.append(
-            f"Restore on node 2 (empty local disk) from S3: step {r['step']}, "
-            f"{_mib(state_bytes)} read, verified and decoded in {_ms(r['seconds'])} "
-            "(node 1's disks are gone: only S3 had it)"
+            f"  -> node 2 restored from S3: step {r['step']}, {_mib(state_bytes)} read, "
+            f"verified and decoded in {_ms(r['seconds'])} (node 1's RAM and disks are gone: "
+            "only S3 had it)"
         )
     return "\n".join(out)
+
+
+#: how the restore table names a tier
+_TIER_LABEL = {"noderam": "node RAM", "memory": "process RAM", "local": "local disk", "s3": "S3"}
+
+
+def _source(read: dict[str, int]) -> str:
+    """The tier a restore read its data from: the one that read the most bytes."""
+    if not read or max(read.values()) == 0:
+        return "?"
+    tier = max(read, key=lambda t: read[t])
+    return _TIER_LABEL.get(tier, tier)
 
 
 # -- the demo -------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tierckpt demo",
-        description="Train a small GPT with checkpoints through RAM -> local disk -> S3 "
-        "(moto on 127.0.0.1), kill -9 the trainer partway, restore on a new node "
-        "from S3 and check the loss continues bit for bit.",
+        description="Train a small GPT with checkpoints through node RAM -> local disk -> S3 "
+        "(moto on 127.0.0.1), kill -9 the trainer (a crash: it restarts from node RAM), then "
+        "lose the node (a new node restores from S3) and check the loss continues bit for bit.",
     )
     p.add_argument("--steps", type=int, default=240, help="training steps (default 240)")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps (default 10)")
     p.add_argument(
+        "--crash-at",
+        type=int,
+        default=None,
+        help="SIGKILL node 1's process after this step, then restart it on the same node "
+        "(default: about a third of the way)",
+    )
+    p.add_argument(
         "--kill-at",
         type=int,
         default=None,
-        help="SIGKILL node 1 after this step (default: a bit past the middle)",
+        help="lose node 1 (SIGKILL, RAM and disk wiped) after this step (default: a bit past "
+        "the middle)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
@@ -266,7 +340,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="folder for the nodes' local tiers and logs (default: a temp dir)",
     )
-    p.add_argument("--keep", action="store_true", help="keep the work folder afterwards")
+    p.add_argument(
+        "--shm",
+        default=None,
+        help="folder for the nodes' RAM tiers (default: a temp dir in /dev/shm)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the work folders afterwards")
     p.add_argument("--break-rng", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -275,9 +354,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--steps must cover at least two checkpoints (--every)")
     if args.kill_at is None:
         args.kill_at = args.steps * 11 // 20 + args.every // 3 + 1
+    if args.crash_at is None:
+        args.crash_at = max(args.every, args.steps * 3 // 10 + args.every // 3 + 1)
     if not args.every <= args.kill_at < args.steps:
         p.error(f"--kill-at must be in [{args.every}, {args.steps})")
+    if not args.every <= args.crash_at < args.kill_at:
+        p.error(f"--crash-at must be in [{args.every}, --kill-at={args.kill_at})")
     return args
+
+
+def _node_ram_folder(args: argparse.Namespace, workdir: str) -> tuple[str, str]:
+    """Where the nodes' RAM tiers live, and a note when it is not shared memory."""
+    if args.shm:
+        os.makedirs(args.shm, exist_ok=True)
+        return args.shm, ""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return tempfile.mkdtemp(prefix="tierckpt-demo-", dir="/dev/shm"), ""
+    return os.path.join(workdir, "shm"), " (no /dev/shm here: a disk folder stands in for it)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,13 +391,18 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("the demo needs moto's server: pip install 'moto[server]'", file=sys.stderr)
         return 1
+    shm, shm_note = _node_ram_folder(args, workdir)
+    paths["shm1"] = os.path.join(shm, "node1")
+    paths["shm2"] = os.path.join(shm, "node2")
     server = start_moto()
     rc = 1
     try:
-        rc = _demo(args, server, workdir, paths, t_start)
+        rc = _demo(args, server, workdir, paths, t_start, shm_note)
         return rc
     finally:
         server.stop()
+        if not args.keep and not args.shm:
+            shutil.rmtree(shm, ignore_errors=True)  # the node's RAM: never left behind
         if rc == 0 and not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         elif rc != 0:
@@ -312,7 +410,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(
-    args: argparse.Namespace, server: Any, workdir: str, paths: dict[str, str], t_start: float
+    args: argparse.Namespace,
+    server: Any,
+    workdir: str,
+    paths: dict[str, str],
+    t_start: float,
+    shm_note: str = "",
 ) -> int:
     from tierckpt.backends.s3 import S3Backend
     from tierckpt.catalog import committed_steps
@@ -351,6 +454,8 @@ def _demo(
         str(args.layers),
     ]
     tiered = ["--mode", "tierckpt", "--s3-url", s3_url, "--endpoint-url", server.endpoint_url]
+    node1_tiers = ["--node-ram", paths["shm1"], "--local-dir", os.path.join(paths["node1"], "ckpt")]
+    node2_tiers = ["--node-ram", paths["shm2"], "--local-dir", os.path.join(paths["node2"], "ckpt")]
 
     print(
         f"tierckpt demo: a {args.layers}-block GPT on bytes, {args.steps} steps, a checkpoint "
@@ -358,85 +463,138 @@ def _demo(
     )
     print("  1. reference run, blocking torch.save checkpoints")
     print(
-        "  2. node 1: tierckpt through memory -> local disk -> S3, killed with SIGKILL "
-        f"after step {args.kill_at}"
+        "  2. node 1: tierckpt through node RAM -> local disk -> S3; its process is killed "
+        f"with SIGKILL after step {args.crash_at} (a crash){shm_note}"
     )
-    print("  3. node 2: empty disks, restores from S3, trains to the end; losses compared\n")
-    sys.stdout.flush()
-
-    ref = run_child(
-        "1. reference (torch.save)",
-        [*model, "--mode", "reference", "--baseline-dir", paths["baseline"]],
-        env,
-        os.path.join(paths["logs"], "reference.log"),
-        total=args.steps,
-    )
-    if ref.returncode != 0 or ref.done is None:
-        return _child_failed(ref)
-
-    # the kill waits for S3 to commit the newest save before --kill-at, so that the story
-    # (and the restored step) is the same on a loaded machine as on a quiet one
-    last_save = args.kill_at // args.every * args.every
-    node1 = run_child(
-        "2. node 1 (tierckpt, kill -9)",
-        [*model, *tiered, "--local-dir", os.path.join(paths["node1"], "ckpt")],
-        env,
-        os.path.join(paths["logs"], "node1.log"),
-        total=args.steps,
-        kill_when=lambda s, commits: s >= args.kill_at and _on_s3(commits, last_save),
-    )
-    if node1.killed_at is None:
-        return _child_failed(node1)
-    s3 = S3Backend(s3_url, client=admin)
-    on_s3 = committed_steps(s3)
     print(
-        f"node 1 killed with SIGKILL after step {node1.killed_at} (exit status "
-        f"{node1.returncode}); committed on S3: steps {on_s3 or 'none'}"
+        "  3. node 1 restarted (as torchrun would): restores from the node's RAM, trains on; "
+        f"after step {args.kill_at} the node is lost (SIGKILL, its RAM and disk wiped)"
     )
-    if not on_s3:
-        print("no checkpoint reached S3 before the kill: raise --kill-at", file=sys.stderr)
-        return 1
-    rep = verify_checkpoint(s3, on_s3[-1])
-    print(f"verified S3 step {on_s3[-1]}: {rep.chunks} chunk(s), every checksum ok, decoded\n")
+    print("  4. node 2: empty RAM and disk, restores from S3, trains to the end; losses compared\n")
     sys.stdout.flush()
 
-    node2 = run_child(
-        "3. node 2 (restore from S3)",
-        [*model, *tiered, "--resume", "--local-dir", os.path.join(paths["node2"], "ckpt")]
-        + (["--no-rng-restore"] if args.break_rng else []),
-        env,
-        os.path.join(paths["logs"], "node2.log"),
-        total=args.steps,
-    )
-    if node2.returncode != 0 or node2.done is None or node2.restored is None:
-        return _child_failed(node2)
+    logs = {
+        k: os.path.join(paths["logs"], f"{k}.log")
+        for k in ("reference", "node1", "restart", "node2")
+    }
+    started: list[subprocess.Popen[str]] = []
 
+    def start(argv: list[str], log: str, *, wait_go: bool = False) -> subprocess.Popen[str]:
+        started.append(start_child(argv, env, log, wait_go=wait_go))
+        return started[-1]
+
+    try:
+        ref = run_child(
+            "1. reference (torch.save)",
+            start(
+                [*model, "--mode", "reference", "--baseline-dir", paths["baseline"]],
+                logs["reference"],
+            ),
+            logs["reference"],
+            total=args.steps,
+        )
+        if ref.returncode != 0 or ref.done is None:
+            return _child_failed(ref)
+
+        node1_proc = start([*model, *tiered, *node1_tiers], logs["node1"])
+        restart_proc = start(
+            [*model, *tiered, *node1_tiers, "--resume"], logs["restart"], wait_go=True
+        )
+        # the crash comes once node RAM holds the newest save before --crash-at (at once, on
+        # any machine: it is the fastest tier), so that the restored step is the same
+        crash_save = args.crash_at // args.every * args.every
+        node1 = run_child(
+            "2. node 1 (tierckpt, kill -9)",
+            node1_proc,
+            logs["node1"],
+            total=args.steps,
+            kill_when=lambda s, c: s >= args.crash_at and _on_tier(c, "noderam", crash_save),
+        )
+        if node1.killed_at is None:
+            return _child_failed(node1)
+        print(
+            f"node 1's process killed with SIGKILL after step {node1.killed_at} (exit status "
+            f"{node1.returncode}): a crash; its node RAM and disk are still there"
+        )
+        sys.stdout.flush()
+
+        node2_proc = start(
+            [*model, *tiered, *node2_tiers, "--resume"]
+            + (["--no-rng-restore"] if args.break_rng else []),
+            logs["node2"],
+            wait_go=True,
+        )
+        # the node is lost once S3 has committed the newest save before --kill-at, so that
+        # the story (and the restored step) is the same on a loaded machine as on a quiet one
+        last_save = args.kill_at // args.every * args.every
+        restart = run_child(
+            "3. node 1 restarted (node RAM)",
+            restart_proc,
+            logs["restart"],
+            total=args.steps,
+            kill_when=lambda s, c: s >= args.kill_at and _on_s3(node1.commits + c, last_save),
+        )
+        if restart.killed_at is None or restart.restored is None:
+            return _child_failed(restart)
+        # the node is lost: its memory and its disk go with it
+        shutil.rmtree(paths["shm1"], ignore_errors=True)
+        shutil.rmtree(paths["node1"], ignore_errors=True)
+        s3 = S3Backend(s3_url, client=admin)
+        on_s3 = committed_steps(s3)
+        print(
+            f"node 1 lost after step {restart.killed_at} (its process killed with SIGKILL, "
+            f"its RAM and disk folders removed); committed on S3: steps {on_s3 or 'none'}"
+        )
+        if not on_s3:
+            print("no checkpoint reached S3 before the kill: raise --kill-at", file=sys.stderr)
+            return 1
+        rep = verify_checkpoint(s3, on_s3[-1])
+        print(f"verified S3 step {on_s3[-1]}: {rep.chunks} chunk(s), every checksum ok, decoded\n")
+        sys.stdout.flush()
+
+        node2 = run_child(
+            "4. node 2 (restore from S3)", node2_proc, logs["node2"], total=args.steps
+        )
+        if node2.returncode != 0 or node2.done is None or node2.restored is None:
+            return _child_failed(node2)
+    finally:
+        for proc in started:  # a child started early and never let go, or left running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    restored1 = int(restart.restored["step"])
     restored = int(node2.restored["step"])
     state_bytes = max((c["raw"] for c in node1.commits), default=0)
     print()
-    print(report(ref, node1, node2, state_bytes))
+    print(report(ref, node1, restart, node2, state_bytes))
     print()
     ok = True
-    bad1 = _first_mismatch(node1.losses, ref.losses, range(1, max(node1.losses) + 1))
-    bad2 = _first_mismatch(node2.losses, ref.losses, range(restored + 1, args.steps + 1))
-    if bad1 is not None:
-        ok = False
-        print(f"MISMATCH node 1 vs reference at step {bad1[0]}: {bad1[1]!r} != {bad1[2]!r}")
-    if bad2 is not None:
-        ok = False
-        print(f"MISMATCH node 2 vs reference at step {bad2[0]}: {bad2[1]!r} != {bad2[2]!r}")
+    checks = (
+        ("node 1", node1, 1, max(node1.losses) + 1),
+        ("restarted node 1", restart, restored1 + 1, max(restart.losses, default=0) + 1),
+        ("node 2", node2, restored + 1, args.steps + 1),
+    )
+    for label, run, first, end in checks:
+        bad = _first_mismatch(run.losses, ref.losses, range(first, end))
+        if bad is not None:
+            ok = False
+            print(f"MISMATCH {label} vs reference at step {bad[0]}: {bad[1]!r} != {bad[2]!r}")
+    assert ref.done is not None and node2.done is not None
     same_state = node2.done["digest"] == ref.done["digest"]
     if not same_state:
         ok = False
         print("MISMATCH: node 2's final state differs from the reference's")
     total = time.perf_counter() - t_start
     if ok:
-        redone = node1.killed_at - restored
+        assert restart.killed_at is not None and node1.killed_at is not None
         print(
-            f"Continuation is bit-identical: node 2 resumed at step {restored + 1} (node 1 had "
-            f"reached {node1.killed_at}, so {redone} step(s) were redone) and its "
-            f"{args.steps - restored} losses equal the uninterrupted run's, as do node 1's "
-            f"{len(node1.losses)}; final state sha256 {ref.done['digest'][:16]}... matches."
+            f"Continuation is bit-identical: node 1's restarted process resumed at step "
+            f"{restored1 + 1} from node RAM ({node1.killed_at - restored1} step(s) redone), "
+            f"node 2 at step {restored + 1} from S3 (node 1 had reached {restart.killed_at}, "
+            f"so {restart.killed_at - restored} step(s) were redone); their losses equal the "
+            f"uninterrupted run's, as do node 1's {len(node1.losses)}; final state sha256 "
+            f"{ref.done['digest'][:16]}... matches."
         )
     else:
         print(f"Continuation is NOT bit-identical (logs in {paths['logs']}).")

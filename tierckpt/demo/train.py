@@ -6,9 +6,14 @@ Run by :mod:`tierckpt.demo.scenario` as a child process, in one of two modes:
     an uninterrupted run that checkpoints the classic way, with a blocking ``torch.save``
     every ``--every`` steps (the baseline, and the losses to compare against).
 ``--mode tierckpt``
-    the same run checkpointing through ``MemoryTier -> LocalTier -> S3Tier``; with
-    ``--resume`` it first restores the newest committed checkpoint (on a fresh node only S3
-    has one) and continues from there.
+    the same run checkpointing through ``NodeRamTier -> LocalTier -> S3Tier`` (``MemoryTier``
+    first instead without ``--node-ram``); with ``--resume`` it first restores the newest
+    committed checkpoint (after a crash the node's RAM has it; on a fresh node only S3 does),
+    counting the bytes it read from each tier, and continues from there.
+
+``--wait-go``: the process imports and builds everything that does not touch a checkpoint,
+then waits for a line on stdin before it opens its tiers, so that the demo can start it while
+the previous process still trains (its start-up time is then hidden, not part of the story).
 
 Everything that decides the numbers is fixed: seeds, deterministic kernels, one thread, the
 batch of step ``s`` derived from ``s`` alone, and the RNG state (dropout) saved in the
@@ -80,8 +85,10 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        q, k, v = (
+            z.view(b, t, self.heads, -1).transpose(1, 2)
+            for z in self.qkv(self.ln1(x)).split(c, dim=2)
+        )
         att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         att = att.masked_fill(~causal, float("-inf")).softmax(-1)
@@ -94,8 +101,16 @@ class _Block(nn.Module):
 class TinyGPT(nn.Module):
     """A GPT-style decoder on byte tokens, with the output head tied to the embedding."""
 
-    def __init__(self, *, dim: int = 128, layers: int = 3, heads: int = 4, context: int = 64,
-                 dropout: float = 0.1, vocab: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        dim: int = 128,
+        layers: int = 3,
+        heads: int = 4,
+        context: int = 64,
+        dropout: float = 0.1,
+        vocab: int = 256,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(context, dim)
@@ -117,8 +132,9 @@ def corpus() -> torch.Tensor:
     return torch.tensor(list(TEXT.encode("utf-8")), dtype=torch.long)
 
 
-def batch_for_step(data: torch.Tensor, step: int, *, batch: int, context: int,
-                   seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_for_step(
+    data: torch.Tensor, step: int, *, batch: int, context: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of ``step``: a function of the step alone, so a restart sees the same data."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=gen)
@@ -179,6 +195,44 @@ def _lr_schedule(total: int, warmup: int) -> Callable[[int], float]:
     return f
 
 
+class ReadCounter:
+    """Bytes each tier's backend read (wrappers on the backend objects' read methods)."""
+
+    def __init__(self, ck: Any) -> None:
+        self.bytes: dict[str, int] = {}
+        for name in ck.tier_names:
+            self._wrap(name, ck.backend(name))
+
+    def _wrap(self, name: str, backend: Any) -> None:
+        self.bytes[name] = 0
+        read, read_into, pieces, get = (
+            backend.read,
+            backend.read_into,
+            backend.read_into_pieces,
+            backend.get,
+        )
+
+        def c_read(obj: str, offset: int, length: int) -> Any:
+            self.bytes[name] += length
+            return read(obj, offset, length)
+
+        def c_read_into(obj: str, offset: int, out: memoryview) -> None:
+            self.bytes[name] += out.nbytes
+            read_into(obj, offset, out)
+
+        def c_pieces(obj: str, offset: int, outs: Any) -> None:
+            self.bytes[name] += sum(memoryview(o).nbytes for o in outs)
+            pieces(obj, offset, outs)
+
+        def c_get(obj: str) -> bytes:
+            data: bytes = get(obj)
+            self.bytes[name] += len(data)
+            return data
+
+        backend.read, backend.read_into = c_read, c_read_into
+        backend.read_into_pieces, backend.get = c_pieces, c_get
+
+
 def run(args: argparse.Namespace) -> int:
     deterministic(args.seed)
     model = TinyGPT(dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
@@ -200,20 +254,37 @@ def run(args: argparse.Namespace) -> int:
     start = 0
     if args.mode == "tierckpt":
         import tierckpt
+        import tierckpt.backends.s3  # imported before the wait: start-up time
 
+    if args.wait_go:
+        sys.stdin.readline()
+    if args.mode == "tierckpt":
+        first: tierckpt.TierSpec = (
+            tierckpt.NodeRamTier(path=args.node_ram, namespace="demo", stale_after_s=None)
+            if args.node_ram
+            else tierckpt.MemoryTier(namespace=f"demo-{os.getpid()}", keep_last=1)
+        )
         tiers = [
-            tierckpt.MemoryTier(namespace=f"demo-{os.getpid()}", keep_last=1),
+            first,
             tierckpt.LocalTier(args.local_dir, keep_last=2),
             tierckpt.S3Tier(args.s3_url, endpoint_url=args.endpoint_url, keep_last=3),
         ]
 
         def on_commit(r: tierckpt.TierResult) -> None:
-            emit("commit", step=r.step, tier=r.tier, raw=r.raw_bytes, stored=r.stored_bytes,
-                 seconds=r.seconds, codec=r.codec)
+            emit(
+                "commit",
+                step=r.step,
+                tier=r.tier,
+                raw=r.raw_bytes,
+                stored=r.stored_bytes,
+                seconds=r.seconds,
+                codec=r.codec,
+            )
 
         ck = tierckpt.Checkpointer(tiers, host_buffer_bytes=64 << 20, on_commit=on_commit)
         ck.guard(opt, model)
         if args.resume:
+            counter = ReadCounter(ck)
             t0 = time.perf_counter()
             loaded = ck.load()
             seconds = time.perf_counter() - t0
@@ -223,8 +294,14 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_rng_restore:
                 torch.set_rng_state(loaded["rng"])
             start = int(loaded["step"])
-            emit("restored", step=start, seconds=seconds, tiers=ck.tier_steps(),
-                 digest=state_digest(loaded))
+            emit(
+                "restored",
+                step=start,
+                seconds=seconds,
+                tiers=ck.tier_steps(),
+                read=counter.bytes,
+                digest=state_digest(loaded),
+            )
     emit("start", params=n_params, first_step=start + 1, pid=os.getpid())
 
     pending: list[Any] = []
@@ -240,8 +317,12 @@ def run(args: argparse.Namespace) -> int:
         sched.step()
         emit("loss", step=step, loss=loss.item())
         for h in [h for h in pending if h.captured]:
-            emit("blocked", step=h.step, seconds=h.blocked_seconds,
-                 save_call=save_call.get(h.step, 0.0))
+            emit(
+                "blocked",
+                step=h.step,
+                seconds=h.blocked_seconds,
+                save_call=save_call.get(h.step, 0.0),
+            )
             pending.remove(h)
         if step % args.every == 0:
             if ck is not None:
@@ -256,22 +337,33 @@ def run(args: argparse.Namespace) -> int:
                 with open(path, "rb+") as f:
                     os.fsync(f.fileno())
                 t2 = time.perf_counter()
-                emit("torch_save", step=step, seconds=t1 - t0, fsync_seconds=t2 - t1,
-                     bytes=os.path.getsize(path))
+                emit(
+                    "torch_save",
+                    step=step,
+                    seconds=t1 - t0,
+                    fsync_seconds=t2 - t1,
+                    bytes=os.path.getsize(path),
+                )
     train_seconds = time.perf_counter() - t_train
     if ck is not None:
         ck.wait()
         for h in pending:
-            emit("blocked", step=h.step, seconds=h.blocked_seconds,
-                 save_call=save_call.get(h.step, 0.0))
+            emit(
+                "blocked",
+                step=h.step,
+                seconds=h.blocked_seconds,
+                save_call=save_call.get(h.step, 0.0),
+            )
         ck.close()
     emit("done", digest=state_digest(state(args.steps)), train_seconds=train_seconds)
     return 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tierckpt.demo.train",
-                                description="The training child process of `tierckpt demo`.")
+    p = argparse.ArgumentParser(
+        prog="python -m tierckpt.demo.train",
+        description="The training child process of `tierckpt demo`.",
+    )
     p.add_argument("--mode", choices=["reference", "tierckpt"], required=True)
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--every", type=int, default=10)
@@ -286,9 +378,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--s3-url", default="")
     p.add_argument("--endpoint-url", default=None)
     p.add_argument("--baseline-dir", default="")
+    p.add_argument(
+        "--node-ram",
+        default="",
+        help="the node's shared-memory folder: NodeRamTier first (else MemoryTier)",
+    )
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--no-rng-restore", action="store_true",
-                   help="(for tests) do not restore the RNG state: the losses must diverge")
+    p.add_argument(
+        "--wait-go", action="store_true", help="wait for a line on stdin before opening the tiers"
+    )
+    p.add_argument(
+        "--no-rng-restore",
+        action="store_true",
+        help="(for tests) do not restore the RNG state: the losses must diverge",
+    )
     return p.parse_args(argv)
 
 

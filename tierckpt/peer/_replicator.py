@@ -26,6 +26,7 @@ from tierckpt.peer._spec import PeerTier
 from tierckpt.peer._wire import Offer, Received, exchange
 from tierckpt.restore import read_manifest
 from tierckpt.retention import gc_tier
+from tierckpt.stats import CheckpointEvent
 
 if TYPE_CHECKING:
     from tierckpt.pipeline import Tier
@@ -90,9 +91,15 @@ class PeerReplicator:
     copies after each commit), one only the training thread uses (:meth:`prepare_load`), so
     that neither waits on the other and the training group never carries a byte of it.
 
-    Each node-RAM commit is one *round* on every rank (every rank commits the same
-    checkpoints there, through the process group's store): each rank offers its newest shard
-    to its partners and receives its sources' shards (:func:`~tierckpt.peer._wire.exchange`).
+    Each node-RAM save is one *round* on every rank, whatever its outcome on that rank
+    (every rank's node-RAM tier receives the same steps): each rank offers the shard it just
+    committed there to its partners — nothing if its copy failed — and receives its
+    sources' shards (:func:`~tierckpt.peer._wire.exchange`). A round per save, not per
+    commit, keeps the rounds of every rank in step when a commit fails on some ranks only
+    (the node's manifest could not be written, a commit timeout): a rank that skipped its
+    round would pair the next one with its partners' previous one, and the last with none.
+    So a replica exists only of a shard committed in its own node's RAM; a step that failed
+    there has no replica of that rank's shard, and later steps replicate as before.
     A partner keeps ``keep_last`` replicas per source in ``<run folder>.replicas/rank-<s>/``
     beside its own node-RAM folder, within the node-RAM budget (a replica that does not fit
     is declined and logged). A round that fails (a partner died: the group's timeout) ends
@@ -127,7 +134,8 @@ class PeerReplicator:
         if not self.placement.partners[rank]:
             log.warning("PeerTier: rank %d has no partner on another node: no replica", rank)
         self._replicas: dict[int, NodeRamBackend] = {}
-        self._queue: queue.Queue[CheckpointId | None] = queue.Queue()
+        #: (checkpoint, committed on this node's RAM): one round each, in the order reported
+        self._queue: queue.Queue[tuple[CheckpointId, bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -173,24 +181,39 @@ class PeerReplicator:
         return Offer(cid, rank, encode_manifest(m), backend._path(ref.file), ref.size)
 
     # -- background replication ----------------------------------------------------------
-    def on_commit(self, result: TierResult) -> None:
-        """A commit callback (pipeline thread): a node-RAM commit starts a round."""
-        if result.tier != self._ram.name or self._broken is not None:
+    def on_event(self, event: CheckpointEvent) -> None:
+        """An event callback (pipeline threads): every outcome of a node-RAM save — committed,
+        failed, given up — starts a round; only a committed one offers the shard."""
+        if event.tier != self._ram.name or self._broken is not None:
             return
+        if event.kind not in ("committed", "failed", "deadline"):
+            return
+        self._enqueue(CheckpointId(event.step, event.timeline), event.kind == "committed")
+
+    def on_commit(self, result: TierResult) -> None:
+        """A commit callback: a node-RAM commit starts a round (:meth:`on_event` also starts
+        one for a failed copy; a Checkpointer registers that one)."""
+        if result.tier == self._ram.name and self._broken is None:
+            self._enqueue(CheckpointId(result.step, result.timeline), True)
+
+    def _enqueue(self, cid: CheckpointId, committed: bool) -> None:
+        # the pipeline reports each tier's copy of a save once (committed, failed or given
+        # up), so every rank queues the same number of rounds
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tierckpt-peer", daemon=True)
                 self._thread.start()
-        self._queue.put(CheckpointId(result.step, result.timeline))
+        self._queue.put((cid, committed))
 
     def _run(self) -> None:
         while True:
-            cid = self._queue.get()
+            item = self._queue.get()
+            cid = item[0] if item is not None else None
             try:
-                if cid is None:
+                if item is None:
                     return
                 if self._broken is None:
-                    self._round(cid)
+                    self._round(*item)
             except Exception as exc:
                 self._broken = str(exc)
                 log.warning(
@@ -202,10 +225,12 @@ class PeerReplicator:
             finally:
                 self._queue.task_done()
 
-    def _round(self, cid: CheckpointId) -> None:
+    def _round(self, cid: CheckpointId, committed: bool = True) -> None:
         t0 = time.perf_counter()
         me = self._rank
-        offer = self._offer(self._ram_backend, cid, me)
+        # a copy that did not commit here has nothing to offer (its shard file may even be
+        # whole, but without this node's manifest it is not a checkpoint)
+        offer = self._offer(self._ram_backend, cid, me) if committed else None
         offers: dict[int, Offer | None] = dict.fromkeys(self.placement.partners[me], offer)
         sources = self.placement.sources(me)
 
@@ -236,7 +261,7 @@ class PeerReplicator:
         except FileExistsError:
             pass
         self.received_bytes += r.size
-        gc_tier(b, self.spec.keep_last)
+        gc_tier(b, self.spec.retention)  # keep_last, keep_every_n_steps, keep_best
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the rounds queued so far are done (tests, benchmarks, close)."""

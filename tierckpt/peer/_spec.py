@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from tierckpt.backends.base import Backend
 from tierckpt.policy import TierSpec
@@ -20,7 +21,11 @@ class PeerTier(TierSpec):
     the first one) and an initialized ``torch.distributed`` group. The copies go, in a
     background thread, over a gloo process group created for them when the
     ``Checkpointer`` is built (every rank builds it together) — never the training group.
-    ``keep_last``: replicas kept per partner shard (default 1). ``placement``: the partner
+    ``keep_last``: replicas kept per partner shard (default 1); ``keep_every_n_steps`` and
+    ``keep_best`` (by ``best_metric``, ``best_mode``) keep more, as on the other tiers, decided
+    per partner shard from the replicated manifests (they carry ``save(metrics=...)``), all
+    inside the partner's node-RAM budget (a replica that does not fit is declined, logged).
+    Pins (``Checkpointer.pin``) do not reach replicas. ``placement``: the partner
     ranks of every rank (``placement[r]``: ``replicas`` ranks on other nodes), default a ring
     over the nodes (the same local rank on the next node). ``timeout_s``: how long one
     transfer may wait for its partner before replication is given up for this run (logged).
@@ -42,6 +47,10 @@ class PeerTier(TierSpec):
         placement: Sequence[Sequence[int]] | None = None,
         timeout_s: float = 300.0,
         name: str = "peer",
+        keep_every_n_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
     ) -> None:
         if type(replicas) is not int or replicas < 1:
             raise ValueError(f"PeerTier replicas must be an int >= 1, got {replicas!r}")
@@ -59,6 +68,10 @@ class PeerTier(TierSpec):
         object.__setattr__(self, "keep_last", keep_last)
         object.__setattr__(self, "every", 1)
         object.__setattr__(self, "codec", "raw")
+        object.__setattr__(self, "keep_every_n_steps", keep_every_n_steps)
+        object.__setattr__(self, "keep_best", keep_best)
+        object.__setattr__(self, "best_metric", best_metric)
+        object.__setattr__(self, "best_mode", best_mode)
         TierSpec.__post_init__(self)
 
     def make_backend(self) -> Backend:
