@@ -16,6 +16,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tierckpt.testing.emulators import (
+    AZURITE_ACCOUNT,
+    AZURITE_KEY,
+    Emulator,
+    start_azurite,
+    start_fake_gcs,
+)
+from tierckpt.testing.gcsxml import GcsXmlFront
 from tierckpt.testing.s3servers import (
     ACCESS_KEY,
     REGION,
@@ -101,3 +109,43 @@ def _remove_bucket(server: S3Server, bucket: str) -> None:
             if keys:
                 client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
         client.delete_bucket(Bucket=bucket)
+
+
+# -- object-store emulators: GCS and Azure Blob (the obstore backend) -----------------------
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """Azurite's blob service on 127.0.0.1; skips where Azurite (npm) is not installed."""
+    try:
+        server = start_azurite(tmp_path_factory.mktemp("azurite"))
+    except FileNotFoundError as exc:
+        pytest.skip(f"Azurite is not installed here: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """fake-gcs-server on 127.0.0.1; skips where its wheel is not installed."""
+    try:
+        server = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
+    except FileNotFoundError as exc:
+        pytest.skip(f"fake-gcs-server is not installed here: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_xml(fake_gcs: Emulator) -> Iterator[GcsXmlFront]:
+    """fake-gcs-server with the XML API's writes that obstore sends (tierckpt.testing.gcsxml):
+    ``gcs_xml.endpoint_url`` is what a ``gs://`` backend's ``endpoint_url=`` takes."""
+    with GcsXmlFront(fake_gcs.endpoint_url) as front:
+        yield front
+
+
+@pytest.fixture
+def azure_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Azurite's well-known account through the standard environment variables."""
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", AZURITE_ACCOUNT)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
