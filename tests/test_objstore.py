@@ -230,6 +230,31 @@ def test_round_trip_with_transient_faults(moto_server: S3Server, s3_bucket: Buck
 
 
 @pytest.mark.s3
+def test_lost_answers_are_asked_again(moto_server: S3Server, s3_bucket: BucketFactory) -> None:
+    """object_store retries failed requests but not a response cut off after its headers: the
+    backend asks again. A CreateMultipartUpload whose answer was lost leaves no open upload
+    (the one it may have opened is aborted), a cut LIST or GET answer is read again."""
+    bucket = s3_bucket(moto_server)
+    faults = [
+        Fault("reset_response", method="POST", path_contains="?uploads", times=1),
+        Fault("reset_response", method="GET", path_contains="list-type=2", times=1),
+        Fault("reset_response", method="GET", path_contains="/run-1/small", times=1),
+    ]
+    with FaultProxy(moto_server.endpoint_url, faults) as proxy:
+        backend = make_obs(moto_server, bucket, endpoint_url=proxy.endpoint_url)
+        data = payload(2 * MIN_PART + 5, seed=40)
+        write_object(backend, "big", data, [MiB] * 3)
+        assert proxy.fired["reset_response"] == 1
+        backend.put_atomic("small", payload(300_000, seed=41))
+        assert backend.list() == ["big", "small"]
+        assert backend.get("small") == payload(300_000, seed=41)
+        assert proxy.fired["reset_response"] == 3
+        assert backend.get("big") == data
+        assert open_uploads(moto_server, bucket) == []
+        backend.close()
+
+
+@pytest.mark.s3
 def test_permanent_part_failure_aborts_upload(
     moto_server: S3Server, s3_bucket: BucketFactory
 ) -> None:

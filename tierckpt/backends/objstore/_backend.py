@@ -19,7 +19,14 @@ from tierckpt.backends.base import (
     read_new,
     validate_name,
 )
-from tierckpt.backends.objstore._errors import EXISTS_KINDS, short, statuses, translate
+from tierckpt.backends.objstore._errors import (
+    EXISTS_KINDS,
+    backoff,
+    body_lost,
+    short,
+    statuses,
+    translate,
+)
 from tierckpt.backends.objstore._store import StoreSettings, make_store, parse_url
 from tierckpt.backends.objstore._writer import _Writer
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
@@ -142,10 +149,18 @@ class ObjectStoreBackend(Backend):
         return translate(exc, what, where, scheme=self.scheme, bucket=self.bucket, url=self.url)
 
     def _call(self, what: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self._store, *args, **kwargs)
-        except Exception as exc:
-            raise self._translate(exc, what, self._where(key)) from exc
+        """One idempotent call, translated; a response cut off after its headers is asked
+        again (object_store retries failed requests, not bodies lost mid-read)."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn(self._store, *args, **kwargs)
+            except Exception as exc:
+                if attempt < self.max_attempts and body_lost(exc):
+                    log.debug("%s: %s lost its response (%s); again", self.url, what, short(exc))
+                    backoff(attempt)
+                    continue
+                raise self._translate(exc, what, self._where(key)) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- writing ---------------------------------------------------------------------------
     def open_writer(self, name: str) -> ObjectWriter:
@@ -161,14 +176,21 @@ class ObjectStoreBackend(Backend):
             self._call("put", key, obstore.put, key, body, use_multipart=False)
             return
         if self.supports_conditional_put:
-            for _ in range(3):
+            lost = 0  # creates whose answer was lost: each may have landed
+            for _ in range(3 + self.max_attempts):
                 try:
                     obstore.put(self._store, key, body, mode="create", use_multipart=False)
                     return
                 except Exception as exc:
                     kind = type(exc).__name__
                     if kind in EXISTS_KINDS:
+                        if lost and self._holds(key, body):
+                            return  # our own earlier attempt landed
                         raise FileExistsError(f"{self._where(key)} already exists") from None
+                    if lost + 1 < self.max_attempts and body_lost(exc):
+                        lost += 1
+                        backoff(lost)
+                        continue
                     if "409" in statuses(exc):
                         time.sleep(0.05)  # a concurrent create is in flight; S3 says retry
                         continue
@@ -183,6 +205,16 @@ class ObjectStoreBackend(Backend):
         if self.exists(name):
             raise FileExistsError(f"{self._where(key)} already exists")
         self._call("put", key, obstore.put, key, body, use_multipart=False)
+
+    def _holds(self, key: str, body: bytes) -> bool:
+        """Whether ``key`` holds exactly ``body`` (a create retried after its answer was lost
+        meets its own first attempt: the same bytes)."""
+        import obstore
+
+        try:
+            return bool(bytes(self._call("get", key, obstore.get, key).bytes()) == body)
+        except Exception:
+            return False
 
     def _probe_conditional_put(self) -> bool:
         import obstore
@@ -281,11 +313,7 @@ class ObjectStoreBackend(Backend):
         import obstore
 
         key = self._key(name)
-        result = self._call("get", key, obstore.get, key)
-        try:
-            return bytes(result.bytes())
-        except Exception as exc:
-            raise self._translate(exc, "get", self._where(key)) from exc
+        return bytes(self._call("get", key, lambda store: obstore.get(store, key).bytes()))
 
     def size(self, name: str) -> int:
         import obstore
@@ -303,21 +331,24 @@ class ObjectStoreBackend(Backend):
         folder = full if full.endswith("/") or not full else full.rpartition("/")[0]
         cut = len(self._root)
         names = []
-        try:
-            for batch in obstore.list(self._store, folder or None, chunk_size=1000):
-                for meta in batch:
-                    path = str(meta["path"])
-                    if not path.startswith(full):
-                        continue
-                    rel = path[cut:]
-                    if rel.startswith(PROBE_PREFIX):
-                        continue
-                    try:
-                        names.append(validate_name(rel))
-                    except FormatError:
-                        log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
-        except Exception as exc:
-            raise self._translate(exc, "list", self._where(full)) from exc
+        listing = self._call(
+            "list",
+            full,
+            lambda store: [
+                m for b in obstore.list(store, folder or None, chunk_size=1000) for m in b
+            ],
+        )
+        for meta in listing:
+            path = str(meta["path"])
+            if not path.startswith(full):
+                continue
+            rel = path[cut:]
+            if rel.startswith(PROBE_PREFIX):
+                continue
+            try:
+                names.append(validate_name(rel))
+            except FormatError:
+                log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
         return sorted(names)
 
     def delete(self, name: str) -> None:
@@ -345,6 +376,17 @@ class ObjectStoreBackend(Backend):
                     conditional_put=False,
                 )
             return self._s3_admin
+
+    def _abort_uploads_of(self, key: str) -> None:
+        """Abort every open multipart upload of ``key`` (S3: one a start whose answer was lost
+        may have opened). GCS keeps such an upload until the bucket's lifecycle rule."""
+        admin = self._admin()
+        if admin is None:
+            return
+        try:
+            admin._abort_other_uploads(key, keep="")
+        except Exception as exc:
+            log.warning("%s: could not abort open uploads of %s: %s", self.url, key, exc)
 
     def incomplete(self, prefix: str = "") -> builtins.list[str]:
         admin = self._admin()

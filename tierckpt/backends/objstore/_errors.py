@@ -3,7 +3,9 @@ obstore's exceptions onto the error family (a missing object, a read past the en
 
 from __future__ import annotations
 
+import random
 import re
+import time
 from typing import Any
 
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
@@ -54,6 +56,18 @@ def short(exc: BaseException) -> str:
 def statuses(exc: BaseException) -> list[str]:
     """The HTTP statuses an obstore error's message names."""
     return _STATUS.findall(str(exc))
+
+
+def body_lost(exc: BaseException) -> bool:
+    """Whether a call failed reading its response's body (headers came, the body was cut):
+    object_store retries failed requests but not these, so the backend asks again."""
+    text = str(exc)
+    return "response body" in text or "request or response body error" in text
+
+
+def backoff(attempt: int) -> None:
+    """Full-jitter exponential backoff before attempt ``attempt + 1`` (at most 2 s)."""
+    time.sleep(random.random() * min(2.0, 0.05 * 2**attempt))
 
 
 def translate(
