@@ -435,7 +435,7 @@ def test_checkpoint_round_trip_on_azure_tier(azurite: Emulator, azure_env: None)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["ids"], state["ids"])
 
 
-def test_default_s3_driver_is_boto3_and_env_or_argument_overrides(
+def test_default_s3_driver_is_obstore_and_env_or_argument_overrides(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from tierckpt import S3Tier
@@ -443,7 +443,11 @@ def test_default_s3_driver_is_boto3_and_env_or_argument_overrides(
     from tierckpt.backends.s3 import S3Backend
 
     monkeypatch.delenv("TIERCKPT_S3_DRIVER")  # the suite pins boto3 (conftest)
-    assert S3Tier("s3://bkt/p").driver == "boto3"
+    tier = S3Tier("s3://bkt/p", endpoint_url="http://127.0.0.1:9")
+    backend = tier.make_backend()
+    assert tier.driver == "obstore" and isinstance(backend, ObjectStoreBackend)
+    backend.close()
+    assert S3Tier("s3://bkt/p", driver="boto3").driver == "boto3"
     assert S3Tier("s3://bkt/p", driver="obstore").driver == "obstore"
     assert S3Tier("s3://bkt/p", client=object()).driver == "boto3"  # a boto3 client implies it
     monkeypatch.setenv("TIERCKPT_S3_DRIVER", "obstore")

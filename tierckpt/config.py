@@ -68,7 +68,7 @@ DEFAULT_LEASE_WAIT_S = 10.0
 #: (benchmarks/bench_restore.py, docs/object-stores.md), but the default stays boto3 until the
 #: crash, outage and stall suites (written against botocore's hooks) also pass on obstore
 S3_DRIVERS = ("obstore", "boto3")
-DEFAULT_S3_DRIVER = "boto3"
+DEFAULT_S3_DRIVER = "obstore"
 #: the longest lease ttl / wait accepted (a week)
 LEASE_MAX_S = 7 * 86400.0
 #: an attempt id goes into completion-record names: a short, path-safe word
