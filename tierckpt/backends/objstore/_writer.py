@@ -11,23 +11,37 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import ObjectWriter
 from tierckpt.backends.objstore._errors import backoff, body_lost, short
 from tierckpt.errors import BackendError
 
-if TYPE_CHECKING:
-    from tierckpt.backends.objstore._backend import ObjectStoreBackend
-
 log = logging.getLogger("tierckpt.backends.objstore")  # one logger for the whole backend
+
+
+class WriterHost(Protocol):
+    """What a writer uses of its backend (an ``ObjectStoreBackend``)."""
+
+    _store: Any
+    part_size: int
+    max_concurrency: int
+    max_attempts: int
+
+    def _where(self, key: str) -> str: ...
+
+    def _translate(self, exc: BaseException, what: str, where: str) -> BaseException: ...
+
+    def _call(self, what: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _abort_uploads_of(self, key: str) -> None: ...
 
 
 class _Writer(ObjectWriter):
     """One object streamed through obstore's buffered writer (multipart beyond a part)."""
 
-    def __init__(self, backend: ObjectStoreBackend, name: str, key: str) -> None:
+    def __init__(self, backend: WriterHost, name: str, key: str) -> None:
         super().__init__(name)
 
         self._b = backend
