@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 __all__ = ["DEFAULT_S3_DRIVER", "KNOBS", "S3_DRIVERS", "Knob", "knobs_markdown"]
 
-#: the S3 clients a tier can move bytes with. obstore measured faster on restore
-#: (benchmarks/bench_restore.py, docs/object-stores.md), but the default stays boto3 until the
-#: crash, outage and stall suites (written against botocore's hooks) also pass on obstore
+#: the S3 clients a tier can move bytes with. obstore measured as fast or faster and passes the
+#: reliability suite (docs/object-stores.md), but the default stays boto3 while some S3Tier
+#: options (profile=, automatic part sizing, the node connection share) are boto3-only
 S3_DRIVERS = ("obstore", "boto3")
 DEFAULT_S3_DRIVER = "boto3"
 

@@ -171,6 +171,43 @@ def install(hook: CrashHook) -> None:
     sb.put_atomic = sput  # type: ignore[method-assign]
     sb.delete = sdel  # type: ignore[method-assign]
 
+    # the same points on the obstore driver (TIERCKPT_S3_DRIVER=obstore): a part is handed to
+    # obstore when a write takes the object past a part boundary; the completion is commit()
+    from tierckpt.backends.objstore import _backend as obs_mod
+    from tierckpt.backends.objstore import _writer as obs_writer_mod
+
+    ow = obs_writer_mod._Writer
+    real_owrite, real_ocommit = ow.write, ow.commit
+
+    def owrite(self: Any, offset: int, data: Any) -> None:
+        before = self.size
+        real_owrite(self, offset, data)
+        if self.size // self._b.part_size > before // self._b.part_size:
+            hook.hit("s3_part")
+
+    def ocommit(self: Any) -> None:
+        hook.hit("s3_complete")
+        real_ocommit(self)
+
+    ow.write = owrite  # type: ignore[method-assign]
+    ow.commit = ocommit  # type: ignore[method-assign]
+    ob = obs_mod.ObjectStoreBackend
+    real_oput, real_odel = ob.put_atomic, ob.delete
+
+    def oput(self: Any, name: str, data: Any, *, overwrite: bool = False) -> None:
+        if name.startswith("manifests/"):
+            hook.hit("s3_manifest")
+        real_oput(self, name, data, overwrite=overwrite)
+        if name.startswith("manifests/"):
+            hook.hit("after_commit")
+
+    def odel(self: Any, name: str) -> None:
+        real_odel(self, name)
+        hook.hit("gc_manifest" if name.startswith("manifests/") else "gc_data")
+
+    ob.put_atomic = oput  # type: ignore[method-assign]
+    ob.delete = odel  # type: ignore[method-assign]
+
 
 # -- the training job ---------------------------------------------------------------------
 

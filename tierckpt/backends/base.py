@@ -58,12 +58,20 @@ from __future__ import annotations
 import builtins
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierckpt._types import BytesLike as Buffer
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
-__all__ = ["Backend", "ObjectWriter", "validate_name"]
+__all__ = [
+    "Backend",
+    "ObjectWriter",
+    "Range",
+    "most_telling_error",
+    "read_in_ranges",
+    "read_new",
+    "validate_name",
+]
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
 MAX_NAME_LENGTH = 512
@@ -219,3 +227,64 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release connections and handles."""
+
+
+# -- the ranged-read loop of the object-store backends (boto3 S3, obstore) -----------------
+#: one piece of a ranged read: the absolute offset in the object and the caller's memory
+Range = tuple[int, memoryview]
+
+
+def read_in_ranges(
+    backend: Backend,
+    name: str,
+    offset: int,
+    out: memoryview,
+    *,
+    range_size: int,
+    batch: int,
+    fetch: Callable[[builtins.list[Range]], None],
+) -> None:
+    """Fill ``out`` with the bytes of ``name`` from ``offset`` as ranged GETs.
+
+    The loop every object-store backend shares: the request is checked (a negative offset is a
+    :class:`~tierckpt.errors.FormatError`; an empty read still checks that the object exists
+    and that ``offset`` is not past its end, as a file would), ``out`` is split into pieces of
+    ``range_size`` bytes, and ``fetch`` gets them ``batch`` at a time as ``(offset, piece)``
+    pairs, filling each piece or raising. How a batch is fetched (a thread pool, one Rust call)
+    and retried is the backend's own.
+    """
+    if offset < 0:
+        raise FormatError(f"{backend.url}/{name}: negative offset {offset}")
+    if out.format != "B" or out.ndim != 1:
+        out = out.cast("B")
+    length = len(out)
+    if length == 0:
+        size = backend.size(name)
+        if offset > size:
+            raise FormatError(f"{backend.url}/{name}: offset {offset} past its end ({size})")
+        return
+    if range_size < 1 or batch < 1:
+        raise ValueError(f"range_size={range_size} and batch={batch} must be at least 1")
+    pieces = [(offset + s, out[s : s + range_size]) for s in range(0, length, range_size)]
+    for i in range(0, len(pieces), batch):
+        fetch(pieces[i : i + batch])
+
+
+def read_new(backend: Backend, name: str, offset: int, length: int) -> bytearray:
+    """``read`` through ``read_into``: ``length`` bytes at ``offset`` in a new buffer."""
+    if length < 0:
+        raise FormatError(f"{backend.url}/{name}: negative read length {length}")
+    buf = bytearray(length)
+    backend.read_into(name, offset, memoryview(buf))
+    return buf
+
+
+def most_telling_error(errors: Iterable[BaseException]) -> BaseException:
+    """Of the errors of a read's concurrent pieces, the one that says most: a missing object,
+    then a read past the end, then the first (a transport error)."""
+    errors = builtins.list(errors)
+    for kind in (CheckpointNotFound, FormatError):
+        for e in errors:
+            if isinstance(e, kind):
+                return e
+    return errors[0]

@@ -18,7 +18,15 @@ from botocore.exceptions import (
 )
 
 from tierckpt._types import BytesLike
-from tierckpt.backends.base import Backend, ObjectWriter, validate_name
+from tierckpt.backends.base import (
+    Backend,
+    ObjectWriter,
+    Range,
+    most_telling_error,
+    read_in_ranges,
+    read_new,
+    validate_name,
+)
 from tierckpt.backends.s3._client import PROBE_PREFIX, S3Connection
 from tierckpt.backends.s3._errors import (
     _BODY_ERRORS,
@@ -218,45 +226,37 @@ class S3Backend(S3Connection, Backend):
 
     # -- reading -------------------------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> BytesLike:
-        if length < 0:
-            raise FormatError(f"{self.url}/{name}: negative read length {length}")
-        buf = bytearray(length)
-        self.read_into(name, offset, memoryview(buf))
-        return buf
+        return read_new(self, name, offset, length)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         key = self._key(name)
-        if offset < 0:
-            raise FormatError(f"{self.url}/{name}: negative offset {offset}")
-        if out.format != "B" or out.ndim != 1:
-            out = out.cast("B")
-        length = len(out)
-        if length == 0:
-            size = self.size(name)
-            if offset > size:
-                raise FormatError(f"{self.url}/{name}: offset {offset} past its end ({size})")
-            return
-        step = self.part_size
+        # a read from one of our own pool's threads stays one GET (no waiting on the pool)
         nested = threading.current_thread().name.startswith(self._thread_prefix)
-        if length <= step or nested:
-            self._get_range(key, offset, out)
+        read_in_ranges(
+            self,
+            name,
+            offset,
+            out,
+            range_size=max(out.nbytes, 1) if nested else self.part_size,
+            batch=max(1, -(-out.nbytes // self.part_size)),  # all at once: the pool bounds it
+            fetch=lambda pieces: self._fetch(key, pieces),
+        )
+
+    def _fetch(self, key: str, pieces: builtins.list[Range]) -> None:
+        """Each piece by a ranged GET on the pool (one piece: on this thread)."""
+        if len(pieces) == 1:
+            start, view = pieces[0]
+            self._get_range(key, start, view)
             return
-        futures = [
-            self._executor().submit(self._get_range, key, offset + s, out[s : s + step])
-            for s in range(0, length, step)
-        ]
+        pool = self._executor()
+        futures = [pool.submit(self._get_range, key, start, view) for start, view in pieces]
         done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
         errors = [e for f in done if not f.cancelled() and (e := f.exception()) is not None]
         if errors:
             for f in not_done:
                 f.cancel()
-            wait(not_done)  # nothing may write into ``out`` after we return
-            # a missing object or a read past the end says more than a transport error
-            for kind in (CheckpointNotFound, FormatError):
-                for e in errors:
-                    if isinstance(e, kind):
-                        raise e
-            raise errors[0]
+            wait(not_done)  # nothing may write into the caller's buffer after we return
+            raise most_telling_error(errors)
 
     def _get_range(self, key: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``key`` from ``start``, at most ``read_concurrency``

@@ -1,0 +1,115 @@
+"""How an object store fails, translated once: :class:`ObjectStoreError` and the mapping of
+obstore's exceptions onto the error family (a missing object, a read past the end, the rest)."""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from typing import Any
+
+from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
+from tierckpt.redact import redact, scrub_exception
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>|\"reason\":\s*\"([A-Za-z ]+)\"")
+_MISSING_CONTAINER = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
+_CREDENTIAL_HINTS = {
+    "s3": "check the credentials boto3 finds: env, AWS_PROFILE / ~/.aws, or an instance role",
+    "gs": "check GOOGLE_APPLICATION_CREDENTIALS, gcloud's application default credentials or "
+    "the instance's service account",
+    "az": "check AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY / a SAS, or the "
+    "identity (az login, workload or managed identity)",
+}
+_NO_CONTAINER_WORD = {"s3": "bucket", "gs": "bucket", "az": "container"}
+#: obstore's exception kinds for a create-only put that met an existing object
+EXISTS_KINDS = ("AlreadyExistsError", "PreconditionError")
+
+
+class ObjectStoreError(BackendError):
+    """An object-store call failed after retries; ``status`` is the HTTP status (0: none),
+    ``code`` the store's error code or the exception's kind."""
+
+    def __init__(
+        self, message: str, *, url: str = "", key: str = "", code: str = "", status: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.key = key
+        self.code = code
+        self.status = status
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (str(self), self.url, self.key, self.code, self.status))
+
+
+def _rebuild_error(message: str, url: str, key: str, code: str, status: int) -> ObjectStoreError:
+    return ObjectStoreError(message, url=url, key=key, code=code, status=status)
+
+
+def short(exc: BaseException) -> str:
+    """obstore's message without its multi-line debug dump, credentials redacted."""
+    text = str(exc).split("\n\nDebug source", 1)[0]
+    return redact(" ".join(text.split()))
+
+
+def statuses(exc: BaseException) -> list[str]:
+    """The HTTP statuses an obstore error's message names."""
+    return _STATUS.findall(str(exc))
+
+
+def body_lost(exc: BaseException) -> bool:
+    """Whether a call failed reading its response's body (headers came, the body was cut):
+    object_store retries failed requests but not these, so the backend asks again."""
+    text = str(exc)
+    return "response body" in text or "request or response body error" in text
+
+
+def backoff(attempt: int) -> None:
+    """Full-jitter exponential backoff before attempt ``attempt + 1`` (at most 2 s)."""
+    time.sleep(random.random() * min(2.0, 0.05 * 2**attempt))
+
+
+def translate(
+    exc: BaseException, what: str, where: str, *, scheme: str, bucket: str, url: str
+) -> BaseException:
+    """The error family's exception for an obstore error on ``where`` (``scheme://bucket/key``);
+    no credentials in it."""
+    if isinstance(exc, (BackendError, FormatError, CheckpointNotFound)):
+        return exc
+    if not isinstance(exc, Exception):
+        return exc  # KeyboardInterrupt and friends pass through
+    scrub_exception(exc)
+    text = short(exc)
+    m = _STATUS.search(text)
+    status = int(m.group(1)) if m else 0
+    cm = _CODE.search(text)
+    code = (cm.group(1) or cm.group(2) or "").replace(" ", "") if cm else ""
+    key = where.split("/", 3)[3] if where.count("/") >= 3 else ""
+    if any(s in text for s in _MISSING_CONTAINER):
+        word = _NO_CONTAINER_WORD[scheme]
+        return ObjectStoreError(
+            f"{where}: {what} failed: the {word} {bucket!r} does not exist ({status}): "
+            f"create the {word} or check the URL",
+            url=url,
+            key=key,
+            code=code or "NoSuchBucket",
+            status=status,
+        )
+    if isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError":
+        return CheckpointNotFound(f"{where} does not exist")
+    if status == 416 or code == "InvalidRange" or "InvalidRangeRequest" in str(exc):
+        return FormatError(f"{where}: {what}: range not satisfiable (read past the end)")
+    hint = ""
+    kind = type(exc).__name__
+    if status in (401, 403) or kind in ("PermissionDeniedError", "UnauthenticatedError"):
+        hint = f" ({_CREDENTIAL_HINTS[scheme]})"
+    elif not status:
+        hint = " (after retries: check that the endpoint is reachable)"
+    return ObjectStoreError(
+        f"{where}: {what} failed: {code or status or kind}: {text}{hint}",
+        url=url,
+        key=key,
+        code=code or kind,
+        status=status,
+    )

@@ -1,0 +1,157 @@
+"""One object streamed through obstore's buffered writer: a single PUT up to one part, a
+multipart upload (S3, GCS) or staged blocks (Azure) beyond.
+
+Until the multipart upload exists (the write that takes the object past one part returned),
+the writer keeps the bytes it has handed over (references: each write is copied once anyway),
+so that a start whose answer was lost (CreateMultipartUpload's response cut off, which
+object_store does not retry) or a lost single PUT at commit is done again from the start; an
+upload such a lost start may have opened on S3 is aborted first."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Protocol
+
+from tierckpt._types import BytesLike
+from tierckpt.backends.base import ObjectWriter
+from tierckpt.backends.objstore._errors import backoff, body_lost, short
+from tierckpt.errors import BackendError
+
+log = logging.getLogger("tierckpt.backends.objstore")  # one logger for the whole backend
+
+
+class WriterHost(Protocol):
+    """What a writer uses of its backend (an ``ObjectStoreBackend``)."""
+
+    _store: Any
+    part_size: int
+    max_concurrency: int
+    max_attempts: int
+
+    def _where(self, key: str) -> str: ...
+
+    def _translate(self, exc: BaseException, what: str, where: str) -> BaseException: ...
+
+    def _call(self, what: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _abort_uploads_of(self, key: str) -> None: ...
+
+
+class _Writer(ObjectWriter):
+    """One object streamed through obstore's buffered writer (multipart beyond a part)."""
+
+    def __init__(self, backend: WriterHost, name: str, key: str) -> None:
+        super().__init__(name)
+
+        self._b = backend
+        self._key = key
+        self._where = backend._where(key)
+        self._lock = threading.Lock()
+        self._closed = False
+        #: what obstore holds while no multipart upload exists yet (None: one exists)
+        self._held: list[bytes] | None = []
+        self._file: Any = self._open()
+
+    def _open(self) -> Any:
+        import obstore
+
+        return obstore.open_writer(
+            self._b._store,
+            self._key,
+            buffer_size=self._b.part_size,
+            max_concurrency=self._b.max_concurrency,
+        )
+
+    def _start_again(self, exc: BaseException, attempt: int) -> bool:
+        """After ``exc`` from a start (no upload yet): a fresh obstore writer given the held
+        bytes again, where the failure was a lost answer and attempts remain."""
+        if self._held is None or not body_lost(exc) or attempt >= self._b.max_attempts:
+            return False
+        log.debug("%s: the upload's start lost its answer (%s); again", self._where, short(exc))
+        self._exit(self._file)
+        self._b._abort_uploads_of(self._key)  # one the lost start may have opened (S3)
+        backoff(attempt)
+        self._file = self._open()
+        return True
+
+    def _hand(self, chunk: bytes) -> None:
+        """``chunk`` to obstore; a start that lost its answer is done again."""
+        attempt, pending = 1, [chunk]
+        while True:
+            try:
+                for piece in pending:
+                    self._file.write(piece)
+                break
+            except Exception as exc:
+                if not self._start_again(exc, attempt):
+                    raise
+                attempt += 1
+                pending = [*(self._held or ()), chunk]
+        if self._held is not None:
+            if self.size + len(chunk) > self._b.part_size:
+                self._held = None  # the upload exists now: obstore owns the parts
+            else:
+                self._held.append(chunk)
+
+    def write(self, offset: int, data: BytesLike) -> None:
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"{self._where}: write after commit/abort")
+            self._check_sequential(offset)
+            view = memoryview(data).cast("B")
+            try:
+                # a copy: obstore keeps what it is given until its part is sent, and the
+                # caller reuses this memory as soon as write() returns
+                self._hand(bytes(view))
+            except BaseException as exc:
+                self._abort_locked()
+                raise self._b._translate(exc, "write", self._where) from exc
+            self.size += len(view)
+
+    def commit(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"{self._where}: commit after commit/abort")
+            try:
+                self._close()
+            except BaseException as exc:
+                self._abort_locked()
+                raise self._b._translate(exc, "commit", self._where) from exc
+            self._closed = True
+            log.debug("%s: committed %d bytes", self._where, self.size)
+
+    def _close(self) -> None:
+        """Finish the object: the last part and the completion, or the single PUT of an object
+        within one part (done again as one PUT if its answer was lost)."""
+        try:
+            self._file.close()
+        except Exception as exc:
+            if self._held is None or not body_lost(exc):
+                raise
+            import obstore
+
+            log.debug("%s: the PUT lost its answer (%s); again", self._where, short(exc))
+            body = b"".join(self._held)
+            self._b._call("put", self._key, obstore.put, self._key, body, use_multipart=False)
+
+    def abort(self) -> None:
+        with self._lock:
+            self._abort_locked()
+
+    def _abort_locked(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._held = None
+        self._exit(self._file)
+
+    def _exit(self, file: Any) -> None:
+        """Abort obstore's writer ``file`` (and its multipart upload); never raises."""
+        try:
+            # obstore aborts the multipart upload when its context exits with an exception
+            err = BackendError("aborted")
+            file.__exit__(BackendError, err, None)
+        except Exception as exc:
+            if "already closed" not in str(exc):
+                log.warning("%s: abort failed: %s", self._where, short(exc))
