@@ -68,6 +68,7 @@ test-min: $(MIN_STAMP)
 
 lint: install
 	$(VENV)/bin/ruff check tierckpt tests benchmarks
+	$(VENV)/bin/ruff format --check tierckpt tests benchmarks
 	$(VENV)/bin/mypy tierckpt
 
 # the docs site builds without a warning, and the generated pages are current

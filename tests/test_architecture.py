@@ -305,8 +305,7 @@ def test_no_unit_imports_a_layer_above_it_or_what_it_must_never_import() -> None
 #: modules of its package (a module that long is hard to hold in one's head and to review)
 MAX_MODULE_LINES = 500
 #: modules allowed past MAX_MODULE_LINES, each with the reason (empty is the goal)
-LONG_MODULES: dict[str, str] = {
-}
+LONG_MODULES: dict[str, str] = {}
 
 
 def _long_modules(pkg: Path, limit: int) -> dict[str, int]:

@@ -68,16 +68,19 @@ def test_top_level_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> No
         assert c in out
 
 
-@pytest.mark.parametrize("argv", [
-    [],
-    ["ls"],
-    ["nope"],
-    ["inspect", "x", "--step", "-3"],
-    ["inspect", "x", "--by", "color"],
-    ["gc", "x"],
-    ["export", "x"],
-    ["export", "x", "out", "--format", "onnx"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["ls"],
+        ["nope"],
+        ["inspect", "x", "--step", "-3"],
+        ["inspect", "x", "--by", "color"],
+        ["gc", "x"],
+        ["export", "x"],
+        ["export", "x", "out", "--format", "onnx"],
+    ],
+)
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     rc, _out, err = run(argv, capsys)
     assert rc == 2
@@ -85,19 +88,23 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert "Traceback" not in err
 
 
-def test_semantic_usage_errors_exit_2(ckpt_dir: Path, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["pull", str(ckpt_dir), str(tmp_path / "x")],
-                 ["push", "s3://bucket/p", str(tmp_path / "x")],
-                 ["gc", str(ckpt_dir), "--keep-last", "0"],
-                 ["ls", "hdfs://bucket/x"]):
+def test_semantic_usage_errors_exit_2(
+    ckpt_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (
+        ["pull", str(ckpt_dir), str(tmp_path / "x")],
+        ["push", "s3://bucket/p", str(tmp_path / "x")],
+        ["gc", str(ckpt_dir), "--keep-last", "0"],
+        ["ls", "hdfs://bucket/x"],
+    ):
         rc, _out, err = run(argv, capsys)
         assert rc == 2, argv
         assert "error" in err and "Traceback" not in err
 
 
-def test_missing_things_exit_1_without_traceback(ckpt_dir: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_things_exit_1_without_traceback(
+    ckpt_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for argv, words in (
         (["ls", str(tmp_path / "absent")], "no such folder"),
         (["inspect", str(ckpt_dir), "--step", "11"], "step 11 is not committed"),
@@ -130,8 +137,7 @@ def test_ls(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert c["created"] > 0 and doc["uncommitted"] == []
 
 
-def test_ls_shows_uncommitted_leftovers(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
-                                        ) -> None:
+def test_ls_shows_uncommitted_leftovers(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     os.remove(ckpt_dir / manifest_name(20))
     rc, out, _ = run(["ls", str(ckpt_dir)], capsys)
     assert rc == 0
@@ -231,8 +237,9 @@ def test_gc(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # -- export ---------------------------------------------------------------------------------------
-def test_export_safetensors_loads_and_matches(ckpt_dir: Path, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_safetensors_loads_and_matches(
+    ckpt_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from safetensors.torch import load_file
 
     out_dir = tmp_path / "hf"
@@ -259,16 +266,21 @@ def test_export_safetensors_loads_and_matches(ckpt_dir: Path, tmp_path: Path,
 
     doc = json.loads((out_dir / "state.json").read_text())
     assert doc["step"] == 20 and doc["state"]["step"] == 20
-    assert doc["state"]["optimizer"]["param_groups"][0]["lr"] == \
-        want["optimizer"]["param_groups"][0]["lr"]
-    assert doc["state"]["model"]["0.weight"] == {"$safetensors": "model.safetensors",
-                                                 "name": "0.weight"}
+    assert (
+        doc["state"]["optimizer"]["param_groups"][0]["lr"]
+        == want["optimizer"]["param_groups"][0]["lr"]
+    )
+    assert doc["state"]["model"]["0.weight"] == {
+        "$safetensors": "model.safetensors",
+        "name": "0.weight",
+    }
     assert doc["aliases"] == {"tied.safetensors:b": "tied.safetensors:a"}
     assert doc["state"]["scheduler"]["step_size"] == 2
 
 
-def test_export_single_file(ckpt_dir: Path, tmp_path: Path,
-                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_single_file(
+    ckpt_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from safetensors.torch import load_file
 
     rc, _out, _ = run(["export", str(ckpt_dir), str(tmp_path / "one"), "--single-file"], capsys)
@@ -303,9 +315,13 @@ def test_demo_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 # -- S3 -------------------------------------------------------------------------------------------
 @pytest.mark.s3
-def test_push_pull_ls_verify_on_s3(ckpt_dir: Path, tmp_path: Path, moto_server: S3Server,
-                                   s3_bucket: Callable[[S3Server], str],
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_push_pull_ls_verify_on_s3(
+    ckpt_dir: Path,
+    tmp_path: Path,
+    moto_server: S3Server,
+    s3_bucket: Callable[[S3Server], str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     bucket = s3_bucket(moto_server)
     url = f"s3://{bucket}/run1"
     ep = ["--endpoint-url", moto_server.endpoint_url]
@@ -343,18 +359,23 @@ def test_push_pull_ls_verify_on_s3(ckpt_dir: Path, tmp_path: Path, moto_server: 
 
 
 @pytest.mark.s3
-def test_pull_refuses_a_corrupt_chunk(ckpt_dir: Path, tmp_path: Path, moto_server: S3Server,
-                                      s3_bucket: Callable[[S3Server], str],
-                                      capsys: pytest.CaptureFixture[str],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_refuses_a_corrupt_chunk(
+    ckpt_dir: Path,
+    tmp_path: Path,
+    moto_server: S3Server,
+    s3_bucket: Callable[[S3Server], str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     bucket = s3_bucket(moto_server)
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint_url)  # no --endpoint-url
     url = f"s3://{bucket}/run"
     assert run(["push", str(ckpt_dir), url, "--step", "20", "--codec", "keep"], capsys)[0] == 0
     _flip_byte_in_chunk(ckpt_dir, chunk=0)
     key = f"run/{shard_name(20, 0)}"
-    moto_server.admin.put_object(Bucket=bucket, Key=key,
-                                 Body=(ckpt_dir / shard_name(20, 0)).read_bytes())
+    moto_server.admin.put_object(
+        Bucket=bucket, Key=key, Body=(ckpt_dir / shard_name(20, 0)).read_bytes()
+    )
     rc, _out, err = run(["verify", url], capsys)
     assert rc == 1 and "chunk: 0" in err
     dest = tmp_path / "dest"
@@ -365,21 +386,31 @@ def test_pull_refuses_a_corrupt_chunk(ckpt_dir: Path, tmp_path: Path, moto_serve
 
 
 @pytest.mark.s3
-def test_missing_bucket_is_a_clean_failure(moto_server: S3Server,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
-    rc, _out, err = run(["ls", "s3://no-such-bucket-here/x", "--endpoint-url",
-                         moto_server.endpoint_url], capsys)
+def test_missing_bucket_is_a_clean_failure(
+    moto_server: S3Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _out, err = run(
+        ["ls", "s3://no-such-bucket-here/x", "--endpoint-url", moto_server.endpoint_url], capsys
+    )
     assert rc == 1 and "NoSuchBucket" in err and "Traceback" not in err
 
 
 # -- entry points ---------------------------------------------------------------------------------
 def test_module_entry_point(ckpt_dir: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tierckpt.cli", "ls", str(ckpt_dir)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierckpt.cli", "ls", str(ckpt_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "30" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "tierckpt.cli", "inspect", str(ckpt_dir),
-                           "--step", "99"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierckpt.cli", "inspect", str(ckpt_dir), "--step", "99"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
 
 

@@ -42,8 +42,18 @@ def test_sanitize_state() -> None:
 
     t = torch.ones(2)
     dd: defaultdict[str, int] = defaultdict(int, a=1)
-    out = sanitize_state({"dd": dd, "od": OrderedDict(b=2), "p": Point(1, 2), "path": Path("/x"),
-                          "s": {3}, "t": t, "obj": Color(), "i": True})
+    out = sanitize_state(
+        {
+            "dd": dd,
+            "od": OrderedDict(b=2),
+            "p": Point(1, 2),
+            "path": Path("/x"),
+            "s": {3},
+            "t": t,
+            "obj": Color(),
+            "i": True,
+        }
+    )
     assert type(out["dd"]) is dict and out["dd"] == {"a": 1}
     assert type(out["od"]) is OrderedDict
     assert type(out["p"]) is tuple and out["p"] == (1, 2)
@@ -108,8 +118,13 @@ def test_lightning_plugin_loads_torch_files_and_stores_hparams(tmp_path: Path) -
     from tierckpt.integrations.lightning import TierCkptIO, read_pointer
 
     io = TierCkptIO([tierckpt.LocalTier(tmp_path / "tier")])
-    ckpt = {"global_step": 3, "epoch": 0, "state_dict": {"w": torch.arange(4.0)},
-            "hyper_parameters": AttributeDict(lr=0.1, sizes=(1, 2)), "callbacks": {}}
+    ckpt = {
+        "global_step": 3,
+        "epoch": 0,
+        "state_dict": {"w": torch.arange(4.0)},
+        "hyper_parameters": AttributeDict(lr=0.1, sizes=(1, 2)),
+        "callbacks": {},
+    }
     io.save_checkpoint(ckpt, str(tmp_path / "c" / "a.ckpt"))
     io.save_checkpoint(ckpt, str(tmp_path / "c" / "last.ckpt"))  # same step: one checkpoint
     loaded = io.load_checkpoint(str(tmp_path / "c" / "last.ckpt"))
@@ -135,15 +150,26 @@ def test_hf_trainer_callback_resume_bit_identical(tmp_path: Path) -> None:
     # the Trainer's own blocking save was replaced: no checkpoint-N folders from it
     assert not any(p.startswith("checkpoint-") for p in os.listdir(tmp_path / "out1"))
     folder = tmp_path / "resume" / "checkpoint-4"
-    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
-                 "trainer_state.json"):
+    for name in (
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+    ):
         assert (folder / name).exists(), name
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
     ck = tierckpt.Checkpointer([tierckpt.LocalTier(tmp_path / "tier")])
     assert ck.steps() == [2, 4, 6]
     state: Any = ck.load(6)
-    assert set(state) == {"model", "optimizer", "lr_scheduler", "trainer_state", "rng",
-                          "global_step"}
+    assert set(state) == {
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "trainer_state",
+        "rng",
+        "global_step",
+    }
 
 
 def test_hf_rng_states_round_trip() -> None:

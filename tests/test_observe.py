@@ -22,14 +22,21 @@ def test_stats_and_callbacks(tmp_path: Path) -> None:
         threads.add(threading.current_thread().name)
 
     extra: list[int] = []
-    with Checkpointer([MemoryTier(namespace="obs"), LocalTier(tmp_path, codec="zstd")],
-                      on_commit=on_commit) as ck:
+    with Checkpointer(
+        [MemoryTier(namespace="obs"), LocalTier(tmp_path, codec="zstd")], on_commit=on_commit
+    ) as ck:
         ck.add_callback(lambda r: extra.append(r.step))
         for step in (1, 2, 3):
             ck.save({"w": torch.zeros(10_000), "step": step}, step).result()
         stats = ck.stats()
     assert [(s.step, s.tier) for s in stats] == [
-        (1, "memory"), (1, "local"), (2, "memory"), (2, "local"), (3, "memory"), (3, "local")]
+        (1, "memory"),
+        (1, "local"),
+        (2, "memory"),
+        (2, "local"),
+        (3, "memory"),
+        (3, "local"),
+    ]
     assert [(r.step, r.tier) for r in seen] == [(s.step, s.tier) for s in stats]
     assert sorted(extra) == [1, 1, 2, 2, 3, 3]
     assert all(not t.startswith("MainThread") for t in threads)  # background threads
@@ -38,8 +45,18 @@ def test_stats_and_callbacks(tmp_path: Path) -> None:
     assert s.raw_bytes == 40_000 and s.stored_bytes < s.raw_bytes and s.ratio > 10
     assert s.seconds > 0 and s.gbps > 0 and s.blocked_seconds >= 0 and s.codec == "zstd"
     d = s.as_dict()
-    assert set(d) == {"step", "tier", "raw_bytes", "stored_bytes", "seconds", "gbps", "ratio",
-                      "blocked_seconds", "codec", "committed_at"}
+    assert set(d) == {
+        "step",
+        "tier",
+        "raw_bytes",
+        "stored_bytes",
+        "seconds",
+        "gbps",
+        "ratio",
+        "blocked_seconds",
+        "codec",
+        "committed_at",
+    }
 
 
 def test_stats_history_is_bounded() -> None:

@@ -51,12 +51,28 @@ from tierckpt.tree import dtype_name
 __all__ = ["ExportResult", "export_safetensors", "flatten_state"]
 
 #: dtypes safetensors 0.4 stores (what :func:`safetensors_dtypes` finds in any version)
-SAFETENSORS_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.uint16, torch.uint32, torch.uint64, torch.complex64,
-    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-})
+SAFETENSORS_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.complex64,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    }
+)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -222,8 +238,11 @@ def export_safetensors(
             res = ExportResult(step, r, where)
             state = loaded.state
             groups: OrderedDict[str, list[tuple[str, torch.Tensor]]] = OrderedDict()
-            if (not single_file and isinstance(state, dict)
-                    and all(isinstance(k, str) for k in state)):
+            if (
+                not single_file
+                and isinstance(state, dict)
+                and all(isinstance(k, str) for k in state)
+            ):
                 owner: dict[str, str] = {}  # file name -> the top-level key it holds
                 for k, v in state.items():
                     items = flatten_state(v)
@@ -246,11 +265,18 @@ def export_safetensors(
                 names: set[str] = set()
                 for name, _t in items:
                     if name in names:
-                        raise FormatError(f"two tensors flatten to the same name {name!r} in "
-                                          f"{fname}; export with --single-file or rename keys")
+                        raise FormatError(
+                            f"two tensors flatten to the same name {name!r} in "
+                            f"{fname}; export with --single-file or rename keys"
+                        )
                     names.add(name)
                 written = _write_group(
-                    fname, items, where, storable, res, max_shard_size,
+                    fname,
+                    items,
+                    where,
+                    storable,
+                    res,
+                    max_shard_size,
                     metadata={
                         "format": "pt",
                         "tierckpt_step": str(step),

@@ -103,8 +103,14 @@ class CheckpointEvent:
         }
         if self.result is not None:
             r = self.result
-            out.update(raw_bytes=r.raw_bytes, stored_bytes=r.stored_bytes, seconds=r.seconds,
-                       gbps=r.gbps, ratio=r.ratio, codec=r.codec)
+            out.update(
+                raw_bytes=r.raw_bytes,
+                stored_bytes=r.stored_bytes,
+                seconds=r.seconds,
+                gbps=r.gbps,
+                ratio=r.ratio,
+                codec=r.codec,
+            )
         return out
 
 
@@ -170,8 +176,8 @@ class StatsRecorder:
         if history < 1:
             raise ValueError(f"stats history must be >= 1, got {history}")
         self._lock = threading.Lock()
-        self._entries: collections.deque[tuple[TierResult, SaveHandle, float]] = (
-            collections.deque(maxlen=history)
+        self._entries: collections.deque[tuple[TierResult, SaveHandle, float]] = collections.deque(
+            maxlen=history
         )
         self._callbacks: list[CommitCallback] = []
         self._event_callbacks: list[EventCallback] = []
@@ -210,20 +216,43 @@ class StatsRecorder:
             try:
                 fn(result)
             except Exception:  # a metrics sink must never fail a checkpoint
-                log.exception("commit callback %r failed for step %d on tier %s",
-                              fn, result.step, result.tier)
-        self._emit(CheckpointEvent("committed", result.step, result.tier, result.timeline,
-                                   result=result, blocked_seconds=handle.blocked_seconds, at=at))
+                log.exception(
+                    "commit callback %r failed for step %d on tier %s", fn, result.step, result.tier
+                )
+        self._emit(
+            CheckpointEvent(
+                "committed",
+                result.step,
+                result.tier,
+                result.timeline,
+                result=result,
+                blocked_seconds=handle.blocked_seconds,
+                at=at,
+            )
+        )
 
-    def record_failure(self, kind: str, step: int, tier: str, error: BaseException | str,
-                       *, timeline: int = 0, blocked_seconds: float = 0.0) -> None:
+    def record_failure(
+        self,
+        kind: str,
+        step: int,
+        tier: str,
+        error: BaseException | str,
+        *,
+        timeline: int = 0,
+        blocked_seconds: float = 0.0,
+    ) -> None:
         """A tier's copy failed, was skipped or given up (or, ``save_skipped``, a whole save
         was skipped): kept for ``stats(failures=True)`` and sent to the event callbacks."""
         event = CheckpointEvent(
-            kind, step, tier, timeline,
+            kind,
+            step,
+            tier,
+            timeline,
             error=str(error),
             error_type=type(error).__name__ if isinstance(error, BaseException) else None,
-            blocked_seconds=blocked_seconds, at=time.time())
+            blocked_seconds=blocked_seconds,
+            at=time.time(),
+        )
         with self._lock:
             self._failures.append(event)
         self._emit(event)
@@ -235,8 +264,13 @@ class StatsRecorder:
             try:
                 fn(event)
             except Exception:  # a metrics sink must never fail a checkpoint
-                log.exception("event callback %r failed for %s of step %d on tier %s",
-                              fn, event.kind, event.step, event.tier)
+                log.exception(
+                    "event callback %r failed for %s of step %d on tier %s",
+                    fn,
+                    event.kind,
+                    event.step,
+                    event.tier,
+                )
 
     def stats(self, *, failures: bool = False) -> list[CommitStats]:
         """The recorded commits, oldest first; with ``failures``, also the failures, skips
@@ -259,9 +293,18 @@ class StatsRecorder:
             for r, h, at in entries
         ]
         out += [
-            CommitStats(step=e.step, tier=e.tier, raw_bytes=0, stored_bytes=0, seconds=0.0,
-                        blocked_seconds=e.blocked_seconds, codec="", committed_at=e.at,
-                        outcome=e.kind, error=e.error)
+            CommitStats(
+                step=e.step,
+                tier=e.tier,
+                raw_bytes=0,
+                stored_bytes=0,
+                seconds=0.0,
+                blocked_seconds=e.blocked_seconds,
+                codec="",
+                committed_at=e.at,
+                outcome=e.kind,
+                error=e.error,
+            )
             for e in failed
         ]
         if failed:

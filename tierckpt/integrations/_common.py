@@ -19,8 +19,9 @@ log = logging.getLogger("tierckpt")
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.Size, torch.dtype, torch.device)
 
 
-def sanitize_state(obj: Any, *, unsupported: Literal["error", "repr"] = "repr",
-                   path: str = "") -> Any:
+def sanitize_state(
+    obj: Any, *, unsupported: Literal["error", "repr"] = "repr", path: str = ""
+) -> Any:
     """Turn a framework's checkpoint dict into values tierckpt stores without pickle.
 
     Dict subclasses (``AttributeDict``, ``defaultdict``) become dicts (``OrderedDict`` stays),
@@ -32,16 +33,24 @@ def sanitize_state(obj: Any, *, unsupported: Literal["error", "repr"] = "repr",
     if isinstance(obj, torch.Tensor) or type(obj) in _PLAIN:
         return obj
     if isinstance(obj, Mapping):
-        items = [(sanitize_state(k, unsupported=unsupported, path=f"{path}<key>"),
-                  sanitize_state(v, unsupported=unsupported, path=f"{path}.{k}"))
-                 for k, v in obj.items()]
+        items = [
+            (
+                sanitize_state(k, unsupported=unsupported, path=f"{path}<key>"),
+                sanitize_state(v, unsupported=unsupported, path=f"{path}.{k}"),
+            )
+            for k, v in obj.items()
+        ]
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, tuple):
-        return tuple(sanitize_state(v, unsupported=unsupported, path=f"{path}.{i}")
-                     for i, v in enumerate(obj))
+        return tuple(
+            sanitize_state(v, unsupported=unsupported, path=f"{path}.{i}")
+            for i, v in enumerate(obj)
+        )
     if isinstance(obj, (list, set, frozenset)):
-        return [sanitize_state(v, unsupported=unsupported, path=f"{path}.{i}")
-                for i, v in enumerate(obj)]
+        return [
+            sanitize_state(v, unsupported=unsupported, path=f"{path}.{i}")
+            for i, v in enumerate(obj)
+        ]
     if isinstance(obj, (bool, int, float, str, bytes)):  # subclasses (IntEnum handled here)
         base: type = next(t for t in (bool, int, float, str, bytes) if isinstance(obj, t))
         return base(obj)
@@ -52,8 +61,12 @@ def sanitize_state(obj: Any, *, unsupported: Literal["error", "repr"] = "repr",
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return sanitize_state(dataclasses.asdict(obj), unsupported=unsupported, path=path)
     if unsupported == "repr":
-        log.warning("checkpoint value at %s (%s) stored as its repr() text: tierckpt stores "
-                    "no pickled objects", path or "<root>", type(obj).__qualname__)
+        log.warning(
+            "checkpoint value at %s (%s) stored as its repr() text: tierckpt stores "
+            "no pickled objects",
+            path or "<root>",
+            type(obj).__qualname__,
+        )
         return repr(obj)
     return obj
 

@@ -77,8 +77,13 @@ def rng_states() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
     states: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
         "cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -145,8 +150,9 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self._previous_best: int | None = None
 
     # -- TrainerCallback -----------------------------------------------------------------------
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
-                       control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         optimizer = kwargs.get("optimizer")
         # Accelerate wraps the optimizer; the hook goes on the one whose step() updates
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -160,51 +166,67 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             )
             self._guarded = inner
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         return self._maybe_save(state, control, kwargs)
 
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
-                     control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         # save_strategy="epoch": the Trainer sets should_save here, not at a step end
         return self._maybe_save(state, control, kwargs)
 
-    def _maybe_save(self, state: TrainerState, control: TrainerControl,
-                    kwargs: dict[str, Any]) -> TrainerControl:
+    def _maybe_save(
+        self, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]
+    ) -> TrainerControl:
         if control.should_save:
             if control.should_evaluate:
                 # an evaluation runs before the Trainer would save: save after it, with its
                 # metrics in the state (and the best known), as the Trainer does
                 self._pending = int(state.global_step)
             else:
-                self.save(state, kwargs.get("model"), kwargs.get("optimizer"),
-                          kwargs.get("lr_scheduler"), control)
+                self.save(
+                    state,
+                    kwargs.get("model"),
+                    kwargs.get("optimizer"),
+                    kwargs.get("lr_scheduler"),
+                    control,
+                )
             if self.replace_hf_save:
                 control.should_save = False
         return control
 
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         step = int(state.global_step)
         new_best = self._track_best(args, state, kwargs.get("metrics"))
         pending, self._pending = self._pending, None
         strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
         if pending == step or (strategy == "best" and new_best):
-            self.save(state, kwargs.get("model"), kwargs.get("optimizer"),
-                      kwargs.get("lr_scheduler"), control)
+            self.save(
+                state,
+                kwargs.get("model"),
+                kwargs.get("optimizer"),
+                kwargs.get("lr_scheduler"),
+                control,
+            )
         if new_best and step in self._saved:
             self._pin_best(state, step)
         return control
 
-    def on_log(self, args: TrainingArguments, state: TrainerState,
-               control: TrainerControl, **kwargs: Any) -> None:
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         logs = kwargs.get("logs") or {}
         if "train_runtime" in logs:
             # the Trainer's last log of a train(): next it loads the best model, if asked
             self._prepare_best(args, state)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState,
-                     control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.checkpointer.wait()  # every checkpoint committed on every tier before returning
         if args.load_best_model_at_end and not self._best_ready:
             # the Trainer's end-of-training log was not seen (another transformers version):
@@ -213,15 +235,15 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             model = kwargs.get("model")
             best_step = state.best_global_step
             if folder is not None and best_step is not None and isinstance(model, torch.nn.Module):
-                log.warning("loading the best checkpoint %s into the model at on_train_end",
-                            folder)
+                log.warning("loading the best checkpoint %s into the model at on_train_end", folder)
                 best = self.checkpointer.load(int(best_step))
                 model.load_state_dict(best["model"], strict=False)
         self._best_ready = False
 
     # -- the best checkpoint (load_best_model_at_end) -------------------------------------------
-    def _track_best(self, args: TrainingArguments, state: TrainerState,
-                    metrics: dict[str, float] | None) -> bool:
+    def _track_best(
+        self, args: TrainingArguments, state: TrainerState, metrics: dict[str, float] | None
+    ) -> bool:
         """As ``Trainer._determine_best_metric``, before it: whether these metrics are a new
         best; if so the state says so (the Trainer then finds them equal, not better)."""
         name = args.metric_for_best_model
@@ -273,8 +295,14 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         return folder
 
     # -- saving ---------------------------------------------------------------------------------
-    def save(self, state: TrainerState, model: Any, optimizer: Any, lr_scheduler: Any,
-             control: TrainerControl | None = None) -> None:
+    def save(
+        self,
+        state: TrainerState,
+        model: Any,
+        optimizer: Any,
+        lr_scheduler: Any,
+        control: TrainerControl | None = None,
+    ) -> None:
         """Start saving the training state as ``state.global_step`` (returns at once)."""
         step = int(state.global_step)
         if step in self._saved:
@@ -294,8 +322,11 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             "rng": rng_states(),
             "global_step": step,
         }
-        self.checkpointer.save(sanitize_state(ckpt, unsupported=self.unsupported), step,
-                               metadata={"framework": "transformers"})
+        self.checkpointer.save(
+            sanitize_state(ckpt, unsupported=self.unsupported),
+            step,
+            metadata={"framework": "transformers"},
+        )
         self._saved.add(step)
 
     # -- resuming -------------------------------------------------------------------------------
@@ -323,8 +354,11 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         if ckpt["lr_scheduler"] is not None:
             torch.save(ckpt["lr_scheduler"], os.path.join(folder, "scheduler.pt"))
         rng = ckpt["rng"]
-        hf_rng: dict[str, Any] = {"python": _as_python_rng(rng["python"]),
-                                  "numpy": _numpy_state(rng["numpy"]), "cpu": rng["cpu"]}
+        hf_rng: dict[str, Any] = {
+            "python": _as_python_rng(rng["python"]),
+            "numpy": _numpy_state(rng["numpy"]),
+            "cpu": rng["cpu"],
+        }
         if "cuda" in rng:
             hf_rng["cuda"] = rng["cuda"]
         torch.save(hf_rng, os.path.join(folder, "rng_state.pth"))
@@ -340,7 +374,6 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             self._hook.remove()
             self._hook = None
         self.checkpointer.close()
-
 
 
 class TrainerLogSink(TrainerCallback):  # type: ignore[misc]
@@ -361,8 +394,9 @@ class TrainerLogSink(TrainerCallback):  # type: ignore[misc]
         self._counts = OutcomeCounts()
 
     @classmethod
-    def attach(cls, trainer: Any, checkpointer: Checkpointer,
-               prefix: str = "tierckpt") -> TrainerLogSink:
+    def attach(
+        cls, trainer: Any, checkpointer: Checkpointer, prefix: str = "tierckpt"
+    ) -> TrainerLogSink:
         """A sink registered with both ``trainer`` (a callback) and ``checkpointer`` (an
         event callback); returns it."""
         sink = cls(trainer, prefix=prefix)
@@ -384,14 +418,17 @@ class TrainerLogSink(TrainerCallback):  # type: ignore[misc]
         for metrics in queued:
             self.trainer.log(metrics)
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.flush()
 
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
-                     control: TrainerControl, **kwargs: Any) -> None:
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.flush()
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState,
-                     control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.flush()

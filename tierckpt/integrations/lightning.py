@@ -168,8 +168,9 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             self._hook = None
 
     # -- CheckpointIO --------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError("TierCkptIO does not take storage_options; configure the tiers")
         step = int(checkpoint.get("global_step", 0))
@@ -182,18 +183,24 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         parent = _parent(path)
         fs.makedirs(parent, exist_ok=True)
         self._pointer_dirs.add(parent)
-        pointer = {"format": POINTER_FORMAT, "version": 1, "step": step,
-                   "tiers": self.checkpointer.tier_names}
+        pointer = {
+            "format": POINTER_FORMAT,
+            "version": 1,
+            "step": step,
+            "tiers": self.checkpointer.tier_names,
+        }
         with fs.open(path, "w") as f:
             f.write(json.dumps(pointer, indent=1) + "\n")
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         pointer = read_pointer(path)
         if pointer is None:
             log.info("%s is not a tierckpt pointer: loading it with torch.load", path)
             loaded: dict[str, Any] = self._fallback.load_checkpoint(
-                path, map_location=map_location, weights_only=weights_only)
+                path, map_location=map_location, weights_only=weights_only
+            )
             return loaded
         self._pointer_dirs.add(_parent(path))
         self.checkpointer.wait()  # a save from this process may still be flushing
