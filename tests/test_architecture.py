@@ -264,7 +264,7 @@ LAYERS: dict[str, int] = {
 NEVER: dict[str, tuple[str, ...]] = {
     "backends": ("codecs",),
     "codecs": ("backends",),
-    "pipeline": ("restore",),  # the write path does not depend on the load path
+    "pipeline": ("restore", "restore_gpu"),  # the write path does not depend on the load path
     "distributed": ("checkpointer", "dcp"),
     "commit": ("checkpointer", "distributed"),
     "peer": ("checkpointer",),
