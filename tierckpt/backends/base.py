@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import builtins
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 
@@ -67,6 +68,7 @@ __all__ = [
     "Backend",
     "ObjectWriter",
     "Range",
+    "RemoteBackend",
     "most_telling_error",
     "read_in_ranges",
     "read_new",
@@ -232,6 +234,36 @@ class Backend(ABC):
 # -- the ranged-read loop of the object-store backends (boto3 S3, obstore) -----------------
 #: one piece of a ranged read: the absolute offset in the object and the caller's memory
 Range = tuple[int, memoryview]
+
+
+class RemoteBackend(Backend):
+    """A durable object store across a network link (S3 through boto3 or obstore, GCS, Azure):
+    whether its create-only puts are honoured is probed once, on first use, by
+    :meth:`_probe_conditional_put`, unless the subclass set ``_conditional`` already."""
+
+    _conditional: bool | None = None
+    _probe_lock: threading.Lock
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        """Whether the server honours create-only puts (probed once, on first use)."""
+        if self._conditional is None:
+            with self._probe_lock:
+                if self._conditional is None:
+                    self._conditional = self._probe_conditional_put()
+        return self._conditional
+
+    @property
+    def is_durable(self) -> bool:
+        return True
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    @abstractmethod
+    def _probe_conditional_put(self) -> bool:
+        """Try a create-only put on a scratch key: whether the server refused the second."""
 
 
 def read_in_ranges(

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import (
-    Backend,
     ObjectWriter,
     Range,
+    RemoteBackend,
     read_in_ranges,
     read_new,
     validate_name,
@@ -46,7 +46,7 @@ PROBE_PREFIX = ".tierckpt-probe-"
 REQUEST_TIMEOUT_S = 600.0
 
 
-class ObjectStoreBackend(Backend):
+class ObjectStoreBackend(RemoteBackend):
     """Objects under ``s3://``, ``gs://`` or ``az://bucket/prefix``; see the module docstring.
 
     ``part_size`` is the multipart part size and the size of one concurrent ranged GET;
@@ -116,24 +116,6 @@ class ObjectStoreBackend(Backend):
 
     def __repr__(self) -> str:
         return f"ObjectStoreBackend({self.url!r}, part_size={self.part_size})"
-
-    # -- capabilities ----------------------------------------------------------------------
-    @property
-    def supports_conditional_put(self) -> bool:
-        """Whether create-only puts are conditional on the server (S3: probed once)."""
-        if self._conditional is None:
-            with self._probe_lock:
-                if self._conditional is None:
-                    self._conditional = self._probe_conditional_put()
-        return self._conditional
-
-    @property
-    def is_durable(self) -> bool:
-        return True
-
-    @property
-    def is_remote(self) -> bool:
-        return True
 
     # -- plumbing --------------------------------------------------------------------------
     def _key(self, name: str) -> str:

@@ -19,9 +19,9 @@ from botocore.exceptions import (
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import (
-    Backend,
     ObjectWriter,
     Range,
+    RemoteBackend,
     most_telling_error,
     read_in_ranges,
     read_new,
@@ -58,7 +58,7 @@ def _readinto(body: Any, out: memoryview) -> int:
 log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole backend
 
 
-class S3Backend(S3Connection, Backend):
+class S3Backend(S3Connection, RemoteBackend):
     """Objects under ``s3://bucket/prefix``; see :mod:`tierckpt.backends.s3`.
 
     ``endpoint_url`` defaults to boto3's ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``;
@@ -111,23 +111,6 @@ class S3Backend(S3Connection, Backend):
     @property
     def supports_random_write(self) -> bool:
         return False
-
-    @property
-    def supports_conditional_put(self) -> bool:
-        """Whether the server honours ``If-None-Match: *`` (probed once, on first use)."""
-        if self._conditional is None:
-            with self._probe_lock:
-                if self._conditional is None:
-                    self._conditional = self._probe_conditional_put()
-        return self._conditional
-
-    @property
-    def is_durable(self) -> bool:
-        return True
-
-    @property
-    def is_remote(self) -> bool:
-        return True
 
     # -- writing -------------------------------------------------------------------------
     def open_writer(self, name: str) -> ObjectWriter:
