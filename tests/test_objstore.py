@@ -479,3 +479,13 @@ def test_offline_tools_open_gs_and_az_urls(azurite: Emulator, azure_env: None) -
     gs = open_backend("gs://bkt/run", endpoint_url="http://127.0.0.1:9")
     assert isinstance(gs, ObjectStoreBackend) and gs.url == "gs://bkt/run"
     gs.close()
+
+
+def test_boto3_only_options_on_the_obstore_driver_say_what_to_do() -> None:
+    from tierckpt import S3Tier
+
+    with pytest.raises(ValueError, match=r"profile=.*boto3 driver only.*driver='boto3'"):
+        S3Tier("s3://bkt/p", driver="obstore", profile="training")
+    with pytest.raises(ValueError, match=r"client=.*boto3 driver only"):
+        S3Tier("s3://bkt/p", driver="obstore", client=object())
+    assert S3Tier("s3://bkt/p", driver="boto3", profile="training").driver == "boto3"

@@ -292,6 +292,13 @@ class S3Tier(TierSpec):
         driver = driver or ("boto3" if "client" in store else s3_driver())
         if driver not in S3_DRIVERS:
             raise ValueError(f"S3Tier: driver must be one of {S3_DRIVERS}, got {driver!r}")
+        boto3_only = sorted({"profile", "client"} & store.keys())
+        if driver == "obstore" and boto3_only:
+            raise ValueError(
+                f"S3Tier({', '.join(k + '=' for k in boto3_only)}...) works with the boto3 driver "
+                "only: pass driver='boto3' (or leave driver and TIERCKPT_S3_DRIVER unset), or give "
+                "obstore its credentials through AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+            )
         self._init_fields(
             shared, url=url, name=name, keep_last=keep_last, driver=driver, options=store
         )
