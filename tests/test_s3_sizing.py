@@ -1,5 +1,5 @@
 """Part size and parts in flight chosen from the shard's size and the host budget
-(tierckpt/backends/s3/_sizing.py, docs/scale.md section 6): the rule, then the S3 writer
+(tierckpt/backends/sizing.py, docs/scale.md section 6): the rule, then the S3 writer
 against a real S3 server (moto behind the fault proxy, which counts the parts and the most
 requests in flight), then the pipeline's hint."""
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, S3Tier
-from tierckpt.backends.s3 import S3Backend, _client, _sizing, _writer
+from tierckpt.backends import sizing
+from tierckpt.backends.s3 import S3Backend, _client, _writer
 from tierckpt.backends.s3._sizing import (
     AUTO_CONCURRENCY,
     AUTO_PART_SIZE,
@@ -81,7 +82,7 @@ def test_writer_sizes_its_parts_from_the_hint(
     """With S3's limit at 4 parts (patched; 10,000 would need an 80 GB object), a 40 MiB
     shard (bound 109 MiB) goes up in 2 parts of 28 MiB instead of failing at part 5 of 8 MiB;
     with a 64 MiB host budget 1 part is in flight (a quarter of it is less than 2 parts)."""
-    monkeypatch.setattr(_sizing, "MAX_PARTS", 4)
+    monkeypatch.setattr(sizing, "MAX_PARTS", 4)
     monkeypatch.setattr(_client, "MAX_PARTS", 4)
     monkeypatch.setattr(_writer, "MAX_PARTS", 4)
     bucket = s3_bucket(moto_server)

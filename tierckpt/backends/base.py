@@ -115,7 +115,7 @@ class ObjectWriter(ABC):
         """Before the first write: the object is a shard file of ``data_bytes`` tensor bytes
         (before encoding; the file adds its index, alignment and the codec's worst case), on
         a host whose memory budget is ``host_budget`` bytes. Writers that upload in parts
-        size them from it (S3: within 10,000 parts, :mod:`tierckpt.backends.s3._sizing`);
+        size them from it (S3: within 10,000 parts, :mod:`tierckpt.backends.sizing`);
         others ignore it."""
 
     def _check_sequential(self, offset: int) -> None:

@@ -29,6 +29,7 @@ from tierckpt.backends.objstore._errors import (
 )
 from tierckpt.backends.objstore._store import StoreSettings, make_store, parse_url
 from tierckpt.backends.objstore._writer import _Writer
+from tierckpt.backends.sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact
 
@@ -51,6 +52,9 @@ class ObjectStoreBackend(RemoteBackend):
 
     ``part_size`` is the multipart part size and the size of one concurrent ranged GET;
     ``max_concurrency`` bounds the parts in flight per writer and the ranges in flight per read.
+    Unset (8 MiB, 8), each upload chooses its own from the shard's size and the host budget
+    (:mod:`tierckpt.backends.sizing`); set, they stay, the part size raised only as far as the
+    shard needs to fit S3's 10,000 parts.
     ``conditional_put`` forces conditional-create support on or off instead of probing (S3).
     ``store=`` takes a ready obstore store (its own settings apply).
     """
@@ -62,8 +66,8 @@ class ObjectStoreBackend(RemoteBackend):
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
-        part_size: int = 8 * MiB,
-        max_concurrency: int = 8,
+        part_size: int | None = None,
+        max_concurrency: int | None = None,
         max_attempts: int = 4,
         connect_timeout: float = 5,
         read_timeout: float = 15,
@@ -78,6 +82,11 @@ class ObjectStoreBackend(RemoteBackend):
             raise ImportError(
                 f"the object-store backend for {redact(url)} needs obstore: pip install obstore"
             ) from exc
+        # unset: each upload chooses from its shard's size and the host budget
+        # (tierckpt.backends.sizing); the resolved values are the reads' range size and batch
+        self.part_size_set, self.max_concurrency_set = part_size, max_concurrency
+        part_size = AUTO_PART_SIZE if part_size is None else part_size
+        max_concurrency = AUTO_CONCURRENCY if max_concurrency is None else max_concurrency
         if not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
             raise FormatError(
                 f"part_size={part_size} is too small: multipart uploads need parts of at least "

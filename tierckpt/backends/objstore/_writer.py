@@ -5,7 +5,11 @@ Until the multipart upload exists (the write that takes the object past one part
 the writer keeps the bytes it has handed over (references: each write is copied once anyway),
 so that a start whose answer was lost (CreateMultipartUpload's response cut off, which
 object_store does not retry) or a lost single PUT at commit is done again from the start; an
-upload such a lost start may have opened on S3 is aborted first."""
+upload such a lost start may have opened on S3 is aborted first.
+
+obstore's writer takes its part size and parts in flight when it is opened, so it is opened at
+the first write (or at commit): ``size_hint`` before then sizes the upload from the shard's size
+and the host budget (:mod:`tierckpt.backends.sizing`), as the boto3 backend's writer does."""
 
 from __future__ import annotations
 
@@ -14,19 +18,30 @@ import threading
 from typing import Any, Protocol
 
 from tierckpt._types import BytesLike
+from tierckpt.backends import sizing
 from tierckpt.backends.base import ObjectWriter
-from tierckpt.backends.objstore._errors import backoff, body_lost, short
+from tierckpt.backends.objstore._errors import ObjectStoreError, backoff, body_lost, short
+from tierckpt.backends.sizing import UploadSizing, choose_upload, shard_size_bound
 from tierckpt.errors import BackendError
 
 log = logging.getLogger("tierckpt.backends.objstore")  # one logger for the whole backend
+
+#: the most blocks of one Azure blob (S3 and GCS's XML API: sizing.MAX_PARTS parts)
+AZURE_MAX_BLOCKS = 50_000
 
 
 class WriterHost(Protocol):
     """What a writer uses of its backend (an ``ObjectStoreBackend``)."""
 
     _store: Any
+    scheme: str
+    bucket: str
+    url: str
     part_size: int
     max_concurrency: int
+    #: what the tier set (None: each upload chooses)
+    part_size_set: int | None
+    max_concurrency_set: int | None
     max_attempts: int
 
     def _where(self, key: str) -> str: ...
@@ -51,7 +66,33 @@ class _Writer(ObjectWriter):
         self._closed = False
         #: what obstore holds while no multipart upload exists yet (None: one exists)
         self._held: list[bytes] | None = []
-        self._file: Any = self._open()
+        #: this upload's part size and parts in flight: the backend's until size_hint
+        self.sizing = UploadSizing(backend.part_size, backend.max_concurrency)
+        #: obstore's writer, opened with ``sizing`` at the first write (None: not yet)
+        self._file: Any = None
+
+    def size_hint(self, data_bytes: int, host_budget: int | None = None) -> None:
+        """Size this upload's parts for a shard of ``data_bytes`` tensor bytes, its parts in
+        flight for ``host_budget`` (:mod:`tierckpt.backends.sizing`); before the first write."""
+        with self._lock:
+            if self._file is not None or self._closed:
+                return  # too late: obstore's writer has its part size
+            b = self._b
+            size_bound = shard_size_bound(data_bytes)
+            self.sizing = choose_upload(
+                size_bound,
+                host_budget,
+                part_size=b.part_size_set,
+                max_concurrency=b.max_concurrency_set,
+                pool=b.max_concurrency,
+            )
+            log.debug(
+                "%s: parts of %d MiB, %d in flight (object up to %d bytes)",
+                self._where,
+                self.sizing.part_size >> 20,
+                self.sizing.concurrency,
+                size_bound,
+            )
 
     def _open(self) -> Any:
         import obstore
@@ -59,9 +100,26 @@ class _Writer(ObjectWriter):
         return obstore.open_writer(
             self._b._store,
             self._key,
-            buffer_size=self._b.part_size,
-            max_concurrency=self._b.max_concurrency,
+            buffer_size=self.sizing.part_size,
+            max_concurrency=self.sizing.concurrency,
         )
+
+    def _max_parts(self) -> int:
+        # read at call time: tests lower S3's limit to reach it with small objects
+        return AZURE_MAX_BLOCKS if self._b.scheme == "az" else sizing.MAX_PARTS
+
+    def _check_fits(self, end: int) -> None:
+        """Refuse to take the object past the store's most parts (before any such part is
+        sent: the store would refuse it only after all the others were uploaded)."""
+        part, most = self.sizing.part_size, self._max_parts()
+        if end > part * most:
+            raise ObjectStoreError(
+                f"{self._where}: more than {most} parts of {part} bytes; use a larger "
+                "part_size (or leave it unset: a tier then sizes the parts of each shard)",
+                url=self._b.url,
+                key=self._key,
+                code="TooManyParts",
+            )
 
     def _start_again(self, exc: BaseException, attempt: int) -> bool:
         """After ``exc`` from a start (no upload yet): a fresh obstore writer given the held
@@ -77,6 +135,8 @@ class _Writer(ObjectWriter):
 
     def _hand(self, chunk: bytes) -> None:
         """``chunk`` to obstore; a start that lost its answer is done again."""
+        if self._file is None:
+            self._file = self._open()
         attempt, pending = 1, [chunk]
         while True:
             try:
@@ -89,7 +149,7 @@ class _Writer(ObjectWriter):
                 attempt += 1
                 pending = [*(self._held or ()), chunk]
         if self._held is not None:
-            if self.size + len(chunk) > self._b.part_size:
+            if self.size + len(chunk) > self.sizing.part_size:
                 self._held = None  # the upload exists now: obstore owns the parts
             else:
                 self._held.append(chunk)
@@ -103,6 +163,7 @@ class _Writer(ObjectWriter):
             try:
                 # a copy: obstore keeps what it is given until its part is sent, and the
                 # caller reuses this memory as soon as write() returns
+                self._check_fits(self.size + len(view))
                 self._hand(bytes(view))
             except BaseException as exc:
                 self._abort_locked()
@@ -124,6 +185,8 @@ class _Writer(ObjectWriter):
     def _close(self) -> None:
         """Finish the object: the last part and the completion, or the single PUT of an object
         within one part (done again as one PUT if its answer was lost)."""
+        if self._file is None:
+            self._file = self._open()  # nothing written: an empty object
         try:
             self._file.close()
         except Exception as exc:
@@ -144,7 +207,8 @@ class _Writer(ObjectWriter):
             return
         self._closed = True
         self._held = None
-        self._exit(self._file)
+        if self._file is not None:
+            self._exit(self._file)
 
     def _exit(self, file: Any) -> None:
         """Abort obstore's writer ``file`` (and its multipart upload); never raises."""

@@ -24,7 +24,7 @@ from botocore.exceptions import (
 
 from tierckpt.backends.base import validate_name
 from tierckpt.backends.s3._errors import _AUTH_CODES, _NOT_FOUND_CODES, S3Error, _error_info
-from tierckpt.backends.s3._sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
+from tierckpt.backends.sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact, refuse_credentials, scrub_exception
 
@@ -104,8 +104,9 @@ class S3Connection:
         client: Any = None,
         profile: str | None = None,
     ) -> None:
-        # unset: each upload chooses from its shard's size and the host budget (_sizing);
-        # the resolved values are the reads' range size and the connection pool
+        # unset: each upload chooses from its shard's size and the host budget
+        # (tierckpt.backends.sizing); the resolved values are the reads' range size and the
+        # connection pool
         self.part_size_set, self.max_concurrency_set = part_size, max_concurrency
         part_size = AUTO_PART_SIZE if part_size is None else part_size
         max_concurrency = AUTO_CONCURRENCY if max_concurrency is None else max_concurrency

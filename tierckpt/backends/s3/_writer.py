@@ -11,7 +11,7 @@ from tierckpt._types import BytesLike
 from tierckpt.backends.base import ObjectWriter
 from tierckpt.backends.s3._client import MAX_PARTS, S3Connection, _PartBuffers
 from tierckpt.backends.s3._errors import S3Error
-from tierckpt.backends.s3._sizing import UploadSizing, choose_upload, shard_size_bound
+from tierckpt.backends.sizing import UploadSizing, choose_upload, shard_size_bound
 from tierckpt.errors import BackendError
 from tierckpt.redact import redact
 
@@ -45,7 +45,7 @@ class _S3Writer(ObjectWriter):
 
     def size_hint(self, data_bytes: int, host_budget: int | None = None) -> None:
         """Size this upload's parts for a shard of ``data_bytes`` tensor bytes, its parts in
-        flight for ``host_budget`` (see :mod:`._sizing`); before the first write."""
+        flight for ``host_budget`` (:mod:`tierckpt.backends.sizing`); before the first write."""
         with self._op_lock:
             if self.size or self._buf is not None or self._upload_id is not None:
                 return  # too late: parts already cut
