@@ -895,3 +895,36 @@ def w_scale_native(rank: int, world: int, s3: dict[str, str], per_node: int) -> 
         got = ck.load()
         dist.barrier()
         return {"diff": same(got, rank_state(rank, 2)), "steps": ck.steps()}
+
+
+def w_agree_lineage(rank: int, world: int, s3: dict[str, str], per_node: int) -> dict[str, Any]:
+    """Save three steps to S3 and load with ``fallback="previous"`` (three candidates): the
+    ranks agree on the newest after the leaders read its manifest alone."""
+    os.environ["TIERCKPT_NODE"] = f"node-{rank // per_node}"
+    tier = S3Tier(f"s3://{s3['bucket']}/run", endpoint_url=s3["endpoint"], keep_last=None)
+    with (
+        tdist.knobs(commit_timeout=60, poll_max=0.2),
+        Checkpointer([tier], host_buffer_bytes=16 << 20, chunk_bytes=64 << 10) as ck,
+    ):
+        for step in (1, 2, 3):
+            ck.save(rank_state(rank, step), step).wait(timeout=60)
+            tdist.wait_committed(ck.backend("s3"), step, timeout=60)
+        dist.barrier()
+        got = ck.load(fallback="previous")
+        dist.barrier()
+        return {"diff": same(got, rank_state(rank, 3)), "steps": ck.steps()}
+
+
+def w_agree_older(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Save steps 1 and 2 to one shared folder, then rank 1's shard of step 2 is deleted: rank
+    0's newest readable is 2, rank 1's is 1, and both must load step 1."""
+    with Checkpointer([LocalTier(root, keep_last=None)], host_buffer_bytes=16 << 20) as ck:
+        for step in (1, 2):
+            ck.save(rank_state(rank, step), step).wait(timeout=60)
+            tdist.wait_committed(ck.backend("local"), step, timeout=60)
+        dist.barrier()
+        if rank == 0:
+            (Path(root) / shard_name(2, 1)).unlink()
+        dist.barrier()
+        got = ck.load(fallback="previous")
+        return {"diff": same(got, rank_state(rank, 1))}

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,14 +80,20 @@ def agree_on_step(
     rank: int,
     world_size: int,
     cache: ManifestCache | None = None,
+    prefetch: Callable[[Sequence[CheckpointId]], None] | None = None,
 ) -> list[CheckpointId]:
     """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read on
     ``tiers``.
 
-    One ``all_gather`` of ``agree_max_candidates`` int64 per rank (a checkpoint id each, in
-    the ids' order), in the calling thread; every rank must call ``load()`` together. Returns
-    a one-element list, or raises ``CheckpointNotFound`` on every rank when the ranks share
-    no readable checkpoint.
+    In the calling thread; every rank must call ``load()`` together. First each rank looks
+    at its candidates newest first and stops at the first it can read; one ``all_gather`` of
+    one int64 per rank: where every rank names the same checkpoint, that is the answer (the
+    usual case: one manifest and one index read per tier, not one per candidate). Otherwise
+    (ranks differ, e.g. one rank's newest is missing) a second ``all_gather`` of
+    ``agree_max_candidates`` int64 per rank finds the newest checkpoint all can read; before
+    it, ``prefetch`` (collective on every rank, where given) may read the remaining
+    candidates' manifests once per node into ``cache``. Returns a one-element list, or raises
+    ``CheckpointNotFound`` on every rank when the ranks share no readable checkpoint.
     """
     if not _group_ok(rank, world_size):
         _warn_once(
@@ -101,19 +107,30 @@ def agree_on_step(
     import torch.distributed as dist
 
     k = get_knobs()
-    mine: list[CheckpointId] = []
+    looked = list(candidates)[: k.agree_max_candidates]
     why: dict[CheckpointId, str] = {}
-    for cid in list(candidates)[: k.agree_max_candidates]:
-        reason = _readable(tiers, rank, world_size, cid, cache)
-        if reason:
-            why[cid] = reason
-        else:
-            mine.append(cid)
+
+    def readable(cid: CheckpointId) -> bool:
+        if cid not in why:
+            why[cid] = _readable(tiers, rank, world_size, cid, cache)
+        return not why[cid]
+
     dev = collective_device()
+    newest = next((c for c in looked if readable(c)), None)
+    one = torch.tensor([checkpoint_key(newest) if newest else -1], dtype=torch.int64, device=dev)
+    firsts = [torch.empty_like(one) for _ in range(world_size)]
+    dist.all_gather(firsts, one)
+    keys = {int(f.item()) for f in firsts}
+    if len(keys) == 1 and newest is not None:
+        return [newest]  # every rank's newest readable is the same checkpoint
+    if prefetch is not None:
+        prefetch([c for c in looked if c not in why])
+    mine = [c for c in looked if readable(c)]
     vec = torch.full((k.agree_max_candidates,), -1, dtype=torch.int64, device=dev)
     if mine:
-        keys = [checkpoint_key(c) for c in mine]
-        vec[: len(mine)] = torch.tensor(keys, dtype=torch.int64, device=dev)
+        vec[: len(mine)] = torch.tensor(
+            [checkpoint_key(c) for c in mine], dtype=torch.int64, device=dev
+        )
     gathered = [torch.empty_like(vec) for _ in range(world_size)]
     dist.all_gather(gathered, vec)
     sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
@@ -129,12 +146,13 @@ def agree_on_step(
                 ", ".join(str(c) for c in [c for c in mine if c > chosen][:5]),
             )
         return [chosen]
-    newest = {r: str(checkpoint_of_key(max(s))) if s else None for r, s in enumerate(sets)}
-    lacking = [r for r, s in newest.items() if s is None]
-    detail = "; ".join(f"{c}: {w}" for c, w in list(why.items())[:3])
+    newest_of = {r: str(checkpoint_of_key(max(s))) if s else None for r, s in enumerate(sets)}
+    lacking = [r for r, s in newest_of.items() if s is None]
+    failed = {c: w for c, w in why.items() if w}
+    detail = "; ".join(f"{c}: {w}" for c, w in list(failed.items())[:3])
     raise CheckpointNotFound(
         f"no checkpoint step is committed and readable on every rank (this rank looked at "
         f"{', '.join(map(str, list(candidates)[:5])) or 'no committed step'}; newest readable "
-        f"checkpoint per rank: {dict(list(newest.items())[:16])}; ranks with none: "
+        f"checkpoint per rank: {dict(list(newest_of.items())[:16])}; ranks with none: "
         f"{_ranks(lacking)})" + (f"; this rank (rank {rank}): {detail}" if detail else "")
     )

@@ -29,8 +29,14 @@ from typing import TYPE_CHECKING
 
 from tierckpt.backends.base import Backend
 from tierckpt.distributed._knobs import get_knobs
-from tierckpt.distributed._records import RankRecord, _ranks, decode_failure, encode_record
-from tierckpt.errors import CheckpointNotFound, CommitTimeout, RankFailed
+from tierckpt.distributed._records import (
+    RankRecord,
+    _ranks,
+    all_or_timeout,
+    decode_failure,
+    encode_record,
+)
+from tierckpt.errors import CheckpointNotFound, RankFailed
 from tierckpt.format import step_prefix
 from tierckpt.layout import (
     failure_name,
@@ -159,30 +165,21 @@ def wait_for_listed_records(
                 _raise_listed_failures(
                     backend, tier_name, step, attempt, sorted(set(failed)), prefixes, timeline
                 )
-            if len(found) == world_size:
-                log.debug(
-                    "step %d tier %s: all %d records listed after %d polls (%d LISTs), %.3f s",
-                    step,
-                    tier_name,
-                    world_size,
-                    polls,
-                    lists,
-                    time.monotonic() - start,
-                )
-                return [found[r] for r in range(world_size)]
+            done = all_or_timeout(
+                found,
+                world_size=world_size,
+                step=step,
+                tier_name=tier_name,
+                url=backend.url,
+                timeout=k.commit_timeout,
+                start=start,
+                polls=f"{polls} polls ({lists} LISTs)",
+                hint=", or ranks configure different `prefixes` for this tier",
+            )
+            if done is not None:
+                return done
             now = time.monotonic()
-            if now >= deadline:
-                absent = [r for r in range(world_size) if r not in found]
-                raise CommitTimeout(
-                    f"step {step} on tier {tier_name!r} ({backend.url}): after "
-                    f"{k.commit_timeout:.0f} s rank 0 still misses the completion records of "
-                    f"ranks {_ranks(absent)} (of {world_size}); no manifest was written, so this "
-                    "step is not committed there and the previous checkpoint stays the newest. "
-                    "A rank died or failed to write its shard (see its log), or ranks configure "
-                    "different `prefixes` for this tier; if ranks are merely slow, raise "
-                    "TIERCKPT_COMMIT_TIMEOUT_S"
-                )
-            time.sleep(min(delay, deadline - now))
+            time.sleep(max(0.0, min(delay, deadline - now)))
             if len(found) == before:  # no progress: back off; records arriving: keep pace
                 delay = min(delay * 2, k.poll_max)
     finally:

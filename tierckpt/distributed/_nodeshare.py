@@ -154,6 +154,10 @@ class ManifestCache:
     def put(self, tier: str, url: str, cid: CheckpointId, entry: dict[str, Any]) -> None:
         self._entries[(tier, cid)] = (url, entry)
 
+    def update(self, other: ManifestCache) -> None:
+        """Take ``other``'s entries (a later read of more candidates)."""
+        self._entries.update(other._entries)
+
     def __contains__(self, key: tuple[str, CheckpointId]) -> bool:
         return key in self._entries
 

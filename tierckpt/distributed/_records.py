@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierckpt.errors import FormatError
+from tierckpt.errors import CommitTimeout, FormatError
 from tierckpt.format import MAX_STEP, MAX_TIMELINE, ShardRef, shard_name
 from tierckpt.layout import data_folder_part
 
@@ -163,4 +165,41 @@ def _describe(exc: BaseException) -> str:
 def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks[:20])) + (
         f" and {len(ranks) - 20} more" if len(ranks) > 20 else ""
+    )
+
+
+def all_or_timeout(
+    found: dict[int, RankRecord],
+    *,
+    world_size: int,
+    step: int,
+    tier_name: str,
+    url: str,
+    timeout: float,
+    start: float,
+    polls: str,
+    hint: str = "",
+) -> list[RankRecord] | None:
+    """Every rank's record in rank order once ``found`` holds them all; ``None`` while some
+    are missing and ``timeout`` seconds since ``start`` have not passed; then
+    :class:`CommitTimeout` naming the missing ranks (``hint``: a further likely cause)."""
+    if len(found) == world_size:
+        logging.getLogger("tierckpt").debug(
+            "step %d tier %s: all %d records after %s, %.3f s",
+            step,
+            tier_name,
+            world_size,
+            polls,
+            time.monotonic() - start,
+        )
+        return [found[r] for r in range(world_size)]
+    if time.monotonic() < start + timeout:
+        return None
+    absent = [r for r in range(world_size) if r not in found]
+    raise CommitTimeout(
+        f"step {step} on tier {tier_name!r} ({url}): after {timeout:.0f} s rank 0 still "
+        f"misses the completion records of ranks {_ranks(absent)} (of {world_size}); no "
+        "manifest was written, so this step is not committed there and the previous "
+        "checkpoint stays the newest. A rank died or failed to write its shard (see its "
+        f"log){hint}; if ranks are merely slow, raise TIERCKPT_COMMIT_TIMEOUT_S"
     )

@@ -16,11 +16,12 @@ from tierckpt.distributed._knobs import DistKnobs, get_knobs
 from tierckpt.distributed._records import (
     RankRecord,
     _ranks,
+    all_or_timeout,
     decode_failure,
     decode_record,
     encode_record,
 )
-from tierckpt.errors import CheckpointNotFound, CommitTimeout, FormatError, RankFailed
+from tierckpt.errors import CheckpointNotFound, FormatError, RankFailed
 from tierckpt.format import (
     CheckpointId,
     Manifest,
@@ -141,28 +142,20 @@ def wait_for_records(
         _raise_reported_failures(
             backend, tier_name, step, attempt, absent if failed is None else failed, k, timeline
         )
-        if len(found) == world_size:
-            log.debug(
-                "step %d tier %s: all %d records after %d polls, %.3f s",
-                step,
-                tier_name,
-                world_size,
-                polls,
-                time.monotonic() - start,
-            )
-            return [found[r] for r in range(world_size)]
+        done = all_or_timeout(
+            found,
+            world_size=world_size,
+            step=step,
+            tier_name=tier_name,
+            url=backend.url,
+            timeout=k.commit_timeout,
+            start=start,
+            polls=f"{polls} polls",
+        )
+        if done is not None:
+            return done
         now = time.monotonic()
-        if now >= deadline:
-            absent = [r for r in range(world_size) if r not in found]
-            raise CommitTimeout(
-                f"step {step} on tier {tier_name!r} ({backend.url}): after "
-                f"{k.commit_timeout:.0f} s rank 0 still misses the completion records of "
-                f"ranks {_ranks(absent)} (of "
-                f"{world_size}); no manifest was written, so this step is not committed there "
-                "and the previous checkpoint stays the newest. A rank died or failed to write its "
-                "shard (see its log); if ranks are merely slow, raise TIERCKPT_COMMIT_TIMEOUT_S"
-            )
-        time.sleep(min(delay, deadline - now))
+        time.sleep(max(0.0, min(delay, deadline - now)))
         delay = min(delay * 2, k.poll_max)
 
 
@@ -252,5 +245,5 @@ def wait_committed(
             raise TimeoutError(
                 f"{CheckpointId(step, timeline)} not committed on {backend.url} after {timeout} s"
             )
-        time.sleep(min(delay, deadline - now))
+        time.sleep(max(0.0, min(delay, deadline - now)))
         delay = min(delay * 2, k.poll_max)

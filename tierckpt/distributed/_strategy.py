@@ -17,7 +17,6 @@ from tierckpt import config
 from tierckpt.commit import Defer, SaveStart
 from tierckpt.distributed._agree import agree_on_step
 from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
-from tierckpt.distributed._knobs import get_knobs
 from tierckpt.distributed._listcommit import (
     listed_failure_name,
     tier_prefixes,
@@ -280,28 +279,33 @@ class MultiRankCommit:
         return self._repopulate and _group_ok(self._rank, self._world_size)
 
     def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
-        """See :func:`agree_on_step`. With a process group, the manifests of the candidates
-        on shared tiers are read once per node (:mod:`._nodeshare`) and kept for this load's
-        :meth:`read_manifest`."""
+        """See :func:`agree_on_step`. With a process group, manifests on shared tiers are read
+        once per node (:mod:`._nodeshare`) and kept for this load's :meth:`read_manifest`: the
+        newest candidate's first, the others' only where the ranks' newest readable differ."""
         self._manifests = None
+        prefetch = None
         if _group_ok(self._rank, self._world_size):
             if self._node is None:
                 self._node = TorchNodeComm()  # collective: every rank, first load
-            k = get_knobs()
+            node = self._node
             # only the shared tiers listed before any private one: where a node-local tier
             # (RAM, node RAM, a local disk) comes first, ranks load from it, and reading the
             # shared tiers' manifests up front would cost requests (S3 GETs) nobody needs
             shared = list(itertools.takewhile(lambda t: not is_private_tier(t), self._tiers))
-            reads = [
-                (t.name, t.backend, c) for c in candidates[: k.agree_max_candidates] for t in shared
-            ]
-            self._manifests = read_manifests_per_node(self._node, reads)
+            cache = self._manifests = ManifestCache()
+
+            def prefetch(cids: Sequence[CheckpointId]) -> None:
+                reads = [(t.name, t.backend, c) for c in cids for t in shared]
+                cache.update(read_manifests_per_node(node, reads))
+
+            prefetch(candidates[:1])
         return agree_on_step(
             candidates,
             tiers=self._tiers,
             rank=self._rank,
             world_size=self._world_size,
             cache=self._manifests,
+            prefetch=prefetch,
         )
 
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
