@@ -20,6 +20,7 @@ import torch
 
 from tierckpt.arena import HostArena
 from tierckpt.catalog import committed_ids, lineage, steps_of
+from tierckpt.checkpointer._probe import probe_after_load
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
@@ -294,4 +295,6 @@ def _load_from(
         tier.codec.observe_read(
             loaded.stored_bytes, loaded.raw_bytes, loaded.read_seconds, compressed=loaded.compressed
         )
+        # ... and, where it only ever loaded compressed chunks, what a raw restore would take
+        probe_after_load(tier, loaded, ctx.rank, ctx.read_pool())
     return loaded
