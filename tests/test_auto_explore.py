@@ -6,12 +6,18 @@ policy compares what the two delivered. Driven with injected measurements (fast 
 decoder: raw; slow link + fast decoder: compressed; the probe happens when due and its reading
 changes the choice; a measured veto is re-examined after a few raw loads), then end to end:
 a decoder made slow (a sleeping codec) against a real S3 server switches the tier to raw; a
-link made slow (a throttled backend) keeps it compressing; and checkpoints whose chunks mix
-raw and compressed (the policy switched between them) load bit-exact.
+link made slow (a throttled backend) keeps it compressing; checkpoints whose chunks mix
+raw and compressed (the policy switched between them) load bit-exact; and what loads taught a
+policy survives a restart (real processes), so a restarted job that loads raw chunks does not
+go back to compressing.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +29,14 @@ from helpers import assert_same
 from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
-from tierckpt.checkpointer._probe import PROBE_MAX, PROBE_MIN, probe_bytes
+from tierckpt.checkpointer._auto_feedback import (
+    PROBE_MAX,
+    PROBE_MIN,
+    probe_bytes,
+    recall,
+    remember,
+    state_path,
+)
 from tierckpt.codecs import Codec, PlanesCodec, RawCodec, ZstdCodec, register_codec
 from tierckpt.codecs.adaptive import EXPLORE_EVERY, AdaptiveCodec
 from tierckpt.codecs.auto import CodecProfile
@@ -32,6 +45,8 @@ from tierckpt.testing.s3servers import S3Server
 
 CHUNK = 1 << 20
 MiB = 1 << 20
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 
 # -- the policy, driven with injected measurements --------------------------------------------
@@ -260,3 +275,86 @@ def test_a_checkpoint_mixing_raw_and_compressed_chunks_loads(
             assert_same(ck.load(), state)
     finally:
         backend.close()
+
+
+# -- memory across restarts ------------------------------------------------------------------
+def test_the_load_side_state_round_trips_and_garbage_is_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERCKPT_AUTO_STATE_DIR", str(tmp_path / "state"))
+    path = state_path("s3://b/run", 3)
+    assert path is not None and path.startswith(str(tmp_path / "state"))
+    assert path != state_path("s3://b/run", 4) and path != state_path("s3://b/other", 3)
+    learned = _policy()
+    learned.observe_read(600 * MiB, 1000 * MiB, 10.0, compressed=True)
+    learned.observe_link_probe(300 * MiB, 1.0)
+    remember(learned, path, "s3://b/run", 3)
+    fresh = _policy()
+    assert _compresses(fresh)
+    assert recall(fresh, path)
+    assert not _compresses(fresh)
+    assert fresh.read_state() == learned.read_state()
+    assert not recall(fresh, path)  # it measured (took) a state already: its own is newer
+    for bad in [b"", b"{not json", b"[]", json.dumps({"format": "x"}).encode()]:
+        Path(path).write_bytes(bad)
+        assert not recall(_policy(), path)
+    doc = {"format": "tierckpt-auto-state", "version": 1, "state": {"read_link_bps": -1}}
+    Path(path).write_text(json.dumps(doc))
+    assert not recall(_policy(), path)
+    monkeypatch.setenv("TIERCKPT_AUTO_STATE_DIR", "off")
+    assert state_path("s3://b/run", 3) is None
+
+
+def _restart_worker(folder: str, step: int) -> None:
+    """One process of a job on a local tier with a slow-decoding auto policy: load the newest
+    checkpoint (if any), save ``step``, print the saved chunks' codec ids."""
+    state = _state()
+    policy = _injected(SlowZstd())
+    with Checkpointer([LocalTier(folder, codec=policy, keep_last=None)], chunk_bytes=CHUNK) as ck:
+        if step > 1:
+            assert_same(ck.load(), state)
+        ck.save(state, step=step).result()
+    print(json.dumps({"ids": sorted(set(_codec_ids(LocalBackend(folder), step)))}))
+
+
+def _run_process(folder: Path, step: int, state_dir: str) -> list[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
+    env["TIERCKPT_AUTO_STATE_DIR"] = state_dir
+    code = f"import test_auto_explore as t; t._restart_worker({str(folder)!r}, {step})"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids: list[str] = json.loads(proc.stdout.strip().splitlines()[-1])["ids"]
+    return ids
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["state-kept", "state-off"])
+def test_a_restarted_job_remembers_that_compressed_restores_were_slower(
+    tmp_path: Path, kept: bool
+) -> None:
+    """Three processes: the first saves compressed; the second loads it (slowly), probes, and
+    saves raw; the third loads those raw chunks. With the state kept it knows the compressed
+    restore was slower and saves raw again; with it off it knows only the raw rate, so the
+    model (decoders far faster than the link) sends it back to compressing."""
+    folder = tmp_path / "tier"
+    state_dir = str(tmp_path / "state") if kept else "off"
+    assert _run_process(folder, 1, state_dir) == [SlowZstd.codec_id]
+    assert _run_process(folder, 2, state_dir) == ["raw"]
+    assert _run_process(folder, 3, state_dir) == (["raw"] if kept else [SlowZstd.codec_id])
+
+
+def test_the_state_folder_follows_the_knob_then_the_xdg_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierckpt import config
+
+    monkeypatch.delenv("TIERCKPT_AUTO_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert config.auto_state_dir() == str(tmp_path / "xdg" / "tierckpt" / "auto")
+    monkeypatch.setenv("TIERCKPT_AUTO_STATE_DIR", str(tmp_path / "mine"))
+    assert config.auto_state_dir() == str(tmp_path / "mine")
+    for off in ["off", "0", "No"]:
+        monkeypatch.setenv("TIERCKPT_AUTO_STATE_DIR", off)
+        assert config.auto_state_dir() is None

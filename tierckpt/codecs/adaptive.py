@@ -39,9 +39,11 @@ chunk is stored raw, whatever the save would gain, when
 Measurements go stale, so the policy explores now and then: after :data:`EXPLORE_EVERY`
 compressed loads the next one probes the link again, and after :data:`EXPLORE_EVERY` raw loads
 the measured ``C`` is dropped, so the next checkpoints are stored as the save-side rules say
-and the load after them measures ``C`` afresh. What a policy learned lives as long as its
-process: a restarted job learns again from its first load (which measures ``C`` or ``R``, and
-probes where it was compressed).
+and the load after them measures ``C`` afresh. A policy's first load measures ``C`` or ``R``
+(and probes where it was compressed); :meth:`AdaptiveCodec.read_state` /
+:meth:`AdaptiveCodec.recall_state` carry the rest across a restart (the load path keeps it in
+a small file per tier and rank under ``TIERCKPT_AUTO_STATE_DIR``), so a restarted job that
+loads raw chunks still knows that compressed ones restored slower.
 """
 
 from __future__ import annotations
@@ -213,6 +215,41 @@ class AdaptiveCodec(Codec):
             self._read_link_bps = bps
             self._compressed_loads_since_raw = 0
             self._decide()
+
+    def read_state(self) -> dict[str, JSON]:
+        """What loads taught this policy (the restore rates and the explore counters), for
+        :meth:`recall_state` in a later process: a restarted job keeps what its predecessor
+        measured (``checkpointer/_auto_feedback.py`` keeps it in a file per tier and rank)."""
+        with self._lock:
+            return {
+                "read_link_bps": self._read_link_bps,
+                "read_compressed_bps": self._read_compressed_bps,
+                "compressed_loads_since_raw": self._compressed_loads_since_raw,
+                "raw_loads_since_compressed": self._raw_loads_since_compressed,
+            }
+
+    def recall_state(self, state: object) -> bool:
+        """Take what :meth:`read_state` returned in an earlier process, unless this policy has
+        measured a load itself (its own numbers are newer). Anything malformed is ignored
+        (returns False): a lost or garbled file only means measuring again."""
+        if not isinstance(state, dict):
+            return False
+        rates = [state.get("read_link_bps"), state.get("read_compressed_bps")]
+        counts = [state.get("compressed_loads_since_raw"), state.get("raw_loads_since_compressed")]
+        if not all(r is None or (isinstance(r, float | int) and 0 < r < 1e15) for r in rates):
+            return False
+        if not all(isinstance(c, int) and 0 <= c < 1 << 30 for c in counts):
+            return False
+        with self._lock:
+            if self._read_link_bps is not None or self._read_compressed_bps is not None:
+                return False
+            self._read_link_bps, self._read_compressed_bps = (
+                None if r is None else float(r) for r in rates
+            )
+            self._compressed_loads_since_raw = int(counts[0] or 0)
+            self._raw_loads_since_compressed = int(counts[1] or 0)
+            self._decide()
+        return True
 
     def _explore_compressed(self) -> None:
         """After :data:`EXPLORE_EVERY` raw loads, forget C (a measured veto would otherwise
