@@ -30,6 +30,7 @@ from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.checkpointer._auto_feedback import (
+    PROBE_FRACTION,
     PROBE_MAX,
     PROBE_MIN,
     probe_bytes,
@@ -140,7 +141,8 @@ def test_a_measured_veto_is_reexamined_after_some_raw_loads() -> None:
 
 def test_probe_size() -> None:
     assert probe_bytes(8 * MiB, 9 * MiB) == 8 * MiB  # a small load: all of it
-    assert probe_bytes(1 << 30, (1 << 30) + 4096) == max(PROBE_MIN, (1 << 30) // 8)
+    assert probe_bytes(1 << 30, (1 << 30) + 4096) == (1 << 30) // PROBE_FRACTION
+    assert probe_bytes(100 * MiB, 200 * MiB) == PROBE_MIN
     assert probe_bytes(64 << 30, 65 << 30) == PROBE_MAX
     assert probe_bytes(100 * MiB, 10 * MiB) == 10 * MiB  # never past the file's end
 

@@ -11,7 +11,7 @@ The probe measures it directly: the first bytes of the shard file, split among t
 threads, each read with the backend's ``read_into`` into fresh memory (first touch included,
 as a raw load's storages are), timed end to end. It runs only when the policy asks
 (:meth:`~tierckpt.codecs.adaptive.AdaptiveCodec.link_probe_due`: no raw rate yet, or a stale
-one), reads at most an eighth of what the load read (32 MiB at least, 512 MiB at most), and a
+one), reads a sixteenth of what the load read (16 MiB at least, 256 MiB at most), and a
 failure is logged and ignored: the load it follows has succeeded.
 
 The bytes were just read by the load, so a store with a cache serves them warm: if anything
@@ -62,10 +62,10 @@ log = logging.getLogger("tierckpt")
 STATE_FORMAT = "tierckpt-auto-state"
 STATE_VERSION = 1
 MAX_STATE_BYTES = 64 << 10
-PROBE_MIN = 32 << 20
-PROBE_MAX = 512 << 20
+PROBE_MIN = 16 << 20
+PROBE_MAX = 256 << 20
 #: the probe reads at most this fraction of what the load read
-PROBE_FRACTION = 8
+PROBE_FRACTION = 16
 
 
 def probe_bytes(stored_bytes: int, file_size: int) -> int:
