@@ -33,6 +33,16 @@ from tierckpt.testing.s3servers import (
     start_seaweedfs,
 )
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _auto_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """codec="auto" keeps what loads measured in a session folder, not the user's cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIERCKPT_AUTO_STATE_DIR", str(tmp_path_factory.mktemp("auto-state")))
+    yield
+    mp.undo()
+
+
 # -- S3 -----------------------------------------------------------------------------------
 
 

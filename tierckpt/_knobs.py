@@ -119,6 +119,15 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         "",
+        "TIERCKPT_AUTO_STATE_DIR, XDG_CACHE_HOME",
+        "$XDG_CACHE_HOME/tierckpt/auto, else ~/.cache/tierckpt/auto",
+        "folder, or off (0/false/no/off)",
+        'codec="auto": where each remote tier\'s policy keeps what loads measured (raw and '
+        "compressed restore rates, one small file per tier URL and rank), so a restarted job "
+        "does not measure again from scratch; off: each process learns alone",
+    ),
+    Knob(
+        "",
         "TIERCKPT_NODE",
         "the host name",
         "string",

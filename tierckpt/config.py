@@ -35,6 +35,7 @@ __all__ = [
     "Knob",
     "WriterConfig",
     "attempt_id",
+    "auto_state_dir",
     "commit_poll_max_s",
     "commit_timeout_s",
     "debug_botocore",
@@ -267,6 +268,17 @@ def s3_read_concurrency(arg: int | None = None) -> int:
 def node_name() -> str | None:
     """``TIERCKPT_NODE`` (None when unset: the host name tells the nodes apart)."""
     return _raw("TIERCKPT_NODE")
+
+
+def auto_state_dir() -> str | None:
+    """Where ``codec="auto"`` keeps what loads measured (None: nowhere, ``off``):
+    ``TIERCKPT_AUTO_STATE_DIR``, else ``$XDG_CACHE_HOME/tierckpt/auto``, else
+    ``~/.cache/tierckpt/auto``."""
+    text = _raw("TIERCKPT_AUTO_STATE_DIR")
+    if text is not None:
+        return None if text.lower() in _FALSE else os.path.expanduser(text)
+    cache = _raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "tierckpt", "auto")
 
 
 def private_tiers() -> frozenset[str]:

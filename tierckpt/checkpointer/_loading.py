@@ -20,6 +20,7 @@ import torch
 
 from tierckpt.arena import HostArena
 from tierckpt.catalog import committed_ids, lineage, steps_of
+from tierckpt.checkpointer._auto_feedback import feed_policy
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
@@ -291,7 +292,6 @@ def _load_from(
         publish=False,  # the strategy's publish_repopulated commits the copies
     )
     if isinstance(tier.codec, SupportsObserveRead):  # the auto policy learns the restore's speed
-        tier.codec.observe_read(
-            loaded.stored_bytes, loaded.raw_bytes, loaded.read_seconds, compressed=loaded.compressed
-        )
+        # (and, where the load was compressed, what a raw one would take: _auto_feedback)
+        feed_policy(tier, loaded, ctx.rank, ctx.read_pool())
     return loaded

@@ -20,15 +20,30 @@ state is on a CUDA device and the nvCOMP package imports. GPU compression is fas
 object-store link, so there is nothing to measure first.
 
 A checkpoint is worth its restore, so the restore has a veto (:meth:`AdaptiveCodec._decide`).
-Loads from the tier report what they measured (:meth:`AdaptiveCodec.observe_read`): a load of
-raw chunks gives the link's read rate, a load of compressed chunks the rate it delivered. A kind
-of chunk is stored raw, whatever the save would gain, when
+Loads from the tier report what they measured, end to end (:meth:`AdaptiveCodec.observe_read`:
+raw bytes delivered per second of the load, index to last decoded byte): a load of raw chunks
+gives the raw rate ``R``, a load of compressed chunks the compressed rate ``C``. A tier that
+compresses stores no raw chunks to measure ``R`` with, so after a compressed load the loader
+reads a slice of the same shard file again, raw, on the same reader threads into fresh memory
+(a *link probe*, :meth:`AdaptiveCodec.link_probe_due`, ``checkpointer/_probe.py``). A kind of
+chunk is stored raw, whatever the save would gain, when
 
-* the link reads faster than the decoders decode (``decode_bps * parallel < read link``, the
-  decode rate measured with the encode rate on the same sample; until a load measured the read
-  link, the write link stands in for it), or
-* loads of compressed chunks from this tier delivered fewer bytes per second than loads of raw
-  chunks did.
+* both rates are measured and ``C < R``: compressed loads delivered fewer bytes per second
+  than raw reads of the same tier (this sees what no model does: an object store that runs on
+  the decoder's cores, where decode and download add up instead of overlapping); or, until
+  both are,
+* the link reads faster than the decoders decode (``decode_bps * parallel < R``, the decode
+  rate measured with the encode rate on the same sample; the write link stands in for ``R``
+  until a load measured it).
+
+Measurements go stale, so the policy explores now and then: after :data:`EXPLORE_EVERY`
+compressed loads the next one probes the link again, and after :data:`EXPLORE_EVERY` raw loads
+the measured ``C`` is dropped, so the next checkpoints are stored as the save-side rules say
+and the load after them measures ``C`` afresh. A policy's first load measures ``C`` or ``R``
+(and probes where it was compressed); :meth:`AdaptiveCodec.read_state` /
+:meth:`AdaptiveCodec.recall_state` carry the rest across a restart (the load path keeps it in
+a small file per tier and rank under ``TIERCKPT_AUTO_STATE_DIR``), so a restarted job that
+loads raw chunks still knows that compressed ones restored slower.
 """
 
 from __future__ import annotations
@@ -47,13 +62,17 @@ from tierckpt.errors import UnknownCodec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AdaptiveCodec", "nvcomp_ready"]
+__all__ = ["EXPLORE_EVERY", "AdaptiveCodec", "nvcomp_ready"]
 
 log = logging.getLogger("tierckpt")
 
 SAMPLE_BYTES = 4 << 20
 #: weight of the newest measurement in the link's moving average
 EMA = 0.5
+#: loads of one kind (raw or compressed) after which the other kind is measured again
+EXPLORE_EVERY = 4
+#: loads smaller than this measure nothing (the fixed costs of a load dominate)
+MIN_LOAD_BYTES = 1 << 20
 
 
 class AdaptiveCodec(Codec):
@@ -69,10 +88,13 @@ class AdaptiveCodec(Codec):
         self._lock = threading.Lock()
         self._profiles: dict[str, CodecProfile] = {}
         self._link_bps: float | None = None
-        #: stored bytes/s of loads of raw chunks from this tier (the link's read rate)
+        #: bytes/s of loads of raw chunks from this tier and of link probes (the raw rate R)
         self._read_link_bps: float | None = None
-        #: raw bytes/s delivered by loads of compressed chunks from this tier
+        #: raw bytes/s delivered by loads of compressed chunks from this tier (the rate C)
         self._read_compressed_bps: float | None = None
+        #: compressed loads since R was last measured; raw loads since C was
+        self._compressed_loads_since_raw = 0
+        self._raw_loads_since_compressed = 0
         self._compress: dict[str, bool] = {}
         self._device_codec: Codec | None = None
         self._device_ready: dict[torch.device, bool] = {}
@@ -107,12 +129,16 @@ class AdaptiveCodec(Codec):
     def on_device(self, device: torch.device | None) -> Codec | None:
         """The codec this tier's chunks on ``device`` are compressed with there, before the
         device-to-host copy: nvCOMP zstd for a remote tier when ``device`` is a CUDA GPU and
-        the nvCOMP package imports; None otherwise (the chunk crosses raw and
-        :meth:`for_dtype` chooses on the host, as without a GPU)."""
+        the nvCOMP package imports, unless loads measured compressed restores slower than raw
+        ones; None otherwise (the chunk crosses raw and :meth:`for_dtype` chooses on the host,
+        as without a GPU)."""
         if not self.remote or device is None:
             return None
         with self._lock:
             ready = self._device_ready.get(device)
+            slow, fast = self._read_compressed_bps, self._read_link_bps
+        if slow is not None and fast is not None and slow < fast:
+            return None  # the restore's measured veto holds for GPU-compressed chunks too
         if ready is None:  # asked once per device: a failed import is not retried per chunk
             ready = nvcomp_ready(device)
             with self._lock:
@@ -154,37 +180,116 @@ class AdaptiveCodec(Codec):
     ) -> None:
         """Feed back one load from this tier (the restore's veto, see the module docstring):
         ``seconds`` to read, verify and decode ``stored_bytes`` into ``raw_bytes``."""
-        if raw_bytes < (1 << 20) or seconds <= 0:
+        if raw_bytes < MIN_LOAD_BYTES or seconds <= 0:
             return
         with self._lock:
             if compressed:
                 self._read_compressed_bps = _ema(self._read_compressed_bps, raw_bytes / seconds)
+                self._compressed_loads_since_raw += 1
+                self._raw_loads_since_compressed = 0
             else:
                 self._read_link_bps = _ema(self._read_link_bps, stored_bytes / seconds)
+                self._compressed_loads_since_raw = 0
+                self._raw_loads_since_compressed += 1
+                self._explore_compressed()
             self._decide()
+
+    def link_probe_due(self) -> bool:
+        """Whether the loader should read a slice of the shard it just loaded compressed again,
+        raw (:meth:`observe_link_probe`): no raw rate was measured yet, or
+        :data:`EXPLORE_EVERY` compressed loads went by since it was."""
+        with self._lock:
+            return self._compressed_loads_since_raw > 0 and (
+                self._read_link_bps is None or self._compressed_loads_since_raw >= EXPLORE_EVERY
+            )
+
+    def observe_link_probe(self, nbytes: int, seconds: float) -> None:
+        """Feed back a link probe: ``nbytes`` stored bytes read raw, as a raw load reads them
+        (same reader threads, fresh memory), in ``seconds``: the raw rate R."""
+        if nbytes < MIN_LOAD_BYTES or seconds <= 0:
+            return
+        with self._lock:
+            bps = nbytes / seconds
+            # a probe replaces a stale R rather than averaging with it: it is the newest
+            # reading of a link that may have changed since
+            self._read_link_bps = bps
+            self._compressed_loads_since_raw = 0
+            self._decide()
+
+    def read_state(self) -> dict[str, JSON]:
+        """What loads taught this policy (the restore rates and the explore counters), for
+        :meth:`recall_state` in a later process: a restarted job keeps what its predecessor
+        measured (``checkpointer/_auto_feedback.py`` keeps it in a file per tier and rank)."""
+        with self._lock:
+            return {
+                "read_link_bps": self._read_link_bps,
+                "read_compressed_bps": self._read_compressed_bps,
+                "compressed_loads_since_raw": self._compressed_loads_since_raw,
+                "raw_loads_since_compressed": self._raw_loads_since_compressed,
+            }
+
+    def recall_state(self, state: object) -> bool:
+        """Take what :meth:`read_state` returned in an earlier process, unless this policy has
+        measured a load itself (its own numbers are newer). Anything malformed is ignored
+        (returns False): a lost or garbled file only means measuring again."""
+        if not isinstance(state, dict):
+            return False
+        rates = [state.get("read_link_bps"), state.get("read_compressed_bps")]
+        counts = [state.get("compressed_loads_since_raw"), state.get("raw_loads_since_compressed")]
+        if not all(r is None or (isinstance(r, float | int) and 0 < r < 1e15) for r in rates):
+            return False
+        if not all(isinstance(c, int) and 0 <= c < 1 << 30 for c in counts):
+            return False
+        with self._lock:
+            if self._read_link_bps is not None or self._read_compressed_bps is not None:
+                return False
+            self._read_link_bps, self._read_compressed_bps = (
+                None if r is None else float(r) for r in rates
+            )
+            self._compressed_loads_since_raw = int(counts[0] or 0)
+            self._raw_loads_since_compressed = int(counts[1] or 0)
+            self._decide()
+        return True
+
+    def _explore_compressed(self) -> None:
+        """After :data:`EXPLORE_EVERY` raw loads, forget C (a measured veto would otherwise
+        never be re-examined: a tier stored raw produces no compressed loads)."""
+        if (
+            self._read_compressed_bps is not None
+            and self._raw_loads_since_compressed >= EXPLORE_EVERY
+        ):
+            log.info(
+                "auto codec: %d raw loads since the last compressed one; measuring compressed "
+                "loads again",
+                self._raw_loads_since_compressed,
+            )
+            self._read_compressed_bps = None
+            self._raw_loads_since_compressed = 0
 
     def _decide(self) -> None:
         read_link = self._read_link_bps or self._link_bps
         if read_link is None:
             return
+        slow, fast = self._read_compressed_bps, self._read_link_bps
         for kind, prof in self._profiles.items():
             compress, reason = True, "no save measured yet"
             if self._link_bps is not None:
                 choice = choose_codec([prof], self._link_bps, parallel=self.parallel)
                 compress, reason = not choice.codec.is_passthrough, choice.reason
-            if compress and not restore_pays(prof, read_link, parallel=self.parallel):
+            if compress and slow is not None and fast is not None:
+                # measured end to end, both ways: this beats any model of the two rates
+                if slow < fast:
+                    compress = False
+                    reason = (
+                        f"compressed loads delivered {slow / 1e9:.2f} GB/s, raw reads "
+                        f"{fast / 1e9:.2f} GB/s"
+                    )
+            elif compress and not restore_pays(prof, read_link, parallel=self.parallel):
                 compress = False
                 reason = (
                     f"the link reads {read_link / 1e9:.2f} GB/s, faster than "
                     f"{self.parallel} decoders at {prof.decode_bps / 1e9:.2f} GB/s each: a "
                     "compressed restore would be slower than a raw one"
-                )
-            slow, fast = self._read_compressed_bps, self._read_link_bps
-            if compress and slow is not None and fast is not None and slow < fast:
-                compress = False
-                reason = (
-                    f"compressed loads delivered {slow / 1e9:.2f} GB/s, raw loads "
-                    f"{fast / 1e9:.2f} GB/s"
                 )
             if self._compress.get(kind, self.remote) != compress:
                 log.info(
@@ -202,6 +307,8 @@ class AdaptiveCodec(Codec):
                 "link_bps": self._link_bps,
                 "read_link_bps": self._read_link_bps,
                 "read_compressed_bps": self._read_compressed_bps,
+                "compressed_loads_since_raw": self._compressed_loads_since_raw,
+                "raw_loads_since_compressed": self._raw_loads_since_compressed,
                 "compress": dict(self._compress),
                 "profiles": {
                     k: {"encode_bps": p.encode_bps, "decode_bps": p.decode_bps, "ratio": p.ratio}
