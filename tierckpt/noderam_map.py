@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import codec_from_config
 from tierckpt.errors import CorruptCheckpoint, FormatError
@@ -180,6 +181,11 @@ def read_shard_mapped(
     if covered != data_bytes:
         raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
     path: str = backend.mapped_path(ref.file)  # type: ignore[attr-defined]
+    if data_bytes > total_ram():  # storages copied out of the map are allocated
+        raise FormatError(
+            f"{where}: declares {data_bytes} bytes of tensor data, more than this machine's "
+            "memory; refusing it"
+        )
     mm = map_segment(path, ref.size, where=where)
     view = memoryview(mm)
     futures = [
