@@ -241,3 +241,29 @@ def test_map_location_cuda_copies_from_the_mapping(shm: Path, tmp_path: Path) ->
         )
         assert isinstance(got["p"], torch.nn.Parameter)
         assert got["wt"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
+
+
+def test_a_device_target_copies_from_the_mapping_not_through_staging(
+    shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a GPU: ``meta`` plays the device (the way the GPU-restore tests widen
+    ``is_gpu``). A load onto the device takes the mapped shard and moves it there, storage by
+    storage; the staging path (``read_shard_to_device``) is not used."""
+    from tierckpt import restore_gpu
+    from tierckpt.checkpointer import _loading
+
+    _save_and_die(shm, tmp_path / "disk", (1,))
+    monkeypatch.setattr(restore_gpu, "is_gpu", lambda d: d.type in ("cuda", "meta"))
+
+    def staged(*a: Any, **k: Any) -> Any:
+        raise AssertionError("read through the staging path")
+
+    monkeypatch.setattr(_loading, "read_shard_to_device", staged)
+    with Checkpointer(_tiers(shm, tmp_path / "disk")) as ck:
+        got = ck.load(map_location="meta")
+    want = make_state(1)
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].device.type == "meta", k
+            assert (got[k].dtype, got[k].shape, got[k].stride()) == (v.dtype, v.shape, v.stride())
+    assert isinstance(got["p"], torch.nn.Parameter) and got["step"] == 1
