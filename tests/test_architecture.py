@@ -252,6 +252,7 @@ LAYERS: dict[str, int] = {
             "restore",
             "restore_gpu",
             "noderam",
+            "noderam_map",
         ],
         3,
     ),

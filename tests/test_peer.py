@@ -186,5 +186,9 @@ def test_recovery_benchmark_quick_mode_prints_its_table(tmp_path: Path) -> None:
     assert s["node_lost_sources"] == ["noderam", "peer:0"]
     assert s["memcpy_gbps"] > 0 and s["loopback_gbps"] > 0
     assert s["ratios"]["node_ram_vs_local"] > 0 and s["ratios"]["node_ram_vs_local_warm"] > 0
+    # the mapped restore also timed to the end of a read of every byte, and the copying read
+    assert "| process crash, node RAM copied | NodeRamTier(map=False)" in proc.stdout
+    for row in s["rows"].values():
+        assert row["touch_seconds"] >= row["seconds"] > 0, row
     cold = s["cache_state"]["rank 0"]["cold"]
     assert cold and all(c.startswith(("fadvise", "drop_caches")) for c in cold), cold

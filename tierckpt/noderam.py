@@ -28,6 +28,11 @@ most ``max_bytes``; to keep ``keep_last`` checkpoints it needs ``keep_last + 1``
 node's share of a checkpoint (the newest one is written before the oldest is deleted), plus
 the replicas it keeps for partners.
 
+Restore without a copy (``map=True``, the default): a load maps the shard copy-on-write and
+returns tensors over the mapping (:mod:`tierckpt.noderam_map`). While a loaded state is alive
+it holds its segment's tmpfs pages, also after retention deleted the file; the budget counts
+those bytes (in the process that maps them) until the state is dropped.
+
 Dead runs
     The folders of a run whose processes are gone take the node's RAM until someone removes
     them: :func:`clean_dead_runs` removes every run folder under the tier's path (never its own)
@@ -55,6 +60,7 @@ from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import BackendError, FormatError
 from tierckpt.lease import LEASE_DIR, LeaseRecord, owner_status, parse_lease_name
+from tierckpt.noderam_map import unlinked_mapped_bytes
 from tierckpt.policy import CodecSpec, TierSpec
 
 __all__ = [
@@ -133,6 +139,8 @@ class NodeRamBackend(LocalBackend):
 
     ``budget_root``: the run folder whose usage (with its replica folder) counts against
     ``max_bytes`` (the replica backends of :mod:`tierckpt.peer` share their run's budget).
+    ``map_reads``: a load maps raw shards copy-on-write instead of reading them
+    (:mod:`tierckpt.noderam_map`).
     """
 
     def __init__(
@@ -141,18 +149,28 @@ class NodeRamBackend(LocalBackend):
         *,
         max_bytes: int,
         budget_root: str | None = None,
+        map_reads: bool = False,
     ) -> None:
         super().__init__(root, direct_io=False)
         self.url = f"noderam:{self.root}"
         self.max_bytes = max_bytes
         self.budget_root = os.path.abspath(budget_root) if budget_root else self.root
+        self.map_reads = map_reads
 
     @property
     def is_node_local(self) -> bool:
         return True
 
     def usage(self) -> int:
-        return node_ram_usage(self.budget_root)
+        """The run's node-RAM bytes: its files, and the segments this process still maps
+        (a load's tensors) whose files retention deleted, whose pages tmpfs frees only when
+        the mapping goes."""
+        roots = [self.budget_root, self.budget_root + REPLICA_SUFFIX]
+        return node_ram_usage(self.budget_root) + unlinked_mapped_bytes(roots)
+
+    def mapped_path(self, name: str) -> str:
+        """The file of object ``name``, for a load that maps it (``map_reads``)."""
+        return self._path(name)
 
     def check_budget(self, more: int, name: str) -> None:
         """Raise ``BackendError`` (ENOSPC) if ``more`` bytes would take the run past budget."""
@@ -178,7 +196,10 @@ class NodeRamTier(TierSpec):
     ``path``: the tmpfs folder holding runs (default ``/dev/shm/tierckpt-<uid>``);
     ``namespace``: this run's folder in it (default: torchrun's run id); ``max_bytes``: the
     budget (default half of the tmpfs); ``stale_after_s``: how long a dead run's folder is left
-    before opening this tier removes it (``None``: never on open).
+    before opening this tier removes it (``None``: never on open). ``map`` (default True): a
+    load returns tensors over a copy-on-write mapping of the shard in node RAM instead of a
+    copy of it (raw chunks; see :mod:`tierckpt.noderam_map`): a restore costs the mapping and
+    the checksums; writes to the tensors go to private pages, never to the checkpoint.
 
     Retention as on the other tiers (``keep_last``, ``keep_every_n_steps``, ``keep_best`` by
     ``best_metric``/``best_mode``, pins), decided from the manifests in node RAM, so a
@@ -191,6 +212,7 @@ class NodeRamTier(TierSpec):
     namespace: str = "default"
     max_bytes: int = 0
     stale_after_s: float | None = DEFAULT_STALE_AFTER_S
+    map: bool = True
 
     def __init__(
         self,
@@ -207,6 +229,7 @@ class NodeRamTier(TierSpec):
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: Literal["min", "max"] = "min",
+        map: bool = True,
     ) -> None:
         base = os.path.abspath(os.fspath(path)) if path is not None else default_node_ram_path()
         ns = default_namespace() if namespace is None else namespace
@@ -222,6 +245,7 @@ class NodeRamTier(TierSpec):
         object.__setattr__(self, "namespace", ns)
         object.__setattr__(self, "max_bytes", max_bytes)
         object.__setattr__(self, "stale_after_s", stale_after_s)
+        object.__setattr__(self, "map", bool(map))
         object.__setattr__(self, "source", None)
         object.__setattr__(self, "max_behind", 2)
         object.__setattr__(self, "name", name)
@@ -245,7 +269,7 @@ class NodeRamTier(TierSpec):
                 clean_dead_runs(self.path, stale_after_s=self.stale_after_s, keep=self.namespace)
             except OSError as exc:  # cleaning is a courtesy: never fail the job for it
                 log.warning("node RAM %s: could not clean dead runs: %s", self.path, exc)
-        return NodeRamBackend(self.root, max_bytes=self.max_bytes)
+        return NodeRamBackend(self.root, max_bytes=self.max_bytes, map_reads=self.map)
 
 
 def _half_of_filesystem(path: str) -> int:

@@ -180,7 +180,12 @@ class Checkpointer(SavePath):
         ``"metrics"``), which a tier's ``keep_best`` / ``best_metric`` retention ranks by.
         """
         t0 = time.perf_counter()
-        handle = self._save(state, step, with_metrics(metadata, metrics))
+        try:
+            merged = with_metrics(metadata, metrics)
+        except BaseException as exc:  # a bad metric (NaN) on one rank: its round still runs
+            self._save_not_started(step, exc)
+            raise
+        handle = self._save(state, step, merged)
         handle.blocked_seconds += time.perf_counter() - t0
         return handle
 

@@ -26,6 +26,7 @@ from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
+from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
 from tierckpt.restore import (
     LoadedShard,
@@ -270,6 +271,14 @@ def _load_from(
                 and not t.backend.exists(manifest_name(step, timeline=cid.timeline))
             ):
                 repop.append(t.backend)
+    if not repop and (target is None or not target.optional):
+        # node RAM: tensors over a copy-on-write map of the shard, no copy (a GPU target
+        # copies straight from the map); None where it does not map (compressed chunks)
+        mapped = read_shard_mapped(tier.backend, tier.name, manifest, ctx.rank, ctx.read_pool())
+        if mapped is not None:
+            if target is not None:
+                mapped.state = to_device(mapped.state, target.device)
+            return mapped
     if target is not None:
         return read_shard_to_device(
             tier.backend,

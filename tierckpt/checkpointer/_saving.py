@@ -128,7 +128,11 @@ class SavePath(PipelineOwner):
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         manifest_name(step)  # validates the range
         # checked (and copied) now, with the limits a reader applies: not after the data
-        metadata = encode_metadata(metadata)
+        try:
+            metadata = encode_metadata(metadata)
+        except BaseException as exc:
+            self._save_not_started(step, exc)
+            raise
         pipeline = self._get_pipeline()
         with self._lock:
             for job in pipeline.in_flight():
@@ -155,37 +159,84 @@ class SavePath(PipelineOwner):
                 timeline=timeline,
             )
             return handle
-        # only the walk (validation + tensor references) runs here; the layout is computed by
-        # the capture thread, so training pays microseconds per tensor, not the whole plan;
-        # top-level Stateful objects (a module, an optimizer) give their state_dict(), as in DCP
-        collected = collect_state(expand_stateful(state))
-
         handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
-        if not tiers:
-            return handle
-        # before the ready events: on CUDA the copies are queued ahead of the capture's wait
-        collected.tensors = self._guarded.snapshot(collected.tensors, handle)
-        job = SaveJob(
-            step=step,
-            plan=None,
-            collected=collected,
-            chunk_bytes=self.chunk_bytes,
-            tiers=tiers,
-            handle=handle,
-            rank=self.rank,
-            world_size=self.world_size,
-            ready_events=record_ready_events(collected.devices),
-            metadata=metadata,
-            attempt=attempt,
-            timeline=timeline,
-        )
-        # one writer per location: refused here, before anything is written, when another
-        # live writer holds a tier (tierckpt.lease)
-        pipeline.acquire_leases(job)
-        self._last = handle
-        self._last_saved = job.id
-        pipeline.submit(job)
+        try:
+            # only the walk (validation + tensor references) runs here; the layout is computed
+            # by the capture thread, so training pays microseconds per tensor, not the whole
+            # plan; top-level Stateful objects (a module, an optimizer) give their
+            # state_dict(), as in DCP
+            collected = collect_state(expand_stateful(state))
+            if not tiers:
+                return handle
+            # before the ready events: on CUDA the copies are queued ahead of the capture's
+            # wait
+            collected.tensors = self._guarded.snapshot(collected.tensors, handle)
+            job = SaveJob(
+                step=step,
+                plan=None,
+                collected=collected,
+                chunk_bytes=self.chunk_bytes,
+                tiers=tiers,
+                handle=handle,
+                rank=self.rank,
+                world_size=self.world_size,
+                ready_events=record_ready_events(collected.devices),
+                metadata=metadata,
+                attempt=attempt,
+                timeline=timeline,
+            )
+            # one writer per location: refused here, before anything is written, when another
+            # live writer holds a tier (tierckpt.lease)
+            pipeline.acquire_leases(job)
+            self._last = handle
+            self._last_saved = job.id
+            pipeline.submit(job)
+        except BaseException as exc:
+            self._save_not_started(step, exc, attempt=attempt, timeline=timeline)
+            raise
         return handle
+
+    def _save_not_started(
+        self, step: int, error: BaseException, *, attempt: str = "", timeline: int | None = None
+    ) -> None:
+        """A ``save()`` that raised before its job reached the pipeline (a bad state, bad
+        metadata or metrics, a writer conflict), on this rank alone perhaps: each tier the
+        step was meant for records a failed copy, as a failure in the pipeline would — event
+        callbacks and stats see it, and a ``PeerTier`` runs the round of that node-RAM save,
+        so that every rank's replication rounds stay paired. With the attempt the ranks
+        agreed on, the other ranks are told at once (``report_failure``) instead of waiting
+        out their commit timeout. Never raises: the save's own error is the one to see."""
+        if type(step) is not int or step < 0:
+            return  # no save of that step can exist on any rank
+        pipeline = self._pipeline
+        if (
+            not attempt
+            and pipeline is not None
+            and any(j.step == step for j in pipeline.in_flight())
+        ):
+            return  # the save of this step in flight reports its own outcome
+        try:
+            tl = timeline if timeline is not None else (self._timeline or 0)
+            tiers = [t for t in self._tiers if t.spec.receives(step)]
+            stub = SaveJob(
+                step=step,
+                plan=None,
+                tiers=tiers,
+                handle=SaveHandle(step, tuple(t.name for t in tiers), timeline=tl),
+                rank=self.rank,
+                world_size=self.world_size,
+                ready_events={},
+                metadata={},
+                attempt=attempt,
+                timeline=tl,
+            )
+            for t in tiers:
+                if attempt:
+                    self._on_failure(t, stub, error)
+                else:
+                    self._stats.record_failure(outcome_of(error), step, t.name, error, timeline=tl)
+        except Exception as exc:  # pragma: no cover - reporting must not mask the error
+            log.warning("step %d: could not report the failed save (%s)", step, exc)
 
     def _propose_timeline(self, step: int) -> tuple[int, bool]:
         """The timeline for a save of ``step``, and whether it was chosen from the tiers now

@@ -25,7 +25,7 @@ from tierckpt.peer._placement import Placement, node_key, ring_placement
 from tierckpt.peer._spec import PeerTier
 from tierckpt.peer._wire import Offer, Received, exchange
 from tierckpt.restore import read_manifest
-from tierckpt.retention import gc_tier
+from tierckpt.retention import Retention, gc_tier, kept_ids, pinned_ids
 from tierckpt.stats import CheckpointEvent
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ log = logging.getLogger("tierckpt")
 
 #: newest checkpoints per rank and per kind compared at a load
 _CANDIDATES = 16
+#: a kept-list key that says "the source cannot tell what it keeps"
+_UNKNOWN = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +104,13 @@ class PeerReplicator:
     there has no replica of that rank's shard, and later steps replicate as before.
     A partner keeps ``keep_last`` replicas per source in ``<run folder>.replicas/rank-<s>/``
     beside its own node-RAM folder, within the node-RAM budget (a replica that does not fit
-    is declined and logged). A round that fails (a partner died: the group's timeout) ends
-    replication for this run, logged; saves and loads go on without it.
+    is declined and logged), and besides, every replica its source's node RAM keeps beyond
+    its newest: pinned (``Checkpointer.pin``) or kept by the node-RAM tier's ``keep_best`` /
+    ``keep_every_n_steps``. Each round carries that list from every rank to its partners
+    (whether it offers a shard or not), and the partner's retention of that source's
+    replicas keeps them; an unpin reaches the replicas with the next round. A round that
+    fails (a partner died: the group's timeout) ends replication for this run, logged; saves
+    and loads go on without it.
     """
 
     def __init__(
@@ -134,6 +141,9 @@ class PeerReplicator:
         if not self.placement.partners[rank]:
             log.warning("PeerTier: rank %d has no partner on another node: no replica", rank)
         self._replicas: dict[int, NodeRamBackend] = {}
+        #: per source rank, what its node RAM keeps beyond its newest (its last round's
+        #: word); None: it could not tell, so its replicas are left as they are
+        self._source_kept: dict[int, set[CheckpointId] | None] = {}
         #: (checkpoint, committed on this node's RAM): one round each, in the order reported
         self._queue: queue.Queue[tuple[CheckpointId, bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -246,13 +256,53 @@ class PeerReplicator:
                 return None
             return b._path(ref.file)
 
-        got = exchange(self._bg_group, me, offers, sources, accept)
+        kept_in: dict[int, list[int]] = {}
+        got = exchange(
+            self._bg_group, me, offers, sources, accept, kept=self._kept_keys(), kept_in=kept_in
+        )
         self.rounds += 1
         if offer is not None:
             self.sent_bytes += offer.size * len(offers)
+        for s, keys in kept_in.items():
+            self._source_kept[s] = (
+                None if _UNKNOWN in keys else {checkpoint_of_key(k) for k in keys}
+            )
         for r in got:
             self._commit_replica(r)
+        for s in sources:  # an unpin (or a new best) reaches the replicas with this round
+            self._retain(s)
         log.debug("PeerTier: round for %s in %.3f s", cid, time.perf_counter() - t0)
+
+    def _kept_keys(self) -> list[int]:
+        """The checkpoints this rank's node RAM keeps beyond its newest — pinned, or kept by
+        its ``keep_best`` / ``keep_every_n_steps`` — as keys for the partners (``[-1]``:
+        unknown, the node RAM could not be read: the partners then remove nothing)."""
+        b = self._ram_backend
+        rule = self._ram_spec.retention
+        try:
+            keep = set(pinned_ids(b))
+            if rule.keep_best is not None or rule.keep_every_n_steps is not None:
+                beyond = Retention(
+                    keep_last=1,
+                    keep_every_n_steps=rule.keep_every_n_steps,
+                    keep_best=rule.keep_best,
+                    best_metric=rule.best_metric,
+                    best_mode=rule.best_mode,
+                )
+                keep |= kept_ids(b, committed_ids(b), beyond)
+        except (OSError, TierCkptError) as exc:
+            log.warning("PeerTier: cannot tell which checkpoints node RAM keeps: %s", exc)
+            return [_UNKNOWN]
+        return sorted(checkpoint_key(c) for c in keep)
+
+    def _retain(self, src: int) -> None:
+        """Retention of rank ``src``'s replicas: this tier's rules, and what ``src``'s node
+        RAM keeps beyond its newest (pins, best, every n-th)."""
+        kept = self._source_kept.get(src, set())
+        if kept is None:
+            return  # the source could not tell: remove nothing rather than guess
+        b = self.replica_backend(src)
+        gc_tier(b, self.spec.retention, protect=kept)
 
     def _commit_replica(self, r: Received) -> None:
         b = self.replica_backend(r.rank)
@@ -261,7 +311,6 @@ class PeerReplicator:
         except FileExistsError:
             pass
         self.received_bytes += r.size
-        gc_tier(b, self.spec.retention)  # keep_last, keep_every_n_steps, keep_best
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the rounds queued so far are done (tests, benchmarks, close)."""

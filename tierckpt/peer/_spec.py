@@ -25,7 +25,9 @@ class PeerTier(TierSpec):
     ``keep_best`` (by ``best_metric``, ``best_mode``) keep more, as on the other tiers, decided
     per partner shard from the replicated manifests (they carry ``save(metrics=...)``), all
     inside the partner's node-RAM budget (a replica that does not fit is declined, logged).
-    Pins (``Checkpointer.pin``) do not reach replicas. ``placement``: the partner
+    A replica its source's node RAM keeps beyond its newest (pinned with
+    ``Checkpointer.pin`` on that rank, or kept by the ``NodeRamTier``'s ``keep_best`` /
+    ``keep_every_n_steps``) is kept too. ``placement``: the partner
     ranks of every rank (``placement[r]``: ``replicas`` ranks on other nodes), default a ring
     over the nodes (the same local rank on the next node). ``timeout_s``: how long one
     transfer may wait for its partner before replication is given up for this run (logged).

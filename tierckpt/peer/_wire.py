@@ -6,8 +6,11 @@ lists it) to each of its destinations; each receiver decides from the manifest w
 the file and where it goes. Four steps, each posted without blocking on every pair and then
 waited for, so that no order of ranks can deadlock:
 
-1. headers (``valid, step, timeline, file size, manifest length``) from senders to receivers;
-2. the manifests (for valid headers);
+1. headers (``valid, step, timeline, file size, manifest length, rank, kept``) from senders to
+   receivers;
+2. the manifests (for valid headers), and the checkpoints the sender asks its receivers to
+   keep (``kept`` keys, :func:`~tierckpt.distributed.checkpoint_key`: its pins and what its
+   node RAM keeps by ``keep_best`` / ``keep_every_n_steps``), sent whatever the offer;
 3. the receivers' answers (take it or not: already held, over budget, invalid);
 4. the file, in pieces of at most :data:`PIECE_BYTES`, straight from a copy-on-write map of the
    sender's file into a shared map of the receiver's temporary file: no staging copy on either
@@ -39,7 +42,9 @@ __all__ = ["PIECE_BYTES", "Offer", "Received", "exchange", "send_file_map"]
 #: the largest single send: big enough that per-message cost vanishes, small enough that a
 #: dead peer is noticed within one piece's time
 PIECE_BYTES = 256 << 20
-_HEADER = 6
+_HEADER = 7
+#: the most checkpoint keys a sender asks its receivers to keep (pins, best, every n-th)
+MAX_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +120,15 @@ def exchange(
     sources: Sequence[int],
     accept: Accept,
     tag: int = 0,
+    *,
+    kept: Sequence[int] = (),
+    kept_in: dict[int, list[int]] | None = None,
 ) -> list[Received]:
     """One round: send ``offers`` (destination rank -> offer; None: nothing this round) and
-    receive from ``sources``; ``accept`` names where a received file goes. See the module
-    docstring. Raises on a broken peer (the group's timeout) or a malformed manifest."""
+    receive from ``sources``; ``accept`` names where a received file goes. ``kept``:
+    checkpoint keys sent to every destination (at most :data:`MAX_KEPT`); ``kept_in``, if
+    given, gets each source's. See the module docstring. Raises on a broken peer (the
+    group's timeout) or a malformed manifest."""
     import torch.distributed as dist
 
     def isend(t: torch.Tensor, dst: int, k: int) -> Any:
@@ -128,33 +138,46 @@ def exchange(
         return dist.irecv(t, src, group=group, tag=tag * 64 + k)
 
     # 1. headers
+    kept = list(kept)[-MAX_KEPT:]
     out_h = {}
     for dst, o in offers.items():
         v = (
-            [0] * _HEADER
+            [0] * (_HEADER - 1)
             if o is None
             else [1, o.cid.step, o.cid.timeline, o.size, len(o.manifest), o.rank]
         )
-        out_h[dst] = torch.tensor(v, dtype=torch.int64)
+        out_h[dst] = torch.tensor([*v, len(kept)], dtype=torch.int64)
     in_h = {src: torch.zeros(_HEADER, dtype=torch.int64) for src in sources}
     _wait([isend(t, d, 0) for d, t in out_h.items()] + [irecv(t, s, 0) for s, t in in_h.items()])
     heads = {s: [int(x) for x in t.tolist()] for s, t in in_h.items()}
     for s, h in heads.items():
         if h[0] and not 0 < h[4] <= MAX_MANIFEST_BYTES:
             raise FormatError(f"rank {s} announced a manifest of {h[4]} bytes")
-    # 2. manifests
+        if not 0 <= h[6] <= MAX_KEPT:
+            raise FormatError(f"rank {s} announced {h[6]} checkpoints to keep")
+    # 2. manifests, and the checkpoints to keep
     m_out = {
         d: torch.frombuffer(bytearray(o.manifest), dtype=torch.uint8)
         for d, o in offers.items()
         if o is not None
     }
     m_in = {s: torch.empty(h[4], dtype=torch.uint8) for s, h in heads.items() if h[0]}
-    _wait([isend(t, d, 1) for d, t in m_out.items()] + [irecv(t, s, 1) for s, t in m_in.items()])
+    k_out = torch.tensor(kept, dtype=torch.int64)
+    k_in = {s: torch.empty(h[6], dtype=torch.int64) for s, h in heads.items() if h[6]}
+    _wait(
+        [isend(t, d, 1) for d, t in m_out.items()]
+        + [irecv(t, s, 1) for s, t in m_in.items()]
+        + ([isend(k_out, d, 63) for d in offers] if kept else [])  # a tag of its own
+        + [irecv(t, s, 63) for s, t in k_in.items()]
+    )
+    if kept_in is not None:
+        for s in sources:
+            kept_in[s] = [int(x) for x in k_in[s].tolist()] if s in k_in else []
     # 3. answers
     takes: dict[int, tuple[str, Manifest, bytes, int, int]] = {}
     for s, t in m_in.items():
         body = t.numpy().tobytes()
-        _valid, step, timeline, size, _n, rank = heads[s]
+        _valid, step, timeline, size, _n, rank, _kept = heads[s]
         m = decode_manifest(body, where=f"manifest sent by rank {s}")
         ref = m.shard_for(rank)
         validate_name(ref.file)

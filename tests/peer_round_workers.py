@@ -1,0 +1,116 @@
+"""Per-rank functions of ``test_peer_rounds.py``, run by :func:`peer_workers.run` as
+``"peer_round_workers:<function>"`` (each rank its own "node", as in ``peer_workers``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+from dist_workers import rank_state, same
+from peer_fault_workers import ROUND_TIMEOUT_S, fault_tiers, replica_steps
+from peer_workers import NUMEL
+
+from tierckpt import Checkpointer, CheckpointFailed, NodeRamTier, PeerTier, UnsupportedObject
+from tierckpt import distributed as tdist
+
+#: step -> the loss saved with it (the node RAM keeps the best by loss)
+LOSSES = {1: 5.0, 2: 0.1, 3: 4.0, 4: 3.0, 5: 6.0}
+
+
+def pin_tiers(rank: int, shm: str) -> list[Any]:
+    """Node RAM keeping its newest, the best by loss and what is pinned; replicas keeping
+    their newest (``keep_last=1``) by their own rule."""
+    return [
+        NodeRamTier(
+            path=os.path.join(shm, f"node-{rank}"),
+            namespace="job",
+            keep_last=1,
+            keep_best=1,
+            best_metric="loss",
+            stale_after_s=None,
+        ),
+        PeerTier(replicas=1, keep_last=1, timeout_s=ROUND_TIMEOUT_S),
+    ]
+
+
+def _save(ck: Checkpointer, rank: int, step: int) -> None:
+    ck.save(rank_state(rank, step, NUMEL), step, metrics={"loss": LOSSES[step]}).wait(timeout=60)
+
+
+def w_pins(rank: int, world: int, shm: str) -> dict[str, Any]:
+    """Steps 1-4, pinning 1 and 3 on every rank; then unpin 3 and save 5. Reports the steps
+    in node RAM and the replicas this rank keeps of its source, after step 4 and step 5."""
+    ck = Checkpointer(pin_tiers(rank, shm), chunk_bytes=64 << 10)
+    assert ck._peer is not None
+    out: dict[str, Any] = {}
+    for step in (1, 2, 3, 4):
+        _save(ck, rank, step)
+        if step in (1, 3):
+            ck.pin(step)
+    assert ck._peer.wait_idle(60)
+    out["noderam4"] = ck.steps("noderam")
+    out["replicas4"] = replica_steps(ck)
+    dist.barrier()
+    ck.unpin(3)
+    _save(ck, rank, 5)
+    assert ck._peer.wait_idle(60)
+    out["noderam5"] = ck.steps("noderam")
+    out["replicas5"] = replica_steps(ck)
+    out["broken"] = ck._peer._broken
+    dist.barrier()
+    ck.close()
+    return out
+
+
+def w_load_pinned(rank: int, world: int, shm: str, step: int) -> dict[str, Any]:
+    """A restarted job loads ``step``: where each shard came from, and whether it is exact."""
+    ck = Checkpointer(pin_tiers(rank, shm), chunk_bytes=64 << 10)
+    got = ck.load(step=step)
+    assert ck._peer is not None and ck._peer.last_restore is not None
+    out = {
+        "step": got["meta"]["step"],
+        "diff": same(got, rank_state(rank, step, NUMEL)),
+        "sources": list(ck._peer.last_restore.sources),
+    }
+    dist.barrier()
+    ck.close()
+    return out
+
+
+def w_save_raises(rank: int, world: int, shm: str, disk: str, victim: int) -> dict[str, Any]:
+    """Steps 1, 2 (``victim``'s save() raises: its state holds an object tierckpt cannot
+    store) and 3, the job going on; then wait for the rounds and report what each rank
+    replicated, and whether replication still works."""
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        ck = Checkpointer(fault_tiers(rank, shm, disk), chunk_bytes=64 << 10)
+        assert ck._peer is not None
+        ck.save(rank_state(rank, 1, NUMEL), 1).wait(timeout=60)
+        assert ck._peer.wait_idle(60)
+        dist.barrier()
+        out: dict[str, Any] = {"raised2": None, "error2": None}
+        state2 = rank_state(rank, 2, NUMEL)
+        if rank == victim:
+            state2["bad"] = object()  # refused by save() itself, before the pipeline
+        t0 = time.monotonic()
+        try:
+            ck.save(state2, 2).wait(timeout=90)
+        except UnsupportedObject as exc:
+            out["raised2"] = type(exc).__name__
+        except CheckpointFailed as exc:
+            out["error2"] = sorted(exc.errors)
+        out["seconds2"] = time.monotonic() - t0
+        ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
+        # a round that waits for a partner that never comes fails after ROUND_TIMEOUT_S
+        out["idle"] = ck._peer.wait_idle(3 * ROUND_TIMEOUT_S)
+        out["broken"] = ck._peer._broken
+        out["rounds"] = ck._peer.rounds
+        out["noderam"] = ck.steps("noderam")
+        out["replicas"] = replica_steps(ck)
+        out["failed_events"] = sorted(
+            s.tier for s in ck.stats(failures=True) if s.step == 2 and s.outcome == "failed"
+        )
+        dist.barrier()
+        ck.close()
+    return out
