@@ -28,6 +28,7 @@ def test_the_wait_line_shows_the_attempt_while_boto3_retries(
     0.3 s, so that lines fall inside every wait between attempts."""
     from botocore.retries.standard import ExponentialBackoff
 
+    monkeypatch.setenv("TIERCKPT_S3_DRIVER", "boto3")  # botocore's retries (obstore's: below)
     monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0.3)
     monkeypatch.setattr(_hints, "WAIT_NOTICE_S", 0.0)
     monkeypatch.setattr(_hints, "WAIT_REPEAT_S", 0.02)
