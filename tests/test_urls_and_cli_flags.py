@@ -55,7 +55,10 @@ def test_s3_tier_takes_a_named_profile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str
 ) -> None:
     cfg = tmp_path / "config"
-    cfg.write_text("[profile train]\nregion = eu-west-3\n")
+    # a named profile brings its own keys: the environment's are not used with it
+    cfg.write_text(
+        "[profile train]\nregion = eu-west-3\naws_access_key_id = k\naws_secret_access_key = s\n"
+    )
     monkeypatch.setenv("AWS_CONFIG_FILE", str(cfg))
     for var in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)

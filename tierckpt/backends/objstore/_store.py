@@ -166,9 +166,9 @@ def _s3_credentials(s: StoreSettings) -> tuple[dict[str, Any], Any]:
     cfg: dict[str, Any] = {"region": s.region or session.region_name or "us-east-1"}
     credentials = session.get_credentials()
     if credentials is None:
-        where = f"the profile {s.profile!r} has none" if s.profile else "none found"
+        where = f" in the profile {s.profile!r}" if s.profile else ""
         raise ObjectStoreError(
-            f"{s.url}: no AWS credentials ({where}): set AWS_ACCESS_KEY_ID / "
+            f"{s.url}: no AWS credentials found{where}: set AWS_ACCESS_KEY_ID / "
             "AWS_SECRET_ACCESS_KEY, AWS_PROFILE (~/.aws) or run with an instance role "
             "(or pass config={'skip_signature': True} for a public bucket)",
             url=s.url,
