@@ -11,7 +11,8 @@ Credentials (each cloud's standard chain, never in the URL)
     instance roles; ``profile=`` names a profile of the AWS config and credentials files),
     handed to obstore, so both S3 drivers find the same credentials: refreshable ones (roles,
     SSO) are handed out for at most 5 minutes and never past their expiry, so botocore
-    refreshes them in time; region from ``region=``, else the profile's / boto3's. Endpoint: ``endpoint_url=``, else ``AWS_ENDPOINT_URL_S3`` /
+    refreshes them in time; region from ``region=``, else the profile's / boto3's.
+    Endpoint: ``endpoint_url=``, else ``AWS_ENDPOINT_URL_S3`` /
     ``AWS_ENDPOINT_URL`` (S3-compatible servers). ``gs://``: object_store's chain
     (``GOOGLE_SERVICE_ACCOUNT`` / ``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's application default
     credentials, the metadata server); ``endpoint_url=`` or ``STORAGE_EMULATOR_HOST`` points it at
