@@ -6,7 +6,8 @@ the tier's defaults (parts sized per shard, the node's connection share), and th
 of bytes is uploaded and read back by the raw clients: boto3's TransferManager
 (``upload_fileobj`` / ``download_fileobj``, 8 MiB parts, 8 threads), obstore (``put`` in
 8 MiB parts, 8 in flight; ``get_ranges`` of 8 MiB ranges, 8 at a time, into memory) and, where
-importable, s3torchconnector (its writer; one streamed GET). Rounds are interleaved (each
+importable, s3torchconnector (its writer; one streamed GET). Each case's wall time and this
+process's CPU time (the client's: SeaweedFS is another process). Rounds are interleaved (each
 round runs every case once, the order alternating), one warm-up round, then the median of
 ``--runs``.
 
@@ -181,13 +182,17 @@ def main(argv: list[str] | None = None) -> int:
             server.admin.create_bucket(Bucket=bucket)
             c = cases(server, bucket, make_state(args.size))
             times: dict[str, dict[str, list[float]]] = {"save": {}, "restore": {}}
+            cpu: dict[str, dict[str, list[float]]] = {"save": {}, "restore": {}}
             for i in range(args.warmup + args.runs):
                 for kind in ("save", "restore"):
                     items = list(c[kind].items())
                     for name, fn in items if i % 2 == 0 else items[::-1]:
+                        c0 = time.process_time()  # this process's CPU: the client's
                         t = fn()
+                        spent = time.process_time() - c0
                         if i >= args.warmup:
                             times[kind].setdefault(name, []).append(t)
+                            cpu[kind].setdefault(name, []).append(spent)
             for ck in c["close"]:
                 ck.close()
         finally:
@@ -202,16 +207,17 @@ def main(argv: list[str] | None = None) -> int:
                 "median_s": med[name],
                 "gb_per_s": size / 1e9 / med[name],
                 "speed_vs_best_raw": best_raw / med[name],
+                "client_cpu_s": statistics.median(cpu[kind][name]),
                 "seconds": ts,
             }
             for name, ts in by.items()
         }
         print(f"\n{kind} of {size / MiB:.0f} MiB, medians of {args.runs} (SeaweedFS, 127.0.0.1)")
-        print(f"  {'client':34} {'median s':>9} {'GB/s':>6} {'x best raw':>10}")
+        print(f"  {'client':34} {'median s':>9} {'GB/s':>6} {'x best raw':>10} {'CPU s':>6}")
         for name, row in results[kind].items():
             print(
                 f"  {name:34} {row['median_s']:9.3f} {row['gb_per_s']:6.2f} "
-                f"{row['speed_vs_best_raw']:10.2f}"
+                f"{row['speed_vs_best_raw']:10.2f} {row['client_cpu_s']:6.2f}"
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
