@@ -20,12 +20,13 @@ def _closed_port() -> int:
 
 
 def test_the_wait_line_shows_the_attempt_while_boto3_retries(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], boto3_driver: None
 ) -> None:
     """A real boto3 client against a refused port (4 attempts by default): the line printed
     while botocore backs off between attempts names the attempt. The notice's 2 s and 5 s are
     shortened and botocore's random backoff (a few ms after a refused connection) is fixed at
-    0.3 s, so that lines fall inside every wait between attempts."""
+    0.3 s, so that lines fall inside every wait between attempts. (obstore's: in
+    tests/test_obstore_default.py.)"""
     from botocore.retries.standard import ExponentialBackoff
 
     monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0.3)

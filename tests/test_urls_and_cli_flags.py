@@ -50,19 +50,28 @@ def test_tier_routes_each_scheme(tmp_path: Path) -> None:
         tierckpt.tier("hdfs://nn/run")
 
 
-def test_s3_tier_takes_a_named_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("driver", ["obstore", "boto3"])
+def test_s3_tier_takes_a_named_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str
+) -> None:
     cfg = tmp_path / "config"
-    cfg.write_text("[profile train]\nregion = eu-west-3\n")
+    # a named profile brings its own keys: the environment's are not used with it
+    cfg.write_text(
+        "[profile train]\nregion = eu-west-3\naws_access_key_id = k\naws_secret_access_key = s\n"
+    )
     monkeypatch.setenv("AWS_CONFIG_FILE", str(cfg))
     for var in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
-    backend = S3Tier("s3://bucket/run", profile="train").make_backend()
+    backend = S3Tier("s3://bucket/run", profile="train", driver=driver).make_backend()
     try:
-        assert backend._client.meta.region_name == "eu-west-3"  # type: ignore[attr-defined]
+        if driver == "boto3":
+            assert backend._client.meta.region_name == "eu-west-3"  # type: ignore[attr-defined]
+        else:
+            assert backend._store.config["region"] == "eu-west-3"  # type: ignore[attr-defined]
     finally:
         backend.close()
     with pytest.raises(tierckpt.FormatError, match="profile"):
-        S3Tier("s3://bucket/run", profile="no-such-profile").make_backend()
+        S3Tier("s3://bucket/run", profile="no-such-profile", driver=driver).make_backend()
 
 
 @pytest.mark.parametrize(

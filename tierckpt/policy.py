@@ -272,11 +272,15 @@ class S3Tier(TierSpec):
     ``keep_last=None`` to keep all (an archive), or another number. ``options``: the shared
     tier options (:class:`TierOptions`, listed in :class:`TierSpec`); the others go to the S3
     backend (``endpoint_url``, ``profile``...).
+
+    ``driver``: the S3 client that moves the bytes, ``"obstore"`` (the default: measured the
+    faster, docs/object-stores.md) or ``"boto3"``; unset, ``TIERCKPT_S3_DRIVER`` decides. A
+    ``client=`` (a boto3 client) selects boto3.
     """
 
     url: str = ""
     options: dict[str, Any] = field(default_factory=dict)
-    driver: str = "boto3"
+    driver: str = "obstore"
 
     def __init__(
         self,
@@ -292,12 +296,10 @@ class S3Tier(TierSpec):
         driver = driver or ("boto3" if "client" in store else s3_driver())
         if driver not in S3_DRIVERS:
             raise ValueError(f"S3Tier: driver must be one of {S3_DRIVERS}, got {driver!r}")
-        boto3_only = sorted({"profile", "client"} & store.keys())
-        if driver == "obstore" and boto3_only:
+        if driver == "obstore" and "client" in store:
             raise ValueError(
-                f"S3Tier({', '.join(k + '=' for k in boto3_only)}...) works with the boto3 driver "
-                "only: pass driver='boto3' (or leave driver and TIERCKPT_S3_DRIVER unset), or give "
-                "obstore its credentials through AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+                "S3Tier(client=...) takes a boto3 client: it works with the boto3 driver only; "
+                "leave driver unset (a client selects boto3) or pass driver='boto3'"
             )
         self._init_fields(
             shared, url=url, name=name, keep_last=keep_last, driver=driver, options=store

@@ -77,7 +77,20 @@ current: WaitNotice | None = None
 def watch_retries(backend: Backend) -> None:
     """Tell the current notice when a request of ``backend``'s boto3 client fails and is
     retried, so its line shows the attempt (``retrying: attempt 3 of 4``). botocore retries
-    inside one call, for seconds with backoff; without this the wait looks like a hang."""
+    inside one call, for seconds with backoff; without this the wait looks like a hang. The
+    obstore backend retries its single requests itself and says so through ``watch_retries``."""
+    watch = getattr(backend, "watch_retries", None)
+    if callable(watch):
+
+        def on_attempt(failed: int, max_attempts: int) -> None:
+            notice = current
+            if notice is not None and failed:
+                notice.attempt_failed(failed, max_attempts)
+            elif notice is not None:
+                notice.retrying = None  # answered: no retry going on
+
+        watch(on_attempt)
+        return
     client = getattr(backend, "_client", None)
     events = getattr(getattr(client, "meta", None), "events", None)
     if events is None:
@@ -115,8 +128,9 @@ def hint_for(exc: BaseException, endpoint_url: str | None) -> str:
     for e in _chain(exc):
         name = type(e).__name__
         text = str(e)
+        code = getattr(e, "code", "")  # the obstore backend's errors carry the cause's code
         if name in ("NoCredentialsError", "PartialCredentialsError") or (
-            "Unable to locate credentials" in text
+            "Unable to locate credentials" in text or code == "NoCredentials"
         ):
             return (
                 "hint: no AWS credentials found: set AWS_PROFILE (a profile in ~/.aws/config) "
@@ -125,6 +139,7 @@ def hint_for(exc: BaseException, endpoint_url: str | None) -> str:
             )
         if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionRefusedError") or (
             "Could not connect to the endpoint URL" in text
+            or (code and "error sending request" in text)  # obstore: no connection
         ):
             where = _host_port(endpoint_url) or _host_port(
                 getattr(e, "kwargs", {}).get("endpoint_url", "")

@@ -8,8 +8,11 @@ URLs
 
 Credentials (each cloud's standard chain, never in the URL)
     ``s3://``: boto3's chain (environment, ``AWS_PROFILE`` / ``~/.aws``, SSO, container and
-    instance roles), handed to obstore, so both S3 drivers find the same credentials; region
-    from ``region=``, else boto3's. Endpoint: ``endpoint_url=``, else ``AWS_ENDPOINT_URL_S3`` /
+    instance roles; ``profile=`` names a profile of the AWS config and credentials files),
+    handed to obstore, so both S3 drivers find the same credentials: refreshable ones (roles,
+    SSO) are handed out for at most 5 minutes and never past their expiry, so botocore
+    refreshes them in time; region from ``region=``, else the profile's / boto3's.
+    Endpoint: ``endpoint_url=``, else ``AWS_ENDPOINT_URL_S3`` /
     ``AWS_ENDPOINT_URL`` (S3-compatible servers). ``gs://``: object_store's chain
     (``GOOGLE_SERVICE_ACCOUNT`` / ``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's application default
     credentials, the metadata server); ``endpoint_url=`` or ``STORAGE_EMULATOR_HOST`` points it at
@@ -31,20 +34,27 @@ Small atomic objects
     ``put_atomic`` is one PUT; create-only ones use the store's conditional create (S3
     ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure ``If-None-Match: *``). For S3 the
     server's support is probed once, lazily, as the boto3 backend does; a server that ignores
-    the header gets the same best-effort HEAD-then-PUT. object_store retries requests without
-    saying so, so a create whose first attempt landed and whose retry then met the object
-    reports ``FileExistsError`` (the boto3 backend tells this case apart): the commit is then
-    reported failed although it landed, never the reverse.
+    the header gets the same best-effort HEAD-then-PUT. A create is sent without
+    object_store's retries and retried here, so a create sent again after a failed attempt
+    (which may have landed) that then meets the object compares the object with its own bytes:
+    the same bytes are its own first attempt, and it succeeds.
 
 Reading
     ``read_into`` splits a read larger than one part into ``part_size`` ranges fetched
     concurrently (obstore ``get_ranges``, ``max_concurrency`` at a time) and copies each into the
     caller's buffer; a failed or short batch is fetched again, up to ``max_attempts`` times.
+    The ranges in flight across every read of a backend stay within ``read_concurrency``: the
+    rank's share of its node's connections (``TIERCKPT_NODE_S3_CONNECTIONS`` //
+    ``LOCAL_WORLD_SIZE``), as on the boto3 backend.
 
 Retries, timeouts, errors
     The boto3 backend's defaults: 4 attempts (the first included), 5 s to connect, 15 s without
     a byte read from the server (``read_timeout``); a request that keeps moving bytes is cut off
-    only after ``request_timeout`` (10 min). Errors are translated here, once: a missing object ->
+    only after ``request_timeout`` (10 min). Multipart parts and ranged reads are retried by
+    object_store; single requests (HEAD, GET, LIST, DELETE, small PUTs) are sent on a second
+    store without object_store's retries and retried here with the same backoff, so that each
+    failed attempt is seen: ``watch_retries`` tells a listener (the CLI's wait line shows
+    ``retrying: attempt 3 of 4``). Errors are translated here, once: a missing object ->
     :class:`~tierckpt.errors.CheckpointNotFound`, an unsatisfiable or short range ->
     :class:`~tierckpt.errors.FormatError`, everything else -> :class:`ObjectStoreError` (a
     :class:`~tierckpt.errors.BackendError` naming the URL, the HTTP status and what to do).

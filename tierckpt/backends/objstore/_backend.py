@@ -8,6 +8,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tierckpt._types import BytesLike
@@ -22,14 +23,16 @@ from tierckpt.backends.base import (
 from tierckpt.backends.objstore._errors import (
     EXISTS_KINDS,
     backoff,
-    body_lost,
     short,
     statuses,
+    transient,
     translate,
 )
-from tierckpt.backends.objstore._store import StoreSettings, make_store, parse_url
+from tierckpt.backends.objstore._slots import Slots
+from tierckpt.backends.objstore._store import StoreSettings, make_stores, parse_url
 from tierckpt.backends.objstore._writer import _Writer
 from tierckpt.backends.sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
+from tierckpt.config import s3_read_concurrency
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact
 
@@ -56,7 +59,11 @@ class ObjectStoreBackend(RemoteBackend):
     (:mod:`tierckpt.backends.sizing`); set, they stay, the part size raised only as far as the
     shard needs to fit S3's 10,000 parts.
     ``conditional_put`` forces conditional-create support on or off instead of probing (S3).
-    ``store=`` takes a ready obstore store (its own settings apply).
+    ``profile`` names a profile of the AWS config / credentials files (S3; else
+    ``AWS_PROFILE`` / the default chain). ``read_concurrency`` bounds the ranged GETs in flight
+    across all reads of this backend: by default this rank's share of its node's budget
+    (``TIERCKPT_NODE_S3_CONNECTIONS`` // ``LOCAL_WORLD_SIZE``, as the boto3 backend).
+    ``store=`` takes a ready obstore store (its own settings apply, retries included).
     """
 
     def __init__(
@@ -75,6 +82,8 @@ class ObjectStoreBackend(RemoteBackend):
         conditional_put: bool | None = None,
         config: dict[str, Any] | None = None,
         store: Any = None,
+        profile: str | None = None,
+        read_concurrency: int | None = None,
     ) -> None:
         try:
             import obstore  # noqa: F401
@@ -103,6 +112,12 @@ class ObjectStoreBackend(RemoteBackend):
         self.max_attempts = max_attempts
         self._endpoint_url = endpoint_url
         self._region = region
+        self._profile = profile
+        # ranged GETs in flight across all reads: this rank's share of its node's budget
+        self.read_concurrency = s3_read_concurrency(read_concurrency)
+        self._read_slots = Slots(self.read_concurrency)
+        #: told of each failed attempt of a request retried here (the CLI's wait line)
+        self._retry_listener: Callable[[int, int], None] | None = None
         self._conditional = conditional_put if self.scheme == "s3" else True
         self._probe_lock = threading.Lock()
         self._s3_admin: S3Backend | None = None
@@ -119,9 +134,11 @@ class ObjectStoreBackend(RemoteBackend):
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
                 request_timeout=request_timeout,
+                profile=profile,
             )
-            store = make_store(settings, dict(config or {}))
-        self._store: Any = store
+            self._store, self._once = make_stores(settings, dict(config or {}))
+        else:
+            self._store = self._once = store
 
     def __repr__(self) -> str:
         return f"ObjectStoreBackend({self.url!r}, part_size={self.part_size})"
@@ -139,18 +156,39 @@ class ObjectStoreBackend(RemoteBackend):
         """The error family's exception for an obstore error; no credentials in it."""
         return translate(exc, what, where, scheme=self.scheme, bucket=self.bucket, url=self.url)
 
+    def watch_retries(self, listener: Callable[[int, int], None] | None) -> None:
+        """Call ``listener(failed, max_attempts)`` when attempt ``failed`` of a request fails
+        and is sent again, and ``listener(0, max_attempts)`` when a request is answered (the
+        CLI's wait line shows the attempt; botocore's ``needs-retry`` event for boto3).
+        The requests retried here are the single ones (HEAD, GET, LIST, DELETE, small PUTs);
+        multipart parts and ranged reads are retried inside object_store, unseen."""
+        self._retry_listener = listener
+
+    def _tell(self, failed: int) -> None:
+        listener = self._retry_listener
+        if listener is not None:
+            try:
+                listener(failed, self.max_attempts)
+            except Exception as exc:  # a listener never fails the request
+                log.debug("%s: retry listener failed: %s", self.url, exc)
+
     def _call(self, what: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """One idempotent call, translated; a response cut off after its headers is asked
-        again (object_store retries failed requests, not bodies lost mid-read)."""
+        """One idempotent request, translated: sent on the store without object_store's
+        retries and retried here (a failed request, a response cut off after its headers), up
+        to ``max_attempts`` with backoff, each failed attempt told to the retry listener."""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return fn(self._store, *args, **kwargs)
+                out = fn(self._once, *args, **kwargs)
             except Exception as exc:
-                if attempt < self.max_attempts and body_lost(exc):
-                    log.debug("%s: %s lost its response (%s); again", self.url, what, short(exc))
+                if attempt < self.max_attempts and transient(exc):
+                    log.debug("%s: %s failed (%s); again", self.url, what, short(exc))
+                    self._tell(attempt)
                     backoff(attempt)
                     continue
+                self._tell(0)
                 raise self._translate(exc, what, self._where(key)) from exc
+            self._tell(0)
+            return out
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- writing ---------------------------------------------------------------------------
@@ -167,19 +205,24 @@ class ObjectStoreBackend(RemoteBackend):
             self._call("put", key, obstore.put, key, body, use_multipart=False)
             return
         if self.supports_conditional_put:
-            lost = 0  # creates whose answer was lost: each may have landed
+            # sent without object_store's retries: a create sent again after a failed attempt
+            # (which may have landed) and then refused is checked against our own bytes
+            lost = 0  # failed attempts: each may have landed
             for _ in range(3 + self.max_attempts):
                 try:
-                    obstore.put(self._store, key, body, mode="create", use_multipart=False)
+                    obstore.put(self._once, key, body, mode="create", use_multipart=False)
+                    self._tell(0)
                     return
                 except Exception as exc:
                     kind = type(exc).__name__
                     if kind in EXISTS_KINDS:
+                        self._tell(0)
                         if lost and self._holds(key, body):
                             return  # our own earlier attempt landed
                         raise FileExistsError(f"{self._where(key)} already exists") from None
-                    if lost + 1 < self.max_attempts and body_lost(exc):
+                    if lost + 1 < self.max_attempts and transient(exc):
                         lost += 1
+                        self._tell(lost)
                         backoff(lost)
                         continue
                     if "409" in statuses(exc):
@@ -245,9 +288,15 @@ class ObjectStoreBackend(RemoteBackend):
             offset,
             out,
             range_size=self.part_size,
-            batch=self.max_concurrency,
-            fetch=lambda pieces: self._fetch(key, pieces),
+            batch=min(self.max_concurrency, self.read_concurrency),
+            fetch=lambda pieces: self._fetch_in_share(key, pieces),
         )
+
+    def _fetch_in_share(self, key: str, pieces: builtins.list[Range]) -> None:
+        """:meth:`_fetch` once its ranges fit in the rank's share of the node's connections
+        (``read_concurrency`` in flight across every read of this backend)."""
+        with self._read_slots.taken(len(pieces)):
+            self._fetch(key, pieces)
 
     def _fetch(self, key: str, pieces: builtins.list[Range]) -> None:
         """Fetch ranges concurrently (one Rust call, GIL released) and copy each into its
@@ -313,11 +362,17 @@ class ObjectStoreBackend(RemoteBackend):
         return int(self._call("head", key, obstore.head, key)["size"])
 
     def list(self, prefix: str = "") -> builtins.list[str]:
+        return self.list_after(prefix)
+
+    def list_after(self, prefix: str, start_after: str = "") -> builtins.list[str]:
+        """The names under ``prefix`` past ``start_after``: the store skips every key up to
+        it (S3 ``start-after``; object_store's list offset)."""
         import obstore
 
         if self._closed:
             raise BackendError(f"{self.url}: backend is closed")
         full = self._root + prefix
+        offset = {"offset": self._root + start_after} if start_after else {}
         # object_store lists whole path segments: list the folder, keep the names that match
         folder = full if full.endswith("/") or not full else full.rpartition("/")[0]
         cut = len(self._root)
@@ -326,7 +381,7 @@ class ObjectStoreBackend(RemoteBackend):
             "list",
             full,
             lambda store: [
-                m for b in obstore.list(store, folder or None, chunk_size=1000) for m in b
+                m for b in obstore.list(store, folder or None, chunk_size=1000, **offset) for m in b
             ],
         )
         for meta in listing:
@@ -334,7 +389,7 @@ class ObjectStoreBackend(RemoteBackend):
             if not path.startswith(full):
                 continue
             rel = path[cut:]
-            if rel.startswith(PROBE_PREFIX):
+            if rel.startswith(PROBE_PREFIX) or (start_after and rel <= start_after):
                 continue
             try:
                 names.append(validate_name(rel))
@@ -365,6 +420,7 @@ class ObjectStoreBackend(RemoteBackend):
                     endpoint_url=knobs.s3_endpoint_url(self._endpoint_url),
                     region=self._region,
                     conditional_put=False,
+                    profile=self._profile,
                 )
             return self._s3_admin
 

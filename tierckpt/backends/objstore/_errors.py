@@ -22,6 +22,8 @@ _CREDENTIAL_HINTS = {
     "identity (az login, workload or managed identity)",
 }
 _NO_CONTAINER_WORD = {"s3": "bucket", "gs": "bucket", "az": "container"}
+#: the store's own code for a missing bucket, named in the message where the answer has none
+_NO_CONTAINER_CODE = {"s3": "NoSuchBucket", "gs": "NoSuchBucket", "az": "ContainerNotFound"}
 #: obstore's exception kinds for a create-only put that met an existing object
 EXISTS_KINDS = ("AlreadyExistsError", "PreconditionError")
 
@@ -65,6 +67,34 @@ def body_lost(exc: BaseException) -> bool:
     return "response body" in text or "request or response body error" in text
 
 
+#: obstore's exception kinds that a second try cannot change
+_FINAL_KINDS = frozenset(
+    {
+        "NotFoundError",
+        "AlreadyExistsError",
+        "PreconditionError",
+        "PermissionDeniedError",
+        "UnauthenticatedError",
+        "NotSupportedError",
+        "NotModifiedError",
+        "InvalidPathError",
+    }
+)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a request that failed with ``exc`` may succeed when sent again: what
+    object_store's own retries cover (a 5xx or 429 answer, a connection that failed, timed out
+    or dropped) plus a response body cut off mid-read. Used where the backend retries in Python
+    (requests sent on its store without object_store's retries, so each attempt is seen)."""
+    if not isinstance(exc, Exception) or type(exc).__name__ in _FINAL_KINDS:
+        return False
+    codes = statuses(exc)
+    if codes:
+        return any(c.startswith("5") or c == "429" for c in codes)
+    return "HTTP error" in str(exc) or body_lost(exc)
+
+
 def backoff(attempt: int) -> None:
     """Full-jitter exponential backoff before attempt ``attempt + 1`` (at most 2 s)."""
     time.sleep(random.random() * min(2.0, 0.05 * 2**attempt))
@@ -88,12 +118,13 @@ def translate(
     key = where.split("/", 3)[3] if where.count("/") >= 3 else ""
     if any(s in text for s in _MISSING_CONTAINER):
         word = _NO_CONTAINER_WORD[scheme]
+        code = code or _NO_CONTAINER_CODE[scheme]
         return ObjectStoreError(
-            f"{where}: {what} failed: the {word} {bucket!r} does not exist ({status}): "
+            f"{where}: {what} failed: {code}: the {word} {bucket!r} does not exist ({status}): "
             f"create the {word} or check the URL",
             url=url,
             key=key,
-            code=code or "NoSuchBucket",
+            code=code,
             status=status,
         )
     if isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -52,10 +52,16 @@ class StoreSettings:
     connect_timeout: float = 5
     read_timeout: float = 15
     request_timeout: float = 600.0
+    #: a named profile of the AWS config / credentials files (S3); None: the default chain
+    profile: str | None = None
 
 
-def make_store(s: StoreSettings, extra: dict[str, Any]) -> Any:
-    """The obstore store for ``s``; ``extra``: further obstore store settings."""
+def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any]:
+    """The obstore stores for ``s`` (``extra``: further obstore store settings), sharing one
+    configuration and credential provider: the first retries failed requests itself
+    (object_store's retries: the data path, multipart parts and ranged reads); the second
+    never does, for the single requests the backend retries in Python, where each attempt is
+    seen (the CLI's wait line shows it) and a create-only put knows it was sent twice."""
     # typed as Any: obstore's TypedDict configs are checked by obstore at run time
     stores: Any = importlib.import_module("obstore.store")
     client: dict[str, Any] = {
@@ -75,6 +81,7 @@ def make_store(s: StoreSettings, extra: dict[str, Any]) -> Any:
             "base": 2,
         },
     }
+    once = {**retry, "max_retries": 0}
     try:
         if s.scheme == "s3":
             endpoint = knobs.s3_endpoint_url(s.endpoint_url)
@@ -85,12 +92,15 @@ def make_store(s: StoreSettings, extra: dict[str, Any]) -> Any:
                 client["allow_http"] = endpoint.startswith("http://")
             cfg["conditional_put"] = "etag"
             cfg.update(extra)
-            return stores.S3Store(
-                s.bucket,
-                config=cfg,
-                client_options=client,
-                retry_config=retry,
-                credential_provider=provider,
+            return tuple(  # type: ignore[return-value]
+                stores.S3Store(
+                    s.bucket,
+                    config=cfg,
+                    client_options=client,
+                    retry_config=r,
+                    credential_provider=provider,
+                )
+                for r in (retry, once)
             )
         if s.scheme == "gs":
             cfg = {}
@@ -112,17 +122,23 @@ def make_store(s: StoreSettings, extra: dict[str, Any]) -> Any:
                 )
                 client["allow_http"] = endpoint.startswith("http://")
             cfg.update(extra)
-            return stores.GCSStore(s.bucket, config=cfg, client_options=client, retry_config=retry)
+            return tuple(  # type: ignore[return-value]
+                stores.GCSStore(s.bucket, config=cfg, client_options=client, retry_config=r)
+                for r in (retry, once)
+            )
         cfg = {}
         if s.endpoint_url:
             refuse_credentials(s.endpoint_url)
             cfg["endpoint"] = s.endpoint_url.rstrip("/")
             client["allow_http"] = s.endpoint_url.startswith("http://")
         cfg.update(extra)
-        return stores.AzureStore(s.bucket, config=cfg, client_options=client, retry_config=retry)
+        return tuple(  # type: ignore[return-value]
+            stores.AzureStore(s.bucket, config=cfg, client_options=client, retry_config=r)
+            for r in (retry, once)
+        )
     except (ValueError, TypeError) as exc:
         raise FormatError(f"{s.url}: cannot configure the store: {short(exc)}") from None
-    except ObjectStoreError:
+    except (ObjectStoreError, FormatError):
         raise
     except Exception as exc:  # obstore's configuration errors
         scrub_exception(exc)
@@ -134,18 +150,61 @@ def make_store(s: StoreSettings, extra: dict[str, Any]) -> Any:
 
 
 def _s3_credentials(s: StoreSettings) -> tuple[dict[str, Any], Any]:
-    """boto3's credential chain, as a provider obstore calls when credentials expire."""
+    """boto3's credential chain (``profile``: that profile of the AWS config and credentials
+    files, else ``AWS_PROFILE`` / the default chain), as a provider obstore calls when the
+    credentials it holds expire; the region from ``region=``, else the profile's, else boto3's."""
     import boto3
-    from obstore.auth.boto3 import Boto3CredentialProvider
+    from botocore.exceptions import ProfileNotFound
 
-    session = boto3.session.Session()
+    try:
+        session = boto3.session.Session(profile_name=s.profile)
+    except ProfileNotFound as exc:
+        raise FormatError(
+            f"S3 client for {s.url}: {exc}; name a profile of ~/.aws/config or "
+            "~/.aws/credentials, or leave profile unset to use the default chain"
+        ) from None
     cfg: dict[str, Any] = {"region": s.region or session.region_name or "us-east-1"}
-    if session.get_credentials() is None:
+    credentials = session.get_credentials()
+    if credentials is None:
+        where = f" in the profile {s.profile!r}" if s.profile else ""
         raise ObjectStoreError(
-            f"{s.url}: no AWS credentials found: set AWS_ACCESS_KEY_ID / "
+            f"{s.url}: no AWS credentials found{where}: set AWS_ACCESS_KEY_ID / "
             "AWS_SECRET_ACCESS_KEY, AWS_PROFILE (~/.aws) or run with an instance role "
             "(or pass config={'skip_signature': True} for a public bucket)",
             url=s.url,
             code="NoCredentials",
         )
-    return cfg, Boto3CredentialProvider(session)
+    return cfg, BotocoreCredentials(credentials)
+
+
+class BotocoreCredentials:
+    """obstore's credential provider over botocore's credentials (static keys, a profile, SSO,
+    assumed roles, container and instance roles). Refreshable credentials are handed out for
+    at most :attr:`REFRESHABLE_TTL` and never past their own expiry, so obstore asks again in
+    time and botocore refreshes them (obstore's own boto3 provider keeps each for 30 min,
+    longer than some roles' credentials live)."""
+
+    #: how long obstore may keep credentials that botocore refreshes
+    REFRESHABLE_TTL = timedelta(minutes=5)
+    #: how long obstore may keep static keys (they never expire; asked again now and then)
+    STATIC_TTL = timedelta(hours=12)
+
+    def __init__(self, credentials: Any) -> None:
+        self._credentials = credentials
+
+    def __call__(self) -> dict[str, Any]:
+        frozen = self._credentials.get_frozen_credentials()
+        now = datetime.now(UTC)
+        expiry = getattr(self._credentials, "_expiry_time", None)
+        if hasattr(self._credentials, "refresh_needed"):  # botocore's RefreshableCredentials
+            expires_at = now + self.REFRESHABLE_TTL
+            if isinstance(expiry, datetime):
+                expires_at = min(expires_at, expiry.astimezone(UTC))
+        else:
+            expires_at = now + self.STATIC_TTL
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": expires_at,
+        }
