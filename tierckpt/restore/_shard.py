@@ -22,6 +22,10 @@ from tierckpt.tree import decode_tree
 
 __all__ = ["LoadedShard", "read_shard"]
 
+import os
+
+_LOCAL_PIECES = os.environ.get("TIERCKPT_X_LOCAL_PIECES") == "1"  # experiment
+
 
 @dataclass
 class LoadedShard:
@@ -77,10 +81,16 @@ def read_shard(
     span_offsets = [int(s[0]) for s in index["storages"]]
     repop = Repopulation(repopulate, ref.file)
     # compressed chunks are fetched in pieces on their own pool while the reader threads
-    # decode (a fetch never waits on a reader, so the two pools cannot deadlock)
+    # decode, and raw chunks from a remote store in segments straight into their storages (a
+    # fetch never waits on a reader, so the two pools cannot deadlock)
     fetch_pool = (
-        ThreadPoolExecutor(2 * _workers(pool), thread_name_prefix="tierckpt-fetch")
-        if any(isinstance(c, SupportsProgressiveDecode) for c in codecs)
+        ThreadPoolExecutor(
+            int(os.environ.get("TIERCKPT_X_FETCH", "0")) or 2 * _workers(pool),
+            thread_name_prefix="tierckpt-fetch",
+        )
+        if backend.is_remote
+        or _LOCAL_PIECES
+        or any(isinstance(c, SupportsProgressiveDecode) for c in codecs)
         else None
     )
     reader = ChunkReader(

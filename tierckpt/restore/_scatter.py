@@ -1,0 +1,104 @@
+"""A raw chunk read straight into the storages it spans, in pieces fetched on all threads.
+
+A raw chunk that spans several storages is not read into a chunk-sized buffer and copied out:
+its stored bytes are cut, in file order, into *pieces* that are the storages' own memory (and,
+from a remote store, a small buffer for runs of tensors too small to be worth a request of
+their own, and for gap bytes no storage holds). The pieces are grouped into *segments* of a
+few MiB, each one read (``read_into_pieces``: one ``preadv`` from a local file, ranged GETs
+from an object store) by the fetch pool, in file order: the fetch threads stream the file front
+to back together (one stream, which the disk's read-ahead and the store favour) instead of
+each reader thread reading its own chunk at its own place, and a load ends with every thread
+busy on the last chunks instead of one thread finishing the last chunk alone.
+
+The reader thread hashes the segments in order as they arrive (overlapping the fetch); the
+chunk is accepted only if the whole checksum matches the index's. Until then its bytes sit in
+the load's fresh storages, never in the caller's tensors (``load(into=)`` copies after the
+whole load succeeded). Peak extra memory: the small-piece buffer, at most a chunk per reader
+thread (none for a local file, whose scatter read needs no buffer but for gap bytes).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xxhash
+
+from tierckpt.backends.base import Backend
+
+__all__ = ["DIRECT_MIN_BYTES", "ScatterFetch", "segments"]
+
+#: from an object store, a storage piece smaller than this is not a request of its own: runs
+#: of them are fetched together into a buffer and copied (one GET costs about as much as
+#: moving this many bytes on a local link)
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def segments(
+    pieces: Sequence[memoryview], offset: int, step: int
+) -> list[tuple[int, list[memoryview]]]:
+    """``pieces`` (contiguous in the file from ``offset``, in order) grouped into segments of
+    at most ``step`` bytes: ``(file offset, views)``; a piece that crosses a segment's end is
+    split there."""
+    out: list[tuple[int, list[memoryview]]] = []
+    cur: list[memoryview] = []
+    start, filled = offset, 0
+    for p in pieces:
+        pos = 0
+        while pos < len(p):
+            take = min(len(p) - pos, step - filled)
+            cur.append(p[pos : pos + take])
+            pos += take
+            filled += take
+            if filled == step:
+                out.append((start, cur))
+                start += filled
+                cur, filled = [], 0
+    if cur:
+        out.append((start, cur))
+    return out
+
+
+class ScatterFetch:
+    """Fetch ``pieces`` (the stored bytes at ``offset`` of ``file``, in order) as segments of
+    at most ``step`` bytes on ``pool``.
+
+    ``finish()`` waits for every segment, folding each into the checksum in order as it
+    arrives, and returns the checksum (hex, as the index) or re-raises the first failed
+    segment's error; ``close()`` (always, also after an error) cancels what has not started
+    and waits for what has, so nothing writes into the pieces after it returns.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        file: str,
+        offset: int,
+        pieces: Sequence[memoryview],
+        pool: ThreadPoolExecutor,
+        step: int,
+    ) -> None:
+        self._segments = segments(pieces, offset, max(1, step))
+        self._lock = threading.Lock()
+        self._futures: list[Future[None]] = [
+            pool.submit(backend.read_into_pieces, file, off, views) for off, views in self._segments
+        ]
+
+    def finish(self) -> str:
+        """Wait for every segment; the checksum of all of them, in file order."""
+        h = xxhash.xxh3_64()  # the same digest as format.checksum over the joined bytes
+        with self._lock:
+            for f, (_off, views) in zip(self._futures, self._segments, strict=True):
+                f.result()
+                for v in views:
+                    h.update(v)
+        return h.hexdigest()
+
+    def close(self) -> None:
+        """Stop: cancel the segments not started, wait for the running ones (errors dropped)."""
+        for f in self._futures:
+            f.cancel()
+        for f in self._futures:
+            if not f.cancelled():
+                f.exception()
