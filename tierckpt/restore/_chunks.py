@@ -29,6 +29,7 @@ from tierckpt.codecs import Codec, SupportsProgressiveDecode
 from tierckpt.format import ChunkRecord
 from tierckpt.restore._fetch import PIECE_BYTES, StreamedFetch
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers, decode_chunk, span_view
+from tierckpt.restore._prefault import prefault
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.restore._scatter import DIRECT_MIN_BYTES, ScatterFetch
 from tierckpt.verify import corrupt_chunk, read_verified, read_verified_pieces
@@ -74,6 +75,14 @@ class ChunkReader:
         # thread)
         self.scratch = ThreadBuffers()
 
+    def _prefault(self, parts: list[tuple[int, int, int]]) -> None:
+        """Map the storages' pages these parts fill in bulk (see ``_prefault``)."""
+        prefault(
+            (self.spans[si].data_ptr() + a - self.offsets[si], b - a)
+            for si, a, b in parts
+            if si >= 0
+        )
+
     def _dest(self, si: int, a: int, b: int) -> memoryview:
         return span_view(self.spans[si], a - self.offsets[si], b - self.offsets[si])
 
@@ -84,6 +93,8 @@ class ChunkReader:
         lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
         parts = self.layout.parts(lo, hi)
         single = parts is not None and len(parts) == 1 and parts[0][0] >= 0
+        if parts is not None and (codec.is_passthrough or single):
+            self._prefault(parts)
         if codec.is_passthrough and parts is not None and self.fetch_pool is not None:
             self._read_raw_pieces(rec, ci, parts)
             return rec.stored_size
