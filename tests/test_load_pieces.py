@@ -17,9 +17,11 @@ import tierckpt.restore._chunks as chunks_mod
 import tierckpt.restore._prefault as prefault_mod
 import tierckpt.restore._scatter as scatter_mod
 from tierckpt import Checkpointer, CorruptCheckpoint, CorruptChunk, LocalTier, S3Tier
+from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
+from tierckpt.backends.objstore import ObjectStoreBackend
 from tierckpt.format import shard_name
-from tierckpt.restore import read_manifest, read_shard
+from tierckpt.restore import read_index, read_manifest, read_shard
 
 CHUNK = 1 << 20
 PIECE = 128 << 10
@@ -42,8 +44,10 @@ def mixed_state() -> dict[str, Any]:
 
 
 class RemoteFiles(LocalBackend):
-    """Local files served as a remote store would be: ``is_remote``, one ranged read per
-    piece of a scatter read, each recorded (offset, length)."""
+    """Local files served as a remote store without a cheap scatter read would be:
+    ``is_remote``, one ranged read per piece, each read recorded (offset, length)."""
+
+    read_into_pieces = Backend.read_into_pieces  # one read_into per piece
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
@@ -53,12 +57,10 @@ class RemoteFiles(LocalBackend):
     def is_remote(self) -> bool:
         return True
 
-    def read_into_pieces(self, name: str, offset: int, outs: Any) -> None:
-        # a store's scatter read: one ranged read per piece (Backend's default)
-        for out in outs:
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        if name.endswith(".tck"):
             self.reads.append((offset, len(out)))
-            self.read_into(name, offset, out)
-            offset += len(out)
+        super().read_into(name, offset, out)
 
 
 @pytest.fixture
@@ -99,6 +101,10 @@ def test_remote_raw_chunks_land_in_their_storages_without_a_chunk_buffer(
     monkeypatch.setattr(layout_mod.torch, "empty", spy)
     loaded = _read(backend)
     monkeypatch.undo()
+    manifest = read_manifest(backend, 1, "t")
+    index, _blob, _footer = read_index(backend, manifest.shard_for(0), "t")
+    data_end = max(c.file_offset + c.stored_size for c in index["chunks"])
+    backend.reads = [(o, n) for o, n in backend.reads if o < data_end]  # not footer, index
     assert_same(loaded.state, state)
     spans = {v.untyped_storage().nbytes() for v in state.values()}
     scratch = [n for n in sizes if n not in spans]
@@ -216,3 +222,35 @@ def test_a_refused_prefault_is_skipped_for_good_and_the_load_goes_on(
         assert_same(ck.load(), state)
     assert len(calls) == 1
     assert prefault_mod._madvise is None
+
+
+def test_obstore_scatter_read_spreads_part_sized_gets_over_the_pieces(
+    seaweedfs_server: Any, s3_bucket: Any
+) -> None:
+    """One ranged GET per part, not per piece: many small pieces cost a few requests, and
+    every byte lands in its piece."""
+    bucket = s3_bucket(seaweedfs_server)
+    b = ObjectStoreBackend(
+        f"s3://{bucket}/x", endpoint_url=seaweedfs_server.endpoint_url, part_size=5 << 20
+    )
+    try:
+        data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+        b.put_atomic("obj", data)
+        sizes = [1, 7, 4096, 3 << 20, 100, 5 << 20, 33, 2 << 20, 1]
+        bufs = [bytearray(n) for n in sizes]
+        gets: list[int] = []
+        real = b._fetch
+
+        def counting(key: str, pieces: Any) -> None:
+            gets.append(len(pieces))
+            real(key, pieces)
+
+        b._fetch = counting  # type: ignore[method-assign]
+        b.read_into_pieces("obj", 1234, [memoryview(x) for x in bufs])
+        total = sum(sizes)
+        assert b"".join(bufs) == data[1234 : 1234 + total]
+        assert sum(gets) == -(-total // (5 << 20))  # ceil: one GET per part
+        with pytest.raises(Exception, match="past its end|negative"):
+            b.read_into_pieces("obj", len(data) - 10, [memoryview(bytearray(8))] * 2)
+    finally:
+        b.close()

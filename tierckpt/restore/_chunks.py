@@ -4,7 +4,8 @@ Where a chunk's bytes go, fastest path first:
 
 * raw, with a fetch pool (every remote load): cut in file order into pieces that are the
   storages' own memory, fetched in segments by the fetch pool while this thread checks them
-  (:mod:`tierckpt.restore._scatter`), small tensors' runs through a small buffer;
+  (:mod:`tierckpt.restore._scatter`); from a store without a cheap scatter read, runs of
+  small tensors through a small buffer;
 * raw, inside one storage: read straight into it;
 * raw, across storages, from a local file: one scatter read (``preadv``) into all of them;
 * compressed, from a codec that decodes progressively: the stored bytes are fetched in pieces
@@ -67,6 +68,10 @@ class ChunkReader:
         #: remote store one ranged read per chunk beats one per tensor, so its bytes land in
         #: a buffer
         self.scatter = not backend.is_remote
+        #: a scatter read that costs about one read (a local ``preadv``; ranged GETs spread
+        #: over the pieces): even the smallest storage is then read straight into; otherwise
+        #: each piece would be a request of its own, so runs of small ones go via a buffer
+        self.cheap_scatter = type(backend).read_into_pieces is not Backend.read_into_pieces
         #: where compressed chunks are fetched in pieces while they decode and raw chunks in
         #: segments straight into the storages (None: whole, on the reader thread)
         self.fetch_pool = fetch_pool
@@ -93,11 +98,11 @@ class ChunkReader:
         lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
         parts = self.layout.parts(lo, hi)
         single = parts is not None and len(parts) == 1 and parts[0][0] >= 0
-        if parts is not None and (codec.is_passthrough or single):
-            self._prefault(parts)
         if codec.is_passthrough and parts is not None and self.fetch_pool is not None:
             self._read_raw_pieces(rec, ci, parts)
             return rec.stored_size
+        if parts is not None and (codec.is_passthrough or single):
+            self._prefault(parts)
         if codec.is_passthrough and single:
             assert parts is not None
             dest = self._dest(*parts[0])  # read straight into the one storage it covers
@@ -144,10 +149,11 @@ class ChunkReader:
         for gap bytes and (from a remote store) runs of small tensors, copied out once the
         chunk's checksum matched."""
         assert self.fetch_pool is not None
-        remote = not self.scatter
         pieces: list[memoryview] = []
         copies: list[tuple[int, int, int, int]] = []  # (span, start, end, at in the buffer)
-        buffered = [si < 0 or (remote and b - a < DIRECT_MIN_BYTES) for si, a, b in parts]
+        buffered = [
+            si < 0 or (not self.cheap_scatter and b - a < DIRECT_MIN_BYTES) for si, a, b in parts
+        ]
         need = sum(b - a for (_si, a, b), buf in zip(parts, buffered, strict=True) if buf)
         buf = self.scratch.get("pieces", need) if need else memoryview(b"")
         at = run = 0  # the buffer's next free byte; where its current run began
@@ -166,6 +172,7 @@ class ChunkReader:
         fetch = ScatterFetch(
             self.backend, self.file, rec.file_offset, pieces, self.fetch_pool, PIECE_BYTES
         )
+        self._prefault(parts)  # while the first segments are fetched (never overwrites them)
         try:
             digest = fetch.finish()
         finally:

@@ -1,20 +1,22 @@
-"""A raw chunk read straight into the storages it spans, in pieces fetched on all threads.
+"""A raw chunk from an object store read straight into the storages it spans, in segments
+fetched on all fetch threads.
 
-A raw chunk that spans several storages is not read into a chunk-sized buffer and copied out:
-its stored bytes are cut, in file order, into *pieces* that are the storages' own memory (and,
-from a remote store, a small buffer for runs of tensors too small to be worth a request of
-their own, and for gap bytes no storage holds). The pieces are grouped into *segments* of a
-few MiB, each one read (``read_into_pieces``: one ``preadv`` from a local file, ranged GETs
-from an object store) by the fetch pool, in file order: the fetch threads stream the file front
-to back together (one stream, which the disk's read-ahead and the store favour) instead of
-each reader thread reading its own chunk at its own place, and a load ends with every thread
-busy on the last chunks instead of one thread finishing the last chunk alone.
+Such a chunk is not read into a chunk-sized buffer and copied out: its stored bytes are cut,
+in file order, into *pieces* that are the storages' own memory (and a small buffer for gap
+bytes no storage holds and, from a store without a cheap scatter read, for runs of tensors
+too small to be worth a request of their own). The pieces are grouped into *segments* of one
+part (8 MiB), each read by the fetch pool (``read_into_pieces``: through obstore, part-sized
+ranged GETs whose bodies are spread over the pieces), in file order: as many ranged GETs in
+flight as fetch threads, and a load ends with every fetch thread busy on the last chunks
+instead of one reader finishing the last chunk alone. (A local file is read by the reader
+threads instead, one ``preadv`` per chunk: the same through the fetch pool measured more CPU
+and no gain here.)
 
 The reader thread hashes the segments in order as they arrive (overlapping the fetch); the
 chunk is accepted only if the whole checksum matches the index's. Until then its bytes sit in
 the load's fresh storages, never in the caller's tensors (``load(into=)`` copies after the
-whole load succeeded). Peak extra memory: the small-piece buffer, at most a chunk per reader
-thread (none for a local file, whose scatter read needs no buffer but for gap bytes).
+whole load succeeded). Peak extra memory: the small-piece buffer, less than a chunk per reader
+thread (only gap bytes where the scatter read is cheap), plus the bodies in flight.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import logging
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import (
@@ -249,6 +250,36 @@ class ObjectStoreBackend(RemoteBackend):
             fetch=lambda pieces: self._fetch(key, pieces),
         )
 
+    def read_into_pieces(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fill ``outs`` in order from the bytes at ``offset`` with ranged GETs of
+        ``part_size`` over the whole span, each body copied into the pieces it covers: one
+        request per part, not one per piece (a chunk of many small tensors is read straight
+        into their storages, with no buffer of its own). Added for the load path
+        (``tierckpt.restore._scatter``)."""
+        views = [o.cast("B") if o.format != "B" else o for o in outs if len(o)]
+        if len(views) <= 1:
+            super().read_into_pieces(name, offset, views)
+            return
+        if offset < 0:
+            raise FormatError(f"{self.url}/{name}: negative offset {offset}")
+        ranges: builtins.list[Range] = []
+        cur: builtins.list[memoryview] = []
+        start, filled = offset, 0
+        for v in views:
+            pos = 0
+            while pos < len(v):
+                take = min(len(v) - pos, self.part_size - filled)
+                cur.append(v[pos : pos + take])
+                pos, filled = pos + take, filled + take
+                if filled == self.part_size:
+                    ranges.append((start, cast(memoryview, _Spread(cur))))
+                    start, cur, filled = start + filled, [], 0
+        if cur:
+            ranges.append((start, cast(memoryview, _Spread(cur))))
+        key = self._key(name)
+        for i in range(0, len(ranges), self.max_concurrency):
+            self._fetch(key, ranges[i : i + self.max_concurrency])
+
     def _fetch(self, key: str, pieces: builtins.list[Range]) -> None:
         """Fetch ranges concurrently (one Rust call, GIL released) and copy each into its
         piece; a failed batch is fetched again, up to ``max_attempts`` times."""
@@ -393,3 +424,22 @@ class ObjectStoreBackend(RemoteBackend):
             admin, self._s3_admin = self._s3_admin, None
         if admin is not None:
             admin.close()
+
+
+class _Spread:
+    """Several pieces that one ranged GET fills in order: ``_fetch`` sees one view of their
+    joined length and assigns the body to it whole (``spread[:] = body``)."""
+
+    def __init__(self, views: builtins.list[memoryview]) -> None:
+        self._views = views
+        self._n = sum(len(v) for v in views)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __setitem__(self, key: slice, data: memoryview) -> None:
+        body = memoryview(data).cast("B")
+        pos = 0
+        for v in self._views:
+            v[:] = body[pos : pos + len(v)]
+            pos += len(v)
