@@ -25,7 +25,6 @@ from tierckpt.restore import read_index, read_manifest, read_shard
 
 CHUNK = 1 << 20
 PIECE = 128 << 10
-DIRECT = 16 << 10
 
 
 def mixed_state() -> dict[str, Any]:
@@ -66,7 +65,6 @@ class RemoteFiles(LocalBackend):
 @pytest.fixture
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chunks_mod, "PIECE_BYTES", PIECE)
-    monkeypatch.setattr(chunks_mod, "DIRECT_MIN_BYTES", DIRECT)
 
 
 def _save(root: Path, state: Any) -> None:
@@ -108,18 +106,50 @@ def test_remote_raw_chunks_land_in_their_storages_without_a_chunk_buffer(
     assert_same(loaded.state, state)
     spans = {v.untyped_storage().nbytes() for v in state.values()}
     scratch = [n for n in sizes if n not in spans]
-    # the old path read every chunk spanning several storages whole into a buffer of the
-    # chunk's size; now only runs of small tensors are buffered
-    assert scratch, "expected a buffer for the runs of small tensors"
-    assert max(scratch) < CHUNK // 2, f"chunk-sized buffers allocated: {scratch}"
-    # every read is one segment at most; small tensors are fetched together, not one by one
+    # a store whose scatter read costs a request per piece: the chunk goes through one
+    # buffer per reader thread (never more than a chunk), one part-sized read per segment
+    assert scratch and max(scratch) <= CHUNK, scratch
+    assert len(scratch) <= 2, f"more than one buffer per reader thread: {scratch}"
     assert max(n for _o, n in backend.reads) <= PIECE
-    small = sum(1 for v in state.values() if 0 < v.untyped_storage().nbytes() < DIRECT)
-    assert len([n for _o, n in backend.reads if n < DIRECT]) < small
+    assert len(backend.reads) == sum(-(-c.stored_size // PIECE) for c in index["chunks"])
     # every stored byte is read exactly once
     reads = sorted(backend.reads)
     assert all(a + n <= b for (a, n), (b, _m) in itertools.pairwise(reads))
     assert sum(n for _o, n in reads) == loaded.stored_bytes
+
+
+class SpreadFiles(LocalBackend):
+    """A remote store with a cheap scatter read (as obstore's: part-sized GETs spread over
+    the pieces), served from local files."""
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+
+def test_remote_raw_chunks_with_a_cheap_scatter_read_need_no_buffer(
+    tmp_path: Path, small_segments: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = mixed_state()
+    _save(tmp_path, state)
+    sizes: list[int] = []
+    real_empty = torch.empty
+
+    def spy(*args: Any, **kw: Any) -> torch.Tensor:
+        t = real_empty(*args, **kw)
+        if t.dtype == torch.uint8:
+            sizes.append(t.numel())
+        return t
+
+    import tierckpt.restore._layout as layout_mod
+
+    monkeypatch.setattr(layout_mod.torch, "empty", spy)
+    monkeypatch.setattr(chunks_mod.torch, "empty", spy)
+    loaded = _read(SpreadFiles(tmp_path))
+    monkeypatch.undo()
+    assert_same(loaded.state, state)
+    spans = {v.untyped_storage().nbytes() for v in state.values()}
+    assert [n for n in sizes if n not in spans] == [], "a buffer was allocated"
 
 
 def test_remote_raw_corrupt_chunk_is_named_and_fails_the_load(

@@ -4,8 +4,8 @@ Where a chunk's bytes go, fastest path first:
 
 * raw, with a fetch pool (every remote load): cut in file order into pieces that are the
   storages' own memory, fetched in segments by the fetch pool while this thread checks them
-  (:mod:`tierckpt.restore._scatter`); from a store without a cheap scatter read, runs of
-  small tensors through a small buffer;
+  (:mod:`tierckpt.restore._scatter`); from a store without a cheap scatter read, through
+  this thread's buffer (one part-sized GET per segment);
 * raw, inside one storage: read straight into it;
 * raw, across storages, from a local file: one scatter read (``preadv``) into all of them;
 * compressed, from a codec that decodes progressively: the stored bytes are fetched in pieces
@@ -32,7 +32,7 @@ from tierckpt.restore._fetch import PIECE_BYTES, StreamedFetch
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers, decode_chunk, span_view
 from tierckpt.restore._prefault import prefault
 from tierckpt.restore._repopulate import Repopulation
-from tierckpt.restore._scatter import DIRECT_MIN_BYTES, ScatterFetch
+from tierckpt.restore._scatter import ScatterFetch
 from tierckpt.verify import corrupt_chunk, read_verified, read_verified_pieces
 
 __all__ = ["ChunkReader"]
@@ -69,8 +69,8 @@ class ChunkReader:
         #: a buffer
         self.scatter = not backend.is_remote
         #: a scatter read that costs about one read (a local ``preadv``; ranged GETs spread
-        #: over the pieces): even the smallest storage is then read straight into; otherwise
-        #: each piece would be a request of its own, so runs of small ones go via a buffer
+        #: over the pieces): every storage is then read straight into; otherwise each piece
+        #: would be a request of its own, so the chunk goes via this thread's buffer
         self.cheap_scatter = type(backend).read_into_pieces is not Backend.read_into_pieces
         #: where compressed chunks are fetched in pieces while they decode and raw chunks in
         #: segments straight into the storages (None: whole, on the reader thread)
@@ -151,9 +151,9 @@ class ChunkReader:
         assert self.fetch_pool is not None
         pieces: list[memoryview] = []
         copies: list[tuple[int, int, int, int]] = []  # (span, start, end, at in the buffer)
-        buffered = [
-            si < 0 or (not self.cheap_scatter and b - a < DIRECT_MIN_BYTES) for si, a, b in parts
-        ]
+        # where each piece would be a request of its own, the chunk goes through the buffer
+        # whole: one part-sized GET per segment
+        buffered = [si < 0 or not self.cheap_scatter for si, _a, _b in parts]
         need = sum(b - a for (_si, a, b), buf in zip(parts, buffered, strict=True) if buf)
         buf = self.scratch.get("pieces", need) if need else memoryview(b"")
         at = run = 0  # the buffer's next free byte; where its current run began

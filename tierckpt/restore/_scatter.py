@@ -3,20 +3,20 @@ fetched on all fetch threads.
 
 Such a chunk is not read into a chunk-sized buffer and copied out: its stored bytes are cut,
 in file order, into *pieces* that are the storages' own memory (and a small buffer for gap
-bytes no storage holds and, from a store without a cheap scatter read, for runs of tensors
-too small to be worth a request of their own). The pieces are grouped into *segments* of one
-part (8 MiB), each read by the fetch pool (``read_into_pieces``: through obstore, part-sized
-ranged GETs whose bodies are spread over the pieces), in file order: as many ranged GETs in
-flight as fetch threads, and a load ends with every fetch thread busy on the last chunks
-instead of one reader finishing the last chunk alone. (A local file is read by the reader
-threads instead, one ``preadv`` per chunk: the same through the fetch pool measured more CPU
-and no gain here.)
+bytes no storage holds; a store without a cheap scatter read, where each piece would be a
+request of its own, reads the chunk through the reader thread's buffer instead). The pieces
+are grouped into *segments* of one part (8 MiB), each read by the fetch pool
+(``read_into_pieces``: through obstore, part-sized ranged GETs whose bodies are spread over
+the pieces), in file order: as many ranged GETs in flight as fetch threads, and a load ends
+with every fetch thread busy on the last chunks instead of one reader finishing the last
+chunk alone. (A local file is read by the reader threads instead, one ``preadv`` per chunk:
+the same through the fetch pool measured more CPU and no gain here.)
 
 The reader thread hashes the segments in order as they arrive (overlapping the fetch); the
 chunk is accepted only if the whole checksum matches the index's. Until then its bytes sit in
 the load's fresh storages, never in the caller's tensors (``load(into=)`` copies after the
-whole load succeeded). Peak extra memory: the small-piece buffer, less than a chunk per reader
-thread (only gap bytes where the scatter read is cheap), plus the bodies in flight.
+whole load succeeded). Peak extra memory: gap bytes only where the scatter read is cheap (plus
+the bodies in flight), else one chunk per reader thread.
 """
 
 from __future__ import annotations
@@ -29,12 +29,7 @@ import xxhash
 
 from tierckpt.backends.base import Backend
 
-__all__ = ["DIRECT_MIN_BYTES", "ScatterFetch", "segments"]
-
-#: from an object store, a storage piece smaller than this is not a request of its own: runs
-#: of them are fetched together into a buffer and copied (one GET costs about as much as
-#: moving this many bytes on a local link)
-DIRECT_MIN_BYTES = 1 << 20
+__all__ = ["ScatterFetch", "segments"]
 
 
 def segments(
