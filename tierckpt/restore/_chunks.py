@@ -79,6 +79,7 @@ class ChunkReader:
         # pay the first touch of new pages every time (peak extra memory: a chunk or two per
         # thread)
         self.scratch = ThreadBuffers()
+        self._views: list[memoryview | None] = [None] * len(spans)
 
     def _prefault(self, parts: list[tuple[int, int, int]]) -> None:
         """Map the storages' pages these parts fill in bulk (see ``_prefault``)."""
@@ -89,7 +90,13 @@ class ChunkReader:
         )
 
     def _dest(self, si: int, a: int, b: int) -> memoryview:
-        return span_view(self.spans[si], a - self.offsets[si], b - self.offsets[si])
+        # one memoryview per storage, sliced per piece: a chunk of many small tensors costs a
+        # slice each, not a tensor slice and a numpy view each (threads may race to make the
+        # same view: either is right)
+        whole = self._views[si]
+        if whole is None:
+            whole = self._views[si] = span_view(self.spans[si], 0, self.spans[si].numel())
+        return whole[a - self.offsets[si] : b - self.offsets[si]]
 
     def read(self, ci: int) -> int:
         """Read, verify and decode chunk ``ci`` into the spans; returns its stored size."""
