@@ -10,10 +10,13 @@ the files from the page cache (``fsync`` + ``posix_fadvise(DONTNEED)``) and runs
 collection (as ``bench_restore.py`` does: the one full collection a process owes after
 ``import torch`` walks ~170,000 objects, 0.25 s here, and would otherwise land in whatever
 allocates next), so every variant reads from the disk: ``seq`` reads the shard files front to
-back into one reused 8 MiB buffer (the disk's rate), ``raw`` and ``planes`` are
+back into one reused 8 MiB buffer (the disk's rate), ``fresh`` reads them front to back in
+8 MiB ``readinto`` calls into fresh memory of the files' size (what a load must produce: new
+memory, first-touched by the read), ``raw`` and ``planes`` are
 ``Checkpointer.load()`` of each codec's checkpoint (``planes``: compressed chunks, fetched in
 pieces while they decode). Variants are interleaved, one warm-up round is dropped, medians are
-reported with the peak RSS of the process and the load average before and after.
+reported against both baselines, with the CPU seconds (user + system, all threads) and the peak
+RSS of the process and the load average before and after. ``--variants seq,fresh,raw`` runs a subset (the baselines always run).
 ``--before DIR`` also loads with another checkout's code, in the same run.
 """
 
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -31,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("seq", "raw", "planes")
+VARIANTS = ("seq", "fresh", "raw", "planes")
+BASELINES = ("seq", "fresh")
 
 
 def _files(path: Path) -> list[Path]:
@@ -51,7 +56,7 @@ def drop_cache(path: Path) -> None:
 
 def worker(variant: str, path: Path) -> dict[str, Any]:
     """One measurement in this (fresh) process."""
-    import torch  # noqa: F401  (imported before the clock starts, as by any trainer)
+    import torch  # imported before the clock starts, as by any trainer
 
     from tierckpt import Checkpointer, LocalTier
 
@@ -59,6 +64,7 @@ def worker(variant: str, path: Path) -> dict[str, Any]:
     import gc
 
     gc.collect()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     nbytes = 0
     if variant == "seq":
@@ -68,6 +74,15 @@ def worker(variant: str, path: Path) -> dict[str, Any]:
             with open(f, "rb", buffering=0) as fh:
                 while n := fh.readinto(view):
                     nbytes += n
+    elif variant == "fresh":
+        total = sum(f.stat().st_size for f in _files(path))
+        out = torch.empty(total, dtype=torch.uint8)  # untouched pages, as a load's storages
+        dest = memoryview(out.numpy())  # type: ignore[arg-type]
+        for f in _files(path):
+            with open(f, "rb", buffering=0) as fh:
+                while n := fh.readinto(dest[nbytes : nbytes + (8 << 20)]):
+                    nbytes += n
+        del out, dest
     else:
         ck = Checkpointer([LocalTier(path, keep_last=None, codec=variant)])
         try:
@@ -77,21 +92,23 @@ def worker(variant: str, path: Path) -> dict[str, Any]:
         nbytes = sum(f.stat().st_size for f in _files(path))
         del state
     seconds = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
     # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork + exec
     rss = next(
         int(line.split()[1]) * 1024
         for line in Path("/proc/self/status").read_text().splitlines()
         if line.startswith("VmHWM:")
     )
-    return {"variant": variant, "seconds": seconds, "bytes": nbytes, "peak_rss": rss}
+    return {"variant": variant, "seconds": seconds, "cpu_s": cpu, "bytes": nbytes, "peak_rss": rss}
 
 
-def save_states(root: Path, gib: float) -> dict[str, Any]:
+def save_states(root: Path, gib: float, codecs: list[str]) -> dict[str, Any]:
     from tierckpt import Checkpointer, LocalTier
     from tierckpt.bench.state import make_state
 
     state, info = make_state(gib)
-    for codec in ("raw", "planes"):
+    for codec in sorted({"raw", *codecs}):  # raw: also the baselines' bytes
         ck = Checkpointer([LocalTier(root / codec, keep_last=None, codec=codec)])
         try:
             ck.save(state, 1).result()
@@ -102,7 +119,7 @@ def save_states(root: Path, gib: float) -> dict[str, Any]:
 
 def run_one(variant: str, root: Path, before: str | None) -> dict[str, Any]:
     codec, _, which = variant.partition("@")
-    path = root / ("raw" if codec == "seq" else codec)
+    path = root / ("raw" if codec in BASELINES else codec)
     env = dict(os.environ)
     if which == "before" and before:
         env["PYTHONPATH"] = before
@@ -128,6 +145,7 @@ def main(argv: list[str]) -> int:
         default=None,
         help="PYTHONPATH of another checkout: also load with its code (raw@before, planes@before)",
     )
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset to run")
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -137,8 +155,11 @@ def main(argv: list[str]) -> int:
     gib = 0.25 if args.quick else args.gib
     with tempfile.TemporaryDirectory(prefix="bench_load_", dir=args.dir or "/var/tmp") as d:
         root = Path(d)
-        info = save_states(root, gib)
-        variants = list(VARIANTS) + (["raw@before", "planes@before"] if args.before else [])
+        wanted = set(args.variants.split(",")) | set(BASELINES)
+        info = save_states(root, gib, [c for c in ("raw", "planes") if c in wanted])
+        variants = [v for v in VARIANTS if v in wanted]
+        if args.before:
+            variants += [f"{c}@before" for c in ("raw", "planes") if c in wanted]
         load_before = os.getloadavg()
         samples: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         for r in range(args.runs + 1):  # round 0 warms up
@@ -148,6 +169,7 @@ def main(argv: list[str]) -> int:
                     samples[v].append(res)
         load_after = os.getloadavg()
     seq = statistics.median(s["seconds"] for s in samples["seq"])
+    fresh = statistics.median(s["seconds"] for s in samples["fresh"])
     rows = []
     for v in variants:
         secs = [s["seconds"] for s in samples[v]]
@@ -157,9 +179,11 @@ def main(argv: list[str]) -> int:
                 "variant": v,
                 "median_s": med,
                 "all_s": secs,
+                "cpu_s": statistics.median(s["cpu_s"] for s in samples[v]),
                 "stored_bytes": samples[v][0]["bytes"],
                 "gb_per_s": info["state_bytes"] / med / 1e9,
                 "vs_seq_read": seq / med,
+                "vs_fresh_read": fresh / med,
                 "peak_rss": max(s["peak_rss"] for s in samples[v]),
             }
         )
@@ -168,12 +192,16 @@ def main(argv: list[str]) -> int:
         f"medians of {args.runs} (cold page cache), {time.strftime('%Y-%m-%d %H:%M UTC')}, "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
     )
-    print("| variant | median s | state GB/s | vs cold seq read | stored MiB | peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| variant | median s | state GB/s | vs cold seq read (reused 8 MiB) "
+        "| vs cold seq read (fresh memory) | CPU s | stored MiB | peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['variant']} | {row['median_s']:.3f} | {row['gb_per_s']:.2f} | "
-            f"{row['vs_seq_read']:.2f}x | {row['stored_bytes'] / 2**20:.0f} | "
+            f"{row['vs_seq_read']:.2f}x | {row['vs_fresh_read']:.2f}x | {row['cpu_s']:.3f} | "
+            f"{row['stored_bytes'] / 2**20:.0f} | "
             f"{row['peak_rss'] / 2**20:.0f} |"
         )
     result = {

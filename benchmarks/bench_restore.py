@@ -10,13 +10,16 @@ Setup (once): the synthetic training state of :func:`tierckpt.bench.state.make_s
 by tierckpt to a local tier (raw) and two S3 prefixes (raw, auto), by DCP to a folder, and its
 tensors' bytes, concatenated, to one local file and one S3 object (the baselines' input).
 
-Every measurement is a fresh process (imports done before the clock starts; ``--quick`` and
+Every measurement is a fresh process (imports done and clients made before the clock starts:
+the tierckpt contenders' ``Checkpointer`` too, as obstore's store and boto3's client; the time
+to make it is reported apart as ``setup_s``; ``--quick`` and
 ``--in-process`` measure in this process instead, after one warm-up round); contenders are
 interleaved round by round, so drift on a shared machine hits all of them alike. Before each
 measurement the benchmark's own files (the local copies and SeaweedFS's volumes) are dropped
 from the page cache with ``posix_fadvise(DONTNEED)``, so reads come from the disk (only these
 files: the machine's other users keep their cache). Reported: median seconds, GB/s of the
-state's bytes, peak RSS growth of the restoring process, and the ratio to the row's baseline
+state's bytes, the restoring process's CPU seconds, its peak RSS growth, and the ratio to the
+row's baseline
 (local: raw sequential read of the same bytes; S3: obstore's ranged concurrent GET into memory).
 
 Contenders (a contender whose package is missing is listed as skipped, with the reason)
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -115,6 +119,8 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     endpoint, nbytes = spec["endpoint"], spec["nbytes"]
     part, conc = spec["part"], spec["concurrency"]
     run: Any
+    ck: Any = None
+    setup_s = 0.0
     if name == "disk-read":
 
         def run() -> Any:
@@ -129,20 +135,22 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
                     got += n
             return buf
 
-    elif name == "tierckpt-local":
-
-        def run() -> Any:
-            with Checkpointer([LocalTier(spec["local_dir"])]) as ck:
-                return ck.load()
-
     elif name.startswith("tierckpt-"):
-        _, driver, codec = name.split("-")
+        # the Checkpointer (its tiers' clients) is made before the clock, as every other
+        # contender makes its client or store first: the clock times the load; making it is
+        # timed apart (setup_s; for S3 it builds the client and its credential chain)
+        if name == "tierckpt-local":
+            tiers = [LocalTier(spec["local_dir"])]
+        else:
+            _, driver, codec = name.split("-")
+            url = f"s3://{BUCKET}/{codec}"
+            tiers = [S3Tier(url, endpoint_url=endpoint, driver=driver, name=f"s3{codec}")]
+        t_setup = time.perf_counter()
+        ck = Checkpointer(tiers)
+        setup_s = time.perf_counter() - t_setup
 
         def run() -> Any:
-            url = f"s3://{BUCKET}/{codec}"
-            tier = S3Tier(url, endpoint_url=endpoint, driver=driver, name=f"s3{codec}")
-            with Checkpointer([tier]) as ck:
-                return ck.load()
+            return ck.load()
 
     elif name == "dcp-fs":
         import torch.distributed.checkpoint as dcp
@@ -233,13 +241,23 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     _reset_peak_rss()
     before = _status_kib("VmRSS")
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     result = run()
     seconds = time.perf_counter() - start
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     peak = _status_kib("VmHWM")
     del result
     gc.collect()
-    return {"seconds": seconds, "peak_rss_growth_mib": max(0, peak - before) / 1024}
+    cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+    if ck is not None:
+        ck.close()
+    return {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "setup_s": setup_s,
+        "peak_rss_growth_mib": max(0, peak - before) / 1024,
+    }
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -417,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             spec_path.write_text(json.dumps(spec))
             times: dict[str, list[float]] = {n: [] for n in names}
             rss: dict[str, list[float]] = {n: [] for n in names}
+            cpu: dict[str, list[float]] = {n: [] for n in names}
+            setup: dict[str, list[float]] = {n: [] for n in names}
             failed: dict[str, str] = {}
             cached = [tmp / "local", tmp / "blob.bin", tmp / "dcp", tmp / "seaweedfs"]
             for rnd in range(runs + warmup):
@@ -434,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         times[name].append(got["seconds"])
                         rss[name].append(got["peak_rss_growth_mib"])
+                        cpu[name].append(got["cpu_s"])
+                        setup[name].append(got["setup_s"])
                         continue
                     proc = subprocess.run(
                         [sys.executable, __file__, "--worker", name, "--spec", str(spec_path)],
@@ -449,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     times[name].append(got["seconds"])
                     rss[name].append(got["peak_rss_growth_mib"])
+                    cpu[name].append(got["cpu_s"])
+                    setup[name].append(got["setup_s"])
         finally:
             server.stop()
     results = {
@@ -467,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                 "median_s": statistics.median(times[n]),
                 "runs_s": times[n],
                 "peak_rss_growth_mib": max(rss[n]),
+                "cpu_s": statistics.median(cpu[n]),
+                "setup_s": statistics.median(setup[n]),
             }
             for n in names
             if times[n]
@@ -489,8 +515,9 @@ def table(results: dict[str, Any]) -> str:
         f"Restore of {nbytes / MiB:.0f} MiB ({results['tensors']} tensors), "
         f"median of {results['runs']}, {results['date']}, {results['machine']}",
         "",
-        "| source | contender | median s | GB/s | peak RSS growth MiB | vs baseline |",
-        "|---|---|---|---|---|---|",
+        "| source | contender | median s | GB/s | client CPU s | peak RSS growth MiB "
+        "| vs baseline |",
+        "|---|---|---|---|---|---|---|",
     ]
     for group, names, base in (("local", LOCAL, "disk-read"), ("s3", S3, "obstore-get")):
         ref = c.get(base, {}).get("median_s")
@@ -501,12 +528,21 @@ def table(results: dict[str, Any]) -> str:
             ratio = f"{ref / s:.2f}x" if ref else "-"
             lines.append(
                 f"| {group} | {n} | {s:.3f} | {nbytes / s / 1e9:.2f} | "
-                f"{c[n]['peak_rss_growth_mib']:.0f} | {ratio} |"
+                f"{c[n].get('cpu_s', 0.0):.2f} | {c[n]['peak_rss_growth_mib']:.0f} | {ratio} |"
             )
     for n, why in {**results["skipped"], **results["failed"]}.items():
-        lines.append(f"| - | {n} | skipped: {why} | | | |")
+        lines.append(f"| - | {n} | skipped: {why} | | | | |")
     lines.append("")
     lines.append("vs baseline: the baseline's time / this time (above 1: faster than the baseline)")
+    lines.append(
+        "client CPU s: user + system seconds of the restoring process (its threads) while timed"
+    )
+    made = {n: v["setup_s"] for n, v in c.items() if v.get("setup_s")}
+    if made:
+        lines.append(
+            "not timed (made before the clock, as every contender's client): the Checkpointer, "
+            + ", ".join(f"{n} {v:.3f} s" for n, v in made.items())
+        )
     lines.append(f"load average at the end: {results['loadavg'][0]:.1f}")
     link = c.get("obstore-get", {}).get("median_s")
     dec = results.get("decoder", {}).get("decode_bps")

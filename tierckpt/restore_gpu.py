@@ -46,12 +46,13 @@ from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.codecs.nvcomp import NvcompCodec
 from tierckpt.errors import CorruptChunk, FormatError
-from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, tree_args
+from tierckpt.format import ChunkRecord, Manifest, tree_args
 from tierckpt.restore import (
     LoadedShard,
     _Repopulation,
     _SpanLayout,
     as_parameters,
+    finish_shard,
     parse_tensor_entry,
     read_index,
     read_shard,
@@ -379,19 +380,18 @@ def read_shard_to_device(
         repop.abort()
         raise
     ring.close()  # every copy completed: the state is on the device when the load returns
-    copied = repop.finish(
-        ref.size - FOOTER_SIZE - len(index_blob),
-        index_blob + footer_blob,
-        manifest if publish else None,
-    )
-    return LoadedShard(
-        state,
+    return finish_shard(
+        repop,
+        ref,
+        index_blob,
+        footer_blob,
         manifest,
-        tier,
-        data_bytes,
-        stored_total,
-        time.perf_counter() - t0,
-        copied,
+        publish=publish,
+        state=state,
+        tier=tier,
+        raw_bytes=data_bytes,
+        stored_bytes=stored_total,
+        t0=t0,
     )
 
 

@@ -28,7 +28,7 @@ from tierckpt.restore._index import (
 from tierckpt.restore._into import RECOVERABLE, is_recoverable, restore_into
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers
 from tierckpt.restore._repopulate import Repopulation
-from tierckpt.restore._shard import LoadedShard, read_shard
+from tierckpt.restore._shard import LoadedShard, finish_shard, read_shard
 
 # the names of the single-module restore.py, kept for importers and tests
 _SpanLayout = SpanLayout
@@ -41,6 +41,7 @@ __all__ = [
     "LoadedShard",
     "TensorRecord",
     "as_parameters",
+    "finish_shard",
     "is_recoverable",
     "parse_tensor_entry",
     "read_index",

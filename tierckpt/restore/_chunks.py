@@ -2,6 +2,10 @@
 
 Where a chunk's bytes go, fastest path first:
 
+* raw, with a fetch pool (every remote load): cut in file order into pieces that are the
+  storages' own memory, fetched in segments by the fetch pool while this thread checks them
+  (:mod:`tierckpt.restore._scatter`); from a store without a cheap scatter read, through
+  this thread's buffer (one part-sized GET per segment);
 * raw, inside one storage: read straight into it;
 * raw, across storages, from a local file: one scatter read (``preadv``) into all of them;
 * compressed, from a codec that decodes progressively: the stored bytes are fetched in pieces
@@ -24,9 +28,11 @@ import torch
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, SupportsProgressiveDecode
 from tierckpt.format import ChunkRecord
-from tierckpt.restore._fetch import StreamedFetch
+from tierckpt.restore._fetch import PIECE_BYTES, StreamedFetch
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers, decode_chunk, span_view
+from tierckpt.restore._prefault import prefault
 from tierckpt.restore._repopulate import Repopulation
+from tierckpt.restore._scatter import ScatterFetch
 from tierckpt.verify import corrupt_chunk, read_verified, read_verified_pieces
 
 __all__ = ["ChunkReader"]
@@ -62,15 +68,35 @@ class ChunkReader:
         #: remote store one ranged read per chunk beats one per tensor, so its bytes land in
         #: a buffer
         self.scatter = not backend.is_remote
-        #: where compressed chunks are fetched in pieces while they decode (None: whole)
+        #: a scatter read that costs about one read (a local ``preadv``; ranged GETs spread
+        #: over the pieces): every storage is then read straight into; otherwise each piece
+        #: would be a request of its own, so the chunk goes via this thread's buffer
+        self.cheap_scatter = type(backend).read_into_pieces is not Backend.read_into_pieces
+        #: where compressed chunks are fetched in pieces while they decode and raw chunks in
+        #: segments straight into the storages (None: whole, on the reader thread)
         self.fetch_pool = fetch_pool
         # buffers of one thread, reused from chunk to chunk: a fresh buffer per chunk would
         # pay the first touch of new pages every time (peak extra memory: a chunk or two per
         # thread)
         self.scratch = ThreadBuffers()
+        self._views: list[memoryview | None] = [None] * len(spans)
+
+    def _prefault(self, parts: list[tuple[int, int, int]]) -> None:
+        """Map the storages' pages these parts fill in bulk (see ``_prefault``)."""
+        prefault(
+            (self.spans[si].data_ptr() + a - self.offsets[si], b - a)
+            for si, a, b in parts
+            if si >= 0
+        )
 
     def _dest(self, si: int, a: int, b: int) -> memoryview:
-        return span_view(self.spans[si], a - self.offsets[si], b - self.offsets[si])
+        # one memoryview per storage, sliced per piece: a chunk of many small tensors costs a
+        # slice each, not a tensor slice and a numpy view each (threads may race to make the
+        # same view: either is right)
+        whole = self._views[si]
+        if whole is None:
+            whole = self._views[si] = span_view(self.spans[si], 0, self.spans[si].numel())
+        return whole[a - self.offsets[si] : b - self.offsets[si]]
 
     def read(self, ci: int) -> int:
         """Read, verify and decode chunk ``ci`` into the spans; returns its stored size."""
@@ -79,6 +105,11 @@ class ChunkReader:
         lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
         parts = self.layout.parts(lo, hi)
         single = parts is not None and len(parts) == 1 and parts[0][0] >= 0
+        if codec.is_passthrough and parts is not None and self.fetch_pool is not None:
+            self._read_raw_pieces(rec, ci, parts)
+            return rec.stored_size
+        if parts is not None and (codec.is_passthrough or single):
+            self._prefault(parts)
         if codec.is_passthrough and single:
             assert parts is not None
             dest = self._dest(*parts[0])  # read straight into the one storage it covers
@@ -116,6 +147,51 @@ class ChunkReader:
                 off = self.offsets[si]
                 self.spans[si][a - off : b - off].copy_(src[a - lo : b - lo])
         return rec.stored_size
+
+    def _read_raw_pieces(
+        self, rec: ChunkRecord, ci: int, parts: list[tuple[int, int, int]]
+    ) -> None:
+        """Raw chunk ``ci`` fetched by the fetch pool straight into the storages it covers:
+        its pieces in file order are the storages' memory, or a slice of this thread's buffer
+        for gap bytes and (from a remote store) runs of small tensors, copied out once the
+        chunk's checksum matched."""
+        assert self.fetch_pool is not None
+        pieces: list[memoryview] = []
+        copies: list[tuple[int, int, int, int]] = []  # (span, start, end, at in the buffer)
+        # where each piece would be a request of its own, the chunk goes through the buffer
+        # whole: one part-sized GET per segment
+        buffered = [si < 0 or not self.cheap_scatter for si, _a, _b in parts]
+        need = sum(b - a for (_si, a, b), buf in zip(parts, buffered, strict=True) if buf)
+        buf = self.scratch.get("pieces", need) if need else memoryview(b"")
+        at = run = 0  # the buffer's next free byte; where its current run began
+        for (si, a, b), in_buf in zip(parts, buffered, strict=True):
+            if not in_buf:
+                if at > run:
+                    pieces.append(buf[run:at])
+                    run = at
+                pieces.append(self._dest(si, a, b))
+                continue
+            if si >= 0:
+                copies.append((si, a, b, at))
+            at += b - a
+        if at > run:
+            pieces.append(buf[run:at])
+        fetch = ScatterFetch(
+            self.backend, self.file, rec.file_offset, pieces, self.fetch_pool, PIECE_BYTES
+        )
+        self._prefault(parts)  # while the first segments are fetched (never overwrites them)
+        try:
+            digest = fetch.finish()
+        finally:
+            fetch.close()
+        if digest != rec.checksum:
+            corrupt_chunk(self.file, rec, ci, tier=self.tier, where=self.where)
+        for si, a, b, at in copies:
+            self._dest(si, a, b)[:] = buf[at : at + b - a]
+        pos = rec.file_offset
+        for v in pieces:
+            self.repop.write(pos, v)
+            pos += len(v)
 
     def _read(self, rec: ChunkRecord, ci: int, into: memoryview) -> None:
         read_verified(self.backend, self.file, rec, ci, into, tier=self.tier, where=self.where)

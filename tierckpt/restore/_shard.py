@@ -14,13 +14,13 @@ from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, SupportsProgressiveDecode, codec_from_config
 from tierckpt.errors import FormatError
-from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, tree_args
+from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
 from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
 
-__all__ = ["LoadedShard", "read_shard"]
+__all__ = ["LoadedShard", "finish_shard", "read_shard"]
 
 
 @dataclass
@@ -77,10 +77,11 @@ def read_shard(
     span_offsets = [int(s[0]) for s in index["storages"]]
     repop = Repopulation(repopulate, ref.file)
     # compressed chunks are fetched in pieces on their own pool while the reader threads
-    # decode (a fetch never waits on a reader, so the two pools cannot deadlock)
+    # decode, and raw chunks from a remote store in segments straight into their storages (a
+    # fetch never waits on a reader, so the two pools cannot deadlock)
     fetch_pool = (
         ThreadPoolExecutor(2 * _workers(pool), thread_name_prefix="tierckpt-fetch")
-        if any(isinstance(c, SupportsProgressiveDecode) for c in codecs)
+        if backend.is_remote or any(isinstance(c, SupportsProgressiveDecode) for c in codecs)
         else None
     )
     reader = ChunkReader(
@@ -111,6 +112,42 @@ def read_shard(
     finally:
         if fetch_pool is not None:
             fetch_pool.shutdown(wait=True, cancel_futures=True)
+    return finish_shard(
+        repop,
+        ref,
+        index_blob,
+        footer_blob,
+        manifest,
+        publish=publish,
+        state=state,
+        tier=tier,
+        raw_bytes=data_bytes,
+        stored_bytes=stored_total,
+        t0=t0,
+        read_seconds=read_seconds,
+        compressed=any(not codecs[c.codec].is_passthrough for c in chunks),
+    )
+
+
+def finish_shard(
+    repop: Repopulation,
+    ref: ShardRef,
+    index_blob: bytes | bytearray,
+    footer_blob: bytes,
+    manifest: Manifest,
+    *,
+    publish: bool,
+    state: Any,
+    tier: str,
+    raw_bytes: int,
+    stored_bytes: int,
+    t0: float,
+    read_seconds: float = 0.0,
+    compressed: bool = False,
+) -> LoadedShard:
+    """The end of a shard's load, host or device (every chunk read and verified): the
+    repopulated copies get the index and footer and are committed (and the manifest, where
+    ``publish``), then the :class:`LoadedShard` (``seconds`` since ``t0``)."""
     copied = repop.finish(
         ref.size - FOOTER_SIZE - len(index_blob),
         index_blob + footer_blob,
@@ -120,12 +157,12 @@ def read_shard(
         state,
         manifest,
         tier,
-        data_bytes,
-        stored_total,
+        raw_bytes,
+        stored_bytes,
         time.perf_counter() - t0,
         copied,
         read_seconds,
-        any(not codecs[c.codec].is_passthrough for c in chunks),
+        compressed,
     )
 
 

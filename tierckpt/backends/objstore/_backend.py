@@ -8,8 +8,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import (
@@ -29,6 +29,7 @@ from tierckpt.backends.objstore._errors import (
     translate,
 )
 from tierckpt.backends.objstore._slots import Slots
+from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.backends.objstore._store import StoreSettings, make_stores, parse_url
 from tierckpt.backends.objstore._writer import _Writer
 from tierckpt.backends.sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
@@ -297,6 +298,37 @@ class ObjectStoreBackend(RemoteBackend):
         (``read_concurrency`` in flight across every read of this backend)."""
         with self._read_slots.taken(len(pieces)):
             self._fetch(key, pieces)
+
+    def read_into_pieces(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fill ``outs`` in order from the bytes at ``offset`` with ranged GETs of
+        ``part_size`` over the whole span, each body copied into the pieces it covers: one
+        request per part, not one per piece (a chunk of many small tensors is read straight
+        into their storages, with no buffer of its own). Added for the load path
+        (``tierckpt.restore._scatter``)."""
+        views = [o.cast("B") if o.format != "B" else o for o in outs if len(o)]
+        if len(views) <= 1:
+            super().read_into_pieces(name, offset, views)
+            return
+        if offset < 0:
+            raise FormatError(f"{self.url}/{name}: negative offset {offset}")
+        ranges: builtins.list[Range] = []
+        cur: builtins.list[memoryview] = []
+        start, filled = offset, 0
+        for v in views:
+            pos = 0
+            while pos < len(v):
+                take = min(len(v) - pos, self.part_size - filled)
+                cur.append(v[pos : pos + take])
+                pos, filled = pos + take, filled + take
+                if filled == self.part_size:
+                    ranges.append((start, cast(memoryview, _Spread(cur))))
+                    start, cur, filled = start + filled, [], 0
+        if cur:
+            ranges.append((start, cast(memoryview, _Spread(cur))))
+        key = self._key(name)
+        batch = max(1, min(self.max_concurrency, self.read_concurrency))
+        for i in range(0, len(ranges), batch):
+            self._fetch_in_share(key, ranges[i : i + batch])
 
     def _fetch(self, key: str, pieces: builtins.list[Range]) -> None:
         """Fetch ranges concurrently (one Rust call, GIL released) and copy each into its
