@@ -38,7 +38,8 @@ RELEASE_GIL_BYTES = 256 << 10
 _VOIDP_SIG = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 #: libc's memmove (non-temporal stores for large copies): ~1.6x torch's own CPU copy kernel
 #: here. ``ctypes.memmove`` releases the GIL; the PyDLL binding of the same symbol keeps it
-_memmove_nogil = ctypes.memmove
+_memmove_nogil: Any = ctypes.memmove
+_memmove_gil: Any
 try:
     _memmove_gil = ctypes.PyDLL(None).memmove
     _memmove_gil.argtypes = _VOIDP_SIG

@@ -22,7 +22,7 @@ from tierckpt.codecs.nvcomp import NvcompCodec
 from tierckpt.format import align_up, checksum
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, _ChunkState, _Emit, _Follow
-from tierckpt.plan import ShardLayout, layout_plan
+from tierckpt.plan import ShardLayout
 
 log = logging.getLogger("tierckpt")
 
@@ -95,7 +95,7 @@ class _CaptureMixin(_StallMixin):
             t0 = time.perf_counter() if emit else 0.0
             # resolve_conj / resolve_neg run on the capture stream, after the save point
             with self._streams.ordered_after(job.ready_events):
-                job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
+                job.plan = self._layouts.layout(job.collected, job.chunk_bytes or self.chunk_bytes)
             job.collected = None
             if emit is not None:
                 emit("plan", job.plan.data_bytes, time.perf_counter() - t0)
