@@ -191,3 +191,50 @@ def test_the_layout_cache_keeps_no_storage_alive(tmp_path: Path) -> None:
         del state
         gc.collect()
         assert not [r for r in refs if not r.expired()]
+
+
+def _copy_team(threads: int) -> Any:
+    from tierckpt.pipeline._copyteam import CopyTeam
+
+    return CopyTeam(threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_big_host_chunk_split_among_copy_threads_lands_whole(threads: int) -> None:
+    """Cuts fall inside pieces, between them, and among many small ones."""
+    g = torch.Generator().manual_seed(2)
+    s: dict[str, Any] = {f"s{i}": torch.randn(100 + i, generator=g) for i in range(300)}
+    s.update(big=torch.randn((5 << 20) // 4 + 17, generator=g), mid=torch.randn(99_999))
+    chunk_bytes = 8 << 20
+    plan = build_plan(s, chunk_bytes)
+    assert plan.chunks[0].raw_size >= capture_mod.SPLIT_MIN_BYTES
+    arena = HostArena(len(plan.chunks), chunk_bytes)
+    arena.buffer.fill_(0xCD)
+    with _copy_team(threads) as team:
+        for i, chunk in enumerate(plan.chunks):
+            copy_chunk(plan, chunk, arena.slot(i), CaptureStreams(), {}, team)
+    for i, chunk in enumerate(plan.chunks):
+        slot = arena.slot(i)
+        for p in chunk.pieces:
+            assert torch.equal(slot[p.dst_offset : p.dst_offset + p.length], _span_bytes(plan, p))
+        assert bool((slot[chunk.raw_size :] == 0xCD).all())
+
+
+def test_copy_team_raises_the_first_error_after_every_part_finished() -> None:
+    done: list[str] = []
+    gate = threading.Event()
+
+    def slow_ok() -> None:
+        gate.wait(10)
+        done.append("slow")
+
+    def bad() -> None:
+        gate.set()
+        raise ValueError("part failed (injected)")
+
+    with _copy_team(3) as team:
+        with pytest.raises(ValueError, match="injected"):
+            team.run([bad, slow_ok, slow_ok])
+        assert done == ["slow", "slow"]  # no helper still copies when run() returns
+        team.run([lambda: done.append("again")] * 3)  # the team still works
+    assert done.count("again") == 3

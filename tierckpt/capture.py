@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +36,9 @@ GATHER_MIN_PIECES = 8
 #: take it and hold it for up to the interpreter's switch interval (5 ms) before the next piece
 RELEASE_GIL_BYTES = 256 << 10
 
+#: a host chunk of at least this many bytes is split among the copy team's threads
+SPLIT_MIN_BYTES = 4 << 20
+
 _VOIDP_SIG = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 #: libc's memmove (non-temporal stores for large copies): ~1.6x torch's own CPU copy kernel
 #: here. ``ctypes.memmove`` releases the GIL; the PyDLL binding of the same symbol keeps it
@@ -46,6 +50,14 @@ try:
     _memmove_gil.restype = ctypes.c_void_p
 except (OSError, AttributeError, TypeError):  # no C library symbols in the process (Windows)
     _memmove_gil = ctypes.memmove
+
+
+class CopyRunner(Protocol):
+    """Runs parts of one chunk's host copy at once (``pipeline._copyteam.CopyTeam``)."""
+
+    threads: int
+
+    def run(self, parts: Sequence[Callable[[], None]]) -> None: ...
 
 
 @dataclass
@@ -106,15 +118,25 @@ def copy_chunk(
     slot: torch.Tensor,
     streams: CaptureStreams,
     ready: dict[torch.device, Any],
+    team: CopyRunner | None = None,
 ) -> Any:
-    """Copy ``chunk``'s bytes into ``slot``; returns a CUDA event to wait on, or None."""
+    """Copy ``chunk``'s bytes into ``slot``; returns a CUDA event to wait on, or None.
+
+    A host chunk of :data:`SPLIT_MIN_BYTES` or more is cut in ``team.threads`` byte ranges
+    of about equal size, copied at once by ``team``'s threads."""
     dst = slot[: chunk.raw_size]
     sources = [plan.sources[p.span] for p in chunk.pieces]
     cuda_devs = {s.device for s in sources if s.is_cuda}
     if not cuda_devs:
         base = _host_base(dst, chunk.raw_size)
-        for p, src in zip(chunk.pieces, sources, strict=True):
-            host_copy(base + p.dst_offset, src, p.src_offset, p.length)
+        copies = [
+            (base + p.dst_offset, src, p.src_offset, p.length)
+            for p, src in zip(chunk.pieces, sources, strict=True)
+        ]
+        if team is not None and team.threads > 1 and chunk.raw_size >= SPLIT_MIN_BYTES:
+            team.run(_split(copies, chunk.raw_size, team.threads))
+        else:
+            _copy_all(copies)
         return None
     event = None
     events = []
@@ -157,6 +179,36 @@ def copy_chunk(
             ev.synchronize()  # blocking events: the thread sleeps, no core spins
         return None
     return event
+
+
+_Copy = tuple[int, torch.Tensor, int, int]  # (destination address, source span, offset, length)
+
+
+def _copy_all(copies: Sequence[_Copy]) -> None:
+    for dst_addr, src, offset, length in copies:
+        host_copy(dst_addr, src, offset, length)
+
+
+def _split(copies: Sequence[_Copy], total: int, n: int) -> list[Callable[[], None]]:
+    """``copies`` (consecutive in the destination, ``total`` bytes) cut into ``n`` parts of
+    about ``total / n`` bytes each, a copy that crosses a cut split in two."""
+    quota = -(-total // n)
+    parts: list[list[_Copy]] = [[]]
+    room = quota
+    for dst_addr, src, offset, length in copies:
+        while length > 0:
+            if room == 0 and len(parts) < n:
+                parts.append([])
+                room = quota
+            take = length if len(parts) == n else min(length, room)
+            parts[-1].append((dst_addr, src, offset, take))
+            dst_addr, offset, length, room = (
+                dst_addr + take,
+                offset + take,
+                length - take,
+                room - take,
+            )
+    return [functools.partial(_copy_all, part) for part in parts if part]
 
 
 def _host_base(dst: torch.Tensor, nbytes: int) -> int:
