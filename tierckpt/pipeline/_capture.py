@@ -6,8 +6,11 @@ Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared i
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +26,7 @@ from tierckpt.format import align_up, checksum
 from tierckpt.pipeline._copyteam import CopyTeam, copy_threads
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, _ChunkState, _Emit, _Follow
-from tierckpt.plan import ShardLayout
+from tierckpt.plan import ShardLayout, layout_plan
 
 log = logging.getLogger("tierckpt")
 
@@ -96,7 +99,9 @@ class _CaptureMixin(_StallMixin):
             t0 = time.perf_counter() if emit else 0.0
             # resolve_conj / resolve_neg run on the capture stream, after the save point
             with self._streams.ordered_after(job.ready_events):
-                job.plan = self._layouts.layout(job.collected, job.chunk_bytes or self.chunk_bytes)
+                job.plan = self._layouts.layout(
+                    job.collected, job.chunk_bytes or self.chunk_bytes, layout_plan
+                )
             job.collected = None
             if emit is not None:
                 emit("plan", job.plan.data_bytes, time.perf_counter() - t0)
@@ -117,13 +122,23 @@ class _CaptureMixin(_StallMixin):
         # host chunks are copied by this thread and helpers at once (one thread alone reaches
         # a fraction of the memory bandwidth); helpers live for this capture only
         threads = copy_threads() if not cuda and _has_big_chunk(plan) else 1
-        with CopyTeam(threads) as team:
+        # checksums (and so writes) of host chunks wait while this save is copied, so that
+        # the copy, which training waits for, has the cores and memory bandwidth to itself;
+        # they start when the capture ends, or earlier when the arena runs low on free
+        # slots (the copy would otherwise wait for them: backpressure)
+        gate = threading.Event()
+        if cuda:
+            gate.set()  # device copies leave the host's cores free
+        low_water = max(1, a.n_slots // 4)
+        with CopyTeam(threads) as team, _opens_at_exit(gate):
             for chunk in plan.chunks:
                 with self._lock:
                     if all(t.name in job.given_up for t in direct):
                         break  # every tier fed from the arena gave this save up: nothing to copy
                 t0 = time.perf_counter() if emit else 0.0
                 self._check_abandoned(job)
+                if not gate.is_set() and a.free_slots <= low_water:
+                    gate.set()
                 slot = self._acquire(a)
                 with self._lock:
                     codecs = {t.codec for t in direct if t.name not in job.given_up}
@@ -165,7 +180,7 @@ class _CaptureMixin(_StallMixin):
                             )
                             continue
                         state.encoded[codec] = self._pool.submit(
-                            _encode, codec, chunk.dtype, view, event, emit, device
+                            _encode, codec, chunk.dtype, view, event, emit, device, gate
                         )
                     if takers:
                         self._held_chunks.append(state)
@@ -198,7 +213,10 @@ def _encode(
     event: Any,
     emit: _Emit | None = None,
     device: torch.device | None = None,
+    gate: threading.Event | None = None,
 ) -> Encoded:
+    if gate is not None:
+        gate.wait()  # set when the capture ends (always: also when it fails)
     devices.use_device(device)  # an encoder thread works on the chunk's device
     if event is not None:
         event.synchronize()  # a blocking event: sleeps, no spin
@@ -223,6 +241,14 @@ def _encode(
     if emit is not None:
         emit("checksum", len(memoryview(data).cast("B")), time.perf_counter() - t0)
     return Encoded(data, digest, config)
+
+
+@contextlib.contextmanager
+def _opens_at_exit(gate: threading.Event) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 def _has_big_chunk(plan: ShardLayout) -> bool:

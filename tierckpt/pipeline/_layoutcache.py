@@ -13,6 +13,7 @@ Part of :class:`~tierckpt.pipeline.Pipeline`; used by the capture thread only.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,15 +54,21 @@ class LayoutCache:
         self._last: _Cached | None = None
         self.hits = 0  # layouts reused, for tests and diagnostics
 
-    def layout(self, collected: CollectedState, chunk_bytes: int) -> ShardLayout:
+    def layout(
+        self,
+        collected: CollectedState,
+        chunk_bytes: int,
+        lay_out: Callable[[CollectedState, int], ShardLayout] = layout_plan,
+    ) -> ShardLayout:
         """The layout of ``collected`` in chunks of ``chunk_bytes``: the remembered one with
-        this save's sources where the key matches, else laid out afresh (and remembered)."""
+        this save's sources where the key matches, else laid out afresh by ``lay_out`` (and
+        remembered)."""
         key = _key(collected.tensors, chunk_bytes)
         last = self._last
         if key is not None and last is not None and key == last.key:
             self.hits += 1
             return _with_sources(last, collected)
-        plan = layout_plan(collected, chunk_bytes)
+        plan = lay_out(collected, chunk_bytes)
         self._last = None if key is None else _remember(key, plan)
         return plan
 
