@@ -125,7 +125,8 @@ class _CaptureMixin(_StallMixin):
         # checksums (and so writes) of host chunks wait while this save is copied, so that
         # the copy, which training waits for, has the cores and memory bandwidth to itself;
         # they start when the capture ends, or earlier when the arena runs low on free
-        # slots (the copy would otherwise wait for them: backpressure)
+        # slots and the rest of the save does not fit (the copy would otherwise wait for
+        # them: backpressure)
         gate = threading.Event()
         if cuda:
             gate.set()  # device copies leave the host's cores free
@@ -137,8 +138,10 @@ class _CaptureMixin(_StallMixin):
                         break  # every tier fed from the arena gave this save up: nothing to copy
                 t0 = time.perf_counter() if emit else 0.0
                 self._check_abandoned(job)
-                if not gate.is_set() and a.free_slots <= low_water:
-                    gate.set()
+                if not gate.is_set():
+                    free = a.free_slots
+                    if free <= low_water and free < len(plan.chunks) - chunk.seq:
+                        gate.set()  # the rest of the save does not fit: slots must come back
                 slot = self._acquire(a)
                 with self._lock:
                     codecs = {t.codec for t in direct if t.name not in job.given_up}
