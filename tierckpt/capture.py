@@ -4,28 +4,60 @@ On CUDA the copies run on a dedicated side stream that first waits for an event 
 the training stream at ``save()`` time, so they are ordered after the work already queued and
 overlap the next forward/backward pass. Chunks made of many small tensors are first gathered
 into a reusable device staging buffer of one chunk (one kernel), then copied to the pinned
-slot in one transfer. On CPU the capture thread copies with ``Tensor.copy_``, which releases
-the GIL.
+slot in one transfer. On CPU the capture thread copies host bytes itself with ``memmove``
+(:func:`host_copy`): no tensor views per piece, no OpenMP team of its own competing with the
+training thread's, and the GIL held only for small pieces.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tierckpt import devices as cuda_api
+from tierckpt.errors import UnsupportedObject
 from tierckpt.plan import ChunkPlan, ShardLayout
 
-__all__ = ["CaptureStreams", "compress_chunk", "copy_chunk"]
+__all__ = ["CaptureStreams", "compress_chunk", "copy_chunk", "host_copy"]
 
 #: a chunk with more pieces than this, all on one CUDA device, is gathered on the device first
 GATHER_MIN_PIECES = 8
+
+#: host pieces from this size on are copied with the GIL released; smaller ones keep it: a
+#: few microseconds of copying, where releasing it would let another Python thread (training)
+#: take it and hold it for up to the interpreter's switch interval (5 ms) before the next piece
+RELEASE_GIL_BYTES = 256 << 10
+
+#: a host chunk of at least this many bytes is split among the copy team's threads
+SPLIT_MIN_BYTES = 4 << 20
+
+_VOIDP_SIG = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+#: libc's memmove (non-temporal stores for large copies): ~1.6x torch's own CPU copy kernel
+#: here. ``ctypes.memmove`` releases the GIL; the PyDLL binding of the same symbol keeps it
+_memmove_nogil: Any = ctypes.memmove
+_memmove_gil: Any
+try:
+    _memmove_gil = ctypes.PyDLL(None).memmove
+    _memmove_gil.argtypes = _VOIDP_SIG
+    _memmove_gil.restype = ctypes.c_void_p
+except (OSError, AttributeError, TypeError):  # no C library symbols in the process (Windows)
+    _memmove_gil = ctypes.memmove
+
+
+class CopyRunner(Protocol):
+    """Runs parts of one chunk's host copy at once (``pipeline._copyteam.CopyTeam``)."""
+
+    threads: int
+
+    def run(self, parts: Sequence[Callable[[], None]]) -> None: ...
 
 
 @dataclass
@@ -86,16 +118,25 @@ def copy_chunk(
     slot: torch.Tensor,
     streams: CaptureStreams,
     ready: dict[torch.device, Any],
+    team: CopyRunner | None = None,
 ) -> Any:
-    """Copy ``chunk``'s bytes into ``slot``; returns a CUDA event to wait on, or None."""
+    """Copy ``chunk``'s bytes into ``slot``; returns a CUDA event to wait on, or None.
+
+    A host chunk of :data:`SPLIT_MIN_BYTES` or more is cut in ``team.threads`` byte ranges
+    of about equal size, copied at once by ``team``'s threads."""
     dst = slot[: chunk.raw_size]
     sources = [plan.sources[p.span] for p in chunk.pieces]
     cuda_devs = {s.device for s in sources if s.is_cuda}
     if not cuda_devs:
-        for p, src in zip(chunk.pieces, sources, strict=True):
-            dst[p.dst_offset : p.dst_offset + p.length].copy_(
-                src[p.src_offset : p.src_offset + p.length]
-            )
+        base = _host_base(dst, chunk.raw_size)
+        copies = [
+            (base + p.dst_offset, src, p.src_offset, p.length)
+            for p, src in zip(chunk.pieces, sources, strict=True)
+        ]
+        if team is not None and team.threads > 1 and chunk.raw_size >= SPLIT_MIN_BYTES:
+            team.run(_split(copies, chunk.raw_size, team.threads))
+        else:
+            _copy_all(copies)
         return None
     event = None
     events = []
@@ -129,16 +170,79 @@ def copy_chunk(
             event.record(stream)
             events.append(event)
     # host-side pieces of a mixed chunk
+    base = _host_base(dst, chunk.raw_size)
     for p, src in zip(chunk.pieces, sources, strict=True):
         if not src.is_cuda:
-            dst[p.dst_offset : p.dst_offset + p.length].copy_(
-                src[p.src_offset : p.src_offset + p.length]
-            )
+            host_copy(base + p.dst_offset, src, p.src_offset, p.length)
     if len(events) > 1:  # several devices: wait for all of them before handing over
         for ev in events:
             ev.synchronize()  # blocking events: the thread sleeps, no core spins
         return None
     return event
+
+
+_Copy = tuple[int, torch.Tensor, int, int]  # (destination address, source span, offset, length)
+
+
+def _copy_all(copies: Sequence[_Copy]) -> None:
+    for dst_addr, src, offset, length in copies:
+        host_copy(dst_addr, src, offset, length)
+
+
+def _split(copies: Sequence[_Copy], total: int, n: int) -> list[Callable[[], None]]:
+    """``copies`` (consecutive in the destination, ``total`` bytes) cut into ``n`` parts of
+    about ``total / n`` bytes each, a copy that crosses a cut split in two."""
+    quota = -(-total // n)
+    parts: list[list[_Copy]] = [[]]
+    room = quota
+    for dst_addr, src, offset, length in copies:
+        while length > 0:
+            if room == 0 and len(parts) < n:
+                parts.append([])
+                room = quota
+            take = length if len(parts) == n else min(length, room)
+            parts[-1].append((dst_addr, src, offset, take))
+            dst_addr, offset, length, room = (
+                dst_addr + take,
+                offset + take,
+                length - take,
+                room - take,
+            )
+    return [functools.partial(_copy_all, part) for part in parts if part]
+
+
+def _host_base(dst: torch.Tensor, nbytes: int) -> int:
+    """The address of ``dst``, a contiguous host byte buffer of at least ``nbytes``."""
+    if dst.device.type != "cpu" or dst.dtype != torch.uint8 or not dst.is_contiguous():
+        raise ValueError("a chunk is copied into a contiguous host uint8 slot")
+    if dst.numel() < nbytes:
+        raise ValueError(f"arena slot of {dst.numel()} bytes is smaller than the chunk ({nbytes})")
+    return int(dst.data_ptr())
+
+
+def host_copy(dst_addr: int, src: torch.Tensor, src_offset: int, length: int) -> None:
+    """Copy ``length`` bytes of ``src`` (a host uint8 span, as in ``ShardLayout.sources``)
+    from ``src_offset`` to the address ``dst_addr`` (inside an arena slot).
+
+    Reads are checked against the storage as it is now, not as it was at ``save()``: a
+    storage freed or shrunk since (``untyped_storage().resize_(0)``) is refused with a clear
+    error instead of read out of bounds.
+    """
+    if length <= 0:
+        return
+    storage_end = src.untyped_storage().nbytes()
+    start = src.storage_offset() + src_offset
+    if src_offset < 0 or src_offset + length > src.numel() or start + length > storage_end:
+        raise UnsupportedObject(
+            f"a tensor's storage holds {storage_end} bytes but the checkpoint needs bytes "
+            f"{start}..{start + length} of it: it was freed or resized after save() (e.g. an "
+            "FSDP parameter outside forward); keep the state's storages until wait_captured()"
+        )
+    addr = int(src.data_ptr()) + src_offset
+    if length >= RELEASE_GIL_BYTES:
+        _memmove_nogil(dst_addr, addr, length)
+    else:
+        _memmove_gil(dst_addr, addr, length)
 
 
 def _device_compressible(device: torch.device) -> bool:

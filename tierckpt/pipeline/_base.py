@@ -19,6 +19,7 @@ from tierckpt.arena import HostArena
 from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
 from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.pipeline._layoutcache import LayoutCache
 from tierckpt.pipeline._leases import Leases
 from tierckpt.pipeline._prebuild import ArenaPrebuild
 from tierckpt.pipeline._values import (
@@ -54,6 +55,8 @@ class _PipelineBase:
     #: the arena being built since the owner's construction; taken by the first save
     _prebuilt: ArenaPrebuild | None
     _streams: CaptureStreams
+    #: the last save's layout, reused while the state's tensors stay where they were
+    _layouts: LayoutCache
     _pool: ThreadPoolExecutor
     _commit_pool: ThreadPoolExecutor | None  # deferred commits, made on demand
     _capture_q: queue.Queue[SaveJob | None]

@@ -6,8 +6,11 @@ Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared i
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,11 +18,12 @@ import torch
 from tierckpt import devices
 from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
-from tierckpt.capture import compress_chunk, copy_chunk
+from tierckpt.capture import SPLIT_MIN_BYTES, compress_chunk, copy_chunk
 from tierckpt.codecs import Codec, SupportsProfile
 from tierckpt.codecs.adaptive import AdaptiveCodec
 from tierckpt.codecs.nvcomp import NvcompCodec
 from tierckpt.format import align_up, checksum
+from tierckpt.pipeline._copyteam import CopyTeam, copy_threads
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, _ChunkState, _Emit, _Follow
 from tierckpt.plan import ShardLayout, layout_plan
@@ -95,7 +99,9 @@ class _CaptureMixin(_StallMixin):
             t0 = time.perf_counter() if emit else 0.0
             # resolve_conj / resolve_neg run on the capture stream, after the save point
             with self._streams.ordered_after(job.ready_events):
-                job.plan = layout_plan(job.collected, job.chunk_bytes or self.chunk_bytes)
+                job.plan = self._layouts.layout(
+                    job.collected, job.chunk_bytes or self.chunk_bytes, layout_plan
+                )
             job.collected = None
             if emit is not None:
                 emit("plan", job.plan.data_bytes, time.perf_counter() - t0)
@@ -113,63 +119,82 @@ class _CaptureMixin(_StallMixin):
         for t in job.tiers:
             self._tier_q[t.name].put(("start", job, None))
         events = []
-        for chunk in plan.chunks:
-            with self._lock:
-                if all(t.name in job.given_up for t in direct):
-                    break  # every tier fed from the arena gave this save up: nothing to copy
-            t0 = time.perf_counter() if emit else 0.0
-            self._check_abandoned(job)
-            slot = self._acquire(a)
-            with self._lock:
-                codecs = {t.codec for t in direct if t.name not in job.given_up}
-            # every tier fed from the arena takes one nvCOMP codec: compress on the device,
-            # and only the compressed bytes cross PCIe
-            dev_codec = _device_codec(codecs, chunk.dtype, device)
-            on_device: tuple[int, Any] | None = None
-            try:
-                t1 = time.perf_counter() if emit else 0.0
-                slot_t = a.slot(slot)
-                if dev_codec is not None:
-                    on_device = compress_chunk(
-                        plan, chunk, slot_t, self._streams, job.ready_events, dev_codec
-                    )
-                if on_device is not None:
-                    event = on_device[1]
-                else:
-                    event = copy_chunk(plan, chunk, slot_t, self._streams, job.ready_events)
-            except BaseException:
-                a.release(slot)
-                raise
-            if emit is not None:
-                emit("arena_wait", chunk.raw_size, t1 - t0)
-                emit("capture", chunk.raw_size, time.perf_counter() - t1)
-            if event is not None:
-                events.append(event)
-            view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
-            with self._lock:  # a tier given up meanwhile gets no more chunks of this save
-                takers = [t for t in direct if t.name not in job.given_up]
-                state = _ChunkState(chunk, slot, job, {t.name for t in takers})
-                for codec in {t.codec for t in takers}:
-                    if on_device is not None and dev_codec is not None:
-                        stored = view[: on_device[0]]
-                        config = dev_codec.get_config()
-                        state.encoded[codec] = self._pool.submit(
-                            _stored, stored, event, config, emit, device
+        # host chunks are copied by this thread and helpers at once (one thread alone reaches
+        # a fraction of the memory bandwidth); helpers live for this capture only
+        threads = copy_threads() if not cuda and _has_big_chunk(plan) else 1
+        # checksums (and so writes) of host chunks wait while this save is copied, so that
+        # the copy, which training waits for, has the cores and memory bandwidth to itself;
+        # they start when the capture ends, or earlier when the arena runs low on free
+        # slots and the rest of the save does not fit (the copy would otherwise wait for
+        # them: backpressure)
+        gate = threading.Event()
+        if cuda:
+            gate.set()  # device copies leave the host's cores free
+        low_water = max(1, a.n_slots // 4)
+        with CopyTeam(threads) as team, _opens_at_exit(gate):
+            for chunk in plan.chunks:
+                with self._lock:
+                    if all(t.name in job.given_up for t in direct):
+                        break  # every tier fed from the arena gave this save up: nothing to copy
+                t0 = time.perf_counter() if emit else 0.0
+                self._check_abandoned(job)
+                if not gate.is_set():
+                    free = a.free_slots
+                    if free <= low_water and free < len(plan.chunks) - chunk.seq:
+                        gate.set()  # the rest of the save does not fit: slots must come back
+                slot = self._acquire(a)
+                with self._lock:
+                    codecs = {t.codec for t in direct if t.name not in job.given_up}
+                # every tier fed from the arena takes one nvCOMP codec: compress on the device,
+                # and only the compressed bytes cross PCIe
+                dev_codec = _device_codec(codecs, chunk.dtype, device)
+                on_device: tuple[int, Any] | None = None
+                try:
+                    t1 = time.perf_counter() if emit else 0.0
+                    slot_t = a.slot(slot)
+                    if dev_codec is not None:
+                        on_device = compress_chunk(
+                            plan, chunk, slot_t, self._streams, job.ready_events, dev_codec
                         )
-                        continue
-                    state.encoded[codec] = self._pool.submit(
-                        _encode, codec, chunk.dtype, view, event, emit, device
-                    )
-                if takers:
-                    self._held_chunks.append(state)
-                now = time.monotonic()
-                for t in takers:  # a tier's clock runs from when it has work it has not done
-                    self._stalled_since.setdefault(t.name, now)
-            if not takers:
-                a.release(slot)
-                break
-            for t in takers:
-                self._tier_q[t.name].put(("chunk", job, state))
+                    if on_device is not None:
+                        event = on_device[1]
+                    else:
+                        event = copy_chunk(
+                            plan, chunk, slot_t, self._streams, job.ready_events, team
+                        )
+                except BaseException:
+                    a.release(slot)
+                    raise
+                if emit is not None:
+                    emit("arena_wait", chunk.raw_size, t1 - t0)
+                    emit("capture", chunk.raw_size, time.perf_counter() - t1)
+                if event is not None:
+                    events.append(event)
+                view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
+                with self._lock:  # a tier given up meanwhile gets no more chunks of this save
+                    takers = [t for t in direct if t.name not in job.given_up]
+                    state = _ChunkState(chunk, slot, job, {t.name for t in takers})
+                    for codec in {t.codec for t in takers}:
+                        if on_device is not None and dev_codec is not None:
+                            stored = view[: on_device[0]]
+                            config = dev_codec.get_config()
+                            state.encoded[codec] = self._pool.submit(
+                                _stored, stored, event, config, emit, device
+                            )
+                            continue
+                        state.encoded[codec] = self._pool.submit(
+                            _encode, codec, chunk.dtype, view, event, emit, device, gate
+                        )
+                    if takers:
+                        self._held_chunks.append(state)
+                    now = time.monotonic()
+                    for t in takers:  # a tier's clock runs from when it has work it has not done
+                        self._stalled_since.setdefault(t.name, now)
+                if not takers:
+                    a.release(slot)
+                    break
+                for t in takers:
+                    self._tier_q[t.name].put(("chunk", job, state))
         if len(cuda) == 1:
             # every copy is queued: the optimizer's step hook may now make the training stream
             # wait for these events on the GPU instead of waiting on the host
@@ -191,7 +216,10 @@ def _encode(
     event: Any,
     emit: _Emit | None = None,
     device: torch.device | None = None,
+    gate: threading.Event | None = None,
 ) -> Encoded:
+    if gate is not None:
+        gate.wait()  # set when the capture ends (always: also when it fails)
     devices.use_device(device)  # an encoder thread works on the chunk's device
     if event is not None:
         event.synchronize()  # a blocking event: sleeps, no spin
@@ -216,6 +244,19 @@ def _encode(
     if emit is not None:
         emit("checksum", len(memoryview(data).cast("B")), time.perf_counter() - t0)
     return Encoded(data, digest, config)
+
+
+@contextlib.contextmanager
+def _opens_at_exit(gate: threading.Event) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+def _has_big_chunk(plan: ShardLayout) -> bool:
+    """Whether a chunk is big enough to be split among copy threads."""
+    return any(c.raw_size >= SPLIT_MIN_BYTES for c in plan.chunks)
 
 
 def _device_codec(

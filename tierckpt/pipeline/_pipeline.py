@@ -22,6 +22,7 @@ from tierckpt.errors import TierCkptError
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._capture import _CaptureMixin
 from tierckpt.pipeline._exit import _ExitMixin, _live, _track
+from tierckpt.pipeline._layoutcache import LayoutCache
 from tierckpt.pipeline._leases import Leases
 from tierckpt.pipeline._prebuild import ArenaPrebuild
 from tierckpt.pipeline._tiers import _TiersMixin
@@ -76,6 +77,7 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
         self.arena = None
         self._prebuilt = None
         self._streams = CaptureStreams()
+        self._layouts = LayoutCache()
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tierckpt-encode")
         self._commit_pool = None  # deferred commits, made on demand
         self._capture_q = queue.Queue()

@@ -1,0 +1,116 @@
+"""The last save's layout, reused when the next save's tensors are laid out the same.
+
+Laying a state out (grouping tensors by storage, spans, chunks: :func:`tierckpt.plan.layout_plan`)
+costs tens of milliseconds for a thousand tensors, on the capture thread before the first copy,
+so it adds to every immediate capture. A training loop saves the same tensors at the same
+addresses every time; checking that is ~1 µs per tensor. The layout depends only on what the
+key holds (each tensor's storage address and device, offset, shape, strides and dtype, in
+order, and the chunk size), so an equal key gives an equal layout: only the byte sources are
+made again, from this save's tensors. Nothing of a state is kept between saves (no tensor, no
+storage): only numbers.
+
+Part of :class:`~tierckpt.pipeline.Pipeline`; used by the capture thread only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tierckpt.plan import CollectedState, ShardLayout, layout_plan
+
+__all__ = ["LayoutCache"]
+
+_Key = tuple[object, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    key: _Key
+    layout: ShardLayout  # its ``sources`` are empty: never a reference to a storage
+    #: per span: (index of the tensor whose storage it covers, byte offset in that storage)
+    leads: tuple[tuple[int, int], ...]
+
+
+def _key(tensors: list[torch.Tensor], chunk_bytes: int) -> _Key | None:
+    """Everything :func:`layout_plan` reads from the tensors; None if one is conjugated or
+    negated (laying it out makes a resolved copy, a new storage each save)."""
+    key: list[object] = [chunk_bytes]
+    for t in tensors:
+        if t.is_conj() or t.is_neg():
+            return None
+        st = t.untyped_storage()
+        key.append(
+            (st.data_ptr(), st.device, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
+        )
+    return tuple(key)
+
+
+class LayoutCache:
+    """One remembered layout: the last one laid out (a changed state replaces it)."""
+
+    def __init__(self) -> None:
+        self._last: _Cached | None = None
+        self.hits = 0  # layouts reused, for tests and diagnostics
+
+    def layout(
+        self,
+        collected: CollectedState,
+        chunk_bytes: int,
+        lay_out: Callable[[CollectedState, int], ShardLayout] = layout_plan,
+    ) -> ShardLayout:
+        """The layout of ``collected`` in chunks of ``chunk_bytes``: the remembered one with
+        this save's sources where the key matches, else laid out afresh by ``lay_out`` (and
+        remembered)."""
+        key = _key(collected.tensors, chunk_bytes)
+        last = self._last
+        if key is not None and last is not None and key == last.key:
+            self.hits += 1
+            return _with_sources(last, collected)
+        plan = lay_out(collected, chunk_bytes)
+        self._last = None if key is None else _remember(key, plan)
+        return plan
+
+    def clear(self) -> None:
+        self._last = None
+
+
+def _remember(key: _Key, plan: ShardLayout) -> _Cached:
+    leads: list[tuple[int, int] | None] = [None] * len(plan.spans)
+    for i, entry in enumerate(plan.tensors):
+        if entry.storage >= 0 and leads[entry.storage] is None:
+            leads[entry.storage] = (i, int(plan.sources[entry.storage].storage_offset()))
+    if any(lead is None for lead in leads):  # every span has a tensor; be safe if not
+        raise AssertionError("a storage span without a tensor in the layout")
+    bare = ShardLayout(
+        tree=None,
+        tensors=list(plan.tensors),
+        spans=list(plan.spans),
+        sources=[],
+        chunks=list(plan.chunks),
+        data_bytes=plan.data_bytes,
+        devices=set(plan.devices),
+    )
+    return _Cached(key, bare, tuple(lead for lead in leads if lead is not None))
+
+
+def _with_sources(cached: _Cached, collected: CollectedState) -> ShardLayout:
+    """The remembered layout with byte sources made from ``collected``'s tensors."""
+    bare = cached.layout
+    sources: list[torch.Tensor] = []
+    for (i, start), span in zip(cached.leads, bare.spans, strict=True):
+        st = collected.tensors[i].untyped_storage()
+        src = torch.empty(0, dtype=torch.uint8, device=st.device)
+        src.set_(st, start, (span.nbytes,), (1,))
+        sources.append(src)
+    return ShardLayout(
+        tree=collected.tree,
+        tensors=list(bare.tensors),
+        spans=list(bare.spans),
+        sources=sources,
+        chunks=list(bare.chunks),
+        data_bytes=bare.data_bytes,
+        devices=set(bare.devices) | collected.devices,
+        parameters=collected.parameters,
+    )
