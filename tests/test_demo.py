@@ -59,6 +59,7 @@ def test_quick_demo_restarts_the_crashed_process_from_node_ram(
     crash = dict(zip(header, _row(out, "process crash (node 1 restarted)"), strict=True))
     assert crash["from"] == "node RAM", out
     assert crash["step"] == "10" and crash["node RAM"].endswith("MiB"), out
+    assert float(crash["node RAM"].split()[0]) > 0, out  # a mapped load counts its bytes too
     assert crash["local"] == "0" and crash["S3"] == "0", out  # nothing from disk or S3
     lost = dict(zip(header, _row(out, "node lost"), strict=True))
     assert lost["from"] == "S3" and lost["node RAM"] == "0" and lost["local"] == "0", out
