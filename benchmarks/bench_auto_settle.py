@@ -27,23 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_restore import _drop_cache  # this script's folder is on sys.path
+
 MiB = 2**20
 BUCKET = "bench-auto-settle"
-
-
-def _drop_cache(root: Path) -> None:
-    """Evict the files under ``root`` (only these) from the page cache."""
-    for p in [p for p in root.rglob("*") if p.is_file()]:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def _codec_mix(endpoint: str, prefix: str, step: int) -> dict[str, int]:
@@ -113,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 for step in range(1, args.cycles + 1):
                     res = ck.save(state, step=step).result()
                     mix = _codec_mix(ep, "auto", step)
-                    _drop_cache(tmp / "seaweedfs")
+                    _drop_cache([tmp / "seaweedfs"])
                     t0 = time.perf_counter()
                     ck.load()
                     seconds = time.perf_counter() - t0
@@ -135,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             times: dict[str, list[float]] = {"raw": [], "auto": []}
             for _ in range(args.runs):
                 for prefix in times:
-                    _drop_cache(tmp / "seaweedfs")
+                    _drop_cache([tmp / "seaweedfs"])
                     proc = subprocess.run(
                         [sys.executable, __file__, "--worker", ep, prefix],
                         capture_output=True,
