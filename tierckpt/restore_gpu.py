@@ -369,7 +369,6 @@ def read_shard_to_device(
             _rebuild(e, spans, sizes, i, where, home) for i, e in enumerate(index["tensors"])
         ]
         as_parameters(tensors, index.get("parameters"), where)
-        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
     except BaseException:
         # the other chunks' threads use the ring and the storages: cancel what has not
         # started, wait for the rest, then for their copies, before the storages may be freed
@@ -380,6 +379,12 @@ def read_shard_to_device(
         repop.abort()
         raise
     ring.close()  # every copy completed: the state is on the device when the load returns
+    try:
+        # only now: rebuilding a quantized tensor copies its integers, which must be in place
+        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
+    except BaseException:
+        repop.abort()
+        raise
     return finish_shard(
         repop,
         ref,

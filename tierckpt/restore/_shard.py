@@ -87,8 +87,9 @@ def read_shard(
     reader = ChunkReader(
         backend, ref.file, tier, where, codecs, chunks, spans, span_offsets, repop, fetch_pool
     )
-    # every chunk is submitted first; the tensors (views of the storages) and the tree are
-    # built on this thread while the readers fill the storages
+    # every chunk is submitted first; the tensors (views of the storages) are built on this
+    # thread while the readers fill the storages, the tree only once they are full: rebuilding
+    # a quantized tensor copies its integers, which must have arrived by then
     futures = [pool.submit(reader.read, ci) for ci in range(len(chunks))]
     try:
         # cover every span byte: the chunks must tile the data stream
@@ -100,8 +101,8 @@ def read_shard(
             rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
         ]
         as_parameters(tensors, index.get("parameters"), where)
-        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         stored_total = sum(f.result() for f in futures)
+        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         read_seconds = time.perf_counter() - t0
     except BaseException:
         for f in futures:
