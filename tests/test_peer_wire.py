@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tierckpt.peer._wire import populate_ahead
 
@@ -44,7 +45,9 @@ def test_populate_ahead_allocates_every_page_and_keeps_received_bytes(
     size = len(mm)
     assert _allocated(path) == 0  # a fresh file: no page yet
     mm[3 * MiB : 3 * MiB + 5] = b"abcde"  # bytes that arrived before the filler got there
-    done = populate_ahead(mm, threading.Event(), step=MiB)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    done = populate_ahead(buf, threading.Event(), step=MiB)
+    del buf
     if done == 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
     assert done == size
@@ -57,5 +60,7 @@ def test_populate_ahead_stops_when_told(shared_map: tuple[str, mmap.mmap]) -> No
     path, mm = shared_map
     stop = threading.Event()
     stop.set()
-    assert populate_ahead(mm, stop, step=MiB) == 0
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    assert populate_ahead(buf, stop, step=MiB) == 0
+    del buf
     assert _allocated(path) == 0

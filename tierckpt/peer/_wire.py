@@ -34,6 +34,7 @@ used by that one thread only.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -111,20 +112,40 @@ def send_file_map(path: str, size: int) -> tuple[Any, torch.Tensor]:
     return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def populate_ahead(mm: Any, stop: threading.Event, step: int = POPULATE_STEP) -> int:
-    """Allocate the pages of the shared map ``mm`` front to back, ``step`` bytes per call
-    (``MADV_POPULATE_WRITE``: the kernel allocates and maps them as a write fault would,
-    without writing a byte, so bytes already received stay as they are); stops at ``stop``
-    or where the kernel does not know the advice (before Linux 5.14: the receive then faults
-    the pages in itself, as before). Returns the bytes populated."""
-    size = len(mm)
+_madvise: Any = None
+
+
+def _libc_madvise() -> Any:
+    """libc's ``madvise`` through ctypes (which lets go of the GIL during the call, so that
+    populating does not hold up the process's Python threads, training's among them), or None
+    where there is none."""
+    global _madvise
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    return _madvise or None
+
+
+def populate_ahead(buf: torch.Tensor, stop: threading.Event, step: int = POPULATE_STEP) -> int:
+    """Allocate the pages of ``buf`` (a uint8 tensor over a page-aligned shared map) front to
+    back, ``step`` bytes per call (``MADV_POPULATE_WRITE``: the kernel allocates and maps them
+    as a write fault would, without writing a byte, so bytes already received stay as they
+    are); stops at ``stop`` or where the kernel does not know the advice (before Linux 5.14:
+    the receive then faults the pages in itself, as before). Returns the bytes populated."""
+    madvise = _libc_madvise()
+    if madvise is None:
+        return 0
+    base, size = buf.data_ptr(), buf.numel()
     done = 0
     while done < size and not stop.is_set():
         n = min(step, size - done)
-        try:
-            mm.madvise(_MADV_POPULATE_WRITE, done, n)
-        except (OSError, ValueError):
-            break  # unknown advice (old kernel), or the map is gone (a failed round)
+        if madvise(base + done, n, _MADV_POPULATE_WRITE) != 0:
+            break  # unknown advice (an old kernel): the receive faults the rest in
         done += n
     return done
 
@@ -254,11 +275,11 @@ def exchange(
             maps_in[s] = _recv_map(path, size)
         if maps_in:
             # the fresh pages' allocation overlaps the transfer instead of stalling it
-            to_fill = [x[2] for x in maps_in.values()]
+            to_fill = [x[3] for x in maps_in.values()]
 
             def fill() -> None:
-                for mm in to_fill:
-                    populate_ahead(mm, stop)
+                for t in to_fill:
+                    populate_ahead(t, stop)
 
             fillers.append(threading.Thread(target=fill, name="tierckpt-peer-populate"))
             fillers[0].start()
