@@ -178,6 +178,9 @@ def test_recovery_benchmark_quick_mode_prints_its_table(tmp_path: Path) -> None:
     assert s["crash_sources"] == ["noderam", "noderam"]
     assert s["node_lost_sources"] == ["noderam", "peer:0"]
     assert s["memcpy_gbps"] > 0 and s["loopback_gbps"] > 0
+    # the pull against the loopback like for like: alone, and a send into fresh node RAM too
+    assert s["pull_alone_gbps"] > 0 and s["pull_gbps"] > 0 and s["loopback_fresh_gbps"] > 0
+    assert "partner pull (the other ranks idle" in proc.stdout
     assert s["ratios"]["node_ram_vs_local"] > 0 and s["ratios"]["node_ram_vs_local_warm"] > 0
     # the mapped restore also timed to the end of a read of every byte, and the copying read
     assert "| process crash, node RAM copied | NodeRamTier(map=False)" in proc.stdout
