@@ -267,6 +267,7 @@ def exchange(
     received: list[Received] = []
     stop = threading.Event()
     fillers: list[threading.Thread] = []
+    to_fill: list[torch.Tensor] = []
     try:
         for d, o in sending.items():
             assert o is not None
@@ -275,7 +276,7 @@ def exchange(
             maps_in[s] = _recv_map(path, size)
         if maps_in:
             # the fresh pages' allocation overlaps the transfer instead of stalling it
-            to_fill = [x[3] for x in maps_in.values()]
+            to_fill += [x[3] for x in maps_in.values()]
 
             def fill() -> None:
                 for t in to_fill:
@@ -300,6 +301,7 @@ def exchange(
         stop.set()
         for th in fillers:
             th.join()
+        to_fill.clear()  # its views of the maps must go before the maps can close
         for s in list(maps_in):
             tmp, fd, mm, _t = maps_in.pop(s)
             del _t
@@ -312,6 +314,7 @@ def exchange(
         stop.set()  # a failed round: the filler stops before its maps go
         for th in fillers:
             th.join()
+        to_fill.clear()
         for d in list(maps_out):
             mm, _t = maps_out.pop(d)
             del _t
