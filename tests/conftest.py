@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +167,16 @@ def azure_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Azurite's well-known account through the standard environment variables."""
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", AZURITE_ACCOUNT)
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
+
+
+# -- node RAM (NodeRamTier, PeerTier) -------------------------------------------------------
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh folder in /dev/shm (node RAM; in the peer tests, the "nodes'" folders
+    ``node-<r>``), removed after the test."""
+    path = Path(f"/dev/shm/tierckpt-test-{secrets.token_hex(5)}")
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

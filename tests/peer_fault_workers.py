@@ -73,17 +73,38 @@ def replica_steps(ck: Checkpointer) -> dict[str, list[int]]:
     }
 
 
+def saved_step1(rank: int, shm: str, disk: str) -> Checkpointer:
+    """A checkpointer of :func:`fault_tiers` that saved step 1, its replicas made on every
+    rank (call inside ``tdist.knobs``)."""
+    ck = Checkpointer(fault_tiers(rank, shm, disk), chunk_bytes=64 << 10)
+    assert ck._peer is not None
+    ck.save(rank_state(rank, 1, NUMEL), 1).wait(timeout=60)
+    assert ck._peer.wait_idle(60)
+    dist.barrier()
+    return ck
+
+
+def saved_step3(ck: Checkpointer, rank: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Save step 3, wait for the rounds, and add to ``out`` whether replication still works
+    and what this rank holds (its node RAM's steps, its sources' replicas)."""
+    assert ck._peer is not None
+    ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
+    # a round that waits for a partner that never comes fails after ROUND_TIMEOUT_S
+    out["idle"] = ck._peer.wait_idle(3 * ROUND_TIMEOUT_S)
+    out["broken"] = ck._peer._broken
+    out["rounds"] = ck._peer.rounds
+    out["noderam"] = ck.steps("noderam")
+    out["replicas"] = replica_steps(ck)
+    return out
+
+
 def w_failed_step(
     rank: int, world: int, shm: str, disk: str, how: str, victim: int
 ) -> dict[str, Any]:
     """Steps 1, 2 (fails on ``victim``'s node RAM as ``how`` says) and 3; then wait for the
     rounds and report what each rank replicated, and whether replication still works."""
     with tdist.knobs(commit_timeout=60, poll_max=0.2):
-        ck = Checkpointer(fault_tiers(rank, shm, disk), chunk_bytes=64 << 10)
-        assert ck._peer is not None
-        ck.save(rank_state(rank, 1, NUMEL), 1).wait(timeout=60)
-        assert ck._peer.wait_idle(60)
-        dist.barrier()
+        ck = saved_step1(rank, shm, disk)
         if rank == victim:
             _inject(ck, how)
         out: dict[str, Any] = {"error2": None}
@@ -91,13 +112,7 @@ def w_failed_step(
             ck.save(rank_state(rank, 2, NUMEL), 2).wait(timeout=90)
         except CheckpointFailed as exc:
             out["error2"] = {t: type(e).__name__ for t, e in exc.errors.items()}
-        ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
-        # a round that waits for a partner that never comes fails after ROUND_TIMEOUT_S
-        out["idle"] = ck._peer.wait_idle(3 * ROUND_TIMEOUT_S)
-        out["broken"] = ck._peer._broken
-        out["rounds"] = ck._peer.rounds
-        out["noderam"] = ck.steps("noderam")
-        out["replicas"] = replica_steps(ck)
+        saved_step3(ck, rank, out)
         dist.barrier()
         ck.close()
     return out

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 from dist_workers import rank_state, same
-from peer_fault_workers import ROUND_TIMEOUT_S, fault_tiers, replica_steps
+from peer_fault_workers import ROUND_TIMEOUT_S, replica_steps, saved_step1, saved_step3
 from peer_workers import NUMEL
 
 from tierckpt import Checkpointer, CheckpointFailed, NodeRamTier, PeerTier, UnsupportedObject
@@ -84,11 +84,7 @@ def w_save_raises(rank: int, world: int, shm: str, disk: str, victim: int) -> di
     store) and 3, the job going on; then wait for the rounds and report what each rank
     replicated, and whether replication still works."""
     with tdist.knobs(commit_timeout=60, poll_max=0.2):
-        ck = Checkpointer(fault_tiers(rank, shm, disk), chunk_bytes=64 << 10)
-        assert ck._peer is not None
-        ck.save(rank_state(rank, 1, NUMEL), 1).wait(timeout=60)
-        assert ck._peer.wait_idle(60)
-        dist.barrier()
+        ck = saved_step1(rank, shm, disk)
         out: dict[str, Any] = {"raised2": None, "error2": None}
         state2 = rank_state(rank, 2, NUMEL)
         if rank == victim:
@@ -101,13 +97,7 @@ def w_save_raises(rank: int, world: int, shm: str, disk: str, victim: int) -> di
         except CheckpointFailed as exc:
             out["error2"] = sorted(exc.errors)
         out["seconds2"] = time.monotonic() - t0
-        ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
-        # a round that waits for a partner that never comes fails after ROUND_TIMEOUT_S
-        out["idle"] = ck._peer.wait_idle(3 * ROUND_TIMEOUT_S)
-        out["broken"] = ck._peer._broken
-        out["rounds"] = ck._peer.rounds
-        out["noderam"] = ck.steps("noderam")
-        out["replicas"] = replica_steps(ck)
+        saved_step3(ck, rank, out)
         out["failed_events"] = sorted(
             s.tier for s in ck.stats(failures=True) if s.step == 2 and s.outcome == "failed"
         )

@@ -15,8 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import peer_workers
@@ -30,15 +28,6 @@ from tierckpt.distributed import is_private_tier
 from tierckpt.noderam import REPLICA_SUFFIX, NodeRamBackend, clean_dead_runs, default_namespace
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A fresh folder in /dev/shm, removed after the test."""
-    path = Path(f"/dev/shm/tierckpt-test-{uuid.uuid4().hex[:10]}")
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _run_and_kill(code: str) -> None:

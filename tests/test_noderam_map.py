@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +49,6 @@ def make_state(step):
 _ns: dict[str, Any] = {}
 exec(STATE_CODE, _ns)
 make_state = _ns["make_state"]
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    path = Path(f"/dev/shm/tierckpt-test-{uuid.uuid4().hex[:10]}")
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _save_and_die(shm: Path, disk: Path, steps: tuple[int, ...], codec: str = "raw") -> None:

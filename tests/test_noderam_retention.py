@@ -5,9 +5,6 @@ job (a new Checkpointer, a new process) keeps the same checkpoints."""
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import peer_workers
@@ -15,14 +12,6 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, LocalTier, NodeRamTier, PeerTier
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    path = Path(f"/dev/shm/tierckpt-test-{uuid.uuid4().hex[:10]}")
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _save(ck: Checkpointer, step: int, loss: float | None = None) -> None:

@@ -13,8 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +27,26 @@ WORLD = 4
 
 
 @pytest.fixture
-def shm() -> Iterator[str]:
-    """A fresh folder in /dev/shm (the node RAM of this test's "nodes"), removed after."""
-    path = f"/dev/shm/tierckpt-test-{uuid.uuid4().hex[:10]}"
-    os.makedirs(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def s3(moto_server: Any, s3_bucket: Callable[[Any], str]) -> dict[str, str]:
     return {"bucket": s3_bucket(moto_server), "endpoint": moto_server.endpoint_url}
 
 
-def _wipe_node(shm: str, disk: Path, rank: int) -> None:
+def _wipe_node(shm: Path, disk: Path, rank: int) -> None:
     """The node is lost: its replacement starts with empty memory and an empty disk."""
     shutil.rmtree(os.path.join(shm, f"node-{rank}"))
     shutil.rmtree(disk / f"node-{rank}")
 
 
-def _save_then_kill(shm: str, disk: Path, s3: dict[str, str], victim: int = 1) -> None:
+def _restart(shm: Path, disk: Path, s3: dict[str, str], lost: tuple[int, ...] = ()) -> list[Any]:
+    """Save steps 1 and 2 (rank 1 SIGKILLed after), lose the nodes ``lost`` (memory and disk
+    wiped), then restart every rank as torchrun would: each one's load result."""
+    _save_then_kill(shm, disk, s3)
+    for rank in lost:
+        _wipe_node(shm, disk, rank)
+    return list(peer_workers.run("w_load", WORLD, shm=shm, disk=str(disk), s3=s3))
+
+
+def _save_then_kill(shm: Path, disk: Path, s3: dict[str, str], victim: int = 1) -> None:
     res = peer_workers.run(
         "w_save",
         WORLD,
@@ -105,10 +104,9 @@ def test_peer_tier_needs_a_node_ram_tier_and_is_left_out_of_the_pipeline(tmp_pat
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_killed_rank_restart_restores_every_rank_from_node_ram(
-    shm: str, tmp_path: Path, s3: dict[str, str]
+    shm: Path, tmp_path: Path, s3: dict[str, str]
 ) -> None:
-    _save_then_kill(shm, tmp_path, s3)
-    res = peer_workers.run("w_load", WORLD, shm=shm, disk=str(tmp_path), s3=s3)
+    res = _restart(shm, tmp_path, s3)
     for r in res:
         assert r["step"] == 2 and r["diff"] == []
         assert r["sources"] == ["noderam"] * WORLD
@@ -120,11 +118,9 @@ def test_killed_rank_restart_restores_every_rank_from_node_ram(
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_lost_node_restores_its_shard_from_its_partner(
-    shm: str, tmp_path: Path, s3: dict[str, str]
+    shm: Path, tmp_path: Path, s3: dict[str, str]
 ) -> None:
-    _save_then_kill(shm, tmp_path, s3)
-    _wipe_node(shm, tmp_path, 1)
-    res = peer_workers.run("w_load", WORLD, shm=shm, disk=str(tmp_path), s3=s3)
+    res = _restart(shm, tmp_path, s3, lost=(1,))
     for rank, r in enumerate(res):
         assert r["step"] == 2 and r["diff"] == [], rank
         assert r["sources"] == ["noderam", "peer:2", "noderam", "noderam"]
@@ -139,12 +135,9 @@ def test_lost_node_restores_its_shard_from_its_partner(
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_two_lost_partners_fall_back_to_s3_and_say_so(
-    shm: str, tmp_path: Path, s3: dict[str, str]
+    shm: Path, tmp_path: Path, s3: dict[str, str]
 ) -> None:
-    _save_then_kill(shm, tmp_path, s3)
-    _wipe_node(shm, tmp_path, 1)
-    _wipe_node(shm, tmp_path, 2)  # rank 1's partner: its replica is gone too
-    res = peer_workers.run("w_load", WORLD, shm=shm, disk=str(tmp_path), s3=s3)
+    res = _restart(shm, tmp_path, s3, lost=(1, 2))  # 2: rank 1's partner, its replica gone too
     for rank, r in enumerate(res):
         assert r["step"] == 2 and r["diff"] == [], rank
         assert r["sources"] == ["noderam", "s3", "peer:3", "noderam"]
@@ -185,6 +178,9 @@ def test_recovery_benchmark_quick_mode_prints_its_table(tmp_path: Path) -> None:
     assert s["crash_sources"] == ["noderam", "noderam"]
     assert s["node_lost_sources"] == ["noderam", "peer:0"]
     assert s["memcpy_gbps"] > 0 and s["loopback_gbps"] > 0
+    # the pull against the loopback like for like: alone, and a send into fresh node RAM too
+    assert s["pull_alone_gbps"] > 0 and s["pull_gbps"] > 0 and s["loopback_fresh_gbps"] > 0
+    assert "partner pull (the other ranks idle" in proc.stdout
     assert s["ratios"]["node_ram_vs_local"] > 0 and s["ratios"]["node_ram_vs_local_warm"] > 0
     # the mapped restore also timed to the end of a read of every byte, and the copying read
     assert "| process crash, node RAM copied | NodeRamTier(map=False)" in proc.stdout

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import peer_workers
@@ -22,21 +20,13 @@ WORLD = 4
 VICTIM = 1
 
 
-@pytest.fixture
-def shm() -> Iterator[str]:
-    path = f"/dev/shm/tierckpt-test-{uuid.uuid4().hex[:10]}"
-    os.makedirs(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _run(fn: str, **kw: object) -> list[dict[str, object]]:
     return peer_workers.run(f"peer_fault_workers:{fn}", WORLD, timeout=240, **kw)
 
 
 @pytest.mark.distributed
 def test_shard_failure_on_one_rank_makes_no_replica_and_the_next_step_replicates(
-    shm: str, tmp_path: Path
+    shm: Path, tmp_path: Path
 ) -> None:
     """The victim cannot write its step-2 shard to node RAM: step 2 commits nowhere in node
     RAM, so no rank holds a replica of step 2; step 3 replicates everywhere."""
@@ -50,7 +40,7 @@ def test_shard_failure_on_one_rank_makes_no_replica_and_the_next_step_replicates
 
 
 @pytest.mark.distributed
-def test_manifest_failure_on_one_node_keeps_replication_in_step(shm: str, tmp_path: Path) -> None:
+def test_manifest_failure_on_one_node_keeps_replication_in_step(shm: Path, tmp_path: Path) -> None:
     """The victim's node cannot write step 2's manifest after rank 0 assembled it: the other
     nodes commit step 2, the victim's does not. Its partner gets no replica of its step 2
     (the victim's shard is not committed anywhere), the others' step 2 is replicated, and

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import peer_workers
@@ -16,16 +14,8 @@ import pytest
 VICTIM = 1
 
 
-@pytest.fixture
-def shm() -> Iterator[str]:
-    path = f"/dev/shm/tierckpt-test-{uuid.uuid4().hex[:10]}"
-    os.makedirs(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.mark.distributed
-def test_pinned_and_best_steps_are_kept_on_the_partners_replicas(shm: str) -> None:
+def test_pinned_and_best_steps_are_kept_on_the_partners_replicas(shm: Path) -> None:
     """2 ranks, each its own node. Node RAM keeps its newest, the best by loss (step 2) and
     the pinned steps (1 and 3); the partner's replicas (PeerTier keep_last=1) must keep the
     same, and let step 3 go once it is unpinned. Then node 1 is lost: its pinned step 1 is
@@ -46,7 +36,7 @@ def test_pinned_and_best_steps_are_kept_on_the_partners_replicas(shm: str) -> No
 
 
 @pytest.mark.distributed
-def test_a_save_that_raises_on_one_rank_keeps_the_rounds_paired(shm: str, tmp_path: Path) -> None:
+def test_a_save_that_raises_on_one_rank_keeps_the_rounds_paired(shm: Path, tmp_path: Path) -> None:
     """4 ranks: the victim's save() of step 2 raises (its state holds an object tierckpt
     cannot store) before the pipeline; the job goes on. Step 2 commits nowhere (the others
     are told at once, not after their commit timeout), every rank runs three rounds, none
