@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -157,13 +156,13 @@ def _env_credentials(s: StoreSettings) -> tuple[dict[str, Any], Any] | None:
     where boto3's chain must decide: a profile (``profile=``, where botocore ignores the
     environment's keys, or ``AWS_PROFILE``, which must then exist), no keys in the environment,
     or no region there (the profile's region applies)."""
-    env = os.environ
-    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    region = s.region or env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION")
-    if s.profile is not None or env.get("AWS_PROFILE") or not key or not secret or not region:
+    env = knobs.aws_environment()
+    key, secret = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+    region = s.region or env["AWS_DEFAULT_REGION"] or env["AWS_REGION"]
+    if s.profile is not None or env["AWS_PROFILE"] or not key or not secret or not region:
         return None
     # the environment's keys come first in botocore's chain too
-    return {"region": region}, StaticCredentials(key, secret, env.get("AWS_SESSION_TOKEN") or None)
+    return {"region": region}, StaticCredentials(key, secret, env["AWS_SESSION_TOKEN"])
 
 
 def _s3_credentials(s: StoreSettings) -> tuple[dict[str, Any], Any]:
