@@ -77,7 +77,8 @@ class _Loan:
     def lend(self, view: memoryview) -> None:
         with self._lock:
             self._holds += 1
-        weakref.finalize(view, self.drop)
+        # not at interpreter exit: the pipeline that would be told may be gone by then
+        weakref.finalize(view, self.drop).atexit = False
 
     def drop(self) -> None:
         """One hold is gone (may run on obstore's threads: only the caller's release)."""
