@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tmpdir", default=None, help="SeaweedFS's volumes (default: system temp)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--kinds", default="save,restore", help="what to run: save, restore or both (default)"
+    )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
         server = start_seaweedfs(Path(tmp) / "weed")
@@ -181,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             bucket = "bench"
             server.admin.create_bucket(Bucket=bucket)
             c = cases(server, bucket, make_state(args.size))
-            times: dict[str, dict[str, list[float]]] = {"save": {}, "restore": {}}
-            cpu: dict[str, dict[str, list[float]]] = {"save": {}, "restore": {}}
+            kinds = [k for k in ("save", "restore") if k in args.kinds.split(",")]
+            times: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
+            cpu: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
             for i in range(args.warmup + args.runs):
-                for kind in ("save", "restore"):
+                for kind in kinds:
                     items = list(c[kind].items())
                     for name, fn in items if i % 2 == 0 else items[::-1]:
                         c0 = time.process_time()  # this process's CPU: the client's

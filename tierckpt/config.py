@@ -326,6 +326,22 @@ def s3_endpoint_url(arg: str | None = None) -> str | None:
     return arg or _raw("AWS_ENDPOINT_URL_S3") or _raw("AWS_ENDPOINT_URL") or None
 
 
+def aws_environment() -> dict[str, str | None]:
+    """The AWS variables that boto3's credential chain reads first (None: unset), so that the
+    object-store driver takes static keys from the environment without importing boto3:
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``,
+    ``AWS_DEFAULT_REGION``, ``AWS_REGION``."""
+    names = (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_REGION",
+        "AWS_REGION",
+    )
+    return {n: _raw(n) for n in names}
+
+
 def s3_driver(arg: str | None = None) -> str:
     """The S3 client: ``arg``, else ``TIERCKPT_S3_DRIVER``, else :data:`DEFAULT_S3_DRIVER`
     (boto3 when obstore is not installed)."""

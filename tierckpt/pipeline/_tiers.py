@@ -6,9 +6,11 @@ Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared i
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -39,6 +41,18 @@ from tierckpt.verify import read_verified
 
 log = logging.getLogger("tierckpt")
 _ZEROS = bytes(4096)
+
+
+class _Loan:
+    """One tier's hold on a chunk's arena slot: released once, by the tier's thread after a
+    plain write, or by the writer (``write_lent``) once it no longer reads the slot."""
+
+    __slots__ = ("handed", "release")
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.release = release
+        #: the writer took the release over
+        self.handed = False
 
 
 class _TiersMixin(_StallMixin):
@@ -115,13 +129,15 @@ class _TiersMixin(_StallMixin):
                 if kind == "start":
                     self._tier_start(tier, job, tw)
                 elif kind == "chunk":
+                    loan = _Loan(functools.partial(self._release, payload, tier.name))
                     try:
                         if tw.error is None and self._abandoned:
                             tw.error = self._abandoned_error(job)
                         if tw.error is None:
-                            self._tier_chunk(tier, job, tw, payload)
+                            self._tier_chunk(tier, job, tw, payload, loan)
                     finally:
-                        self._release(payload, tier.name)
+                        if not loan.handed:  # else the writer releases it (write_lent)
+                            loan.release()
                 elif kind == "end":
                     del progress[id(job)]
                     self._tier_end(tier, job, tw)
@@ -172,26 +188,43 @@ class _TiersMixin(_StallMixin):
             tw.writer.size_hint(job.plan.data_bytes, self.host_buffer_bytes)
         tw.emit = self._emitter(job.step, tier.name)
 
-    def _tier_chunk(self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState) -> None:
+    def _tier_chunk(
+        self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState, loan: _Loan
+    ) -> None:
         with self._lock:
             err = job.given_up.get(tier.name)
             enc = state.encoded.get(tier.codec) if tier.name in state.holders else None
         if err is not None:
             raise err
         assert enc is not None, "a tier writes only chunks it holds"
-        self._append(tier, tw, state.plan, enc.result())
+        self._append(tier, tw, state.plan, enc.result(), loan)
         # given up during the write: the slot may hold other bytes by now; stop here
         self._check_given_up(tier, job)
 
-    def _append(self, tier: Tier, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded) -> None:
-        """Write one encoded chunk at the next aligned offset and record it."""
+    def _append(
+        self,
+        tier: Tier,
+        tw: _TierWrite,
+        chunk: ChunkPlan,
+        enc: Encoded,
+        loan: _Loan | None = None,
+    ) -> None:
+        """Write one encoded chunk at the next aligned offset and record it. ``loan``: the
+        chunk's arena slot, lent to a writer that can upload from it (``write_lent``: no copy),
+        which then releases the slot once its parts are acknowledged."""
         assert tw.writer is not None
         self._leases.renew(tier)  # a long save (or copy from a source) must not let it lapse
         start = align_up(tw.offset)
         if start > tw.offset and not tier.backend.supports_random_write:
             tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
         t0 = time.perf_counter()
-        tw.writer.write(start, enc.data)
+        write_lent = getattr(tw.writer, "write_lent", None) if loan is not None else None
+        if write_lent is not None:
+            assert loan is not None
+            loan.handed = True  # from here the writer calls loan.release, also on failure
+            write_lent(start, enc.data, loan.release)
+        else:
+            tw.writer.write(start, enc.data)
         seconds = time.perf_counter() - t0
         tw.write_seconds += seconds
         self._tier_busy(tier, progressed=True, idle=False)

@@ -7,6 +7,13 @@ so that a start whose answer was lost (CreateMultipartUpload's response cut off,
 object_store does not retry) or a lost single PUT at commit is done again from the start; an
 upload such a lost start may have opened on S3 is aborted first.
 
+:meth:`_Writer.write_lent` hands obstore the caller's memory itself, not a copy (obstore's parts
+are slices of what it is given): the whole parts a write completes go uncopied and the caller's
+``release`` is called once obstore has dropped them, i.e. once each such part is acknowledged
+(or the upload aborted). Only a write's tail that leaves a part unfinished is copied, so that no
+lent memory waits in obstore's buffer for a later write (the caller could not make that write
+while its memory stays lent: a deadlock on a small arena).
+
 obstore's writer takes its part size and parts in flight when it is opened, so it is opened at
 the first write (or at commit): ``size_hint`` before then sizes the upload from the shard's size
 and the host budget (:mod:`tierckpt.backends.sizing`), as the boto3 backend's writer does."""
@@ -15,6 +22,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
+import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from tierckpt._types import BytesLike
@@ -51,6 +61,37 @@ class WriterHost(Protocol):
     def _call(self, what: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any: ...
 
     def _abort_uploads_of(self, key: str) -> None: ...
+
+
+class _Loan:
+    """Memory lent to obstore by one :meth:`_Writer.write_lent`: ``release`` is called once,
+    when the write has returned and obstore has dropped every view of it that it was handed
+    (each view is watched: obstore holds a view until its part is acknowledged)."""
+
+    def __init__(self, where: str, release: Callable[[], None]) -> None:
+        self._where = where
+        self._release: Callable[[], None] | None = release
+        self._holds = 1  # the write itself, until it returns
+        self._lock = threading.Lock()
+
+    def lend(self, view: memoryview) -> None:
+        with self._lock:
+            self._holds += 1
+        # not at interpreter exit: the pipeline that would be told may be gone by then
+        weakref.finalize(view, self.drop).atexit = False
+
+    def drop(self) -> None:
+        """One hold is gone (may run on obstore's threads: only the caller's release)."""
+        with self._lock:
+            self._holds -= 1
+            release = self._release if self._holds == 0 else None
+            if release is not None:
+                self._release = None
+        if release is not None:
+            try:
+                release()
+            except Exception as exc:  # a finalizer's error would only be printed
+                log.error("%s: releasing lent memory failed: %s", self._where, exc)
 
 
 class _Writer(ObjectWriter):
@@ -133,8 +174,10 @@ class _Writer(ObjectWriter):
         self._file = self._open()
         return True
 
-    def _hand(self, chunk: bytes) -> None:
-        """``chunk`` to obstore; a start that lost its answer is done again."""
+    def _hand(self, chunk: bytes | memoryview, at: int, lent: bool) -> None:
+        """``chunk`` (the object's bytes from ``at``) to obstore; a start that lost its answer
+        is done again. A lent chunk always completes a part, so the upload exists after it and
+        nothing lent is ever held for a start done again (its memory may be reused by then)."""
         if self._file is None:
             self._file = self._open()
         attempt, pending = 1, [chunk]
@@ -149,26 +192,61 @@ class _Writer(ObjectWriter):
                 attempt += 1
                 pending = [*(self._held or ()), chunk]
         if self._held is not None:
-            if self.size + len(chunk) > self.sizing.part_size:
+            if lent or at + len(chunk) > self.sizing.part_size:
                 self._held = None  # the upload exists now: obstore owns the parts
             else:
-                self._held.append(chunk)
+                self._held.append(bytes(chunk))
 
     def write(self, offset: int, data: BytesLike) -> None:
+        self._write(offset, data, None)
+
+    def write_lent(self, offset: int, data: BytesLike, release: Callable[[], None]) -> None:
+        """:meth:`write`, lending ``data`` instead of copying it: ``release()`` is called once
+        (maybe on another thread, maybe before this returns) when the writer no longer reads
+        ``data``: every part holding it acknowledged, or the upload aborted. Always called,
+        also when this raises; until then the caller must not change ``data``."""
+        loan = _Loan(self._where, release)
+        try:
+            self._write(offset, data, loan)
+        finally:
+            loan.drop()
+
+    def _lendable(self, n: int) -> int:
+        """How many of the next ``n`` bytes to lend: those that complete the part being filled
+        and the whole parts after it (each sent as soon as obstore has it), not the tail."""
+        part = self.sizing.part_size
+        head = -self.size % part  # to finish the part obstore is filling (0: none started)
+        if n < head:
+            return 0
+        return head + (n - head) // part * part
+
+    def _write(self, offset: int, data: BytesLike, loan: _Loan | None) -> None:
         with self._lock:
             if self._closed:
                 raise BackendError(f"{self._where}: write after commit/abort")
             self._check_sequential(offset)
             view = memoryview(data).cast("B")
+            n = len(view)
+            lend = self._lendable(n) if loan is not None else 0
+            piece = view[:lend] if lend else None
             try:
-                # a copy: obstore keeps what it is given until its part is sent, and the
-                # caller reuses this memory as soon as write() returns
-                self._check_fits(self.size + len(view))
-                self._hand(bytes(view))
+                self._check_fits(self.size + n)
+                if piece is not None:
+                    assert loan is not None
+                    loan.lend(piece)
+                    self._hand(piece, self.size, lent=True)
+                piece = None  # only obstore holds the lent view now
+                if lend < n:
+                    # a copy: obstore keeps what it is given until its part is sent, and the
+                    # caller reuses this memory as soon as write() returns
+                    self._hand(bytes(view[lend:]), self.size + lend, lent=False)
             except BaseException as exc:
+                piece = None
+                # the traceback's finished frames would keep lent views alive: let them go
+                traceback.clear_frames(exc.__traceback__)
                 self._abort_locked()
                 raise self._b._translate(exc, "write", self._where) from exc
-            self.size += len(view)
+            self.size += n
 
     def commit(self) -> None:
         with self._lock:
