@@ -1,0 +1,126 @@
+"""Load paths hand out (or copy elsewhere) only bytes that have arrived.
+
+The class of bug: something consumes a tensor's bytes (copies them, writes them to another
+tier, hands them to the caller) before the thread that fills them is done; it only shows when
+the reads are slower than the consumer. Each test holds the producer back on purpose (a sleep
+in the backend's reads, on the fetch/reader threads) and checks the consumer saw the right
+bytes, so a wrong order fails every time rather than now and then.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_same, trained_state
+
+from tierckpt import Checkpointer, LocalTier, S3Tier
+from tierckpt.backends.local import LocalBackend
+from tierckpt.backends.objstore._backend import ObjectStoreBackend
+from tierckpt.format import shard_name
+
+HOLD = 0.15  # seconds each held-back read waits before it fills its memory
+
+
+def _state() -> dict[str, Any]:
+    s = trained_state()
+    g = torch.Generator().manual_seed(5)
+    # several chunks, some spanning storages, and a tensor larger than a fetch segment
+    s["embedding"] = torch.randn(3 << 20, generator=g)  # 12 MiB
+    s["small"] = [torch.randn(1000 + i, generator=g) for i in range(8)]
+    return s
+
+
+def _hold_reads(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
+    """Every ``read_into``/``read_into_pieces`` of ``cls`` waits ``HOLD`` s before reading;
+    returns a list counting the held reads (so a test can check it held anything)."""
+    held: list[int] = []
+    lock = threading.Lock()
+    for meth in ("read_into", "read_into_pieces"):
+        original = getattr(cls, meth)
+
+        def slow(self: Any, *a: Any, _orig: Any = original, **kw: Any) -> Any:
+            time.sleep(HOLD)
+            with lock:
+                held.append(1)
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(cls, meth, slow)
+    return held
+
+
+@pytest.fixture
+def bucket(moto_server: Any, s3_bucket: Any) -> Iterator[tuple[Any, str]]:
+    yield moto_server, s3_bucket(moto_server)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_repopulated_copy_is_written_from_bytes_that_arrived(
+    tmp_path: Path, bucket: tuple[Any, str], monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    """A load from S3 copies the shard to the (empty) local tier while it reads. With every
+    ranged GET held back, the local copy must still be the S3 object byte for byte (written
+    after each piece arrived and verified), and a load from it alone gives the state."""
+    server, name = bucket
+    state = _state()
+
+    def s3() -> S3Tier:
+        return S3Tier(
+            f"s3://{name}/run", endpoint_url=server.endpoint_url, part_size=5 << 20, codec=codec
+        )
+
+    with Checkpointer([s3()], chunk_bytes=3 << 20) as ck:
+        ck.save(state, step=7).wait(timeout=120)
+    held = _hold_reads(monkeypatch, ObjectStoreBackend)
+    local = tmp_path / "nvme"
+    with Checkpointer([LocalTier(local, keep_last=None), s3()]) as ck:
+        assert_same(state, ck.load(step=7))
+        assert ck.tier_steps()["local"] == [7], "the local tier was not repopulated"
+    assert held, "the reads were not held back: the test checks nothing"
+    monkeypatch.undo()
+    key = f"run/{shard_name(7, 0)}"
+    remote = server.admin.get_object(Bucket=name, Key=key)["Body"].read()
+    copies = [p for p in local.rglob("*") if p.is_file() and p.name == Path(key).name]
+    assert len(copies) == 1, sorted(str(p) for p in local.rglob("*"))
+    assert copies[0].read_bytes() == remote
+    with Checkpointer([LocalTier(local, keep_last=None)]) as ck:
+        assert_same(state, ck.load(step=7))
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_load_into_copies_only_after_every_chunk_arrived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    """``load(into=)`` copies into the caller's tensors; with the reads held back, the caller's
+    tensors must end up exactly the saved ones (not the fresh storages' garbage)."""
+    state = _state()
+    with Checkpointer(
+        [LocalTier(tmp_path, keep_last=None, codec=codec)], chunk_bytes=1 << 20
+    ) as ck:
+        ck.save(state, step=1).wait(timeout=120)
+    target = _state()
+    for t in _tensors(target):
+        t.fill_(7)  # the caller's memory: anything that is not the checkpoint's bytes
+    held = _hold_reads(monkeypatch, LocalBackend)
+    with Checkpointer([LocalTier(tmp_path, keep_last=None, codec=codec)]) as ck:
+        out = ck.load(step=1, into=target)
+    assert held, "the reads were not held back: the test checks nothing"
+    assert out is target
+    assert_same(state, target)
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
