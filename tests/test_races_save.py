@@ -186,3 +186,54 @@ def test_team_copy_returns_only_after_every_helper_part(monkeypatch: pytest.Monk
         threading.Timer(0.2, gate.set).start()
         team.run([part(i) for i in range(4)])
         assert sorted(done) == [0, 1, 2, 3]
+
+
+def test_guard_keeps_the_state_at_save_while_the_capture_is_held_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``guard(optimizer, model)``, training goes on right after ``save()`` (no
+    ``wait_captured``): the next forward pass writes the BatchNorm buffers, the optimizer step
+    the parameters and their state. With every capture copy held back, the checkpoint must
+    still be the state at ``save()``: buffers copied in ``save()`` itself, the step held by
+    the guard until the lazy copies are done."""
+    copies: list[int] = []
+    original = _capture.copy_chunk
+
+    def slow_copy(*a: Any, **kw: Any) -> Any:
+        time.sleep(HOLD)
+        copies.append(1)
+        return original(*a, **kw)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 512)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        model(torch.randn(32, 64)).square().mean().backward()
+        opt.step()
+
+    train_step()
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)], chunk_bytes=256 << 10) as ck:
+        ck.guard(opt, model)
+        monkeypatch.setattr(_capture, "copy_chunk", slow_copy)
+        state = {"model": model.state_dict(), "opt": opt.state_dict()}
+        expected = {"model": _clone(dict(state["model"])), "opt_state": _clone_opt(opt)}
+        h = ck.save(state, step=1)
+        train_step()  # forward writes buffers at once; the step waits for the capture
+        train_step()
+        h.wait(timeout=120)
+        assert len(copies) >= 4, "the copies were not held back: the test checks nothing"
+        back = ck.load(step=1)
+    for k, v in expected["model"].items():
+        assert torch.equal(back["model"][k], v), k
+    for pid, st in expected["opt_state"].items():
+        for name, v in st.items():
+            assert torch.equal(back["opt"]["state"][pid][name], v), (pid, name)
+
+
+def _clone_opt(opt: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]:
+    sd = opt.state_dict()["state"]
+    return {pid: {k: v.clone() for k, v in st.items()} for pid, st in sd.items()}
