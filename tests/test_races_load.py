@@ -36,8 +36,8 @@ def _state() -> dict[str, Any]:
     return s
 
 
-def _hold_reads(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
-    """Every ``read_into``/``read_into_pieces`` of ``cls`` waits ``HOLD`` s before reading;
+def _hold_reads(monkeypatch: pytest.MonkeyPatch, cls: type, hold: float = HOLD) -> list[int]:
+    """Every ``read_into``/``read_into_pieces`` of ``cls`` waits ``hold`` s before reading;
     returns a list counting the held reads (so a test can check it held anything)."""
     held: list[int] = []
     lock = threading.Lock()
@@ -45,7 +45,7 @@ def _hold_reads(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
         original = getattr(cls, meth)
 
         def slow(self: Any, *a: Any, _orig: Any = original, **kw: Any) -> Any:
-            time.sleep(HOLD)
+            time.sleep(hold)
             with lock:
                 held.append(1)
             return _orig(self, *a, **kw)
@@ -124,3 +124,92 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
     elif isinstance(x, (list, tuple)):
         for v in x:
             yield from _tensors(v)
+
+
+def test_export_writes_the_bytes_after_they_arrived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tierckpt export`` (safetensors) writes the tensors of a shard it read on a pool:
+    with the reads held back, every exported tensor must be the saved one."""
+    pytest.importorskip("safetensors")
+    from huggingface_hub import save_torch_state_dict  # noqa: F401  (imported: not timed)
+    from safetensors.torch import load_file
+
+    from tierckpt.export import export_safetensors
+
+    g = torch.Generator().manual_seed(9)
+    model = {"w": torch.randn(1 << 20, generator=g), "b": torch.randn(333, generator=g)}
+    src = tmp_path / "ck"
+    with Checkpointer([LocalTier(src, keep_last=None)], chunk_bytes=256 << 10) as ck:
+        ck.save({"model": model}, step=3).wait(timeout=120)
+    held = _hold_reads(monkeypatch, LocalBackend, hold=0.5)
+    export_safetensors(LocalBackend(str(src)), 3, str(tmp_path / "out"))
+    assert held, "the reads were not held back: the test checks nothing"
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(model)
+    for k, v in model.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_dcp_load_copies_only_bytes_that_arrived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    """``TierReader`` fetches each rank's shard on its own pool and copies (or reads straight)
+    into the caller's tensors: with the reads held back, they must end up the saved ones."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierReader, TierWriter
+
+    g = torch.Generator().manual_seed(4)
+    saved = {f"t{i}": torch.randn(20_000 + 37 * i, generator=g) for i in range(6)}
+    saved["m"] = torch.randn(400, 300, generator=g)
+    tiers = [LocalTier(tmp_path, codec=codec, keep_last=None)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TierWriter(tiers, 1, chunk_bytes=64 << 10) as w:
+            dcp.save(saved, storage_writer=w, no_dist=True)
+        held = _hold_reads(monkeypatch, LocalBackend)
+        target = {k: torch.full_like(v, 7.0) for k, v in saved.items()}
+        dcp.load(target, storage_reader=TierReader(tiers, 1), no_dist=True)
+    assert held, "the reads were not held back: the test checks nothing"
+    for k, v in saved.items():
+        assert torch.equal(target[k], v), k
+
+
+def test_mapped_load_hands_out_the_state_only_after_every_checksum(
+    shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node-RAM load maps the shard and verifies its chunks on the read pool while it builds
+    the tensors. With the checksums held back and one chunk corrupt, the mapped state must not
+    be handed out: the disk tier serves the load."""
+    from test_noderam_map import _equal, _save_and_die, _shard_path, _tiers, make_state
+
+    from tierckpt import noderam_map
+    from tierckpt.restore import read_index, read_manifest
+
+    _save_and_die(shm, tmp_path / "disk", (1,))
+    verified: list[int] = []
+    original = noderam_map._verify
+
+    def slow_verify(*a: Any, **kw: Any) -> None:
+        time.sleep(HOLD)
+        original(*a, **kw)
+        verified.append(1)
+
+    monkeypatch.setattr(noderam_map, "_verify", slow_verify)
+    with Checkpointer(_tiers(shm, tmp_path / "disk")) as ck:
+        path = _shard_path(ck, 1)
+        b: Any = ck.backend("noderam")
+        ref = read_manifest(b, 1, "noderam").shard_for(0)
+        chunk = read_index(b, ref, "noderam")[0]["chunks"][-1]
+        with open(path, "r+b") as f:  # one flipped byte in the last chunk
+            f.seek(chunk.file_offset + chunk.stored_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+        got = ck.load(step=1)
+        assert verified, "the checksums were not held back: the test checks nothing"
+        assert _equal(got, make_state(1)) == []
