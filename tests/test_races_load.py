@@ -213,3 +213,54 @@ def test_mapped_load_hands_out_the_state_only_after_every_checksum(
         got = ck.load(step=1)
         assert verified, "the checksums were not held back: the test checks nothing"
         assert _equal(got, make_state(1)) == []
+
+
+@pytest.mark.s3
+def test_the_link_probe_reads_into_fresh_memory_never_the_loaded_state(
+    bucket: tuple[Any, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a compressed load from a tier whose codec is ``auto``, the link probe reads a
+    slice of the shard again, raw, on the read pool. Its reads must land in memory of its own:
+    never in the storages of the state the load returns (nor the caller's ``into``)."""
+    from tierckpt.checkpointer import _auto_feedback
+
+    server, name = bucket
+    g = torch.Generator().manual_seed(2)
+    state = {"w": (torch.randn(4 << 20, generator=g) * 4).round()}  # 16 MiB, compressible
+
+    def s3(codec: str) -> S3Tier:
+        return S3Tier(f"s3://{name}/run", endpoint_url=server.endpoint_url, codec=codec)
+
+    with Checkpointer([s3("zstd")]) as ck:
+        ck.save(state, step=1).wait(timeout=120)
+    probing = threading.Event()
+    dests: list[tuple[int, int]] = []
+    original_probe = _auto_feedback.read_probe
+
+    def probe(*a: Any, **kw: Any) -> float:
+        probing.set()
+        try:
+            return original_probe(*a, **kw)
+        finally:
+            probing.clear()
+
+    original_read = ObjectStoreBackend.read_into
+
+    def read_into(self: Any, file: str, offset: int, out: memoryview) -> None:
+        if probing.is_set():
+            import numpy as np
+
+            ptr = np.frombuffer(out, dtype=np.uint8).ctypes.data
+            dests.append((ptr, ptr + len(out)))
+        original_read(self, file, offset, out)
+
+    monkeypatch.setattr(_auto_feedback, "read_probe", probe)
+    monkeypatch.setattr(ObjectStoreBackend, "read_into", read_into)
+    into = {"w": torch.zeros_like(state["w"])}
+    with Checkpointer([s3("auto")]) as ck:
+        ck.load(step=1, into=into)
+    assert dests, "no link probe ran: the test checks nothing"
+    assert torch.equal(into["w"], state["w"])
+    a = into["w"].data_ptr()
+    b = a + into["w"].numel() * into["w"].element_size()
+    assert all(hi <= a or lo >= b for lo, hi in dests), "the probe read into the caller's tensor"
