@@ -369,8 +369,12 @@ def test_rank0_blocking_does_not_grow_with_ranks(tmp_path: Path, capsys: Any) ->
             steps=18,
             mb=16,
             every=3,
+            # the capture copy (16 MiB) must overlap a step's compute: 150 ms leaves it
+            # room on a loaded machine (at 50 ms a descheduled copy made wait_captured block
+            # and the test fail now and then); rank 1's writes stay slower than its saves
+            compute_s=0.15,
             slow_rank=slow,
-            slow_write_s=0.05,
+            slow_write_s=0.15,
             tag=f"s{slow}",
             timeout=120,
         )
@@ -385,7 +389,7 @@ def test_rank0_blocking_does_not_grow_with_ranks(tmp_path: Path, capsys: Any) ->
             )
     for _w, _s, r in rows:
         assert r["failed"] == [] and r["saves"] == 6
-        # lazy capture: save() returns at once and the copy overlaps the 50 ms "compute"
+        # lazy capture: save() returns at once and the copy overlaps the 150 ms "compute"
         assert r["blocked_ms_p50"] < 40
 
 

@@ -170,8 +170,15 @@ def test_a_rank_reads_with_at_most_its_share_of_the_nodes_connections(
     part = 5 << 20
     data = bytes(range(256)) * (16 * part // 256)
     moto_server.admin.put_object(Bucket=bucket, Key="run/big", Body=data)
-    # every GET waits a little, so that those issued together are in flight together
-    with FaultProxy(moto_server.endpoint_url, [Fault("delay", method="GET", seconds=0.2)]) as p:
+    # the first ``most`` GETs are held long enough that, however loaded the machine, every
+    # reader has issued its GET meanwhile: a share not used shows as fewer in flight, a share
+    # exceeded as more (a GET beyond the share starts while the held ones are in flight); the
+    # others wait a little, so that those issued together are in flight together
+    faults = [
+        Fault("delay", method="GET", nth=range(1, most + 1), seconds=3.0),
+        Fault("delay", method="GET", seconds=0.2),
+    ]
+    with FaultProxy(moto_server.endpoint_url, faults) as p:
         b = S3Backend(f"s3://{bucket}/run", endpoint_url=p.endpoint_url, part_size=part)
         try:
             out = bytearray(len(data))
