@@ -231,6 +231,7 @@ LAYERS: dict[str, int] = {
             "redact",
             "jsonbound",
             "devices",
+            "_libc",
         ],
         0,
     ),

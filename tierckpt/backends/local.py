@@ -18,19 +18,16 @@ page cache; ``direct_io=False`` or ``TIERCKPT_DIRECT_IO=0`` turns it off.
 from __future__ import annotations
 
 import builtins
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from tierckpt import config
+from tierckpt import _libc, config
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
@@ -58,19 +55,7 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-def _load_sync_file_range() -> Any:
-    """libc's sync_file_range (Linux), or None: starts writeback without waiting for it."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = _libc.sync_file_range
 
 
 def _fsync_dir(path: str) -> None:

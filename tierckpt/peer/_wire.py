@@ -34,7 +34,6 @@ used by that one thread only.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import secrets
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+from tierckpt import _libc
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import FormatError
 from tierckpt.format import CheckpointId, Manifest, decode_manifest
@@ -67,8 +67,6 @@ _HEADER = 7
 #: pages a receiver populates per call ahead of the arriving bytes: small enough that a stop
 #: (a failed round) waits little, large enough that the calls cost nothing
 POPULATE_STEP = 4 << 20
-#: ``madvise`` advice numbers (Linux), for Pythons whose ``mmap`` does not name them
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: the most checkpoint keys a sender asks its receivers to keep (pins, best, every n-th)
 MAX_KEPT = 4096
 
@@ -112,39 +110,20 @@ def send_file_map(path: str, size: int) -> tuple[Any, torch.Tensor]:
     return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 
-_madvise: Any = None
-
-
-def _libc_madvise() -> Any:
-    """libc's ``madvise`` through ctypes (which lets go of the GIL during the call, so that
-    populating does not hold up the process's Python threads, training's among them), or None
-    where there is none."""
-    global _madvise
-    if _madvise is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-        except (OSError, AttributeError):
-            _madvise = False
-    return _madvise or None
-
-
 def populate_ahead(buf: torch.Tensor, stop: threading.Event, step: int = POPULATE_STEP) -> int:
     """Allocate the pages of ``buf`` (a uint8 tensor over a page-aligned shared map) front to
     back, ``step`` bytes per call (``MADV_POPULATE_WRITE``: the kernel allocates and maps them
     as a write fault would, without writing a byte, so bytes already received stay as they
     are); stops at ``stop`` or where the kernel does not know the advice (before Linux 5.14:
     the receive then faults the pages in itself, as before). Returns the bytes populated."""
-    madvise = _libc_madvise()
+    madvise = _libc.madvise
     if madvise is None:
         return 0
     base, size = buf.data_ptr(), buf.numel()
     done = 0
     while done < size and not stop.is_set():
         n = min(step, size - done)
-        if madvise(base + done, n, _MADV_POPULATE_WRITE) != 0:
+        if madvise(base + done, n, _libc.MADV_POPULATE_WRITE) != 0:
             break  # unknown advice (an old kernel): the receive faults the rest in
         done += n
     return done

@@ -13,33 +13,18 @@ before.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
 from collections.abc import Iterable
+
+from tierckpt import _libc
 
 __all__ = ["prefault"]
 
-_MADV_POPULATE_WRITE = 23
 _PAGE = 4096
 #: ranges smaller than this are left to fault: a call per small tensor costs more than it saves
 _MIN_BYTES = 1 << 20
 
 
-def _load_madvise() -> object | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _load_madvise()
+_madvise = _libc.madvise  # None after a refusal: the reads fault the pages
 
 
 def prefault(ranges: Iterable[tuple[int, int]]) -> None:
@@ -53,6 +38,6 @@ def prefault(ranges: Iterable[tuple[int, int]]) -> None:
             continue
         start = (addr + _PAGE - 1) & ~(_PAGE - 1)
         end = (addr + n) & ~(_PAGE - 1)
-        if end > start and fn(start, end - start, _MADV_POPULATE_WRITE) != 0:  # type: ignore[operator]
+        if end > start and fn(start, end - start, _libc.MADV_POPULATE_WRITE) != 0:  # type: ignore[operator]
             _madvise = None  # EINVAL (kernel < 5.14) or refused: fault on first write
             return
