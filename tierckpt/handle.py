@@ -65,9 +65,6 @@ class SaveHandle:
         #: forward pass may write (parameters and optimizer state are captured lazily)
         self.eager_bytes = 0
         self._captured = threading.Event()
-        #: set once a caller blocks on this save (wait_captured, wait): training waits, so
-        #: the capture may copy with every core (until then it leaves cores to training)
-        self._awaited = threading.Event()
         self._capture_error: BaseException | None = None
         self._tier_events = {t: threading.Event() for t in tiers}
         self._results: dict[str, TierResult] = {}
@@ -121,8 +118,6 @@ class SaveHandle:
         return self._captured.is_set()
 
     def wait_captured(self, timeout: float | None = None) -> None:
-        if not self._captured.is_set():
-            self._awaited.set()
         if not self._captured.wait(timeout):
             raise TimeoutError(f"step {self.step}: capture not finished after {timeout} s")
         if self._capture_error is not None:
@@ -159,7 +154,6 @@ class SaveHandle:
                 "still flushing, so nothing of it was written (check h.skipped, or use "
                 "on_busy='block' to wait for arena space instead)"
             )
-        self._awaited.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -141,12 +141,12 @@ class _TrainSaver:
             self.stager.close()
 
 
-def library_cpu_s() -> float:
-    """CPU seconds used so far by this process's tierckpt threads (all named ``tierckpt-*``),
-    alive ones only: a measure of the background work that does not depend on how busy the
-    rest of the machine is, as the iteration times do."""
+def library_cpu_s() -> dict[int, float]:
+    """CPU seconds used so far by each of this process's tierckpt threads (all named
+    ``tierckpt-*``; alive ones, by native id): a measure of the background work that does not
+    depend on how busy the rest of the machine is, as the iteration times do."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0.0
+    out: dict[int, float] = {}
     for th in threading.enumerate():
         tid = th.native_id
         if not th.name.startswith("tierckpt") or tid is None:
@@ -156,8 +156,14 @@ def library_cpu_s() -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # not Linux, or the thread just ended
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_since(before: dict[int, float]) -> float:
+    """CPU seconds the tierckpt threads alive now used since ``before`` (a thread started
+    since counts from zero; one that ended since is lost, not counted negative)."""
+    return sum(cpu - before.get(tid, 0.0) for tid, cpu in library_cpu_s().items())
 
 
 def _load_average() -> float | None:
@@ -239,7 +245,7 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
                 times[v].extend(block_times)
                 round_means[v].append(statistics.fmean(block_times))
                 round_run_means[v].append(run_mean)
-                library_cpu[v] += library_cpu_s() - cpu0
+                library_cpu[v] += _cpu_since(cpu0)
         for s in savers.values():
             s.close()
     finally:

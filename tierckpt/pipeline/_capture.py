@@ -126,9 +126,7 @@ class _CaptureMixin(_StallMixin):
             self._tier_q[t.name].put(("start", job, None))
         events = []
         # host chunks are copied by this thread and helpers at once (one thread alone reaches
-        # a fraction of the memory bandwidth), but only while training waits for the capture
-        # (wait_captured, the guarded optimizer step, wait): while it computes, helpers would
-        # take the cores its own threads run on
+        # a fraction of the memory bandwidth), also while training computes: see _copyteam
         team = self._host_copy_team() if not cuda and _has_big_chunk(plan) else None
         # checksums (and so writes) of host chunks wait while this save is copied, so that
         # the copy, which training waits for, has the cores and memory bandwidth to itself;
@@ -167,9 +165,8 @@ class _CaptureMixin(_StallMixin):
                     if on_device is not None:
                         event = on_device[1]
                     else:
-                        split = team if team is not None and job.handle._awaited.is_set() else None
                         event = copy_chunk(
-                            plan, chunk, slot_t, self._streams, job.ready_events, split
+                            plan, chunk, slot_t, self._streams, job.ready_events, team
                         )
                 except BaseException:
                     a.release(slot)
