@@ -53,6 +53,14 @@ def summarize_train(train: dict[str, Any]) -> dict[str, Any]:
         "median_iter_over_none": {
             k: v["median_iter_s"] / base["median_iter_s"] for k, v in vs.items()
         },
+        # the same pairing without each block's closing drain (older results lack it)
+        "paired_median_over_none_no_drain": {
+            k: statistics.median(
+                a / b for a, b in zip(v["round_mean_run_s"], base["round_mean_run_s"], strict=True)
+            )
+            for k, v in vs.items()
+            if v.get("round_mean_run_s") and base.get("round_mean_run_s")
+        },
     }
 
 
@@ -62,6 +70,12 @@ def _fmt_s(x: float | None) -> str:
     if x < 0.1:
         return f"{x * 1e3:.1f} ms"
     return f"{x:.2f} s"
+
+
+def _fmt_load(load: list[float | None] | None) -> str:
+    if not load or None in load:
+        return ""
+    return f"; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"
 
 
 def _fmt_x(x: float | None) -> str:
@@ -168,22 +182,25 @@ def format_table(result: dict[str, Any]) -> str:
             f"({tr['params'] / 1e6:.1f} M parameters, {tr['torch_threads']} torch threads), "
             f"checkpoint every {tr['every']} steps ({tr['state_bytes'] / MiB:.0f} MiB); the "
             f"variants take turns in blocks of {tr['block_steps']} steps, {tr['rounds']} rounds "
-            "in ABBA order after a warm-up round"
+            "in ABBA order after a warm-up round" + _fmt_load(tr.get("load_average"))
         )
         lines.append("")
         lines.append(
             "| variant | mean iteration | vs none (means) | vs none (median of rounds) "
-            "| median | p95 | max | blocked per checkpoint | committed |"
+            "| (drain excluded) | median | p95 | max | blocked per checkpoint "
+            "| library CPU per checkpoint | committed |"
         )
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         summ = tr.get("summary", {})
         for name, v in vs.items():
             lines.append(
                 f"| {v['label']} | {_fmt_s(v['mean_iter_s'])} | "
                 f"{_fmt_x(lookup(summ, 'mean_iter_over_none', name))} | "
                 f"{_fmt_x(lookup(summ, 'paired_median_over_none', name))} | "
+                f"{_fmt_x(lookup(summ, 'paired_median_over_none_no_drain', name))} | "
                 f"{_fmt_s(v['median_iter_s'])} | {_fmt_s(v['p95_iter_s'])} | "
                 f"{_fmt_s(v['max_iter_s'])} | {_fmt_s(v.get('blocked_s_median'))} | "
+                f"{_fmt_s(v.get('library_cpu_s_per_save'))} | "
                 f"{_fmt_s(v['commit_s_median'])} |"
             )
         lines.append("")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -140,6 +141,38 @@ class _TrainSaver:
             self.stager.close()
 
 
+def library_cpu_s() -> dict[int, float]:
+    """CPU seconds used so far by each of this process's tierckpt threads (all named
+    ``tierckpt-*``; alive ones, by native id): a measure of the background work that does not
+    depend on how busy the rest of the machine is, as the iteration times do."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[int, float] = {}
+    for th in threading.enumerate():
+        tid = th.native_id
+        if not th.name.startswith("tierckpt") or tid is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # not Linux, or the thread just ended
+            continue
+        out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_since(before: dict[int, float]) -> float:
+    """CPU seconds the tierckpt threads alive now used since ``before`` (a thread started
+    since counts from zero; one that ended since is lost, not counted negative)."""
+    return sum(cpu - before.get(tid, 0.0) for tid, cpu in library_cpu_s().items())
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def train_schedule(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
     """(round, variant) blocks: one unmeasured warm-up round (-1), then ``rounds`` rounds in
     ABBA order, so a drift in the machine's load touches every variant alike."""
@@ -171,6 +204,10 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
     rounds = max(1, -(-cfg.train_steps // block))
     times: dict[str, list[float]] = {v: [] for v in cfg.train_variants}
     round_means: dict[str, list[float]] = {v: [] for v in cfg.train_variants}
+    # the same without the block's closing drain (the wait until its last save is durable)
+    round_run_means: dict[str, list[float]] = {v: [] for v in cfg.train_variants}
+    library_cpu = dict.fromkeys(cfg.train_variants, 0.0)
+    load_start = _load_average()
     saves = dict.fromkeys(cfg.train_variants, 0)
     state_bytes = 0
     step = 0
@@ -178,6 +215,7 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
         for rnd, v in train_schedule(cfg.train_variants, rounds):
             saver = savers.get(v)
             block_times: list[float] = []
+            cpu0 = library_cpu_s()
             for j in range(block):
                 t0 = time.perf_counter()
                 xy = data[step % data.shape[0]]
@@ -198,6 +236,7 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
                     saves[v] += rnd >= 0
                 block_times.append(time.perf_counter() - t0)
                 step += 1
+            run_mean = statistics.fmean(block_times)
             if saver is not None:
                 t0 = time.perf_counter()
                 saver.drain()
@@ -205,6 +244,8 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
             if rnd >= 0:
                 times[v].extend(block_times)
                 round_means[v].append(statistics.fmean(block_times))
+                round_run_means[v].append(run_mean)
+                library_cpu[v] += _cpu_since(cpu0)
         for s in savers.values():
             s.close()
     finally:
@@ -222,6 +263,8 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
             "p95_iter_s": sorted(ts)[int(0.95 * (len(ts) - 1))],
             "max_iter_s": max(ts),
             "round_mean_iter_s": round_means[v],
+            "round_mean_run_s": round_run_means[v],
+            "library_cpu_s_per_save": library_cpu[v] / saves[v] if saves[v] else None,
             "commit_s_median": median(sv.commit_s) if sv is not None else None,
             "blocked_s_median": median(sv.blocked_s) if sv is not None else None,
             "iter_s": ts,
@@ -233,6 +276,7 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
         "rounds": rounds,
         "state_bytes": state_bytes,
         "torch_threads": torch.get_num_threads(),
+        "load_average": [load_start, _load_average()],
         "params": sum(p.numel() for p in model.parameters()),
     }
 

@@ -32,6 +32,10 @@ log = logging.getLogger("tierckpt")
 
 
 class _CaptureMixin(_StallMixin):
+    #: the helpers that copy host chunks with the capture thread, made on first use and
+    #: reused by every save; closed when the capture loop ends (the writer's close)
+    _copy_team: CopyTeam | None = None
+
     def _ensure_arena(self, plan: ShardLayout) -> HostArena:
         """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
         biggest = max((c.raw_size for c in plan.chunks), default=0)
@@ -73,6 +77,8 @@ class _CaptureMixin(_StallMixin):
         while True:
             job = self._capture_q.get()
             if job is None:
+                if self._copy_team is not None:
+                    self._copy_team.close()
                 for q in self._tier_q.values():
                     q.put(None)
                 return
@@ -120,8 +126,8 @@ class _CaptureMixin(_StallMixin):
             self._tier_q[t.name].put(("start", job, None))
         events = []
         # host chunks are copied by this thread and helpers at once (one thread alone reaches
-        # a fraction of the memory bandwidth); helpers live for this capture only
-        threads = copy_threads() if not cuda and _has_big_chunk(plan) else 1
+        # a fraction of the memory bandwidth), also while training computes: see _copyteam
+        team = self._host_copy_team() if not cuda and _has_big_chunk(plan) else None
         # checksums (and so writes) of host chunks wait while this save is copied, so that
         # the copy, which training waits for, has the cores and memory bandwidth to itself;
         # they start when the capture ends, or earlier when the arena runs low on free
@@ -131,7 +137,7 @@ class _CaptureMixin(_StallMixin):
         if cuda:
             gate.set()  # device copies leave the host's cores free
         low_water = max(1, a.n_slots // 4)
-        with CopyTeam(threads) as team, _opens_at_exit(gate):
+        with _opens_at_exit(gate):
             for chunk in plan.chunks:
                 with self._lock:
                     if all(t.name in job.given_up for t in direct):
@@ -205,6 +211,15 @@ class _CaptureMixin(_StallMixin):
         # slowest tier commits); the arena slots hold the bytes
         plan.sources.clear()
         job.handle._set_captured()
+
+    def _host_copy_team(self) -> CopyTeam | None:
+        """The pipeline's copy team (made on first use), or None on a single core."""
+        if self._copy_team is None:
+            threads = copy_threads()
+            if threads <= 1:
+                return None
+            self._copy_team = CopyTeam(threads)
+        return self._copy_team
 
     # -- tiers -----------------------------------------------------------------------
 

@@ -4,10 +4,10 @@ Laying a state out (grouping tensors by storage, spans, chunks: :func:`tierckpt.
 costs tens of milliseconds for a thousand tensors, on the capture thread before the first copy,
 so it adds to every immediate capture. A training loop saves the same tensors at the same
 addresses every time; checking that is ~1 µs per tensor. The layout depends only on what the
-key holds (each tensor's storage address and device, offset, shape, strides and dtype, in
-order, and the chunk size), so an equal key gives an equal layout: only the byte sources are
-made again, from this save's tensors. Nothing of a state is kept between saves (no tensor, no
-storage): only numbers.
+key holds (which tensors share a storage, each one's storage device, offset, shape, strides and
+dtype, in order, and the chunk size), so an equal key gives an equal layout: only the byte
+sources are made again, from this save's tensors. Nothing of a state is kept between saves (no
+tensor, no storage): only numbers.
 
 Part of :class:`~tierckpt.pipeline.Pipeline`; used by the capture thread only."""
 
@@ -33,18 +33,26 @@ class _Cached:
     leads: tuple[tuple[int, int], ...]
 
 
-def _key(tensors: list[torch.Tensor], chunk_bytes: int) -> _Key | None:
-    """Everything :func:`layout_plan` reads from the tensors; None if one is conjugated or
-    negated (laying it out makes a resolved copy, a new storage each save)."""
+def _key(tensors: list[torch.Tensor], chunk_bytes: int) -> tuple[_Key, tuple[int, ...]] | None:
+    """Everything :func:`layout_plan` reads from the tensors, and the storages' addresses;
+    None if a tensor is conjugated or negated (laying it out makes a resolved copy).
+
+    The layout depends on a storage's address only through which tensors share it, so the
+    key names each storage by the first tensor that views it, not by its address: a tensor
+    copied afresh at every ``save()`` (a buffer ``guard`` snapshots) or a parameter replaced
+    by one of the same shape lays out the same, and still hits."""
     key: list[object] = [chunk_bytes]
-    for t in tensors:
+    addrs: list[int] = []
+    first: dict[tuple[torch.device, int], int] = {}
+    for i, t in enumerate(tensors):
         if t.is_conj() or t.is_neg():
             return None
         st = t.untyped_storage()
-        key.append(
-            (st.data_ptr(), st.device, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
-        )
-    return tuple(key)
+        ptr = st.data_ptr()
+        addrs.append(ptr)
+        owner = first.setdefault((st.device, ptr), i)
+        key.append((owner, st.device, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device))
+    return tuple(key), tuple(addrs)
 
 
 class LayoutCache:
@@ -52,7 +60,9 @@ class LayoutCache:
 
     def __init__(self) -> None:
         self._last: _Cached | None = None
-        self.hits = 0  # layouts reused, for tests and diagnostics
+        self._addrs: tuple[int, ...] = ()
+        self.hits = 0  # layouts reused with every storage where it was, for tests and diagnostics
+        self.moved = 0  # layouts reused though a storage moved (a tensor copied at save())
 
     def layout(
         self,
@@ -63,17 +73,23 @@ class LayoutCache:
         """The layout of ``collected`` in chunks of ``chunk_bytes``: the remembered one with
         this save's sources where the key matches, else laid out afresh by ``lay_out`` (and
         remembered)."""
-        key = _key(collected.tensors, chunk_bytes)
+        keyed = _key(collected.tensors, chunk_bytes)
         last = self._last
-        if key is not None and last is not None and key == last.key:
-            self.hits += 1
+        if keyed is not None and last is not None and keyed[0] == last.key:
+            if keyed[1] == self._addrs:
+                self.hits += 1
+            else:
+                self.moved += 1
+                self._addrs = keyed[1]
             return _with_sources(last, collected)
         plan = lay_out(collected, chunk_bytes)
-        self._last = None if key is None else _remember(key, plan)
+        self._last = None if keyed is None else _remember(keyed[0], plan)
+        self._addrs = () if keyed is None else keyed[1]
         return plan
 
     def clear(self) -> None:
         self._last = None
+        self._addrs = ()
 
 
 def _remember(key: _Key, plan: ShardLayout) -> _Cached:
