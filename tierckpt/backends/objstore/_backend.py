@@ -387,6 +387,52 @@ class ObjectStoreBackend(RemoteBackend):
         key = self._key(name)
         return bytes(self._call("get", key, lambda store: obstore.get(store, key).bytes()))
 
+    def get_bounded(self, name: str, limit: int) -> tuple[int, bytes | None]:
+        """One GET: its headers give the size, and the body is read only when it is at most
+        ``limit`` bytes (a manifest without a HEAD first)."""
+        import obstore
+
+        key = self._key(name)
+
+        def one(store: Any) -> tuple[int, bytes | None]:
+            got = obstore.get(store, key)
+            size = int(got.meta["size"])
+            # larger than allowed: the body is never read (the connection is dropped)
+            return size, None if size > limit else bytes(got.bytes())
+
+        return cast(tuple[int, "bytes | None"], self._call("get", key, one))
+
+    def read_tail(self, name: str, length: int) -> tuple[int, BytesLike]:
+        """One GET of a suffix range: the last ``length`` bytes (the whole object where it
+        is shorter) and, from the same answer, the object's size. Azure Blob takes no suffix
+        ranges: a HEAD and a ranged GET there."""
+        import obstore
+
+        if self.scheme == "az" or length <= 0:
+            return super().read_tail(name, length)
+        key = self._key(name)
+
+        def one(store: Any) -> tuple[int, bytes]:
+            got = obstore.get(store, key, options={"range": {"suffix": length}})
+            size = int(got.meta["size"])
+            body = bytes(got.bytes())
+            if len(body) != min(length, size):
+                raise FormatError(
+                    f"{self._where(key)}: asked for its last {length} bytes, got {len(body)} "
+                    f"of {size}"
+                )
+            return size, body
+
+        try:
+            return cast(tuple[int, bytes], self._call("read", key, one))
+        except CheckpointNotFound:
+            raise
+        except (FormatError, BackendError) as exc:
+            # an empty object has no suffix to satisfy (416); some stores answer a suffix
+            # longer than the object with all of it, unasked (moto): HEAD and ranged GET
+            log.debug("%s: suffix read failed (%s); HEAD and read", self._where(key), exc)
+            return super().read_tail(name, length)
+
     def size(self, name: str) -> int:
         import obstore
 
