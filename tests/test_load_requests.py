@@ -159,3 +159,28 @@ def test_local_tier_load_unchanged(tmp_path: Path) -> None:
     with Checkpointer([LocalTier(tmp_path)]) as ck:
         ck.save(state, step=1).result()
         assert_same(ck.load(), state)
+
+
+@pytest.mark.distributed
+def test_node_ram_recipe_lists_each_tier_once_per_load(
+    tmp_path: Path, moto_server: S3Server, s3_bucket: Callable[[S3Server], str]
+) -> None:
+    """2 gloo ranks, node RAM + peer + local + S3: the peer replicator's ``prepare_load``
+    lists the local and S3 tiers, and the load reuses that listing (before: each listed
+    twice per load)."""
+    import shutil
+    import uuid
+
+    import peer_workers
+
+    shm = f"/dev/shm/tierckpt-test-{uuid.uuid4().hex[:10]}"
+    s3 = {"bucket": s3_bucket(moto_server), "endpoint": moto_server.endpoint_url}
+    try:
+        res = peer_workers.run(
+            "load_requests_workers:w_lists_per_load", 2, shm=shm, disk=str(tmp_path), s3=s3
+        )
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    for r in res:
+        assert r["step"] == 2 and r["diff"] == []
+        assert r["lists"]["local"] == 1 and r["lists"]["s3"] == 1, r["lists"]
