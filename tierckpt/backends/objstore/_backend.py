@@ -4,6 +4,7 @@ ranged reads, listing, leftovers (see :mod:`tierckpt.backends.objstore`)."""
 from __future__ import annotations
 
 import builtins
+import ctypes
 import logging
 import secrets
 import threading
@@ -49,6 +50,31 @@ MIN_PART_SIZE = 5 * MiB
 PROBE_PREFIX = ".tierckpt-probe-"
 #: a request that keeps moving bytes is cut off only after this long
 REQUEST_TIMEOUT_S = 600.0
+
+
+#: copies from a GET's body at least this large run with the GIL released
+NOGIL_COPY_BYTES = 1 << 20
+
+
+def _fill(view: Any, body: memoryview) -> None:
+    """``view[:] = body``, a large copy through ``ctypes.memmove``, which releases the GIL:
+    a part's copy (8 MiB, a few ms) then never holds up the loading thread building tensors
+    or the other fetch threads handing over their bodies (a slice assignment holds the GIL
+    for the whole copy). ``view`` may be a :class:`_Spread` (several pieces, in order)."""
+    body = body.cast("B") if body.format != "B" else body
+    pieces = view._views if isinstance(view, _Spread) else [view]
+    pos = 0
+    for v in pieces:
+        n = len(v)
+        if n >= NOGIL_COPY_BYTES and v.contiguous and body.contiguous:
+            import numpy as np
+
+            dst = np.frombuffer(v, dtype=np.uint8)  # writable: the caller's memory
+            src = np.frombuffer(body[pos : pos + n], dtype=np.uint8)
+            ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
+        else:
+            v[:] = body[pos : pos + n]
+        pos += n
 
 
 class ObjectStoreBackend(RemoteBackend):
@@ -365,7 +391,7 @@ class ObjectStoreBackend(RemoteBackend):
                         f"{where}: read of bytes {start}-{start + len(view) - 1} past its end "
                         f"({start + n})"
                     )
-                view[:] = memoryview(part)
+                _fill(view, memoryview(part))
             return
 
     def _check_end(self, obstore: Any, key: str, end: int, err: BaseException) -> None:
