@@ -4,7 +4,6 @@ ranged reads, listing, leftovers (see :mod:`tierckpt.backends.objstore`)."""
 from __future__ import annotations
 
 import builtins
-import ctypes
 import logging
 import secrets
 import threading
@@ -29,6 +28,7 @@ from tierckpt.backends.objstore._errors import (
     transient,
     translate,
 )
+from tierckpt.backends.objstore._reads import fill, get_bounded, read_tail
 from tierckpt.backends.objstore._slots import Slots
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.backends.objstore._store import StoreSettings, make_stores, parse_url
@@ -50,31 +50,6 @@ MIN_PART_SIZE = 5 * MiB
 PROBE_PREFIX = ".tierckpt-probe-"
 #: a request that keeps moving bytes is cut off only after this long
 REQUEST_TIMEOUT_S = 600.0
-
-
-#: copies from a GET's body at least this large run with the GIL released
-NOGIL_COPY_BYTES = 1 << 20
-
-
-def _fill(view: Any, body: memoryview) -> None:
-    """``view[:] = body``, a large copy through ``ctypes.memmove``, which releases the GIL:
-    a part's copy (8 MiB, a few ms) then never holds up the loading thread building tensors
-    or the other fetch threads handing over their bodies (a slice assignment holds the GIL
-    for the whole copy). ``view`` may be a :class:`_Spread` (several pieces, in order)."""
-    body = body.cast("B") if body.format != "B" else body
-    pieces = view._views if isinstance(view, _Spread) else [view]
-    pos = 0
-    for v in pieces:
-        n = len(v)
-        if n >= NOGIL_COPY_BYTES and v.contiguous and body.contiguous:
-            import numpy as np
-
-            dst = np.frombuffer(v, dtype=np.uint8)  # writable: the caller's memory
-            src = np.frombuffer(body[pos : pos + n], dtype=np.uint8)
-            ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
-        else:
-            v[:] = body[pos : pos + n]
-        pos += n
 
 
 class ObjectStoreBackend(RemoteBackend):
@@ -391,7 +366,7 @@ class ObjectStoreBackend(RemoteBackend):
                         f"{where}: read of bytes {start}-{start + len(view) - 1} past its end "
                         f"({start + n})"
                     )
-                _fill(view, memoryview(part))
+                fill(view, memoryview(part))
             return
 
     def _check_end(self, obstore: Any, key: str, end: int, err: BaseException) -> None:
@@ -416,48 +391,14 @@ class ObjectStoreBackend(RemoteBackend):
     def get_bounded(self, name: str, limit: int) -> tuple[int, bytes | None]:
         """One GET: its headers give the size, and the body is read only when it is at most
         ``limit`` bytes (a manifest without a HEAD first)."""
-        import obstore
-
-        key = self._key(name)
-
-        def one(store: Any) -> tuple[int, bytes | None]:
-            got = obstore.get(store, key)
-            size = int(got.meta["size"])
-            # larger than allowed: the body is never read (the connection is dropped)
-            return size, None if size > limit else bytes(got.bytes())
-
-        return cast(tuple[int, "bytes | None"], self._call("get", key, one))
+        return get_bounded(self, name, limit)
 
     def read_tail(self, name: str, length: int) -> tuple[int, BytesLike]:
         """One GET of a suffix range: the last ``length`` bytes (the whole object where it
-        is shorter) and, from the same answer, the object's size. Azure Blob takes no suffix
-        ranges: a HEAD and a ranged GET there."""
-        import obstore
-
-        if self.scheme == "az" or length <= 0:
+        is shorter) and, from the same answer, the object's size (see ``_reads``)."""
+        if self.scheme == "az" or length <= 0:  # Azure Blob takes no suffix ranges
             return super().read_tail(name, length)
-        key = self._key(name)
-
-        def one(store: Any) -> tuple[int, bytes]:
-            got = obstore.get(store, key, options={"range": {"suffix": length}})
-            size = int(got.meta["size"])
-            body = bytes(got.bytes())
-            if len(body) != min(length, size):
-                raise FormatError(
-                    f"{self._where(key)}: asked for its last {length} bytes, got {len(body)} "
-                    f"of {size}"
-                )
-            return size, body
-
-        try:
-            return cast(tuple[int, bytes], self._call("read", key, one))
-        except CheckpointNotFound:
-            raise
-        except (FormatError, BackendError) as exc:
-            # an empty object has no suffix to satisfy (416); some stores answer a suffix
-            # longer than the object with all of it, unasked (moto): HEAD and ranged GET
-            log.debug("%s: suffix read failed (%s); HEAD and read", self._where(key), exc)
-            return super().read_tail(name, length)
+        return read_tail(self, name, length)
 
     def size(self, name: str) -> int:
         import obstore
