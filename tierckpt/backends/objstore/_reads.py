@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from tierckpt.backends.base import Backend
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
-
-if TYPE_CHECKING:
-    from tierckpt.backends.objstore._backend import ObjectStoreBackend
 
 __all__ = ["NOGIL_COPY_BYTES", "fill", "get_bounded", "read_tail"]
 
@@ -45,8 +42,9 @@ def fill(view: Any, body: memoryview) -> None:
         pos += n
 
 
-def get_bounded(backend: ObjectStoreBackend, name: str, limit: int) -> tuple[int, bytes | None]:
-    """One GET: its headers give the size; the body is read only when it is at most
+def get_bounded(backend: Any, name: str, limit: int) -> tuple[int, bytes | None]:
+    """``backend``: an ``ObjectStoreBackend`` (untyped here: no import cycle). One GET: its
+    headers give the size; the body is read only when it is at most
     ``limit`` bytes (larger: never read, the connection is dropped)."""
     import obstore
 
@@ -60,7 +58,7 @@ def get_bounded(backend: ObjectStoreBackend, name: str, limit: int) -> tuple[int
     return cast(tuple[int, "bytes | None"], backend._call("get", key, one))
 
 
-def read_tail(backend: ObjectStoreBackend, name: str, length: int) -> tuple[int, bytes]:
+def read_tail(backend: Any, name: str, length: int) -> tuple[int, bytes]:
     """The last ``length`` bytes of ``name`` (all of it where shorter) and its size, from one
     suffix-range GET; where the store answers that oddly, a HEAD and a ranged GET."""
     import obstore
