@@ -184,3 +184,32 @@ def test_node_ram_recipe_lists_each_tier_once_per_load(
     for r in res:
         assert r["step"] == 2 and r["diff"] == []
         assert r["lists"]["local"] == 1 and r["lists"]["s3"] == 1, r["lists"]
+
+
+def _same_tail_as_default(backend: ObjectStoreBackend) -> None:
+    backend.put_atomic("ten", b"0123456789")
+    for n in (4, 10, 100):
+        size, data = backend.read_tail("ten", n)
+        want = Backend.read_tail(backend, "ten", n)
+        assert (size, bytes(data)) == (want[0], bytes(want[1])), n
+    assert backend.get_bounded("ten", 10) == (10, b"0123456789")
+    assert backend.get_bounded("ten", 9) == (10, None)
+    backend.close()
+
+
+def test_read_tail_on_gcs(fake_gcs: Any, gcs_xml: Any) -> None:
+    import secrets
+
+    bucket = f"tierckpt-{secrets.token_hex(6)}"
+    fake_gcs.create_bucket(bucket)
+    _same_tail_as_default(ObjectStoreBackend(f"gs://{bucket}/r", endpoint_url=gcs_xml.endpoint_url))
+
+
+def test_read_tail_on_azure(azurite: Any, azure_env: None) -> None:
+    import secrets
+
+    container = f"tierckpt-{secrets.token_hex(6)}"
+    azurite.create_bucket(container)
+    _same_tail_as_default(
+        ObjectStoreBackend(f"az://{container}/r", endpoint_url=azurite.endpoint_url)
+    )
