@@ -213,3 +213,69 @@ def test_read_tail_on_azure(azurite: Any, azure_env: None) -> None:
     _same_tail_as_default(
         ObjectStoreBackend(f"az://{container}/r", endpoint_url=azurite.endpoint_url)
     )
+
+
+def test_data_requests_go_out_before_the_tensors_are_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loading thread builds its tensors only once the fetch threads have begun their
+    ranged reads (its Python would hold the GIL they need to send them). Reader threads made
+    slow to start: before, the tensors were all built before the first read began."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tierckpt.restore._chunks as chunks_mod
+    import tierckpt.restore._shard as shard_mod
+    from tierckpt import LocalTier
+    from tierckpt.backends.local import LocalBackend
+    from tierckpt.restore import read_manifest, read_shard
+
+    class Remote(LocalBackend):
+        @property
+        def is_remote(self) -> bool:
+            return True
+
+        def read_into_pieces(self, name: str, offset: int, outs: Any) -> None:
+            events.append("fetch")
+            super().read_into_pieces(name, offset, outs)
+
+    events: list[str] = []
+    state = _state(40)
+    with Checkpointer([LocalTier(tmp_path, codec="raw")], chunk_bytes=64 << 10) as ck:
+        ck.save(state, step=1).result()
+    real_read, real_rebuild = chunks_mod.ChunkReader.read, shard_mod.rebuild_tensor
+
+    def slow_read(self: Any, ci: int) -> int:
+        time.sleep(0.1)  # a reader thread that starts late
+        return real_read(self, ci)
+
+    def rebuild(*args: Any) -> Any:
+        events.append("tensor")
+        return real_rebuild(*args)
+
+    monkeypatch.setattr(chunks_mod.ChunkReader, "read", slow_read)
+    monkeypatch.setattr(shard_mod, "rebuild_tensor", rebuild)
+    backend = Remote(tmp_path)
+    with ThreadPoolExecutor(2) as pool:
+        loaded = read_shard(backend, "t", read_manifest(backend, 1, "t"), 0, pool)
+    assert_same(loaded.state, state)
+    assert events[0] == "fetch", events[:5]
+
+
+def test_body_copy_fills_plain_and_spread_views() -> None:
+    """A GET's body lands in its pieces byte for byte, large pieces copied with the GIL
+    released, small ones by slice assignment."""
+    from tierckpt.backends.objstore._reads import NOGIL_COPY_BYTES, fill
+    from tierckpt.backends.objstore._spread import _Spread
+
+    body = bytes(range(256)) * (3 * NOGIL_COPY_BYTES // 256)
+    whole = bytearray(len(body))
+    fill(memoryview(whole), memoryview(body))
+    assert whole == body
+    a, b, c = (
+        bytearray(NOGIL_COPY_BYTES),
+        bytearray(10),
+        bytearray(len(body) - NOGIL_COPY_BYTES - 10),
+    )
+    fill(_Spread([memoryview(a), memoryview(b), memoryview(c)]), memoryview(body))
+    assert a + b + c == body
