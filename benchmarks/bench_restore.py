@@ -5,6 +5,8 @@ local folder.
     python benchmarks/bench_restore.py                  # ~1 GiB, warm-up round + median of 5
     python benchmarks/bench_restore.py --quick          # ~64 MiB, in-process, median of 3
     python benchmarks/bench_restore.py --json out.json --runs 7
+    python benchmarks/bench_restore.py --gib 0.25 --only obstore-get,tierckpt-obstore-raw \
+        --before /path/to/old/checkout          # also each tierckpt row with the old code
 
 Setup (once): the synthetic training state of :func:`tierckpt.bench.state.make_state` is saved
 by tierckpt to a local tier (raw) and two S3 prefixes (raw, auto), by DCP to a folder, and its
@@ -110,7 +112,9 @@ def _shapes_state(spec: dict[str, Any]) -> Any:
 
 
 def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Run contender ``name`` once; imports happen before the clock starts."""
+    """Run contender ``name`` once; imports happen before the clock starts. A name ending
+    in ``@before`` is the same contender (run with another checkout on ``PYTHONPATH``)."""
+    name = name.partition("@")[0]
     import torch  # noqa: F401
 
     import tierckpt
@@ -400,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="measured rounds (default 5, quick 3)")
     ap.add_argument("--only", default="", help="comma-separated contenders")
     ap.add_argument("--json", default="bench-out/restore.json", help="where to write results")
+    ap.add_argument(
+        "--before",
+        default="",
+        help="another checkout of tierckpt (a folder holding its tierckpt/): each tierckpt "
+        "contender also runs with that code, as NAME@before, interleaved with the rest",
+    )
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--spec", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -414,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in LOCAL + S3 if not args.only or n in args.only.split(",")]
     skipped = {n: why for n in names if (why := _available(n))}
     names = [n for n in names if n not in skipped]
+    if args.before:
+        if args.in_process:
+            raise SystemExit("--before needs fresh processes (not --quick / --in-process)")
+        names += [f"{n}@before" for n in names if n.startswith("tierckpt-")]
 
     from tierckpt.testing.s3servers import ACCESS_KEY, REGION, SECRET_KEY, start_seaweedfs
 
@@ -457,11 +471,15 @@ def main(argv: list[str] | None = None) -> int:
                         cpu[name].append(got["cpu_s"])
                         setup[name].append(got["setup_s"])
                         continue
+                    env = dict(os.environ)
+                    if name.endswith("@before"):
+                        env["PYTHONPATH"] = os.path.abspath(args.before)
                     proc = subprocess.run(
                         [sys.executable, __file__, "--worker", name, "--spec", str(spec_path)],
                         capture_output=True,
                         text=True,
                         timeout=600,
+                        env=env,
                     )
                     if proc.returncode != 0:
                         failed[name] = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
@@ -486,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "stored_bytes": spec["stored"],
         "runs": runs,
         "warmup": warmup,
+        "before": os.path.abspath(args.before) if args.before else None,
         "contenders": {
             n: {
                 "median_s": statistics.median(times[n]),
@@ -521,7 +540,7 @@ def table(results: dict[str, Any]) -> str:
     ]
     for group, names, base in (("local", LOCAL, "disk-read"), ("s3", S3, "obstore-get")):
         ref = c.get(base, {}).get("median_s")
-        for n in names:
+        for n in [m for k in names for m in (k, f"{k}@before")]:
             if n not in c:
                 continue
             s = c[n]["median_s"]

@@ -10,7 +10,9 @@ Retention and garbage collection (:mod:`tierckpt.retention`) act on what this mo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from tierckpt.backends.base import Backend
 from tierckpt.errors import TierCkptError
@@ -24,6 +26,7 @@ from tierckpt.format import (
 
 __all__ = [
     "committed_ids",
+    "listed_once",
     "committed_steps",
     "data_ids",
     "data_steps",
@@ -37,14 +40,41 @@ __all__ = [
 log = logging.getLogger("tierckpt")
 
 
+#: backends (by id) whose listing is kept while a :func:`listed_once` block runs (None: not
+#: listed yet), on this thread
+_LISTED: ContextVar[dict[int, list[CheckpointId] | None] | None] = ContextVar(
+    "tierckpt_listed", default=None
+)
+
+
+@contextmanager
+def listed_once(backends: Iterable[Backend]) -> Iterator[None]:
+    """Within this block (on this thread), :func:`committed_ids` lists each of ``backends``
+    once and answers again from that listing: one load lists a tier once, also where a peer
+    replicator's ``prepare_load`` listed it first. Only for backends nothing in the block
+    commits to (a listing kept too long may miss a checkpoint, never invent one; a chosen
+    checkpoint that vanished meanwhile fails its read, as one removed just after a listing)."""
+    token = _LISTED.set({id(b): None for b in backends})
+    try:
+        yield
+    finally:
+        _LISTED.reset(token)
+
+
 def committed_ids(backend: Backend) -> list[CheckpointId]:
     """Every committed checkpoint on ``backend``, oldest first (the last one is the newest)."""
+    kept = _LISTED.get()
+    if kept is not None and kept.get(id(backend)) is not None:
+        return list(kept[id(backend)] or ())
     ids = []
     for name in backend.list(f"{MANIFEST_DIR}/"):
         cid = parse_manifest_id(name)
         if cid is not None:
             ids.append(cid)
-    return sorted(ids)
+    ids.sort()
+    if kept is not None and id(backend) in kept:
+        kept[id(backend)] = list(ids)
+    return ids
 
 
 def newest_per_step(ids: Iterable[CheckpointId]) -> list[CheckpointId]:

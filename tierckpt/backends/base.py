@@ -189,6 +189,21 @@ class Backend(ABC):
         """The whole object (for small objects: manifests, records)."""
         return bytes(self.read(name, 0, self.size(name)))
 
+    def get_bounded(self, name: str, limit: int) -> tuple[int, bytes | None]:
+        """``(size, whole object)`` of a small object (manifests), the bytes ``None`` (never
+        read) where the object is larger than ``limit``: storage may be hostile. A backend
+        that can (obstore: the GET's headers give the size before its body) does it in one
+        request instead of a HEAD and a GET."""
+        size = self.size(name)
+        return size, None if size > limit else bytes(self.get(name))
+
+    def read_tail(self, name: str, length: int) -> tuple[int, Buffer]:
+        """``(size, last min(length, size) bytes)`` of an object: a shard file's footer and
+        index in one read where the store can (S3's suffix range: one GET, no HEAD)."""
+        size = self.size(name)
+        n = max(0, min(length, size))
+        return size, self.read(name, size - n, n)
+
     @abstractmethod
     def size(self, name: str) -> int: ...
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from tierckpt.arena import HostArena
-from tierckpt.catalog import committed_ids, lineage, steps_of
+from tierckpt.catalog import committed_ids, lineage, listed_once, steps_of
 from tierckpt.checkpointer._auto_feedback import feed_policy
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
@@ -141,19 +141,22 @@ def _load_once(
         raise ValueError("fallback must be 'error' or 'previous'")
     ctx.forget_timeline()  # the run may have gone back: the next save decides again
     tiers = [ctx.tier_named(tier)] if tier is not None else list(ctx.tiers)
-    if ctx.prepare_load is not None and tier is None:
-        # every rank restores the same checkpoint: shards missing from a node's RAM are
-        # pulled from partners first (a collective on the peer tier's own group)
-        chosen = ctx.prepare_load(step, timeline)
-        if chosen is not None and step is None:
-            step, timeline = chosen.step, chosen.timeline
-    listing: dict[str, list[CheckpointId]] = {}
-    for t in tiers:
-        try:
-            listing[t.name] = committed_ids(t.backend)
-        except TierCkptError as exc:
-            log.warning("cannot list tier %s: %s", t.name, exc)
-            listing[t.name] = []
+    # each tier listed once per load: the peer replicator's prepare_load lists the slower
+    # tiers, and this listing reuses what it saw (not node RAM: the pulls commit there)
+    with listed_once(t.backend for t in tiers if not t.backend.is_node_local):
+        if ctx.prepare_load is not None and tier is None:
+            # every rank restores the same checkpoint: shards missing from a node's RAM are
+            # pulled from partners first (a collective on the peer tier's own group)
+            chosen = ctx.prepare_load(step, timeline)
+            if chosen is not None and step is None:
+                step, timeline = chosen.step, chosen.timeline
+        listing: dict[str, list[CheckpointId]] = {}
+        for t in tiers:
+            try:
+                listing[t.name] = committed_ids(t.backend)
+            except TierCkptError as exc:
+                log.warning("cannot list tier %s: %s", t.name, exc)
+                listing[t.name] = []
     all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
     if timeline is not None:
         all_ids = [c for c in all_ids if c.timeline == timeline]

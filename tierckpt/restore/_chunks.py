@@ -20,7 +20,7 @@ mismatch raises :class:`~tierckpt.errors.CorruptChunk` naming the tier, file and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -53,6 +53,7 @@ class ChunkReader:
         span_offsets: Sequence[int],
         repop: Repopulation,
         fetch_pool: ThreadPoolExecutor | None,
+        on_fetch_start: Callable[[], None] | None = None,
     ) -> None:
         self.backend = backend
         self.file = file
@@ -75,6 +76,8 @@ class ChunkReader:
         #: where compressed chunks are fetched in pieces while they decode and raw chunks in
         #: segments straight into the storages (None: whole, on the reader thread)
         self.fetch_pool = fetch_pool
+        #: told when each fetch on the fetch pool begins (see ``FetchStarts``)
+        self.on_fetch_start = on_fetch_start
         # buffers of one thread, reused from chunk to chunk: a fresh buffer per chunk would
         # pay the first touch of new pages every time (peak extra memory: a chunk or two per
         # thread)
@@ -177,7 +180,13 @@ class ChunkReader:
         if at > run:
             pieces.append(buf[run:at])
         fetch = ScatterFetch(
-            self.backend, self.file, rec.file_offset, pieces, self.fetch_pool, PIECE_BYTES
+            self.backend,
+            self.file,
+            rec.file_offset,
+            pieces,
+            self.fetch_pool,
+            PIECE_BYTES,
+            self.on_fetch_start,
         )
         self._prefault(parts)  # while the first segments are fetched (never overwrites them)
         try:
@@ -204,7 +213,14 @@ class ChunkReader:
             self._read(rec, ci, stored)
             decode_chunk(codec, stored, out, ci, self.tier, self.where, self.file)
         else:
-            fetch = StreamedFetch(self.backend, self.file, rec.file_offset, stored, self.fetch_pool)
+            fetch = StreamedFetch(
+                self.backend,
+                self.file,
+                rec.file_offset,
+                stored,
+                self.fetch_pool,
+                on_start=self.on_fetch_start,
+            )
             try:
                 decode_chunk(codec, stored, out, ci, self.tier, self.where, self.file, fetch.ready)
                 digest = fetch.finish()

@@ -18,17 +18,67 @@ verifying cannot do more harm than a corrupt chunk found afterwards.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
 
 from tierckpt.backends.base import Backend
 
-__all__ = ["PIECE_BYTES", "StreamedFetch"]
+__all__ = ["PIECE_BYTES", "FetchStarts", "StreamedFetch"]
 
 #: bytes per ranged read of a streamed chunk: one S3 part (the backends' default part size),
 #: small enough that a 64 MiB chunk's first segments decode while the rest downloads
 PIECE_BYTES = 8 << 20
+
+
+class FetchStarts:
+    """Counts the fetches (ranged reads on the fetch pool) that have begun, so that the
+    loading thread starts its own Python work (building a few thousand tensors and the tree)
+    only once the first ``want`` requests are on their way: on a busy GIL each fetch thread
+    would otherwise wait a switch interval (5 ms) per step before its request goes out, and
+    the whole load starts that much later. Only an ordering hint: :meth:`wait` also ends when
+    every chunk read is done (fewer fetches than ``want``) and after ``timeout`` seconds."""
+
+    def __init__(self, want: int) -> None:
+        self._want = max(1, want)
+        self._n = 0
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+
+    def tick(self) -> None:
+        """A fetch begins (called on the fetch thread, just before its request)."""
+        with self._lock:
+            self._n += 1
+            if self._n >= self._want:
+                self._event.set()
+
+    def wait(self, futures: Sequence[Future[int]], timeout: float = 1.0) -> None:
+        """Until ``want`` fetches began, every one of ``futures`` is done, or ``timeout``."""
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_f: Future[int]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._event.set()
+
+        for f in futures:
+            f.add_done_callback(done)
+        self._event.wait(timeout)
+
+
+def _started(on_start: Callable[[], None] | None, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, telling ``on_start`` when it begins."""
+    if on_start is None:
+        return fn
+
+    def run(*args: object) -> None:
+        on_start()
+        fn(*args)
+
+    return run
 
 
 class StreamedFetch:
@@ -49,6 +99,7 @@ class StreamedFetch:
         pool: ThreadPoolExecutor,
         *,
         piece_bytes: int | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         self._into = into
         n = len(into)
@@ -57,8 +108,9 @@ class StreamedFetch:
         self._hash = xxhash.xxh3_64()
         self._hashed = 0  # pieces folded into the checksum (a prefix of them)
         self._lock = threading.Lock()
+        read = _started(on_start, backend.read_into)
         self._futures: list[Future[None]] = [
-            pool.submit(backend.read_into, file, offset + a, into[a:b]) for a, b in self._bounds
+            pool.submit(read, file, offset + a, into[a:b]) for a, b in self._bounds
         ]
 
     @property

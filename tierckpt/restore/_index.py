@@ -45,10 +45,12 @@ def read_manifest(backend: Backend, step: int, tier: str, *, timeline: int = 0) 
     """The manifest of ``step`` on ``timeline``, validated; it must say it is that one's."""
     name = manifest_name(step, timeline=timeline)
     where = f"tier {tier!r} {backend.url}/{name}"
-    size = backend.size(name)
-    if size > MAX_MANIFEST_BYTES:  # before reading it: a hostile manifest may be huge
+    # one GET where the store can (its size checked before its body is read: a hostile
+    # manifest may be huge), else a HEAD and a GET
+    size, blob = backend.get_bounded(name, MAX_MANIFEST_BYTES)
+    if blob is None:
         raise FormatError(f"{where}: manifest is {size} bytes, more than {MAX_MANIFEST_BYTES}")
-    manifest = decode_manifest(backend.get(name), where=where)
+    manifest = decode_manifest(blob, where=where)
     if manifest.step != step:
         raise FormatError(f"{where}: the manifest is step {manifest.step}'s, not step {step}'s")
     if manifest.timeline != timeline:
@@ -58,27 +60,55 @@ def read_manifest(backend: Backend, step: int, tier: str, *, timeline: int = 0) 
     return manifest
 
 
+#: bytes of a shard file's end read at once before its footer says the index's length:
+#: the footer and an index of a few thousand tensors (~100 bytes each) in one request; a
+#: larger index seen on this host raises it (the next load reads that much)
+TAIL_READ_BYTES = 256 << 10
+#: the most a learned guess reads at once
+MAX_TAIL_READ_BYTES = 8 << 20
+_tail_guess = TAIL_READ_BYTES
+
+
 def read_index(
     backend: Backend, ref: ShardRef, tier: str
 ) -> tuple[dict[str, Any], bytes | bytearray, bytes]:
+    """The shard file's index, checked against its footer and the manifest's record (its
+    size and index checksum); also the index and footer bytes (repopulated copies get them).
+
+    One read of the file's tail brings its size, footer and (usually) the whole index:
+    through obstore one suffix-range GET where it used to take a HEAD and three GETs."""
+    global _tail_guess
     where = f"tier {tier!r} {backend.url}/{ref.file}"
-    size = backend.size(ref.file)
+    guess = _tail_guess
+    # never more than the manifest says the file holds (a suffix past the start of the
+    # object is answered differently by different stores)
+    size, tail = backend.read_tail(ref.file, max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE)))
     if size != ref.size:
         raise CorruptCheckpoint(
             f"{where}: file is {size} bytes, the manifest says {ref.size} (truncated or replaced)"
         )
-    footer_bytes = bytes(backend.read(ref.file, size - FOOTER_SIZE, FOOTER_SIZE))
+    tail = memoryview(tail).cast("B")
+    footer_bytes = bytes(tail[len(tail) - FOOTER_SIZE :])
     footer = Footer.decode(footer_bytes, file_size=size, where=where)
     if footer.index_checksum != ref.index_checksum:
         raise CorruptCheckpoint(f"{where}: index checksum differs from the manifest's")
-    if footer.index_length > HEAD_PROBE_BYTES:  # a large index: its counts first
-        head = backend.read(ref.file, footer.index_offset, 512)
-        check_index_head(head, index_length=footer.index_length, file_size=size, where=where)
-    blob = backend.read(ref.file, footer.index_offset, footer.index_length)
-    if not isinstance(blob, (bytes, bytearray)):
-        blob = bytes(blob)
+    have = len(tail) - FOOTER_SIZE  # index bytes already read (the end of the index)
+    n = footer.index_length
+    if n <= have:
+        blob: bytes | bytearray = bytes(tail[have - n : have])
+        if n > HEAD_PROBE_BYTES:
+            check_index_head(blob[:512], index_length=n, file_size=size, where=where)
+    else:
+        if n > HEAD_PROBE_BYTES:  # a large index: its counts first
+            head = backend.read(ref.file, footer.index_offset, 512)
+            check_index_head(head, index_length=n, file_size=size, where=where)
+        start = backend.read(ref.file, footer.index_offset, n - have)
+        blob = bytearray(memoryview(start).cast("B"))
+        blob += tail[:have]
     if checksum(blob) != footer.index_checksum:
         raise CorruptCheckpoint(f"{where}: index bytes do not match their checksum")
+    if n > have:  # a checked index larger than the guess: the next load reads it in one go
+        _tail_guess = min(MAX_TAIL_READ_BYTES, max(_tail_guess, n + (n >> 3)))
     return decode_index(blob, file_size=size, where=where), blob, footer_bytes
 
 

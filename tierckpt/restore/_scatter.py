@@ -22,12 +22,13 @@ the bodies in flight), else one chunk per reader thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
 
 from tierckpt.backends.base import Backend
+from tierckpt.restore._fetch import _started
 
 __all__ = ["ScatterFetch", "segments"]
 
@@ -75,11 +76,13 @@ class ScatterFetch:
         pieces: Sequence[memoryview],
         pool: ThreadPoolExecutor,
         step: int,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         self._segments = segments(pieces, offset, max(1, step))
         self._lock = threading.Lock()
+        read = _started(on_start, backend.read_into_pieces)
         self._futures: list[Future[None]] = [
-            pool.submit(backend.read_into_pieces, file, off, views) for off, views in self._segments
+            pool.submit(read, file, off, views) for off, views in self._segments
         ]
 
     def finish(self) -> str:

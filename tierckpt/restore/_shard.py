@@ -16,6 +16,7 @@ from tierckpt.codecs import Codec, SupportsProgressiveDecode, codec_from_config
 from tierckpt.errors import FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
+from tierckpt.restore._fetch import FetchStarts
 from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
@@ -84,14 +85,28 @@ def read_shard(
         if backend.is_remote or any(isinstance(c, SupportsProgressiveDecode) for c in codecs)
         else None
     )
+    starts = FetchStarts(_workers(fetch_pool)) if fetch_pool is not None else None
     reader = ChunkReader(
-        backend, ref.file, tier, where, codecs, chunks, spans, span_offsets, repop, fetch_pool
+        backend,
+        ref.file,
+        tier,
+        where,
+        codecs,
+        chunks,
+        spans,
+        span_offsets,
+        repop,
+        fetch_pool,
+        starts.tick if starts is not None else None,
     )
-    # every chunk is submitted first; the tensors (views of the storages) are built on this
-    # thread while the readers fill the storages, the tree only once they are full: rebuilding
-    # a quantized tensor copies its integers, which must have arrived by then
+    # every chunk is submitted first; once the first requests are out (this thread's Python
+    # would hold the GIL they need to be sent), the tensors (views of the storages) are built
+    # on this thread while the readers fill the storages, the tree only once they are full:
+    # rebuilding a quantized tensor copies its integers, which must have arrived by then
     futures = [pool.submit(reader.read, ci) for ci in range(len(chunks))]
     try:
+        if starts is not None:
+            starts.wait(futures)
         # cover every span byte: the chunks must tile the data stream
         covered = sum(c.raw_size for c in chunks)
         if covered != data_bytes:

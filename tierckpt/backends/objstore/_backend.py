@@ -28,6 +28,7 @@ from tierckpt.backends.objstore._errors import (
     transient,
     translate,
 )
+from tierckpt.backends.objstore._reads import fill, get_bounded, read_tail
 from tierckpt.backends.objstore._slots import Slots
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.backends.objstore._store import StoreSettings, make_stores, parse_url
@@ -365,7 +366,7 @@ class ObjectStoreBackend(RemoteBackend):
                         f"{where}: read of bytes {start}-{start + len(view) - 1} past its end "
                         f"({start + n})"
                     )
-                view[:] = memoryview(part)
+                fill(view, memoryview(part))
             return
 
     def _check_end(self, obstore: Any, key: str, end: int, err: BaseException) -> None:
@@ -386,6 +387,18 @@ class ObjectStoreBackend(RemoteBackend):
 
         key = self._key(name)
         return bytes(self._call("get", key, lambda store: obstore.get(store, key).bytes()))
+
+    def get_bounded(self, name: str, limit: int) -> tuple[int, bytes | None]:
+        """One GET: its headers give the size, and the body is read only when it is at most
+        ``limit`` bytes (a manifest without a HEAD first)."""
+        return get_bounded(self, name, limit)
+
+    def read_tail(self, name: str, length: int) -> tuple[int, BytesLike]:
+        """One GET of a suffix range: the last ``length`` bytes (the whole object where it
+        is shorter) and, from the same answer, the object's size (see ``_reads``)."""
+        if self.scheme == "az" or length <= 0:  # Azure Blob takes no suffix ranges
+            return super().read_tail(name, length)
+        return read_tail(self, name, length)
 
     def size(self, name: str) -> int:
         import obstore

@@ -1,0 +1,88 @@
+"""Reads of :class:`~tierckpt.backends.objstore.ObjectStoreBackend` that save a load its
+round trips and its GIL: a small object in one GET (size from its headers), a file's tail
+with its size in one suffix-range GET, and a GET's body copied into its pieces with the GIL
+released."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any, cast
+
+from tierckpt.backends.base import Backend
+from tierckpt.backends.objstore._spread import _Spread
+from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
+
+__all__ = ["NOGIL_COPY_BYTES", "fill", "get_bounded", "read_tail"]
+
+log = logging.getLogger("tierckpt.backends.objstore")
+
+#: copies from a GET's body at least this large run with the GIL released
+NOGIL_COPY_BYTES = 1 << 20
+
+
+def fill(view: Any, body: memoryview) -> None:
+    """``view[:] = body``, a large copy through ``ctypes.memmove``, which releases the GIL:
+    a part's copy (8 MiB, a few ms) then never holds up the loading thread building tensors
+    or the other fetch threads handing over their bodies (a slice assignment holds the GIL
+    for the whole copy). ``view`` may be a :class:`_Spread` (several pieces, in order)."""
+    body = body.cast("B") if body.format != "B" else body
+    pieces = view._views if isinstance(view, _Spread) else [view]
+    pos = 0
+    for v in pieces:
+        n = len(v)
+        if n >= NOGIL_COPY_BYTES and v.contiguous and body.contiguous:
+            import numpy as np
+
+            dst = np.frombuffer(v, dtype=np.uint8)  # writable: the caller's memory
+            src = np.frombuffer(body[pos : pos + n], dtype=np.uint8)
+            ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
+        else:
+            v[:] = body[pos : pos + n]
+        pos += n
+
+
+def get_bounded(backend: Any, name: str, limit: int) -> tuple[int, bytes | None]:
+    """``backend``: an ``ObjectStoreBackend`` (untyped here: no import cycle). One GET: its
+    headers give the size; the body is read only when it is at most
+    ``limit`` bytes (larger: never read, the connection is dropped)."""
+    import obstore
+
+    key = backend._key(name)
+
+    def one(store: Any) -> tuple[int, bytes | None]:
+        got = obstore.get(store, key)
+        size = int(got.meta["size"])
+        return size, None if size > limit else bytes(got.bytes())
+
+    return cast(tuple[int, "bytes | None"], backend._call("get", key, one))
+
+
+def read_tail(backend: Any, name: str, length: int) -> tuple[int, bytes]:
+    """The last ``length`` bytes of ``name`` (all of it where shorter) and its size, from one
+    suffix-range GET; where the store answers that oddly, a HEAD and a ranged GET."""
+    import obstore
+
+    key = backend._key(name)
+
+    def one(store: Any) -> tuple[int, bytes]:
+        got = obstore.get(store, key, options={"range": {"suffix": length}})
+        size = int(got.meta["size"])
+        body = bytes(got.bytes())
+        if len(body) != min(length, size):
+            raise FormatError(
+                f"{backend._where(key)}: asked for its last {length} bytes, got {len(body)} "
+                f"of {size}"
+            )
+        return size, body
+
+    try:
+        return cast(tuple[int, bytes], backend._call("read", key, one))
+    except CheckpointNotFound:
+        raise
+    except (FormatError, BackendError) as exc:
+        # an empty object has no suffix to satisfy (416); some stores answer a suffix
+        # longer than the object with all of it, unasked (moto): HEAD and ranged GET
+        log.debug("%s: suffix read failed (%s); HEAD and read", backend._where(key), exc)
+        size, data = Backend.read_tail(backend, name, length)
+        return size, bytes(data)
