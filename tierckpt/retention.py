@@ -19,6 +19,16 @@ Besides the ``keep_last`` newest (:class:`Retention`, Orbax ``CheckpointManager`
 Every rule is decided from what is stored on the tier (manifests, pin markers), never from
 the memory of the process, so a restarted job keeps the same checkpoints. Where the tier
 cannot tell (a manifest or the pin list cannot be read), nothing is removed.
+
+What a pass lists (the pipeline's retention after each commit, ``sweep=None``): leftovers of
+saves that never committed come from (a) processes killed before this writer took the tier,
+(b) this process's own saves that failed or were abandoned, and (c) nothing else, as long as
+this writer holds the tier's lease. So the full sweep (one listing of every object and every
+unfinished upload) runs at this writer's first retention on a backend and again after any of
+its saves there failed (:func:`note_failed_save`), until a sweep finds nothing left that it
+had to spare; in between a pass lists the manifests only where its rules may remove a
+checkpoint, the pins only when one is about to go, and the objects only to delete one.
+``tierckpt gc`` and explicit calls (``sweep=True``, the default) always sweep fully.
 """
 
 from __future__ import annotations
@@ -28,19 +38,21 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
-from tierckpt.catalog import committed_ids, data_ids
+from tierckpt.catalog import committed_ids
 from tierckpt.errors import BackendError
 from tierckpt.format import (
     MANIFEST_DIR,
     CheckpointId,
     decode_manifest,
     manifest_name,
+    parse_data_folder,
     parse_manifest_id,
     step_prefix,
 )
@@ -53,6 +65,7 @@ __all__ = [
     "delete_checkpoint",
     "delete_step",
     "gc_tier",
+    "note_failed_save",
     "pin_checkpoint",
     "pin_on_tiers",
     "pinned_ids",
@@ -260,11 +273,16 @@ def _best(
 
 def kept_ids(backend: Backend, committed: list[CheckpointId], rule: Retention) -> set[CheckpointId]:
     """Which of ``committed`` (oldest first) the rules keep, pins included."""
-    if not committed:
-        return set()
-    keep: set[CheckpointId] = {committed[-1]}  # never the newest
-    if not rule.removes:
+    if not committed or not rule.removes:
         return set(committed)
+    return _kept_by_rules(backend, committed, rule) | set(pinned_ids(backend))
+
+
+def _kept_by_rules(
+    backend: Backend, committed: list[CheckpointId], rule: Retention
+) -> set[CheckpointId]:
+    """:func:`kept_ids` without the pins (listed only when something is about to go)."""
+    keep: set[CheckpointId] = {committed[-1]}  # never the newest
     if rule.keep_last is not None:
         keep.update(committed[-rule.keep_last :])
     if rule.keep_every_n_steps is not None:
@@ -272,26 +290,63 @@ def kept_ids(backend: Backend, committed: list[CheckpointId], rule: Retention) -
     if rule.keep_best is not None:
         best, unknown = _best(backend, committed, rule)
         keep |= best | unknown
-    keep.update(pinned_ids(backend))
     return keep
 
 
 log = logging.getLogger("tierckpt")
 
 
-def delete_checkpoint(backend: Backend, cid: CheckpointId) -> None:
-    """Delete one checkpoint: manifest first (it stops existing), then its data."""
+class _Listing:
+    """One pass's listings of a tier, each made at most once and only when first needed: every
+    object, every unfinished write (temporary file, open multipart upload)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._objects: list[str] | None = None
+        self._uploads: list[str] | None = None
+
+    def objects(self) -> list[str]:
+        if self._objects is None:
+            self._objects = self._backend.list("")
+        return self._objects
+
+    def uploads(self) -> list[str]:
+        if self._uploads is None:
+            self._uploads = self._backend.incomplete("")
+        return self._uploads
+
+    def data_ids(self) -> list[CheckpointId]:
+        """As :func:`tierckpt.catalog.data_ids`, from these listings."""
+        found = (parse_data_folder(n) for n in [*self.objects(), *self.uploads()])
+        return sorted({cid for cid in found if cid is not None})
+
+
+def delete_checkpoint(
+    backend: Backend,
+    cid: CheckpointId,
+    *,
+    listing: _Listing | None = None,
+    uploads: bool = True,
+) -> None:
+    """Delete one checkpoint: manifest first (it stops existing), then its data.
+
+    ``listing``: the pass's listings, reused (default: list now). ``uploads=False``: its
+    writes are known to have finished (a commit of this process, no failure since), so its
+    unfinished uploads are not looked for."""
+    listing = listing if listing is not None else _Listing(backend)
     backend.delete(manifest_name(cid.step, timeline=cid.timeline))
     prefix = step_prefix(cid.step, timeline=cid.timeline)
     # format v1 keeps a step's files in one folder; v2 (tierckpt.layout) also under hashed
     # prefixes <hh>/ whose number may have changed between runs: one listing of the tier
     # finds both
     folders = {prefix}
-    for name in backend.list(""):
+    for name in listing.objects():
         if data_folder_part(name).startswith(prefix):
             backend.delete(name)
             folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
-    for name in backend.incomplete(""):
+    if not uploads:
+        return
+    for name in listing.uploads():
         if data_folder_part(name).startswith(prefix):
             folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
     for folder in sorted(folders):
@@ -303,12 +358,47 @@ def delete_step(backend: Backend, step: int, *, timeline: int = 0) -> None:
     delete_checkpoint(backend, CheckpointId(step, timeline))
 
 
+# -- when the pipeline's retention sweeps leftovers (see the module docstring) ----------------
+@dataclass(slots=True)
+class _SweepState:
+    """What this process knows of one backend's leftovers."""
+
+    #: a sweep since this process's last failed save there found nothing it had to spare
+    clean: bool = False
+    #: failed saves noted so far (a sweep that ran across one does not count as clean)
+    failures: int = 0
+    #: committed checkpoints a sweep saw unfinished uploads under (removed with them)
+    stale: set[CheckpointId] = field(default_factory=set)
+
+
+_SWEEPS: weakref.WeakKeyDictionary[Backend, _SweepState] = weakref.WeakKeyDictionary()
+_sweep_lock = threading.Lock()
+
+
+def _sweep_state(backend: Backend) -> _SweepState:
+    with _sweep_lock:
+        state = _SWEEPS.get(backend)
+        if state is None:
+            state = _SWEEPS[backend] = _SweepState()
+        return state
+
+
+def note_failed_save(backend: Backend) -> None:
+    """A save of this process on ``backend`` failed or was abandoned (its abort may have left
+    files or uploads behind): the next ``gc_tier(..., sweep=None)`` there sweeps fully."""
+    state = _sweep_state(backend)
+    with _sweep_lock:
+        state.clean = False
+        state.failures += 1
+
+
 def gc_tier(
     backend: Backend,
     keep_last: int | Retention | None,
     *,
     protect: Collection[CheckpointId] = (),
     protect_steps: Collection[int] = (),
+    sweep: bool | None = True,
 ) -> list[CheckpointId]:
     """Apply retention; returns the checkpoints deleted. ``protect``: those being saved now.
 
@@ -317,37 +407,91 @@ def gc_tier(
     pinned checkpoint and never the newest one; removes data folders without a manifest only
     when they are older than the newest committed checkpoint (a save of a newer one may
     still be running) and not pinned. ``protect_steps``: steps kept on any timeline (an
-    integration's live pointers).
+    integration's live pointers). ``sweep``: True, look for leftovers of saves that never
+    committed (and unfinished uploads) every time; None, only when this process has not
+    swept ``backend`` clean since it started using it or since :func:`note_failed_save`.
     """
     rule = keep_last if isinstance(keep_last, Retention) else Retention(keep_last=keep_last)
+    state = _sweep_state(backend)
+    with _sweep_lock:
+        failures = state.failures
+        if sweep is None:
+            sweep = not state.clean
+    in_flight = set(protect)
+    deleted: list[CheckpointId] = []
+    if not sweep and not rule.removes:
+        return deleted  # nothing to decide: no listing at all
     committed = committed_ids(backend)
+    listing = _Listing(backend)
     if protect_steps:
         steps = set(protect_steps)
-        protect = {*protect, *(c for c in [*committed, *data_ids(backend)] if c.step in steps)}
-    deleted: list[CheckpointId] = []
+        # leftovers are looked at only while sweeping: only then their ids are needed
+        pool = [*committed, *(listing.data_ids() if sweep else ())]
+        protect = {*protect, *(c for c in pool if c.step in steps)}
     if not committed:
         return deleted
     newest = committed[-1]
     if rule.removes:
-        keep = kept_ids(backend, committed, rule)
+        keep = _kept_by_rules(backend, committed, rule)
+        if any(c not in keep and c not in protect for c in committed):
+            keep |= set(pinned_ids(backend))  # listed only when something is about to go
         for cid in committed:
             if cid in keep or cid == newest or cid in protect:
                 continue
-            delete_checkpoint(backend, cid)
+            delete_checkpoint(backend, cid, listing=listing, uploads=sweep or cid in state.stale)
             _forget(backend, cid)
+            state.stale.discard(cid)
             deleted.append(cid)
         protect = {*protect, *keep}
-    committed_set = set(committed)
-    for cid in data_ids(backend):
-        if cid < newest and cid not in committed_set and cid not in protect:
-            # a save that never committed (killed, failed): its leftovers go
-            delete_checkpoint(backend, cid)
-            deleted.append(cid)
-    for name in backend.incomplete(f"{MANIFEST_DIR}/"):
-        # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
-        pending = parse_manifest_id(name)
-        if pending is not None and pending < newest and pending not in protect:
-            backend.cleanup_incomplete(name)
+    if sweep:
+        clean = _sweep(backend, committed, newest, protect, in_flight, listing, deleted)
+        with _sweep_lock:
+            # a save that failed while this pass ran marked it unclean: that stays
+            state.clean = clean and state.failures == failures
+            state.stale = {
+                c for c in committed if c not in deleted and _has_upload(listing.uploads(), c)
+            }
     if deleted:
         log.debug("gc on %s removed %s", backend.url, ", ".join(map(str, deleted)))
     return deleted
+
+
+def _has_upload(uploads: list[str], cid: CheckpointId) -> bool:
+    prefix = step_prefix(cid.step, timeline=cid.timeline)
+    return any(data_folder_part(n).startswith(prefix) for n in uploads)
+
+
+def _sweep(
+    backend: Backend,
+    committed: list[CheckpointId],
+    newest: CheckpointId,
+    protect: Collection[CheckpointId],
+    in_flight: Collection[CheckpointId],
+    listing: _Listing,
+    deleted: list[CheckpointId],
+) -> bool:
+    """Remove the leftovers of saves that never committed; appends them to ``deleted``.
+    Returns whether none was spared (newer than ``newest``, pinned, a protected step: a later
+    sweep removes them); the saves of this process in flight (``in_flight``) do not count,
+    as their failure is noted (:func:`note_failed_save`)."""
+    clean = True
+    committed_set = set(committed)
+    for cid in listing.data_ids():
+        if cid in committed_set or cid in in_flight:
+            continue
+        if cid < newest and cid not in protect:
+            # a save that never committed (killed, failed): its leftovers go
+            delete_checkpoint(backend, cid, listing=listing)
+            deleted.append(cid)
+        else:
+            clean = False
+    for name in listing.uploads():
+        # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
+        pending = parse_manifest_id(name) if name.startswith(f"{MANIFEST_DIR}/") else None
+        if pending is None or pending in in_flight:
+            continue
+        if pending < newest and pending not in protect:
+            backend.cleanup_incomplete(name)
+        elif pending not in committed_set:
+            clean = False
+    return clean
