@@ -38,10 +38,9 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
@@ -52,11 +51,11 @@ from tierckpt.format import (
     CheckpointId,
     decode_manifest,
     manifest_name,
-    parse_data_folder,
     parse_manifest_id,
     step_prefix,
 )
 from tierckpt.layout import data_folder_part
+from tierckpt.sweep import SWEEP_LOCK, Listing, note_failed_save, sweep_state
 
 __all__ = [
     "PIN_DIR",
@@ -296,36 +295,11 @@ def _kept_by_rules(
 log = logging.getLogger("tierckpt")
 
 
-class _Listing:
-    """One pass's listings of a tier, each made at most once and only when first needed: every
-    object, every unfinished write (temporary file, open multipart upload)."""
-
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-        self._objects: list[str] | None = None
-        self._uploads: list[str] | None = None
-
-    def objects(self) -> list[str]:
-        if self._objects is None:
-            self._objects = self._backend.list("")
-        return self._objects
-
-    def uploads(self) -> list[str]:
-        if self._uploads is None:
-            self._uploads = self._backend.incomplete("")
-        return self._uploads
-
-    def data_ids(self) -> list[CheckpointId]:
-        """As :func:`tierckpt.catalog.data_ids`, from these listings."""
-        found = (parse_data_folder(n) for n in [*self.objects(), *self.uploads()])
-        return sorted({cid for cid in found if cid is not None})
-
-
 def delete_checkpoint(
     backend: Backend,
     cid: CheckpointId,
     *,
-    listing: _Listing | None = None,
+    listing: Listing | None = None,
     uploads: bool = True,
 ) -> None:
     """Delete one checkpoint: manifest first (it stops existing), then its data.
@@ -333,7 +307,7 @@ def delete_checkpoint(
     ``listing``: the pass's listings, reused (default: list now). ``uploads=False``: its
     writes are known to have finished (a commit of this process, no failure since), so its
     unfinished uploads are not looked for."""
-    listing = listing if listing is not None else _Listing(backend)
+    listing = listing if listing is not None else Listing(backend)
     backend.delete(manifest_name(cid.step, timeline=cid.timeline))
     prefix = step_prefix(cid.step, timeline=cid.timeline)
     # format v1 keeps a step's files in one folder; v2 (tierckpt.layout) also under hashed
@@ -358,40 +332,6 @@ def delete_step(backend: Backend, step: int, *, timeline: int = 0) -> None:
     delete_checkpoint(backend, CheckpointId(step, timeline))
 
 
-# -- when the pipeline's retention sweeps leftovers (see the module docstring) ----------------
-@dataclass(slots=True)
-class _SweepState:
-    """What this process knows of one backend's leftovers."""
-
-    #: a sweep since this process's last failed save there found nothing it had to spare
-    clean: bool = False
-    #: failed saves noted so far (a sweep that ran across one does not count as clean)
-    failures: int = 0
-    #: committed checkpoints a sweep saw unfinished uploads under (removed with them)
-    stale: set[CheckpointId] = field(default_factory=set)
-
-
-_SWEEPS: weakref.WeakKeyDictionary[Backend, _SweepState] = weakref.WeakKeyDictionary()
-_sweep_lock = threading.Lock()
-
-
-def _sweep_state(backend: Backend) -> _SweepState:
-    with _sweep_lock:
-        state = _SWEEPS.get(backend)
-        if state is None:
-            state = _SWEEPS[backend] = _SweepState()
-        return state
-
-
-def note_failed_save(backend: Backend) -> None:
-    """A save of this process on ``backend`` failed or was abandoned (its abort may have left
-    files or uploads behind): the next ``gc_tier(..., sweep=None)`` there sweeps fully."""
-    state = _sweep_state(backend)
-    with _sweep_lock:
-        state.clean = False
-        state.failures += 1
-
-
 def gc_tier(
     backend: Backend,
     keep_last: int | Retention | None,
@@ -412,9 +352,12 @@ def gc_tier(
     swept ``backend`` clean since it started using it or since :func:`note_failed_save`.
     """
     rule = keep_last if isinstance(keep_last, Retention) else Retention(keep_last=keep_last)
-    state = _sweep_state(backend)
-    with _sweep_lock:
+    state = sweep_state(backend)
+    with SWEEP_LOCK:
         failures = state.failures
+        # a rule that removes nothing, and no failed save here: the leftovers of killed
+        # writers are looked for among the objects only (unfinished uploads: tierckpt gc)
+        uploads = sweep is True or rule.removes or state.failures > 0
         if sweep is None:
             sweep = not state.clean
     in_flight = set(protect)
@@ -422,11 +365,11 @@ def gc_tier(
     if not sweep and not rule.removes:
         return deleted  # nothing to decide: no listing at all
     committed = committed_ids(backend)
-    listing = _Listing(backend)
+    listing = Listing(backend)
     if protect_steps:
         steps = set(protect_steps)
         # leftovers are looked at only while sweeping: only then their ids are needed
-        pool = [*committed, *(listing.data_ids() if sweep else ())]
+        pool = [*committed, *(listing.data_ids(uploads) if sweep else ())]
         protect = {*protect, *(c for c in pool if c.step in steps)}
     if not committed:
         return deleted
@@ -444,13 +387,14 @@ def gc_tier(
             deleted.append(cid)
         protect = {*protect, *keep}
     if sweep:
-        clean = _sweep(backend, committed, newest, protect, in_flight, listing, deleted)
-        with _sweep_lock:
+        clean = _sweep(backend, committed, newest, protect, in_flight, listing, deleted, uploads)
+        with SWEEP_LOCK:
             # a save that failed while this pass ran marked it unclean: that stays
             state.clean = clean and state.failures == failures
-            state.stale = {
-                c for c in committed if c not in deleted and _has_upload(listing.uploads(), c)
-            }
+            if uploads:
+                state.stale = {
+                    c for c in committed if c not in deleted and _has_upload(listing.uploads(), c)
+                }
     if deleted:
         log.debug("gc on %s removed %s", backend.url, ", ".join(map(str, deleted)))
     return deleted
@@ -467,8 +411,9 @@ def _sweep(
     newest: CheckpointId,
     protect: Collection[CheckpointId],
     in_flight: Collection[CheckpointId],
-    listing: _Listing,
+    listing: Listing,
     deleted: list[CheckpointId],
+    uploads: bool,
 ) -> bool:
     """Remove the leftovers of saves that never committed; appends them to ``deleted``.
     Returns whether none was spared (newer than ``newest``, pinned, a protected step: a later
@@ -476,16 +421,16 @@ def _sweep(
     as their failure is noted (:func:`note_failed_save`)."""
     clean = True
     committed_set = set(committed)
-    for cid in listing.data_ids():
+    for cid in listing.data_ids(uploads):
         if cid in committed_set or cid in in_flight:
             continue
         if cid < newest and cid not in protect:
             # a save that never committed (killed, failed): its leftovers go
-            delete_checkpoint(backend, cid, listing=listing)
+            delete_checkpoint(backend, cid, listing=listing, uploads=uploads)
             deleted.append(cid)
         else:
             clean = False
-    for name in listing.uploads():
+    for name in listing.uploads() if uploads else ():
         # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
         pending = parse_manifest_id(name) if name.startswith(f"{MANIFEST_DIR}/") else None
         if pending is None or pending in in_flight:
