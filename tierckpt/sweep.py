@@ -60,11 +60,16 @@ SWEEP_LOCK = threading.Lock()
 
 
 def sweep_state(backend: Backend) -> SweepState:
-    """``backend``'s state, made on first use (forgotten with the backend object)."""
+    """``backend``'s state, made on first use (forgotten with the backend object). A backend
+    that cannot be remembered (a test double without hash or weak reference) gets a new,
+    unswept one each time: every pass then sweeps, as before this state existed."""
     with SWEEP_LOCK:
-        state = _SWEEPS.get(backend)
-        if state is None:
-            state = _SWEEPS[backend] = SweepState()
+        try:
+            state = _SWEEPS.get(backend)
+            if state is None:
+                state = _SWEEPS[backend] = SweepState()
+        except TypeError:
+            return SweepState()
         return state
 
 
