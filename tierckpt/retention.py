@@ -21,14 +21,16 @@ the memory of the process, so a restarted job keeps the same checkpoints. Where 
 cannot tell (a manifest or the pin list cannot be read), nothing is removed.
 
 What a pass lists (the pipeline's retention after each commit, ``sweep=None``): leftovers of
-saves that never committed come from (a) processes killed before this writer took the tier,
-(b) this process's own saves that failed or were abandoned, and (c) nothing else, as long as
-this writer holds the tier's lease. So the full sweep (one listing of every object and every
-unfinished upload) runs at this writer's first retention on a backend and again after any of
-its saves there failed (:func:`note_failed_save`), until a sweep finds nothing left that it
-had to spare; in between a pass lists the manifests only where its rules may remove a
-checkpoint, the pins only when one is about to go, and the objects only to delete one.
-``tierckpt gc`` and explicit calls (``sweep=True``, the default) always sweep fully.
+saves that never committed come from (a) writers killed before this one took the tier and
+(b) this process's own failed or abandoned saves; no other writer runs while this one holds
+the lease. So the sweep (one listing of the objects and one of the unfinished uploads) runs
+at this writer's first pass on a backend and after each failed save of its own there
+(:func:`note_failed_save`), until a sweep spares nothing (a leftover newer than the newest
+commit waits for the next one); a rule that removes nothing (``keep_last=None``) with no
+failure sweeps the objects only, leaving killed uploads to ``tierckpt gc --abort-incomplete``.
+Otherwise a pass lists the manifests only if its rules may remove one, the pins only when one
+is about to go, the objects only to delete it. ``sweep=True`` (``tierckpt gc``, the
+default) always sweeps fully.
 """
 
 from __future__ import annotations
