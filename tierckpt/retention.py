@@ -26,8 +26,8 @@ saves that never committed come from (a) writers killed before this one took the
 the lease. So the sweep (one listing of the objects and one of the unfinished uploads) runs
 at this writer's first pass on a backend and after each failed save of its own there
 (:func:`note_failed_save`), until a sweep spares nothing (a leftover newer than the newest
-commit waits for the next one); a rule that removes nothing (``keep_last=None``) with no
-failure sweeps the objects only, leaving killed uploads to ``tierckpt gc --abort-incomplete``.
+commit waits for the next one), whatever the rules (``keep_last=None`` included: a killed
+writer's unfinished uploads are billed storage nothing else would remove).
 Otherwise a pass lists the manifests only if its rules may remove one, the pins only when one
 is about to go, the objects only to delete it. ``sweep=True`` (``tierckpt gc``, the
 default) always sweeps fully.
@@ -357,11 +357,11 @@ def gc_tier(
     state = sweep_state(backend)
     with SWEEP_LOCK:
         failures = state.failures
-        # a rule that removes nothing, and no failed save here: the leftovers of killed
-        # writers are looked for among the objects only (unfinished uploads: tierckpt gc)
-        uploads = sweep is True or rule.removes or state.failures > 0
         if sweep is None:
             sweep = not state.clean
+        # a sweep looks for unfinished uploads too, whatever the rules: a killed writer's
+        # parts are billed storage that nothing else would ever remove
+        uploads = sweep
     in_flight = set(protect)
     deleted: list[CheckpointId] = []
     if not sweep and not rule.removes:
