@@ -19,6 +19,18 @@ Besides the ``keep_last`` newest (:class:`Retention`, Orbax ``CheckpointManager`
 Every rule is decided from what is stored on the tier (manifests, pin markers), never from
 the memory of the process, so a restarted job keeps the same checkpoints. Where the tier
 cannot tell (a manifest or the pin list cannot be read), nothing is removed.
+
+What a pass lists (the pipeline's retention after each commit, ``sweep=None``): leftovers of
+saves that never committed come from (a) writers killed before this one took the tier and
+(b) this process's own failed or abandoned saves; no other writer runs while this one holds
+the lease. So the sweep (one listing of the objects and one of the unfinished uploads) runs
+at this writer's first pass on a backend and after each failed save of its own there
+(:func:`note_failed_save`), until a sweep spares nothing (a leftover newer than the newest
+commit waits for the next one), whatever the rules (``keep_last=None`` included: a killed
+writer's unfinished uploads are billed storage nothing else would remove).
+Otherwise a pass lists the manifests only if its rules may remove one, the pins only when one
+is about to go, the objects only to delete it. ``sweep=True`` (``tierckpt gc``, the
+default) always sweeps fully.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
-from tierckpt.catalog import committed_ids, data_ids
+from tierckpt.catalog import committed_ids
 from tierckpt.errors import BackendError
 from tierckpt.format import (
     MANIFEST_DIR,
@@ -45,6 +57,7 @@ from tierckpt.format import (
     step_prefix,
 )
 from tierckpt.layout import data_folder_part
+from tierckpt.sweep import SWEEP_LOCK, Listing, note_failed_save, sweep_state
 
 __all__ = [
     "PIN_DIR",
@@ -53,6 +66,7 @@ __all__ = [
     "delete_checkpoint",
     "delete_step",
     "gc_tier",
+    "note_failed_save",
     "pin_checkpoint",
     "pin_on_tiers",
     "pinned_ids",
@@ -260,11 +274,16 @@ def _best(
 
 def kept_ids(backend: Backend, committed: list[CheckpointId], rule: Retention) -> set[CheckpointId]:
     """Which of ``committed`` (oldest first) the rules keep, pins included."""
-    if not committed:
-        return set()
-    keep: set[CheckpointId] = {committed[-1]}  # never the newest
-    if not rule.removes:
+    if not committed or not rule.removes:
         return set(committed)
+    return _kept_by_rules(backend, committed, rule) | set(pinned_ids(backend))
+
+
+def _kept_by_rules(
+    backend: Backend, committed: list[CheckpointId], rule: Retention
+) -> set[CheckpointId]:
+    """:func:`kept_ids` without the pins (listed only when something is about to go)."""
+    keep: set[CheckpointId] = {committed[-1]}  # never the newest
     if rule.keep_last is not None:
         keep.update(committed[-rule.keep_last :])
     if rule.keep_every_n_steps is not None:
@@ -272,26 +291,38 @@ def kept_ids(backend: Backend, committed: list[CheckpointId], rule: Retention) -
     if rule.keep_best is not None:
         best, unknown = _best(backend, committed, rule)
         keep |= best | unknown
-    keep.update(pinned_ids(backend))
     return keep
 
 
 log = logging.getLogger("tierckpt")
 
 
-def delete_checkpoint(backend: Backend, cid: CheckpointId) -> None:
-    """Delete one checkpoint: manifest first (it stops existing), then its data."""
+def delete_checkpoint(
+    backend: Backend,
+    cid: CheckpointId,
+    *,
+    listing: Listing | None = None,
+    uploads: bool = True,
+) -> None:
+    """Delete one checkpoint: manifest first (it stops existing), then its data.
+
+    ``listing``: the pass's listings, reused (default: list now). ``uploads=False``: its
+    writes are known to have finished (a commit of this process, no failure since), so its
+    unfinished uploads are not looked for."""
+    listing = listing if listing is not None else Listing(backend)
     backend.delete(manifest_name(cid.step, timeline=cid.timeline))
     prefix = step_prefix(cid.step, timeline=cid.timeline)
     # format v1 keeps a step's files in one folder; v2 (tierckpt.layout) also under hashed
     # prefixes <hh>/ whose number may have changed between runs: one listing of the tier
     # finds both
     folders = {prefix}
-    for name in backend.list(""):
+    for name in listing.objects():
         if data_folder_part(name).startswith(prefix):
             backend.delete(name)
             folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
-    for name in backend.incomplete(""):
+    if not uploads:
+        return
+    for name in listing.uploads():
         if data_folder_part(name).startswith(prefix):
             folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
     for folder in sorted(folders):
@@ -309,6 +340,7 @@ def gc_tier(
     *,
     protect: Collection[CheckpointId] = (),
     protect_steps: Collection[int] = (),
+    sweep: bool | None = True,
 ) -> list[CheckpointId]:
     """Apply retention; returns the checkpoints deleted. ``protect``: those being saved now.
 
@@ -317,37 +349,96 @@ def gc_tier(
     pinned checkpoint and never the newest one; removes data folders without a manifest only
     when they are older than the newest committed checkpoint (a save of a newer one may
     still be running) and not pinned. ``protect_steps``: steps kept on any timeline (an
-    integration's live pointers).
+    integration's live pointers). ``sweep``: True, look for leftovers of saves that never
+    committed (and unfinished uploads) every time; None, only when this process has not
+    swept ``backend`` clean since it started using it or since :func:`note_failed_save`.
     """
     rule = keep_last if isinstance(keep_last, Retention) else Retention(keep_last=keep_last)
+    state = sweep_state(backend)
+    with SWEEP_LOCK:
+        failures = state.failures
+        if sweep is None:
+            sweep = not state.clean
+        # a sweep looks for unfinished uploads too, whatever the rules: a killed writer's
+        # parts are billed storage that nothing else would ever remove
+        uploads = sweep
+    in_flight = set(protect)
+    deleted: list[CheckpointId] = []
+    if not sweep and not rule.removes:
+        return deleted  # nothing to decide: no listing at all
     committed = committed_ids(backend)
+    listing = Listing(backend)
     if protect_steps:
         steps = set(protect_steps)
-        protect = {*protect, *(c for c in [*committed, *data_ids(backend)] if c.step in steps)}
-    deleted: list[CheckpointId] = []
+        # leftovers are looked at only while sweeping: only then their ids are needed
+        pool = [*committed, *(listing.data_ids(uploads) if sweep else ())]
+        protect = {*protect, *(c for c in pool if c.step in steps)}
     if not committed:
         return deleted
     newest = committed[-1]
     if rule.removes:
-        keep = kept_ids(backend, committed, rule)
+        keep = _kept_by_rules(backend, committed, rule)
+        if any(c not in keep and c not in protect for c in committed):
+            keep |= set(pinned_ids(backend))  # listed only when something is about to go
         for cid in committed:
             if cid in keep or cid == newest or cid in protect:
                 continue
-            delete_checkpoint(backend, cid)
+            delete_checkpoint(backend, cid, listing=listing, uploads=sweep or cid in state.stale)
             _forget(backend, cid)
+            state.stale.discard(cid)
             deleted.append(cid)
         protect = {*protect, *keep}
-    committed_set = set(committed)
-    for cid in data_ids(backend):
-        if cid < newest and cid not in committed_set and cid not in protect:
-            # a save that never committed (killed, failed): its leftovers go
-            delete_checkpoint(backend, cid)
-            deleted.append(cid)
-    for name in backend.incomplete(f"{MANIFEST_DIR}/"):
-        # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
-        pending = parse_manifest_id(name)
-        if pending is not None and pending < newest and pending not in protect:
-            backend.cleanup_incomplete(name)
+    if sweep:
+        clean = _sweep(backend, committed, newest, protect, in_flight, listing, deleted, uploads)
+        with SWEEP_LOCK:
+            # a save that failed while this pass ran marked it unclean: that stays
+            state.clean = clean and state.failures == failures
+            if uploads:
+                state.stale = {
+                    c for c in committed if c not in deleted and _has_upload(listing.uploads(), c)
+                }
     if deleted:
         log.debug("gc on %s removed %s", backend.url, ", ".join(map(str, deleted)))
     return deleted
+
+
+def _has_upload(uploads: list[str], cid: CheckpointId) -> bool:
+    prefix = step_prefix(cid.step, timeline=cid.timeline)
+    return any(data_folder_part(n).startswith(prefix) for n in uploads)
+
+
+def _sweep(
+    backend: Backend,
+    committed: list[CheckpointId],
+    newest: CheckpointId,
+    protect: Collection[CheckpointId],
+    in_flight: Collection[CheckpointId],
+    listing: Listing,
+    deleted: list[CheckpointId],
+    uploads: bool,
+) -> bool:
+    """Remove the leftovers of saves that never committed; appends them to ``deleted``.
+    Returns whether none was spared (newer than ``newest``, pinned, a protected step: a later
+    sweep removes them); the saves of this process in flight (``in_flight``) do not count,
+    as their failure is noted (:func:`note_failed_save`)."""
+    clean = True
+    committed_set = set(committed)
+    for cid in listing.data_ids(uploads):
+        if cid in committed_set or cid in in_flight:
+            continue
+        if cid < newest and cid not in protect:
+            # a save that never committed (killed, failed): its leftovers go
+            delete_checkpoint(backend, cid, listing=listing, uploads=uploads)
+            deleted.append(cid)
+        else:
+            clean = False
+    for name in listing.uploads() if uploads else ():
+        # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
+        pending = parse_manifest_id(name) if name.startswith(f"{MANIFEST_DIR}/") else None
+        if pending is None or pending in in_flight:
+            continue
+        if pending < newest and pending not in protect:
+            backend.cleanup_incomplete(name)
+        elif pending not in committed_set:
+            clean = False
+    return clean

@@ -36,7 +36,7 @@ from tierckpt.pipeline._capture import _encode
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, Tier, _ChunkState, _Follow, _TierWrite
 from tierckpt.plan import ChunkPlan
-from tierckpt.retention import gc_tier
+from tierckpt.retention import gc_tier, note_failed_save
 from tierckpt.verify import read_verified
 
 log = logging.getLogger("tierckpt")
@@ -83,6 +83,7 @@ class _TiersMixin(_StallMixin):
                 tier.spec.retention,
                 protect=protect,
                 protect_steps=self.protect_steps(),
+                sweep=None,  # leftovers: at this writer's first pass and after a failed save
             )
         except (BackendError, OSError) as exc:
             log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
@@ -428,6 +429,7 @@ class _TiersMixin(_StallMixin):
         """Report ``tier``'s copy of ``job`` done: committed (``result``) or not (``error``,
         counted as ``outcome``). ``defer_hooks``: the caller must not block (capture)."""
         if error is not None:
+            note_failed_save(tier.backend)  # its abort may have left files: sweep next time
             if outcome == "skipped":
                 log.warning("%s", error)
             else:
