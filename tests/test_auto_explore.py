@@ -207,11 +207,9 @@ def test_a_slow_decoder_switches_an_s3_tier_to_raw(s3_server: S3Server, s3_bucke
 
 
 class ThrottledBackend(LocalBackend):
-    """A local folder read at ~2 MB/s per reader thread (``read`` goes through ``read_into``): a
-    link far slower than the decoder, also when a loaded machine slows the decoder down (at
-    4 MB/s a busy 2-core machine once measured the compressed load level with the link)."""
+    """A local folder read at ~4 MB/s per reader thread (``read`` goes through ``read_into``): a link slower than the decoder."""
 
-    RATE = 2e6
+    RATE = 4e6
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         time.sleep(len(out) / self.RATE)

@@ -79,7 +79,11 @@ def read_index(
     through obstore one suffix-range GET where it used to take a HEAD and three GETs."""
     global _tail_guess
     where = f"tier {tier!r} {backend.url}/{ref.file}"
-    guess = _tail_guess
+    # a round trip is worth saving only on a remote store; a local file's footer and index
+    # are two reads of exactly what is needed. The learned guess is bounded by the file's
+    # size (a large index seen once must not make every small file be read whole)
+    remote = backend.is_remote
+    guess = min(_tail_guess, max(TAIL_READ_BYTES, ref.size >> 4)) if remote else 0
     # never more than the manifest says the file holds (a suffix past the start of the
     # object is answered differently by different stores)
     size, tail = backend.read_tail(ref.file, max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE)))
@@ -107,7 +111,7 @@ def read_index(
         blob += tail[:have]
     if checksum(blob) != footer.index_checksum:
         raise CorruptCheckpoint(f"{where}: index bytes do not match their checksum")
-    if n > have:  # a checked index larger than the guess: the next load reads it in one go
+    if remote and n > have:  # a checked index larger than the guess: read it in one go next
         _tail_guess = min(MAX_TAIL_READ_BYTES, max(_tail_guess, n + (n >> 3)))
     return decode_index(blob, file_size=size, where=where), blob, footer_bytes
 
