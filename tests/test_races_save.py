@@ -52,13 +52,9 @@ def _clone(x: Any) -> Any:
     return {k: _clone(v) for k, v in x.items()}
 
 
-def test_state_may_change_once_wait_captured_returns_even_when_the_copy_is_slow(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Lazy capture: the caller changes its tensors as soon as ``wait_captured()`` returns
-    (the next training step). With every chunk's copy into the arena held back, the
-    checkpoint must hold the values at ``save()``, and its checksums (verified by the load)
-    must be those of the copied bytes."""
+def _hold_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every capture copy into the arena waits ``HOLD`` first; returns the list it appends to
+    once per copy (a test checks the copies really were held)."""
     copies: list[int] = []
     original = _capture.copy_chunk
 
@@ -68,6 +64,17 @@ def test_state_may_change_once_wait_captured_returns_even_when_the_copy_is_slow(
         return original(*a, **kw)
 
     monkeypatch.setattr(_capture, "copy_chunk", slow_copy)
+    return copies
+
+
+def test_state_may_change_once_wait_captured_returns_even_when_the_copy_is_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lazy capture: the caller changes its tensors as soon as ``wait_captured()`` returns
+    (the next training step). With every chunk's copy into the arena held back, the
+    checkpoint must hold the values at ``save()``, and its checksums (verified by the load)
+    must be those of the copied bytes."""
+    copies = _hold_copies(monkeypatch)
     state = _state(1)
     expected = _clone(state)
     with Checkpointer([LocalTier(tmp_path, keep_last=None)], chunk_bytes=1 << 20) as ck:
@@ -196,14 +203,6 @@ def test_guard_keeps_the_state_at_save_while_the_capture_is_held_back(
     the parameters and their state. With every capture copy held back, the checkpoint must
     still be the state at ``save()``: buffers copied in ``save()`` itself, the step held by
     the guard until the lazy copies are done."""
-    copies: list[int] = []
-    original = _capture.copy_chunk
-
-    def slow_copy(*a: Any, **kw: Any) -> Any:
-        time.sleep(HOLD)
-        copies.append(1)
-        return original(*a, **kw)
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 512)
@@ -218,7 +217,7 @@ def test_guard_keeps_the_state_at_save_while_the_capture_is_held_back(
     train_step()
     with Checkpointer([LocalTier(tmp_path, keep_last=None)], chunk_bytes=256 << 10) as ck:
         ck.guard(opt, model)
-        monkeypatch.setattr(_capture, "copy_chunk", slow_copy)
+        copies = _hold_copies(monkeypatch)
         state = {"model": model.state_dict(), "opt": opt.state_dict()}
         expected = {"model": _clone(dict(state["model"])), "opt_state": _clone_opt(opt)}
         h = ck.save(state, step=1)
