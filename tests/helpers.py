@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,3 +121,26 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b and str(a) == str(b), f"{path}: {a} vs {b}"
     else:
         assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def tensors_in(x: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a state (dicts, lists and tuples walked in order)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from tensors_in(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from tensors_in(v)
+
+
+def new_shared_map(path: str, size: int) -> mmap.mmap:
+    """A new file of ``size`` bytes at ``path`` (must not exist), mapped shared read-write, as
+    a peer receiver maps its file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import new_shared_map
 
 from tierckpt.peer._wire import populate_ahead
 
@@ -24,12 +25,7 @@ def shared_map(shm: Path) -> Iterator[tuple[str, mmap.mmap]]:
     """A new 8 MiB + 1 page tmpfs file, mapped shared (as a receiver maps its file)."""
     path = os.path.join(shm, "recv.tmp")
     size = 8 * MiB + mmap.PAGESIZE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.ftruncate(fd, size)
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
+    mm = new_shared_map(path, size)
     yield path, mm
     mm.close()
 

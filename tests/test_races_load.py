@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, trained_state
+from helpers import assert_same, tensors_in, trained_state
 
 from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.backends.local import LocalBackend
@@ -105,7 +105,7 @@ def test_load_into_copies_only_after_every_chunk_arrived(
     ) as ck:
         ck.save(state, step=1).wait(timeout=120)
     target = _state()
-    for t in _tensors(target):
+    for t in tensors_in(target):
         t.fill_(7)  # the caller's memory: anything that is not the checkpoint's bytes
     held = _hold_reads(monkeypatch, LocalBackend)
     with Checkpointer([LocalTier(tmp_path, keep_last=None, codec=codec)]) as ck:
@@ -113,17 +113,6 @@ def test_load_into_copies_only_after_every_chunk_arrived(
     assert held, "the reads were not held back: the test checks nothing"
     assert out is target
     assert_same(state, target)
-
-
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
 
 
 def test_export_writes_the_bytes_after_they_arrived(

@@ -9,7 +9,6 @@ of a piece and its pages' populate is exercised."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import new_shared_map
 
 from tierckpt.peer._wire import populate_ahead
 
@@ -27,12 +27,7 @@ PIECE = 256 << 10
 def test_pieces_received_while_the_pages_are_populated_all_stay(shm: Path) -> None:
     size = 16 * MiB
     path = os.path.join(shm, "recv-race.tmp")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.ftruncate(fd, size)
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
+    mm = new_shared_map(path, size)
     try:
         bufs = [torch.frombuffer(mm, dtype=torch.uint8)]  # dropped before the map closes
         order = list(range(size // PIECE))

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, tensors_in
 
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.backends.local import _LocalWriter
@@ -36,14 +35,6 @@ def _state(seed: int) -> dict[str, Any]:
         "b": torch.randn(4096, generator=g),
         "opt": {"m": torch.randn(300_000, generator=g), "step": torch.tensor(seed)},
     }
-
-
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
 
 
 def _clone(x: Any) -> Any:
@@ -80,7 +71,7 @@ def test_state_may_change_once_wait_captured_returns_even_when_the_copy_is_slow(
     with Checkpointer([LocalTier(tmp_path, keep_last=None)], chunk_bytes=1 << 20) as ck:
         h = ck.save(state, step=1)
         h.wait_captured(timeout=60)
-        for t in _tensors(state):
+        for t in tensors_in(state):
             t.fill_(-3)  # the next step
         h.wait(timeout=60)
         assert len(copies) >= 5, "the copies were not held back: the test checks nothing"
@@ -110,7 +101,7 @@ def test_arena_slot_is_not_reused_before_a_slow_writer_is_done(
         handles = []
         live = _clone(states[1])
         for s in (1, 2, 3):
-            for t, v in zip(_tensors(live), _tensors(states[s]), strict=True):
+            for t, v in zip(tensors_in(live), tensors_in(states[s]), strict=True):
                 t.copy_(v)  # the training state moves on in place
             h = ck.save(live, step=s)
             h.wait_captured(timeout=120)
