@@ -23,6 +23,10 @@ case once, the order alternating), one warm-up round, then the median of ``--run
 that fails (s3torchconnector timing out under load, say) is reported as failed, with its error,
 and the others go on.
 
+``--unsigned``: also raw obstore and the obstore tier sending ``UNSIGNED-PAYLOAD`` (what the
+tier does over TLS, where the body is not hashed for the signature; over this plain-HTTP server
+it signs them, as every raw client here does).
+
 ``--count-requests``: afterwards each save case runs once more through a counting proxy
 (:class:`tierckpt.testing.faultproxy.FaultProxy`, after a warm-up save so that a tier's first
 save's one-off requests are not counted) and the requests it sent are listed by kind.
@@ -122,9 +126,12 @@ def cases(
     bucket: str,
     state: dict[str, torch.Tensor],
     endpoint: str | None = None,
+    unsigned: bool = False,
 ) -> dict[str, Any]:
     """``{"save": {name: fn}, "restore": {name: fn}}``: each fn returns its seconds.
-    ``endpoint``: where the clients connect (default the server's; a counting proxy)."""
+    ``endpoint``: where the clients connect (default the server's; a counting proxy).
+    ``unsigned``: also obstore and the obstore tier sending unsigned payloads (what the tier
+    does over TLS; the server here speaks plain HTTP, where the tier signs them)."""
     endpoint = endpoint or server.endpoint_url
     import obstore
     from boto3.s3.transfer import TransferConfig
@@ -162,6 +169,14 @@ def cases(
         },
         client_options={"allow_http": True},
     )
+    unsigned_store = S3Store(
+        bucket,
+        config={
+            **{k: v for k, v in store.config.items() if k != "bucket"},
+            "unsigned_payload": True,
+        },
+        client_options={"allow_http": True},
+    )
     sink = bytearray(size)
     save: dict[str, Callable[[], float]] = {}
     restore: dict[str, Callable[[], float]] = {}
@@ -180,6 +195,12 @@ def cases(
     save["raw obstore (put 8 MiB x 8)"] = wall(
         lambda: obstore.put(store, "raw/obstore", data, chunk_size=PART, max_concurrency=THREADS)
     )
+    if unsigned:
+        save["raw obstore (put 8 MiB x 8, unsigned)"] = wall(
+            lambda: obstore.put(
+                unsigned_store, "raw/unsigned", data, chunk_size=PART, max_concurrency=THREADS
+            )
+        )
     save["raw obstore (put 5 MiB x 12)"] = wall(
         lambda: obstore.put(
             store,
@@ -230,22 +251,32 @@ def cases(
 
     steps = iter(range(1, 1 << 30))
     cks: dict[str, Checkpointer] = {}
-    for driver in ("obstore", "boto3"):
+    tiers = {
+        name: (driver, extra)
+        for name, driver, extra in (
+            ("tierckpt driver=obstore", "obstore", {}),
+            ("tierckpt driver=boto3", "boto3", {}),
+            ("tierckpt driver=obstore, unsigned", "obstore", {"unsigned_payload": True}),
+        )
+        if unsigned or not extra
+    }
+    for name, (driver, extra) in tiers.items():
         tier = S3Tier(
-            f"s3://{bucket}/ckpt-{driver}",
+            f"s3://{bucket}/ckpt-{driver}{'-unsigned' if extra else ''}",
             driver=driver,
             endpoint_url=endpoint,
             keep_last=1,
             codec="raw",
+            **({"config": extra} if extra else {}),
         )
         ck = Checkpointer([tier], host_buffer_bytes=size + (256 << 20))
-        cks[driver] = ck
+        cks[name] = ck
 
         def ck_save(ck: Checkpointer = ck) -> float:
             return float(ck.save(state, step=next(steps)).result()["s3"].seconds)
 
-        save[f"tierckpt driver={driver}"] = ck_save
-        restore[f"tierckpt driver={driver}"] = wall(lambda ck=ck: ck.load())
+        save[name] = ck_save
+        restore[name] = wall(lambda ck=ck: ck.load())
     return {"save": save, "restore": restore, "close": [*cks.values()], "size": size}
 
 
@@ -279,13 +310,18 @@ def run_rounds(
 
 
 def count_requests(
-    server: S3Server, bucket: str, state: dict[str, torch.Tensor], kinds: list[str], only: str
+    server: S3Server,
+    bucket: str,
+    state: dict[str, torch.Tensor],
+    kinds: list[str],
+    only: str,
+    unsigned: bool,
 ) -> dict[str, dict[str, dict[str, int]]]:
     """``{kind: {name: {request kind: count}}}`` of one run of each case through a counting
     proxy, after one warm-up run (a tier's first save probes the store, takes its lease...)."""
     out: dict[str, dict[str, dict[str, int]]] = {}
     with FaultProxy(server.endpoint_url) as proxy:
-        c = cases(server, bucket, state, endpoint=proxy.endpoint_url)
+        c = cases(server, bucket, state, endpoint=proxy.endpoint_url, unsigned=unsigned)
         try:
             for kind in kinds:
                 out[kind] = {}
@@ -333,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="then count each case's requests once, through a proxy",
     )
+    ap.add_argument(
+        "--unsigned",
+        action="store_true",
+        help="also obstore and the obstore tier with unsigned payloads (the tier's way over TLS)",
+    )
     args = ap.parse_args(argv)
     kinds = [k for k in ("save", "restore") if k in args.kinds.split(",")]
     requests: dict[str, dict[str, dict[str, int]]] = {}
@@ -342,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             bucket = "bench"
             server.admin.create_bucket(Bucket=bucket)
             state = make_state(args.size)
-            c = cases(server, bucket, state)
+            c = cases(server, bucket, state, unsigned=args.unsigned)
             if args.only:
                 words = args.only.split(",")
                 for kind in kinds:
@@ -353,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 for ck in c["close"]:
                     ck.close()
             if args.count_requests:
-                requests = count_requests(server, bucket, state, kinds, args.only)
+                requests = count_requests(server, bucket, state, kinds, args.only, args.unsigned)
         finally:
             server.stop()
     size = c["size"]

@@ -131,3 +131,36 @@ def test_a_tier_that_encodes_waits_for_the_encoder(
             got = ck.load(step=1)
     assert sent == 0
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "config", "unsigned"),
+    [
+        (None, {}, "true"),  # AWS: TLS
+        ("https://s3.example.test:9000", {}, "true"),
+        ("http://127.0.0.1:9000", {}, None),  # the signature is the body's only protection
+        ("https://s3.example.test:9000", {"unsigned_payload": False}, "false"),
+        ("http://127.0.0.1:9000", {"unsigned_payload": True}, "true"),
+    ],
+)
+def test_s3_bodies_are_hashed_for_the_signature_only_without_tls(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str | None, config: dict[str, bool], unsigned: str
+) -> None:
+    """SHA-256 of every uploaded byte was most of an upload's client CPU; over TLS the AWS SDKs
+    send UNSIGNED-PAYLOAD, and so does the tier unless told otherwise."""
+    from tierckpt.backends.objstore import ObjectStoreBackend
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    backend = ObjectStoreBackend("s3://bucket/p", endpoint_url=endpoint, config=config)
+    try:
+        for store in (backend._store, backend._once):
+            assert store.config.get("unsigned_payload") == unsigned
+    finally:
+        backend.close()
