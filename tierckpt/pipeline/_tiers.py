@@ -211,19 +211,19 @@ class _TiersMixin(_StallMixin):
         both done with it."""
         assert tw.writer is not None
         release = Countdown(2, loan.release)
-        loan.handed = True  # from here ``release`` frees the slot, also on failure
         try:
-            self._append(tier, tw, chunk, None, None, lent=(view, release))
+            # sets loan.handed when the writer has taken ``release`` (it then calls it once)
+            self._append(tier, tw, chunk, None, loan, lent=(view, release))
         finally:
             try:
                 done = enc.result()  # the encoder reads the slot until then
             finally:
-                release()
-        raw = memoryview(done.data).cast("B")
-        if done.codec_config != {"id": "raw"} or len(raw) != len(view):
+                if loan.handed:
+                    release()  # else the tier's thread releases the slot (not handed)
+        if len(memoryview(done.data).cast("B")) != len(view):
             raise FormatError(  # cannot happen for a passthrough codec; never record a lie
-                f"tier {tier.name!r}: chunk {chunk.seq} was uploaded raw but encoded as "
-                f"{done.codec_config} ({len(raw)} bytes)"
+                f"tier {tier.name!r}: chunk {chunk.seq} was uploaded raw ({len(view)} bytes) "
+                f"but encoded as {done.codec_config}"
             )
         self._record(tw, chunk, done, tw.offset - len(view), len(view))
 
@@ -249,7 +249,9 @@ class _TiersMixin(_StallMixin):
         t0 = time.perf_counter()
         write_lent = getattr(tw.writer, "write_lent", None) if loan is not None else None
         if lent is not None:
+            assert loan is not None
             data: BytesLike = lent[0]
+            loan.handed = True  # from here the writer calls lent[1], also on failure
             tw.writer.write_lent(start, data, lent[1])  # type: ignore[attr-defined]
         elif write_lent is not None:
             assert loan is not None and enc is not None
