@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tierckpt.backends.base import ObjectWriter
 from tierckpt.codecs import SupportsObserve, codec_from_config
 from tierckpt.errors import BackendError, FormatError, TierCkptError
 from tierckpt.format import (
@@ -146,7 +147,7 @@ class _TiersMixin(_StallMixin):
             except BaseException as exc:
                 tw.error = exc
                 if tw.writer is not None:
-                    tw.writer.abort()
+                    _abort_quietly(tier, tw.writer)
                     tw.writer = None
                 if kind == "end":
                     self._tier_failed(tier, job, exc)
@@ -455,3 +456,19 @@ class _TiersMixin(_StallMixin):
             if job.plan is not None:
                 job.plan.sources.clear()
             job.collected = None
+
+
+def _abort_quietly(tier: Tier, writer: ObjectWriter) -> None:
+    """``writer.abort()``, which must never raise (:class:`ObjectWriter`'s contract). One that
+    raises anyway (a third-party backend, a bug) must not end this tier's thread: every later
+    save on the tier would wait for it until given up, for the rest of the run."""
+    try:
+        writer.abort()
+    except Exception as exc:
+        log.warning(
+            "tier %s: abort of %s failed (what it staged may be left behind; retention sweeps "
+            "it at the next commit there): %s",
+            tier.name,
+            writer.name,
+            exc,
+        )
