@@ -49,6 +49,7 @@ from tierckpt.backends.base import validate_name
 from tierckpt.errors import FormatError
 from tierckpt.format import CheckpointId, Manifest, decode_manifest
 from tierckpt.limits import MAX_MANIFEST_BYTES
+from tierckpt.peer._spare import SpareSegment
 
 __all__ = [
     "PIECE_BYTES",
@@ -67,6 +68,8 @@ _HEADER = 7
 #: pages a receiver populates per call ahead of the arriving bytes: small enough that a stop
 #: (a failed round) waits little, large enough that the calls cost nothing
 POPULATE_STEP = 4 << 20
+#: populate a receiving file's pages ahead of the bytes (:func:`populate_ahead`)
+POPULATE_AHEAD = True
 #: the most checkpoint keys a sender asks its receivers to keep (pins, best, every n-th)
 MAX_KEPT = 4096
 
@@ -129,9 +132,14 @@ def populate_ahead(buf: torch.Tensor, stop: threading.Event, step: int = POPULAT
     return done
 
 
-def _recv_map(path: str, size: int) -> tuple[str, int, Any, torch.Tensor]:
+def _recv_map(
+    path: str, size: int, spare: SpareSegment | None = None
+) -> tuple[str, int, Any, torch.Tensor]:
     tmp = f"{path}.{secrets.token_hex(6)}.tmp"
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    taken = spare.take(tmp, size) if spare is not None else None
+    if taken is not None:  # pages allocated before the pull: nothing to populate
+        return tmp, *taken
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         os.ftruncate(fd, size)
@@ -171,11 +179,13 @@ def exchange(
     *,
     kept: Sequence[int] = (),
     kept_in: dict[int, list[int]] | None = None,
+    spare: SpareSegment | None = None,
 ) -> list[Received]:
     """One round: send ``offers`` (destination rank -> offer; None: nothing this round) and
     receive from ``sources``; ``accept`` names where a received file goes. ``kept``:
     checkpoint keys sent to every destination (at most :data:`MAX_KEPT`); ``kept_in``, if
-    given, gets each source's. See the module docstring. Raises on a broken peer (the
+    given, gets each source's. ``spare``: a pre-allocated segment the (one) received file
+    goes into (:mod:`tierckpt.peer._spare`). See the module docstring. Raises on a broken peer (the
     group's timeout) or a malformed manifest."""
     import torch.distributed as dist
 
@@ -252,8 +262,8 @@ def exchange(
             assert o is not None
             maps_out[d] = send_file_map(o.path, o.size)
         for s, (path, _m, _b, size, _r) in takes.items():
-            maps_in[s] = _recv_map(path, size)
-        if maps_in:
+            maps_in[s] = _recv_map(path, size, spare if len(takes) == 1 else None)
+        if maps_in and POPULATE_AHEAD and not (spare is not None and len(takes) == 1):
             # the fresh pages' allocation overlaps the transfer instead of stalling it
             to_fill += [x[3] for x in maps_in.values()]
 
