@@ -227,7 +227,7 @@ def prepare_spare(
             except OSError:
                 have = 0
             try:
-                ram.check_budget(max(0, size - have), path)
+                ram.check_budget(max(0, size - have), os.path.relpath(path, ram.root))
             except OSError as exc:
                 log.warning("PeerTier: no spare segment for the pull: %s", exc)
             else:
