@@ -25,19 +25,26 @@ warm                with ``mincore``): the best case for the disk, a restart rig
 cluster lost        a policy of only S3: each shard from SeaweedFS on 127.0.0.1
 ==================  =========================================================================
 
-Baselines measured in the same run, in the same processes: a plain memory copy of each
-rank's state into fresh memory (what a restore into new tensors cannot beat), all ranks at
-once; and the loopback bandwidth of a gloo send of the same bytes between two ranks (rank 0
-to rank 1, one message, the fastest of ``--repeat`` after a warm-up send), twice: into a
-buffer whose pages the warm-up already allocated (the best case of the wire), and into a new
-tmpfs file in the receiver's node-RAM folder, mapped shared, whose pages the receive
-allocates — what a pull does, since a replacement node's memory is empty. The partner pull
-(``RestoreReport.pull_seconds``: rank 1's exchange with its partner, handshakes and the
-file's rename included, not the agreement) is timed twice, the fastest of ``--repeat`` each:
-alone (every rank runs the load's agreement and pulls, then nothing: the other ranks idle,
-as in the loopback sends; this is the figure set against the loopback) and inside the
-"node lost" restore, where the other three ranks read their own shards meanwhile — on this
-machine's shared CPUs, where each node would have its own.
+Baselines measured in the same run, in the same processes, in the same rounds as the
+contenders (each round: memory copy, loopback, every failure kind, loopback into fresh node
+RAM, the pulls alone, loopback again, S3; ``--repeat`` rounds), so that a busy moment of a
+shared machine (or this VM's disk, served from host memory, changing speed) slows the
+contender and its baseline alike: a plain memory copy of each rank's state into fresh memory
+(what a restore into new tensors cannot beat), all ranks at once; and the loopback bandwidth
+of a gloo send of the same bytes between two ranks (rank 0 to rank 1, one message, after a
+warm-up send), into a buffer whose pages the warm-up already allocated (the best case of the
+wire), and into a new tmpfs file in the receiver's node-RAM folder, mapped shared, whose
+pages the receive allocates. The partner pull (``RestoreReport.pull_seconds``: rank 1's
+exchange with its partner, handshakes and the file's rename included, not the agreement) is
+timed alone (every rank runs the load's agreement and pulls, then nothing: the other ranks
+idle, as in the loopback sends; this is the figure set against the loopback) three ways: into
+the spare segment allocated when the ``Checkpointer`` was built (waited for before the time
+starts: on a real node the job builds its model meanwhile; its allocation time is printed),
+without a spare (pages allocated as the bytes arrive, a thread populating ahead of them), and
+without a spare or that thread; and inside the "node lost" restore, where the other ranks
+read their own shards meanwhile, on this machine's shared CPUs, where each node would have
+its own. Every figure is printed as the median (and the fastest) of its tries; the targets
+are judged on the ratio of the medians.
 
 A restore's time runs from a barrier before ``load()`` to the last rank's return (building the
 ``Checkpointer`` is outside it). A node-RAM restore maps the segment and verifies every chunk's
@@ -455,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=parse_size, default=256 * MiB, help="state bytes per rank")
     ap.add_argument("--dir", default=None, help="folder for the disks (default: temp)")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--repeat", type=int, default=3, help="restores per kind; the fastest counts")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (tries of every kind and baseline)")
     ap.add_argument("--timeout", type=float, default=900, help="a rank that hangs ends (s)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -21,11 +21,13 @@ a few small messages (well under a millisecond on loopback); the file is one str
 receiving end must first get fresh tmpfs pages (a replacement node's memory is empty): the
 kernel allocates and zeroes each 4 KiB page on the first write to it, which costs about as
 much as the copy off the socket itself (on a 2-vCPU VM, ~55 ms of a 128 MiB pull's ~110 ms).
-So while the pieces arrive, a thread of the receiver populates the rest of the file ahead of
-them (:func:`populate_ahead`: ``MADV_POPULATE_WRITE``, Linux 5.14+, in steps of
-:data:`POPULATE_STEP`), taking those faults off the stream's path on a node with a spare core;
-the map also asks for huge pages (``MADV_HUGEPAGE``, used where the tmpfs allows them:
-``shmem_enabled`` ``advise``), which make the allocation itself cheaper.
+So a pull receives into a *spare segment* where the caller has one (``spare``: pages
+allocated at setup, :mod:`tierckpt.peer._spare`), renamed to the receiving file's temporary
+name. Without one, a thread of the receiver populates the rest of the file ahead of the
+pieces (:func:`populate_ahead`: ``MADV_POPULATE_WRITE``, Linux 5.14+, in steps of
+:data:`POPULATE_STEP`), which can take those faults off the stream's path on a node with a
+spare core; the map also asks for huge pages (``MADV_HUGEPAGE``, used where the tmpfs
+allows them: ``shmem_enabled`` ``advise``), which make the allocation itself cheaper.
 
 A receiver renames its file into place once it is whole; committing it (its manifest, create-
 only) is the caller's. Everything here blocks the calling thread; the process group must be
