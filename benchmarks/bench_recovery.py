@@ -462,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=parse_size, default=256 * MiB, help="state bytes per rank")
     ap.add_argument("--dir", default=None, help="folder for the disks (default: temp)")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--repeat", type=int, default=3, help="rounds (tries of every kind and baseline)")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="rounds (tries of every kind and baseline)"
+    )
     ap.add_argument("--timeout", type=float, default=900, help="a rank that hangs ends (s)")
     args = ap.parse_args(argv)
     if args.quick:
