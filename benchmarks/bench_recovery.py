@@ -306,18 +306,28 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
             os.unlink(path)
         landed.clear()
 
+    cpu_log: list[float] = []
+
     def load_with(tiers: list[Any], check: bool = True) -> tuple[tuple[float, float], Any]:
         """(restore, restore + a read of every restored byte), each the slowest rank's."""
         c = Checkpointer(tiers, **kw)
         dist.barrier()
+        cpu0 = os.times()
         t0 = time.perf_counter()
         got = c.load()
         t1 = time.perf_counter()
+        cpu1 = os.times()
         for v in got.values():  # touch every byte once: sum() reads each element
             v.sum()
         t2 = time.perf_counter()
         t = torch.tensor([t1 - t0, t2 - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the job's time: its slowest rank
+        # the CPU seconds the load took in this process (every thread), summed over the
+        # ranks: a measure that a busy machine disturbs less than the clock
+        cpu = cpu1.user + cpu1.system - cpu0.user - cpu0.system
+        ct = torch.tensor([cpu], dtype=torch.float64)
+        dist.all_reduce(ct)
+        cpu_log.append(float(ct.item()))
         report = c._peer.last_restore if c._peer is not None else None
         c.close()
         if check:
@@ -390,6 +400,7 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
     spare_alloc: list[float] = []
     base: dict[str, list[float]] = {"memcpy": [], "loopback": [], "loopback_fresh": []}
     s3_only = [S3Tier(s3_url, endpoint_url=cfg["endpoint"])]
+    cpu_tries: dict[str, list[float]] = {}
     kinds: dict[str, list[tuple[tuple[float, float], Any]]] = {
         "crash": [],
         "ram_only": [],
@@ -399,6 +410,7 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
         "lost": [],
         "s3": [],
     }
+    cpu_tries.update({k: [] for k in kinds})
     # the kinds, baselines included, take turns, so that a busy moment of the machine slows
     # each the same; every try is kept: the summary gives the median and the fastest
     for _ in range(cfg["repeat"]):
@@ -407,18 +419,24 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
         base["loopback"].append(timed(loopback))
         # process crash: the whole recipe, every shard in its node's RAM
         kinds["crash"].append(once(recipe()))
+        cpu_tries["crash"].append(cpu_log[-1])
         # the same read with a policy of node RAM alone: the tier's own cost, without the
         # recipe's listing of the slower tiers and the partners' agreement
         kinds["ram_only"].append(once([ram()]))
+        cpu_tries["ram_only"].append(cpu_log[-1])
         # ... and read into fresh tensors (a copy) instead of mapped
         kinds["ram_copy"].append(once([ram(map=False)]))
+        cpu_tries["ram_copy"].append(cpu_log[-1])
         # all RAM lost: only the local disk (and S3) left, the disk's pages evicted (cold)...
         disk_only = [LocalTier(disk_path), *s3_only]
         kinds["local"].append(once(disk_only, lambda: _evict(disk_path), "cold"))
+        cpu_tries["local"].append(cpu_log[-1])
         # ... and with every page in the page cache (warm)
         kinds["local_warm"].append(once(disk_only, lambda: _warm(disk_path), "warm"))
+        cpu_tries["local_warm"].append(cpu_log[-1])
         # node lost: rank 1's RAM and disk gone: its shard from its partner's RAM
         kinds["lost"].append(once(recipe(), lose_node))
+        cpu_tries["lost"].append(cpu_log[-1])
         find_node()
         base["loopback_fresh"].append(timed(loopback_fresh))
         free_landed()
@@ -430,7 +448,9 @@ def _phases(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, 
         base["loopback"].append(timed(loopback))  # twice a round: the pull's own baseline
         # cluster lost: S3 only
         kinds["s3"].append(once(s3_only))
+        cpu_tries["s3"].append(cpu_log[-1])
     for k, v in kinds.items():
+        out[f"{k}_cpu_tries"] = cpu_tries[k]
         out[f"{k}_tries"] = [r[0][0] for r in v]
         out[f"{k}_touch_tries"] = [r[0][1] for r in v]
     fastest = {k: min(v, key=lambda r: r[0][0]) for k, v in kinds.items()}
@@ -592,7 +612,12 @@ def _summary(results: list[dict[str, Any]], world: int, size: int, repeat: int) 
         "job_bytes": total,
         "pulled_bytes": pulled,
         "rows": {
-            k: {"tier": tier, "seconds": t[key], "touch_seconds": touch[key]}
+            k: {
+                "tier": tier,
+                "seconds": t[key],
+                "touch_seconds": touch[key],
+                "cpu_seconds": both(r0[f"{key}_cpu_tries"]),
+            }
             for k, (tier, key) in rows.items()
         },
         "baselines": base,
@@ -635,20 +660,21 @@ def _table(s: dict[str, Any]) -> str:
         f"medians. {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
         "",
         "| failure | restored from | restore (s) | GB/s (median) | local disk (cold) / this |"
-        " restore + touch (s) |",
-        "|---|---|---:|---:|---:|---:|",
+        " restore + touch (s) | CPU s, all ranks |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for kind, row in s["rows"].items():
         sec = row["seconds"]
         lines.append(
             f"| {kind} | {row['tier']} | {_mm(sec)} | {total / sec['med'] / 1e9:.2f} | "
-            f"{cold['med'] / sec['med']:.1f}x | {_mm(row['touch_seconds'])} |"
+            f"{cold['med'] / sec['med']:.1f}x | {_mm(row['touch_seconds'])} | "
+            f"{_mm(row['cpu_seconds'])} |"
         )
     b = s["baselines"]
     lines.append(
         f"| (baseline) | plain memory copy, all ranks at once | {_mm(b['memcpy'])} | "
         f"{total / b['memcpy']['med'] / 1e9:.2f} | {cold['med'] / b['memcpy']['med']:.1f}x | "
-        "(a copy touches all) |"
+        "(a copy touches all) | |"
     )
     r = s["ratios"]
 
