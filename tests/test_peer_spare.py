@@ -13,6 +13,7 @@ from typing import Any
 
 import peer_workers
 import pytest
+import torch
 from peer_spare_workers import the_spare
 
 pytestmark = [pytest.mark.distributed]
@@ -116,3 +117,28 @@ def test_a_pull_killed_midway_leaves_nothing_a_later_load_trusts(shm: Path, tmp_
     res = _load(shm, tmp_path)
     assert res[1]["step"] == 2 and res[1]["diff"] == []
     assert res[1]["sources"] == ["noderam", "peer:2", "noderam"]
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_a_spare_taken_for_another_size_becomes_a_file_of_that_size(
+    shm: Path, factor: float
+) -> None:
+    """The agreed checkpoint may not be the one the spare was sized for: the file taken is
+    cut or grown to the pull's size, and every byte written through the map lands in it."""
+    from tierckpt.peer._spare import SpareSegment
+
+    spare = SpareSegment(str(shm / "spare" / "rank-000001.seg"), 1 << 20)
+    spare.start()
+    size = int((1 << 20) * factor)
+    dest = str(shm / "pulled.tmp")
+    taken = spare.take(dest, size)
+    assert taken is not None and spare.error is None
+    fd, mm, t = taken
+    t.copy_(torch.arange(size, dtype=torch.int64).to(torch.uint8))
+    del t
+    mm.close()
+    os.close(fd)
+    spare.discard()  # after a take: removes nothing more
+    assert not os.path.exists(spare.path)
+    data = Path(dest).read_bytes()
+    assert len(data) == size and data == bytes(i % 256 for i in range(size))

@@ -133,6 +133,12 @@ class SpareSegment:
         self._fd = self._mm = None  # the caller owns them now
         try:
             os.rename(self.path, dest)
+        except OSError as exc:  # gone, or another file system: the pull makes its own file
+            log.warning("PeerTier: spare segment %s not used: %s", self.path, exc)
+            _close_map(mm)
+            os.close(fd)
+            return None
+        try:
             if size != self.size:
                 if size < self.size:
                     os.ftruncate(fd, size)  # the pages past the end are freed
