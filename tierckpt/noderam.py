@@ -26,7 +26,8 @@ container's memory limit), in addition to the host arena (``host_buffer_bytes``,
 buffer saves are copied through) and to the training process's own memory. The tier holds at
 most ``max_bytes``; to keep ``keep_last`` checkpoints it needs ``keep_last + 1`` times the
 node's share of a checkpoint (the newest one is written before the oldest is deleted), plus
-the replicas it keeps for partners.
+the replicas it keeps for partners, plus, on a rank about to pull its shard from a partner,
+the spare segment the pull receives into (:mod:`tierckpt.peer._spare`).
 
 Restore without a copy (``map=True``, the default): a load maps the shard copy-on-write and
 returns tensors over the mapping (:mod:`tierckpt.noderam_map`). While a loaded state is alive

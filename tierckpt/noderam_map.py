@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -162,10 +163,20 @@ def read_shard_mapped(
     t0 = time.perf_counter()
     ref = manifest.shard_for(rank)
     where = f"tier {tier!r} {backend.url}/{ref.file}"
-    index, index_blob, _footer = read_index(backend, ref, tier)
-    codecs = [codec_from_config(c) for c in index["codecs"]]
+    path: str = backend.mapped_path(ref.file)  # type: ignore[attr-defined]
+    # one open of the file: the map; the footer and index are read from it (no syscall)
+    mm = map_segment(path, ref.size, where=where)
+    try:
+        index, index_blob, _footer = read_index(
+            cast(Backend, _MappedFile(mm, backend.url)), ref, tier
+        )
+        codecs = [codec_from_config(c) for c in index["codecs"]]
+    except BaseException:
+        _close(mm)
+        raise
     chunks: list[ChunkRecord] = sorted(index["chunks"], key=lambda c: c.logical_offset)
     if not all(codecs[c.codec].is_passthrough for c in chunks):
+        _close(mm)
         return None  # compressed chunks decode into fresh memory, as before
     data_end = ref.size - FOOTER_SIZE - len(index_blob)
     for ci, rec in enumerate(index["chunks"]):
@@ -180,13 +191,11 @@ def read_shard_mapped(
     covered = sum(c.raw_size for c in chunks)
     if covered != data_bytes:
         raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
-    path: str = backend.mapped_path(ref.file)  # type: ignore[attr-defined]
     if data_bytes > total_ram():  # storages copied out of the map are allocated
         raise FormatError(
             f"{where}: declares {data_bytes} bytes of tensor data, more than this machine's "
             "memory; refusing it"
         )
-    mm = map_segment(path, ref.size, where=where)
     view = memoryview(mm)
     futures = [
         pool.submit(_verify, view, rec, ci, ref.file, tier, where)
@@ -217,6 +226,34 @@ def read_shard_mapped(
         view.release()
     seconds = time.perf_counter() - t0
     return LoadedShard(state, manifest, tier, data_bytes, covered, seconds, [], seconds, False)
+
+
+class _MappedFile:
+    """What :func:`~tierckpt.restore.read_index` reads of a shard file, served from its
+    mapping: slices of memory instead of opening the file again for its tail and index."""
+
+    is_remote = False
+
+    def __init__(self, mm: mmap.mmap, url: str) -> None:
+        self._mm = mm
+        self.url = url
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > len(self._mm):
+            raise FormatError(f"{self.url}/{name}: read {offset}..+{length} past the end")
+        return self._mm[offset : offset + length]
+
+    def read_tail(self, name: str, length: int) -> tuple[int, bytes]:
+        size = len(self._mm)
+        n = max(0, min(length, size))
+        return size, self._mm[size - n : size]
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view still lives: unmapped when collected
 
 
 def _verify(view: memoryview, rec: ChunkRecord, ci: int, file: str, tier: str, where: str) -> None:

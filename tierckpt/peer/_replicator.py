@@ -22,6 +22,7 @@ from tierckpt.format import CheckpointId, Manifest, encode_manifest, manifest_na
 from tierckpt.handle import TierResult
 from tierckpt.noderam import REPLICA_SUFFIX, NodeRamBackend, NodeRamTier
 from tierckpt.peer._placement import Placement, node_key, ring_placement
+from tierckpt.peer._spare import SpareSegment, prepare_spare
 from tierckpt.peer._spec import PeerTier
 from tierckpt.peer._wire import Offer, Received, exchange
 from tierckpt.restore import read_manifest
@@ -52,6 +53,8 @@ class RestoreReport:
     sources: tuple[str, ...]
     pulled_bytes: int
     pull_seconds: float
+    #: how long the load waited for this rank's spare segment to be allocated
+    spare_wait_seconds: float = 0.0
 
 
 def open_peer(
@@ -154,6 +157,9 @@ class PeerReplicator:
         self.sent_bytes = 0
         self.received_bytes = 0
         self.last_restore: RestoreReport | None = None
+        self.spare: SpareSegment | None = prepare_spare(  # what a pull at the load fills
+            self._ram_backend, self.replica_backend, self.placement, rank, self._load_group
+        )
 
     # -- replica folders ---------------------------------------------------------------
     def replica_backend(self, src: int) -> NodeRamBackend:
@@ -323,6 +329,9 @@ class PeerReplicator:
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the queued rounds (bounded by ``timeout``), then stop the thread."""
+        if self.spare is not None:
+            self.spare.discard()
+            self.spare = None
         th = self._thread
         if th is None:
             return
@@ -408,8 +417,17 @@ class PeerReplicator:
                 sources.append(f"peer:{order[0]}")
             else:
                 sources.append(slows[r].get(chosen, "?"))
+        spare, self.spare = self.spare, None
+        if spare is not None and not any(r == me for _h, r in pulls):
+            spare.discard()  # nothing to pull here after all: its memory goes back
+            spare = None
+        waited = spare.wait() if spare is not None else 0.0
         t0 = time.perf_counter()
-        pulled = self._pull(chosen, pulls)
+        try:
+            pulled = self._pull(chosen, pulls, spare)
+        finally:
+            if spare is not None:
+                spare.discard()  # taken (renamed) by the pull, or unused: removed
         seconds = time.perf_counter() - t0
         mine = sources[me]
         if mine != "noderam" and not mine.startswith("peer:"):
@@ -433,10 +451,12 @@ class PeerReplicator:
             )
         else:
             log.info("rank %d: restoring %s from this node's RAM", me, chosen)
-        self.last_restore = RestoreReport(chosen, tuple(sources), pulled, seconds)
+        self.last_restore = RestoreReport(chosen, tuple(sources), pulled, seconds, waited)
         return chosen
 
-    def _pull(self, cid: CheckpointId, pulls: list[tuple[int, int]]) -> int:
+    def _pull(
+        self, cid: CheckpointId, pulls: list[tuple[int, int]], spare: SpareSegment | None = None
+    ) -> int:
         """Run the pulls (holder -> receiver) this rank takes part in; returns bytes received.
         A pulled shard lands in this rank's node RAM and commits there (its manifest,
         create-only, unless the node already had it)."""
@@ -453,14 +473,16 @@ class PeerReplicator:
             ref = m.shard_for(rank)
             if rank != me or m.id != cid:
                 return None
+            # a ready spare becomes the file: only the bytes beyond it are new
+            more = ref.size - (spare.size if spare is not None and spare.error is None else 0)
             try:
-                self._ram_backend.check_budget(ref.size, ref.file)
+                self._ram_backend.check_budget(max(0, more), ref.file)
             except OSError as exc:  # decline: the load reads a slower tier instead
                 log.warning("rank %d: cannot pull %s into node RAM: %s", me, cid, exc)
                 return None
             return self._ram_backend._path(ref.file)
 
-        got = exchange(self._load_group, me, offers, sources, accept, tag=1)
+        got = exchange(self._load_group, me, offers, sources, accept, tag=1, spare=spare)
         n = 0
         for rec in got:
             try:

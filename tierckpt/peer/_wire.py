@@ -21,11 +21,13 @@ a few small messages (well under a millisecond on loopback); the file is one str
 receiving end must first get fresh tmpfs pages (a replacement node's memory is empty): the
 kernel allocates and zeroes each 4 KiB page on the first write to it, which costs about as
 much as the copy off the socket itself (on a 2-vCPU VM, ~55 ms of a 128 MiB pull's ~110 ms).
-So while the pieces arrive, a thread of the receiver populates the rest of the file ahead of
-them (:func:`populate_ahead`: ``MADV_POPULATE_WRITE``, Linux 5.14+, in steps of
-:data:`POPULATE_STEP`), taking those faults off the stream's path on a node with a spare core;
-the map also asks for huge pages (``MADV_HUGEPAGE``, used where the tmpfs allows them:
-``shmem_enabled`` ``advise``), which make the allocation itself cheaper.
+So a pull receives into a *spare segment* where the caller has one (``spare``: pages
+allocated at setup, :mod:`tierckpt.peer._spare`), renamed to the receiving file's temporary
+name. Without one, a thread of the receiver populates the rest of the file ahead of the
+pieces (:func:`populate_ahead`: ``MADV_POPULATE_WRITE``, Linux 5.14+, in steps of
+:data:`POPULATE_STEP`), which can take those faults off the stream's path on a node with a
+spare core; the map also asks for huge pages (``MADV_HUGEPAGE``, used where the tmpfs
+allows them: ``shmem_enabled`` ``advise``), which make the allocation itself cheaper.
 
 A receiver renames its file into place once it is whole; committing it (its manifest, create-
 only) is the caller's. Everything here blocks the calling thread; the process group must be
@@ -49,6 +51,7 @@ from tierckpt.backends.base import validate_name
 from tierckpt.errors import FormatError
 from tierckpt.format import CheckpointId, Manifest, decode_manifest
 from tierckpt.limits import MAX_MANIFEST_BYTES
+from tierckpt.peer._spare import SpareSegment
 
 __all__ = [
     "PIECE_BYTES",
@@ -67,6 +70,8 @@ _HEADER = 7
 #: pages a receiver populates per call ahead of the arriving bytes: small enough that a stop
 #: (a failed round) waits little, large enough that the calls cost nothing
 POPULATE_STEP = 4 << 20
+#: populate a receiving file's pages ahead of the bytes (:func:`populate_ahead`)
+POPULATE_AHEAD = True
 #: the most checkpoint keys a sender asks its receivers to keep (pins, best, every n-th)
 MAX_KEPT = 4096
 
@@ -129,9 +134,14 @@ def populate_ahead(buf: torch.Tensor, stop: threading.Event, step: int = POPULAT
     return done
 
 
-def _recv_map(path: str, size: int) -> tuple[str, int, Any, torch.Tensor]:
+def _recv_map(
+    path: str, size: int, spare: SpareSegment | None = None
+) -> tuple[str, int, Any, torch.Tensor]:
     tmp = f"{path}.{secrets.token_hex(6)}.tmp"
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    taken = spare.take(tmp, size) if spare is not None else None
+    if taken is not None:  # pages allocated before the pull: nothing to populate
+        return tmp, *taken
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         os.ftruncate(fd, size)
@@ -171,11 +181,13 @@ def exchange(
     *,
     kept: Sequence[int] = (),
     kept_in: dict[int, list[int]] | None = None,
+    spare: SpareSegment | None = None,
 ) -> list[Received]:
     """One round: send ``offers`` (destination rank -> offer; None: nothing this round) and
     receive from ``sources``; ``accept`` names where a received file goes. ``kept``:
     checkpoint keys sent to every destination (at most :data:`MAX_KEPT`); ``kept_in``, if
-    given, gets each source's. See the module docstring. Raises on a broken peer (the
+    given, gets each source's. ``spare``: a pre-allocated segment the (one) received file
+    goes into (:mod:`tierckpt.peer._spare`). See the module docstring. Raises on a broken peer (the
     group's timeout) or a malformed manifest."""
     import torch.distributed as dist
 
@@ -252,8 +264,8 @@ def exchange(
             assert o is not None
             maps_out[d] = send_file_map(o.path, o.size)
         for s, (path, _m, _b, size, _r) in takes.items():
-            maps_in[s] = _recv_map(path, size)
-        if maps_in:
+            maps_in[s] = _recv_map(path, size, spare if len(takes) == 1 else None)
+        if maps_in and POPULATE_AHEAD and not (spare is not None and len(takes) == 1):
             # the fresh pages' allocation overlaps the transfer instead of stalling it
             to_fill += [x[3] for x in maps_in.values()]
 

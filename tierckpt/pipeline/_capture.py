@@ -151,6 +151,9 @@ class _CaptureMixin(_StallMixin):
                 slot = self._acquire(a)
                 with self._lock:
                     codecs = {t.codec for t in direct if t.name not in job.given_up}
+                if not codecs:  # the last of them was given up while this waited for a slot
+                    a.release(slot)  # (and the finished save let go of the state's tensors)
+                    break
                 # every tier fed from the arena takes one nvCOMP codec: compress on the device,
                 # and only the compressed bytes cross PCIe
                 dev_codec = _device_codec(codecs, chunk.dtype, device)

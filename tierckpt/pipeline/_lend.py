@@ -1,11 +1,13 @@
-"""Arena slots lent to a tier's writer: a :class:`Loan` is one tier's hold on a chunk's slot,
-a :class:`Countdown` frees it after several holders (the writer and the checksum), and
-:func:`early_view` says when a chunk may be uploaded before its checksum is known.
+"""A tier's writer and the arena slots lent to it: a :class:`Loan` is one tier's hold on a
+chunk's slot, a :class:`Countdown` frees it after several holders (the writer and the
+checksum), :func:`early_view` says when a chunk may be uploaded before its checksum is known,
+and :func:`abort_quietly` aborts a writer without ending the tier's thread.
 
 Part of :class:`~tierckpt.pipeline.Pipeline` (its tiers' writer threads)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -14,6 +16,8 @@ from tierckpt.arena import HostArena
 from tierckpt.backends.base import ObjectWriter
 from tierckpt.codecs import SupportsProfile
 from tierckpt.pipeline._values import SaveJob, Tier, _ChunkState
+
+log = logging.getLogger("tierckpt")
 
 
 class Loan:
@@ -69,3 +73,19 @@ def early_view(
         return None
     slot = arena.slot(state.slot)[: state.plan.raw_size]
     return memoryview(slot.numpy())  # type: ignore[arg-type]
+
+
+def abort_quietly(tier: Tier, writer: ObjectWriter) -> None:
+    """``writer.abort()``, which must never raise (:class:`ObjectWriter`'s contract). One that
+    raises anyway (a third-party backend, a bug) must not end this tier's thread: every later
+    save on the tier would wait for it until given up, for the rest of the run."""
+    try:
+        writer.abort()
+    except Exception as exc:
+        log.warning(
+            "tier %s: abort of %s failed (what it staged may be left behind; retention sweeps "
+            "it at the next commit there): %s",
+            tier.name,
+            writer.name,
+            exc,
+        )

@@ -34,7 +34,7 @@ from tierckpt.format import (
 )
 from tierckpt.handle import TierResult
 from tierckpt.pipeline._capture import _encode
-from tierckpt.pipeline._lend import Countdown, Loan, early_view
+from tierckpt.pipeline._lend import Countdown, Loan, abort_quietly, early_view
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, Tier, _ChunkState, _Follow, _TierWrite
 from tierckpt.plan import ChunkPlan
@@ -136,7 +136,7 @@ class _TiersMixin(_StallMixin):
             except BaseException as exc:
                 tw.error = exc
                 if tw.writer is not None:
-                    tw.writer.abort()
+                    abort_quietly(tier, tw.writer)
                     tw.writer = None
                 if kind == "end":
                     self._tier_failed(tier, job, exc)
