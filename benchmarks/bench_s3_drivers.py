@@ -3,13 +3,33 @@
 One state of ``--size`` bytes of fp32 tensors is saved and restored through a Checkpointer with
 one S3 tier per driver (``driver="obstore"``, the default, and ``driver="boto3"``), each with
 the tier's defaults (parts sized per shard, the node's connection share), and the same number
-of bytes is uploaded and read back by the raw clients: boto3's TransferManager
-(``upload_fileobj`` / ``download_fileobj``, 8 MiB parts, 8 threads), obstore (``put`` in
-8 MiB parts, 8 in flight; ``get_ranges`` of 8 MiB ranges, 8 at a time, into memory) and, where
-importable, s3torchconnector (its writer; one streamed GET). Each case's wall time and this
-process's CPU time (the client's: SeaweedFS is another process). Rounds are interleaved (each
-round runs every case once, the order alternating), one warm-up round, then the median of
-``--runs``.
+of bytes is uploaded and read back by the raw clients, each configured as below (the settings
+are in each row's name):
+
+- boto3's TransferManager (``upload_fileobj`` / ``download_fileobj``): 8 MiB parts, 8 threads;
+- obstore ``put`` with the tier's own upload settings (8 MiB parts, 8 in flight: what an S3
+  tier chooses for a shard of this size and host budget, :mod:`tierckpt.backends.sizing`), and
+  with obstore's defaults (5 MiB parts, 12 in flight); ``get_ranges`` of 8 MiB ranges, 8 at a
+  time, into memory;
+- s3torchconnector, where importable: its writer with 8 MiB parts (the CRT's own concurrency);
+  one streamed GET.
+
+A save of the tier is timed from ``save()`` to its commit (the capture into the arena, the
+upload, the index and the manifest: ``TierResult.seconds``); a raw upload from the call to its
+return (the bytes already in memory). Each case's wall time, this process's CPU time (the
+client's) and SeaweedFS's CPU time over the case (the server's: on a machine with few cores
+each client CPU second slows the server too). Rounds are interleaved (each round runs every
+case once, the order alternating), one warm-up round, then the median of ``--runs``. A case
+that fails (s3torchconnector timing out under load, say) is reported as failed, with its error,
+and the others go on.
+
+``--unsigned``: also raw obstore and the obstore tier sending ``UNSIGNED-PAYLOAD`` (what the
+tier does over TLS, where the body is not hashed for the signature; over this plain-HTTP server
+it signs them, as every raw client here does).
+
+``--count-requests``: afterwards each save case runs once more through a counting proxy
+(:class:`tierckpt.testing.faultproxy.FaultProxy`, after a warm-up save so that a tier's first
+save's one-off requests are not counted) and the requests it sent are listed by kind.
 
     python benchmarks/bench_s3_drivers.py --size 256MiB --runs 5 --json out.json
 
@@ -20,6 +40,7 @@ temporary folder, not ``/dev/shm``).
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import os
@@ -34,11 +55,50 @@ from typing import Any
 import torch
 
 from tierckpt import Checkpointer, S3Tier
+from tierckpt.testing.faultproxy import FaultProxy
 from tierckpt.testing.s3servers import REGION, S3Server, start_seaweedfs
 
 MiB = 2**20
 PART = 8 * MiB
 THREADS = 8
+#: obstore.put's own defaults (obstore 0.12)
+OBSTORE_PART, OBSTORE_THREADS = 5 * MiB, 12
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def children_cpu() -> float:
+    """CPU seconds used so far by this process's children (the S3 server), from /proc
+    (0 where there is none)."""
+    me, total = os.getpid(), 0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == me:  # ppid
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / _TICK
+
+
+def request_kind(method: str, target: str) -> str:
+    """A request's S3 operation, roughly: ``PUT part``, ``POST complete``, ``GET list``..."""
+    query = target.partition("?")[2]
+    if "partNumber=" in query:
+        return f"{method} part"
+    if query.startswith("uploads") or "&uploads" in query:
+        return f"{method} {'list-uploads' if method == 'GET' else 'create-upload'}"
+    if "uploadId=" in query:
+        return f"{method} {'complete' if method == 'POST' else 'upload'}"
+    if "list-type=" in query:
+        return f"{method} list"
+    if "delete" in query:
+        return f"{method} delete-objects"
+    return f"{method} object"
 
 
 def parse_size(text: str) -> int:
@@ -61,8 +121,18 @@ def make_state(size: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def cases(server: S3Server, bucket: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """``{"save": {name: fn}, "restore": {name: fn}}``: each fn returns its seconds."""
+def cases(
+    server: S3Server,
+    bucket: str,
+    state: dict[str, torch.Tensor],
+    endpoint: str | None = None,
+    unsigned: bool = False,
+) -> dict[str, Any]:
+    """``{"save": {name: fn}, "restore": {name: fn}}``: each fn returns its seconds.
+    ``endpoint``: where the clients connect (default the server's; a counting proxy).
+    ``unsigned``: also obstore and the obstore tier sending unsigned payloads (what the tier
+    does over TLS; the server here speaks plain HTTP, where the tier signs them)."""
+    endpoint = endpoint or server.endpoint_url
     import obstore
     from boto3.s3.transfer import TransferConfig
     from obstore.store import S3Store
@@ -75,17 +145,35 @@ def cases(server: S3Server, bucket: str, state: dict[str, torch.Tensor]) -> dict
     )
     data = b"".join(t.numpy().tobytes() for t in state.values())
     size = len(data)
-    client = server.client(max_pool_connections=THREADS + 4, tcp_keepalive=True)
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+        region_name=REGION,
+        config=Config(max_pool_connections=THREADS + 4, tcp_keepalive=True),
+    )
     transfer = TransferConfig(
         multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS
     )
     store = S3Store(
         bucket,
         config={
-            "endpoint": server.endpoint_url,
+            "endpoint": endpoint,
             "region": REGION,
             "access_key_id": server.access_key,
             "secret_access_key": server.secret_key,
+        },
+        client_options={"allow_http": True},
+    )
+    unsigned_store = S3Store(
+        bucket,
+        config={
+            **{k: v for k, v in store.config.items() if k != "bucket"},
+            "unsigned_payload": True,
         },
         client_options={"allow_http": True},
     )
@@ -101,11 +189,26 @@ def cases(server: S3Server, bucket: str, state: dict[str, torch.Tensor]) -> dict
 
         return run
 
-    save["raw boto3 (TransferManager)"] = wall(
+    save["raw boto3 (TransferManager 8 MiB x 8)"] = wall(
         lambda: client.upload_fileobj(io.BytesIO(data), bucket, "raw/boto3", Config=transfer)
     )
-    save["raw obstore (put)"] = wall(
+    save["raw obstore (put 8 MiB x 8)"] = wall(
         lambda: obstore.put(store, "raw/obstore", data, chunk_size=PART, max_concurrency=THREADS)
+    )
+    if unsigned:
+        save["raw obstore (put 8 MiB x 8, unsigned)"] = wall(
+            lambda: obstore.put(
+                unsigned_store, "raw/unsigned", data, chunk_size=PART, max_concurrency=THREADS
+            )
+        )
+    save["raw obstore (put 5 MiB x 12)"] = wall(
+        lambda: obstore.put(
+            store,
+            "raw/obstore-defaults",
+            data,
+            chunk_size=OBSTORE_PART,
+            max_concurrency=OBSTORE_THREADS,
+        )
     )
 
     def ranged_get() -> None:
@@ -127,7 +230,7 @@ def cases(server: S3Server, bucket: str, state: dict[str, torch.Tensor]) -> dict
 
         s3t = S3Client(
             REGION,
-            endpoint=server.endpoint_url,
+            endpoint=endpoint,
             s3client_config=S3ClientConfig(force_path_style=True, part_size=PART),
         )
 
@@ -141,30 +244,109 @@ def cases(server: S3Server, bucket: str, state: dict[str, torch.Tensor]) -> dict
             n = reader.readinto(memoryview(sink))
             assert n == size, n
 
-        save["raw s3torchconnector"] = wall(s3t_put)
+        save["raw s3torchconnector (8 MiB parts)"] = wall(s3t_put)
         restore["raw s3torchconnector"] = wall(s3t_get)
     except ImportError:
         pass
 
     steps = iter(range(1, 1 << 30))
     cks: dict[str, Checkpointer] = {}
-    for driver in ("obstore", "boto3"):
+    tiers = {
+        name: (driver, extra)
+        for name, driver, extra in (
+            ("tierckpt driver=obstore", "obstore", {}),
+            ("tierckpt driver=boto3", "boto3", {}),
+            ("tierckpt driver=obstore, unsigned", "obstore", {"unsigned_payload": True}),
+        )
+        if unsigned or not extra
+    }
+    for name, (driver, extra) in tiers.items():
         tier = S3Tier(
-            f"s3://{bucket}/ckpt-{driver}",
+            f"s3://{bucket}/ckpt-{driver}{'-unsigned' if extra else ''}",
             driver=driver,
-            endpoint_url=server.endpoint_url,
+            endpoint_url=endpoint,
             keep_last=1,
             codec="raw",
+            **({"config": extra} if extra else {}),
         )
         ck = Checkpointer([tier], host_buffer_bytes=size + (256 << 20))
-        cks[driver] = ck
+        cks[name] = ck
 
         def ck_save(ck: Checkpointer = ck) -> float:
             return float(ck.save(state, step=next(steps)).result()["s3"].seconds)
 
-        save[f"tierckpt driver={driver}"] = ck_save
-        restore[f"tierckpt driver={driver}"] = wall(lambda ck=ck: ck.load())
+        save[name] = ck_save
+        restore[name] = wall(lambda ck=ck: ck.load())
     return {"save": save, "restore": restore, "close": [*cks.values()], "size": size}
+
+
+Samples = dict[str, dict[str, list[float]]]
+
+
+def run_rounds(
+    c: dict[str, Any], kinds: list[str], warmup: int, runs: int
+) -> tuple[dict[str, Samples], dict[str, dict[str, str]]]:
+    """Every case of ``kinds`` once a round, interleaved: ``({"wall"|"cpu"|"server": {kind:
+    {name: samples}}}, {kind: {name: error}})``. A case that raises is not run again and
+    reported with its error (the other cases finish)."""
+    samples: dict[str, Samples] = {m: {k: {} for k in kinds} for m in ("wall", "cpu", "server")}
+    failed: dict[str, dict[str, str]] = {k: {} for k in kinds}
+    for i in range(warmup + runs):
+        for kind in kinds:
+            items = [(n, fn) for n, fn in c[kind].items() if n not in failed[kind]]
+            for name, fn in items if i % 2 == 0 else items[::-1]:
+                c0, s0 = time.process_time(), children_cpu()  # client's and server's CPU
+                try:
+                    t = fn()
+                except Exception as exc:
+                    failed[kind][name] = f"{type(exc).__name__}: {exc}"[:300]
+                    print(f"  {kind} {name}: FAILED in round {i}: {failed[kind][name]}")
+                    continue
+                spent, served = time.process_time() - c0, children_cpu() - s0
+                if i >= warmup:
+                    for m, v in (("wall", t), ("cpu", spent), ("server", served)):
+                        samples[m][kind].setdefault(name, []).append(v)
+    return samples, failed
+
+
+def count_requests(
+    server: S3Server,
+    bucket: str,
+    state: dict[str, torch.Tensor],
+    kinds: list[str],
+    only: str,
+    unsigned: bool,
+) -> dict[str, dict[str, dict[str, int]]]:
+    """``{kind: {name: {request kind: count}}}`` of one run of each case through a counting
+    proxy, after one warm-up run (a tier's first save probes the store, takes its lease...)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    with FaultProxy(server.endpoint_url) as proxy:
+        c = cases(server, bucket, state, endpoint=proxy.endpoint_url, unsigned=unsigned)
+        try:
+            for kind in kinds:
+                out[kind] = {}
+                for name, fn in c[kind].items():
+                    if only and not any(w in name for w in only.split(",")):
+                        continue
+                    try:
+                        fn()
+                        proxy.requests.clear()
+                        fn()
+                    except Exception as exc:
+                        print(f"  counting {kind} {name}: FAILED: {type(exc).__name__}: {exc}")
+                        continue
+                    counts = collections.Counter(
+                        request_kind(r.method, r.target) for r in proxy.requests
+                    )
+                    out[kind][name] = {"total": sum(counts.values()), **sorted_counts(counts)}
+        finally:
+            for ck in c["close"]:
+                ck.close()
+    return out
+
+
+def sorted_counts(counts: collections.Counter[str]) -> dict[str, int]:
+    return dict(sorted(counts.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,52 +359,78 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kinds", default="save,restore", help="what to run: save, restore or both (default)"
     )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated substrings: run only the cases whose name has one (default all)",
+    )
+    ap.add_argument(
+        "--count-requests",
+        action="store_true",
+        help="then count each case's requests once, through a proxy",
+    )
+    ap.add_argument(
+        "--unsigned",
+        action="store_true",
+        help="also obstore and the obstore tier with unsigned payloads (the tier's way over TLS)",
+    )
     args = ap.parse_args(argv)
+    kinds = [k for k in ("save", "restore") if k in args.kinds.split(",")]
+    requests: dict[str, dict[str, dict[str, int]]] = {}
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
         server = start_seaweedfs(Path(tmp) / "weed")
         try:
             bucket = "bench"
             server.admin.create_bucket(Bucket=bucket)
-            c = cases(server, bucket, make_state(args.size))
-            kinds = [k for k in ("save", "restore") if k in args.kinds.split(",")]
-            times: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
-            cpu: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
-            for i in range(args.warmup + args.runs):
+            state = make_state(args.size)
+            c = cases(server, bucket, state, unsigned=args.unsigned)
+            if args.only:
+                words = args.only.split(",")
                 for kind in kinds:
-                    items = list(c[kind].items())
-                    for name, fn in items if i % 2 == 0 else items[::-1]:
-                        c0 = time.process_time()  # this process's CPU: the client's
-                        t = fn()
-                        spent = time.process_time() - c0
-                        if i >= args.warmup:
-                            times[kind].setdefault(name, []).append(t)
-                            cpu[kind].setdefault(name, []).append(spent)
-            for ck in c["close"]:
-                ck.close()
+                    c[kind] = {n: f for n, f in c[kind].items() if any(w in n for w in words)}
+            try:
+                samples, failed = run_rounds(c, kinds, args.warmup, args.runs)
+            finally:
+                for ck in c["close"]:
+                    ck.close()
+            if args.count_requests:
+                requests = count_requests(server, bucket, state, kinds, args.only, args.unsigned)
         finally:
             server.stop()
     size = c["size"]
     results: dict[str, Any] = {"size": size, "runs": args.runs, "python": sys.version.split()[0]}
-    for kind, by in times.items():
+    for kind in kinds:
+        by = samples["wall"][kind]
         med = {name: statistics.median(ts) for name, ts in by.items()}
-        best_raw = min(t for name, t in med.items() if name.startswith("raw"))
+        raws = [t for name, t in med.items() if name.startswith("raw")]
+        best_raw = min(raws) if raws else float("nan")
         results[kind] = {
             name: {
                 "median_s": med[name],
                 "gb_per_s": size / 1e9 / med[name],
                 "speed_vs_best_raw": best_raw / med[name],
-                "client_cpu_s": statistics.median(cpu[kind][name]),
+                "client_cpu_s": statistics.median(samples["cpu"][kind][name]),
+                "server_cpu_s": statistics.median(samples["server"][kind][name]),
                 "seconds": ts,
+                **({"requests": requests[kind][name]} if name in requests.get(kind, {}) else {}),
             }
             for name, ts in by.items()
         }
+        results[kind].update({name: {"failed": err} for name, err in failed[kind].items()})
         print(f"\n{kind} of {size / MiB:.0f} MiB, medians of {args.runs} (SeaweedFS, 127.0.0.1)")
-        print(f"  {'client':34} {'median s':>9} {'GB/s':>6} {'x best raw':>10} {'CPU s':>6}")
+        head = f"{'median s':>9} {'GB/s':>6} {'x best raw':>10} {'CPU s':>6} {'server s':>8}"
+        print(f"  {'client':40} {head}")
         for name, row in results[kind].items():
+            if "failed" in row:
+                print(f"  {name:40} FAILED: {row['failed']}")
+                continue
             print(
-                f"  {name:34} {row['median_s']:9.3f} {row['gb_per_s']:6.2f} "
-                f"{row['speed_vs_best_raw']:10.2f} {row['client_cpu_s']:6.2f}"
+                f"  {name:40} {row['median_s']:9.3f} {row['gb_per_s']:6.2f} "
+                f"{row['speed_vs_best_raw']:10.2f} {row['client_cpu_s']:6.2f} "
+                f"{row['server_cpu_s']:8.2f}"
             )
+        for name, counted in requests.get(kind, {}).items():
+            print(f"  requests of one {kind}, {name}: {counted}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tierckpt.backends.base import ObjectWriter
+from tierckpt._types import BytesLike
 from tierckpt.codecs import SupportsObserve, codec_from_config
 from tierckpt.errors import BackendError, FormatError, TierCkptError
 from tierckpt.format import (
@@ -34,6 +34,7 @@ from tierckpt.format import (
 )
 from tierckpt.handle import TierResult
 from tierckpt.pipeline._capture import _encode
+from tierckpt.pipeline._lend import Countdown, Loan, abort_quietly, early_view
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, Tier, _ChunkState, _Follow, _TierWrite
 from tierckpt.plan import ChunkPlan
@@ -42,18 +43,6 @@ from tierckpt.verify import read_verified
 
 log = logging.getLogger("tierckpt")
 _ZEROS = bytes(4096)
-
-
-class _Loan:
-    """One tier's hold on a chunk's arena slot: released once, by the tier's thread after a
-    plain write, or by the writer (``write_lent``) once it no longer reads the slot."""
-
-    __slots__ = ("handed", "release")
-
-    def __init__(self, release: Callable[[], None]) -> None:
-        self.release = release
-        #: the writer took the release over
-        self.handed = False
 
 
 class _TiersMixin(_StallMixin):
@@ -131,7 +120,7 @@ class _TiersMixin(_StallMixin):
                 if kind == "start":
                     self._tier_start(tier, job, tw)
                 elif kind == "chunk":
-                    loan = _Loan(functools.partial(self._release, payload, tier.name))
+                    loan = Loan(functools.partial(self._release, payload, tier.name))
                     try:
                         if tw.error is None and self._abandoned:
                             tw.error = self._abandoned_error(job)
@@ -147,7 +136,7 @@ class _TiersMixin(_StallMixin):
             except BaseException as exc:
                 tw.error = exc
                 if tw.writer is not None:
-                    _abort_quietly(tier, tw.writer)
+                    abort_quietly(tier, tw.writer)
                     tw.writer = None
                 if kind == "end":
                     self._tier_failed(tier, job, exc)
@@ -191,7 +180,7 @@ class _TiersMixin(_StallMixin):
         tw.emit = self._emitter(job.step, tier.name)
 
     def _tier_chunk(
-        self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState, loan: _Loan
+        self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState, loan: Loan
     ) -> None:
         with self._lock:
             err = job.given_up.get(tier.name)
@@ -199,21 +188,59 @@ class _TiersMixin(_StallMixin):
         if err is not None:
             raise err
         assert enc is not None, "a tier writes only chunks it holds"
-        self._append(tier, tw, state.plan, enc.result(), loan)
+        early = early_view(tier, job, tw.writer, self.arena, state)
+        if early is not None:
+            self._append_early(tier, tw, state.plan, early, enc, loan)
+        else:
+            self._append(tier, tw, state.plan, enc.result(), loan)
         # given up during the write: the slot may hold other bytes by now; stop here
         self._check_given_up(tier, job)
+
+    def _append_early(
+        self,
+        tier: Tier,
+        tw: _TierWrite,
+        chunk: ChunkPlan,
+        view: memoryview,
+        enc: Future[Encoded],
+        loan: Loan,
+    ) -> None:
+        """:meth:`_append` of a raw chunk handed to the writer while its checksum is still being
+        computed (host chunks' checksums wait for the end of the capture: the first parts go on
+        the wire that much sooner). The slot is freed once the writer and the checksum are
+        both done with it."""
+        assert tw.writer is not None
+        release = Countdown(2, loan.release)
+        try:
+            # sets loan.handed when the writer has taken ``release`` (it then calls it once)
+            self._append(tier, tw, chunk, None, loan, lent=(view, release))
+        finally:
+            try:
+                done = enc.result()  # the encoder reads the slot until then
+            finally:
+                if loan.handed:
+                    release()  # else the tier's thread releases the slot (not handed)
+        if len(memoryview(done.data).cast("B")) != len(view):
+            raise FormatError(  # cannot happen for a passthrough codec; never record a lie
+                f"tier {tier.name!r}: chunk {chunk.seq} was uploaded raw ({len(view)} bytes) "
+                f"but encoded as {done.codec_config}"
+            )
+        self._record(tw, chunk, done, tw.offset - len(view), len(view))
 
     def _append(
         self,
         tier: Tier,
         tw: _TierWrite,
         chunk: ChunkPlan,
-        enc: Encoded,
-        loan: _Loan | None = None,
+        enc: Encoded | None,
+        loan: Loan | None = None,
+        *,
+        lent: tuple[memoryview, Callable[[], None]] | None = None,
     ) -> None:
         """Write one encoded chunk at the next aligned offset and record it. ``loan``: the
         chunk's arena slot, lent to a writer that can upload from it (``write_lent``: no copy),
-        which then releases the slot once its parts are acknowledged."""
+        which then releases the slot once its parts are acknowledged. ``lent``: raw bytes and
+        their release, written lent but not recorded (``enc`` None: the caller records them)."""
         assert tw.writer is not None
         self._leases.renew(tier)  # a long save (or copy from a source) must not let it lapse
         start = align_up(tw.offset)
@@ -221,18 +248,33 @@ class _TiersMixin(_StallMixin):
             tw.writer.write(tw.offset, _ZEROS[: start - tw.offset])
         t0 = time.perf_counter()
         write_lent = getattr(tw.writer, "write_lent", None) if loan is not None else None
-        if write_lent is not None:
+        if lent is not None:
             assert loan is not None
+            data: BytesLike = lent[0]
+            loan.handed = True  # from here the writer calls lent[1], also on failure
+            tw.writer.write_lent(start, data, lent[1])  # type: ignore[attr-defined]
+        elif write_lent is not None:
+            assert loan is not None and enc is not None
+            data = enc.data
             loan.handed = True  # from here the writer calls loan.release, also on failure
-            write_lent(start, enc.data, loan.release)
+            write_lent(start, data, loan.release)
         else:
-            tw.writer.write(start, enc.data)
+            assert enc is not None
+            data = enc.data
+            tw.writer.write(start, data)
         seconds = time.perf_counter() - t0
         tw.write_seconds += seconds
         self._tier_busy(tier, progressed=True, idle=False)
-        n = len(memoryview(enc.data).cast("B"))
+        n = len(memoryview(data).cast("B"))
         if tw.emit is not None:
             tw.emit("write", n, seconds)
+        tw.offset = start + n
+        tw.stored += n
+        if enc is not None:
+            self._record(tw, chunk, enc, start, n)
+
+    def _record(self, tw: _TierWrite, chunk: ChunkPlan, enc: Encoded, start: int, n: int) -> None:
+        """The index record of a chunk of ``n`` stored bytes written at ``start``."""
         try:
             codec_idx = tw.codecs.index(enc.codec_config)
         except ValueError:
@@ -240,8 +282,6 @@ class _TiersMixin(_StallMixin):
             codec_idx = len(tw.codecs) - 1
         rec = ChunkRecord(chunk.logical_offset, chunk.raw_size, n, start, codec_idx, enc.checksum)
         tw.records.append(rec.to_json())
-        tw.offset = start + n
-        tw.stored += n
 
     def _tier_end(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
         if job.capture_error is not None:
@@ -456,19 +496,3 @@ class _TiersMixin(_StallMixin):
             if job.plan is not None:
                 job.plan.sources.clear()
             job.collected = None
-
-
-def _abort_quietly(tier: Tier, writer: ObjectWriter) -> None:
-    """``writer.abort()``, which must never raise (:class:`ObjectWriter`'s contract). One that
-    raises anyway (a third-party backend, a bug) must not end this tier's thread: every later
-    save on the tier would wait for it until given up, for the rest of the run."""
-    try:
-        writer.abort()
-    except Exception as exc:
-        log.warning(
-            "tier %s: abort of %s failed (what it staged may be left behind; retention sweeps "
-            "it at the next commit there): %s",
-            tier.name,
-            writer.name,
-            exc,
-        )

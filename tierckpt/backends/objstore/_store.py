@@ -17,6 +17,13 @@ from tierckpt.redact import redact, refuse_credentials, scrub_exception
 
 #: the URL schemes this backend serves
 SCHEMES = ("s3", "gs", "az")
+#: obstore's names of S3's unsigned-payload setting. Over TLS (AWS, any ``https://`` endpoint)
+#: an S3 store signs its requests but not their bodies (``UNSIGNED-PAYLOAD``, as the AWS SDKs do
+#: over HTTPS): TLS already authenticates and checks every byte, and a signed body is hashed
+#: with SHA-256 first (about 0.2 CPU s per 256 MiB: three quarters of the client's CPU of an
+#: upload, measured on SeaweedFS). Over plain ``http://`` the signature is the body's only
+#: protection in transit, so it is kept. ``config={"unsigned_payload": ...}`` decides instead.
+UNSIGNED = frozenset({"unsigned_payload", "aws_unsigned_payload"})
 
 
 def parse_url(url: str, prefix: str = "") -> tuple[str, str, str]:
@@ -91,6 +98,8 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any]:
                 cfg["endpoint"] = endpoint
                 client["allow_http"] = endpoint.startswith("http://")
             cfg["conditional_put"] = "etag"
+            if not (endpoint or "https://").startswith("http://") and not UNSIGNED & extra.keys():
+                cfg["unsigned_payload"] = True  # over TLS (see UNSIGNED)
             cfg.update(extra)
             return tuple(  # type: ignore[return-value]
                 stores.S3Store(
