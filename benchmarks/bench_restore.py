@@ -29,7 +29,10 @@ Contenders (a contender whose package is missing is listed as skipped, with the 
     (``FileSystemReader``)
     s3: tierckpt-{boto3,obstore}-{raw,auto}, tierckpt-obstore-planes (compressed chunks
     whatever the rates), obstore-get (ranged GETs of ``--part`` bytes,
-    ``--concurrency`` in flight, into one buffer), boto3-transfer (TransferManager
+    ``--concurrency`` in flight, into one buffer allocated and not written, so that its pages
+    are first touched by the copies, as tierckpt's storages are; obstore-get-zeroed: the
+    same into a ``bytearray``, zero-filled before the first GET, as tables before
+    2026-12-01 measured it), boto3-transfer (TransferManager
     ``download_fileobj``, same part size and concurrency), s3torchconnector (its
     ``S3Checkpoint`` reader), dcp-s3 (s3torchconnector's ``S3StorageReader``)
 """
@@ -54,6 +57,7 @@ BUCKET = "bench-restore"
 LOCAL = ["disk-read", "tierckpt-local", "dcp-fs"]
 S3 = [
     "obstore-get",
+    "obstore-get-zeroed",
     "boto3-transfer",
     "tierckpt-boto3-raw",
     "tierckpt-obstore-raw",
@@ -164,18 +168,24 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             dcp.load(target, storage_reader=dcp.FileSystemReader(spec["dcp_dir"]))
             return target
 
-    elif name == "obstore-get":
+    elif name in ("obstore-get", "obstore-get-zeroed"):
         import asyncio
 
+        import numpy as np
         import obstore
         from obstore.store import S3Store
 
         store = S3Store(
             BUCKET, endpoint=endpoint, region="us-east-1", client_options={"allow_http": True}
         )
+        zeroed = name == "obstore-get-zeroed"
 
         def run() -> Any:
-            buf = bytearray(nbytes)
+            # the baseline's memory as tierckpt's storages: allocated, not written, so each
+            # page is first touched by the copy that fills it, while the other GETs are in
+            # flight. (-zeroed: a bytearray, which zero-fills all of it before the first GET:
+            # 0.2-0.4 s per 256 MiB on a busy host, a handicap the earlier tables carried)
+            buf = bytearray(nbytes) if zeroed else np.empty(nbytes, dtype=np.uint8)
             view = memoryview(buf)
 
             async def main() -> None:
@@ -270,6 +280,7 @@ def _available(name: str) -> str:
     import importlib.util
 
     need = {"obstore-get": "obstore", "s3torchconnector": "s3torchconnector"}
+    need["obstore-get-zeroed"] = "obstore"
     need.update({"dcp-s3": "s3torchconnector", "tierckpt-obstore-raw": "obstore"})
     need["tierckpt-obstore-auto"] = "obstore"
     need["tierckpt-obstore-planes"] = "obstore"
