@@ -29,8 +29,8 @@ Contenders (a contender whose package is missing is listed as skipped, with the 
     (``FileSystemReader``)
     s3: tierckpt-{boto3,obstore}-{raw,auto}, tierckpt-obstore-planes (compressed chunks
     whatever the rates), obstore-get (ranged GETs of ``--part`` bytes,
-    ``--concurrency`` in flight, into one buffer allocated and not written, so that its pages
-    are first touched by the copies, as tierckpt's storages are; obstore-get-zeroed: the
+    ``--concurrency`` in flight, into one buffer allocated by torch and not written, so that
+    its pages are first touched by the copies, as tierckpt's storages are; obstore-get-zeroed: the
     same into a ``bytearray``, zero-filled before the first GET, as tables before
     2026-12-01 measured it), boto3-transfer (TransferManager
     ``download_fileobj``, same part size and concurrency), s3torchconnector (its
@@ -147,7 +147,7 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Run contender ``name`` once; imports happen before the clock starts. A name ending
     in ``@before`` is the same contender (run with another checkout on ``PYTHONPATH``)."""
     name = name.partition("@")[0]
-    import torch  # noqa: F401
+    import torch
 
     requests = _count_requests()  # before any module binds obstore's functions
 
@@ -201,7 +201,6 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     elif name in ("obstore-get", "obstore-get-zeroed"):
         import asyncio
 
-        import numpy as np
         import obstore
         from obstore.store import S3Store
 
@@ -211,12 +210,14 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         zeroed = name == "obstore-get-zeroed"
 
         def run() -> Any:
-            # the baseline's memory as tierckpt's storages: allocated, not written, so each
-            # page is first touched by the copy that fills it, while the other GETs are in
-            # flight. (-zeroed: a bytearray, which zero-fills all of it before the first GET:
-            # 0.2-0.4 s per 256 MiB on a busy host, a handicap the earlier tables carried)
-            buf = bytearray(nbytes) if zeroed else np.empty(nbytes, dtype=np.uint8)
-            view = memoryview(buf)
+            # the baseline's memory as tierckpt's storages (torch's allocator): allocated,
+            # not written, so each page is first touched by the copy that fills it while the
+            # other GETs are in flight. (-zeroed: a bytearray, which zero-fills all of it
+            # before the first GET: 0.2-0.4 s per 256 MiB on a busy host. Not numpy.empty:
+            # numpy asks for huge pages, whose faults here compact memory and measured slower
+            # than either)
+            buf = bytearray(nbytes) if zeroed else torch.empty(nbytes, dtype=torch.uint8)
+            view = memoryview(buf.numpy()) if isinstance(buf, torch.Tensor) else memoryview(buf)
 
             async def main() -> None:
                 sem = asyncio.Semaphore(conc)
