@@ -234,7 +234,6 @@ class ChunkReader:
                 stored,
                 self.fetch_pool,
                 on_start=self.on_fetch_start,
-                early=self.early,
             )
             try:
                 decode_chunk(codec, stored, out, ci, self.tier, self.where, self.file, fetch.ready)

@@ -4,13 +4,11 @@ fill exists.
 Between the index's arrival and the first data request a load used to allocate every
 storage, lay out the chunks and start its reader and fetch threads (20-35 ms on a busy
 2-core host, measured: a few percent of a 256 MiB restore, spent with the link idle). Now the
-loading thread first sends the GETs of the first segments of the first chunk in the file
-(exactly the segments :class:`~tierckpt.restore._scatter.ScatterFetch` would send for a raw
-chunk, or :class:`~tierckpt.restore._fetch.StreamedFetch` for one that decodes as it
-arrives: from the chunk's offset, one part each) on the fetch pool; each fetch thread holds
-its GET's body (obstore's own buffer, no copy) until the chunk's reader hands it the
-destination (:meth:`EarlyReads.take`, in place of sending that segment itself), then copies
-it there.
+loading thread first sends the GETs of the first segments of the first raw chunk in the file
+(exactly the segments :class:`~tierckpt.restore._scatter.ScatterFetch` would send: from the
+chunk's offset, one part each) on the fetch pool; each fetch thread holds its GET's body
+(obstore's own buffer, no copy) until the chunk's reader hands it the destination
+(:meth:`EarlyReads.take`, in place of sending that segment itself), then copies it there.
 
 Nothing changes in what is accepted: the reader folds every segment into the chunk's
 checksum in order and accepts the chunk only when it matches the index's. A segment no
@@ -44,12 +42,11 @@ class SupportsReadBody(Protocol):
 
 
 def early_ranges(
-    chunks: Sequence[ChunkRecord], fetchable: Sequence[bool], step: int, most: int
+    chunks: Sequence[ChunkRecord], raw: Sequence[bool], step: int, most: int
 ) -> list[tuple[int, int]]:
     """``(file offset, length)`` of the first segments (``step`` bytes each from its offset)
-    of the first chunk, when it is fetched in such pieces (``fetchable[0]``: a raw chunk, read in
-    segments, or a chunk of a codec that decodes as its pieces arrive), at most ``most``."""
-    if not chunks or most < 1 or not fetchable[0]:
+    of the first chunk, when it is ``raw`` (read in segments), at most ``most``."""
+    if not chunks or most < 1 or not raw[0]:
         return []
     rec = chunks[0]
     n = rec.stored_size

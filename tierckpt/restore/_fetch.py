@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xxhash
 
 from tierckpt.backends.base import Backend
-from tierckpt.restore._early import EarlyReads
 
 __all__ = ["PIECE_BYTES", "FetchStarts", "StreamedFetch"]
 
@@ -88,8 +87,7 @@ class StreamedFetch:
     ``ready(n)`` blocks until the first ``n`` bytes are in place (re-raising the fetch's
     error); ``finish()`` waits for the rest and returns the checksum of all of it;
     ``close()`` (always, also after an error) cancels what has not started and waits for what
-    has, so nothing writes into ``into`` after it returns. A piece whose GET was sent early
-    (``early``, see ``tierckpt.restore._early``) is not sent again: its body is copied in.
+    has, so nothing writes into ``into`` after it returns.
     """
 
     def __init__(
@@ -102,7 +100,6 @@ class StreamedFetch:
         *,
         piece_bytes: int | None = None,
         on_start: Callable[[], None] | None = None,
-        early: EarlyReads | None = None,
     ) -> None:
         self._into = into
         n = len(into)
@@ -112,10 +109,9 @@ class StreamedFetch:
         self._hashed = 0  # pieces folded into the checksum (a prefix of them)
         self._lock = threading.Lock()
         read = _started(on_start, backend.read_into)
-        self._futures: list[Future[None]] = []
-        for a, b in self._bounds:
-            sent = early.take(offset + a, [into[a:b]]) if early is not None else None
-            self._futures.append(sent or pool.submit(read, file, offset + a, into[a:b]))
+        self._futures: list[Future[None]] = [
+            pool.submit(read, file, offset + a, into[a:b]) for a, b in self._bounds
+        ]
 
     @property
     def size(self) -> int:

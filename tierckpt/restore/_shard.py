@@ -91,7 +91,7 @@ def read_shard(
         # the first segments' GETs go out now, before the storages exist (see _early)
         first = early_ranges(
             chunks,
-            [_fetched_in_pieces(codecs[c.codec]) for c in chunks[:1]],
+            [codecs[c.codec].is_passthrough for c in chunks[:1]],
             PIECE_BYTES,
             _workers(fetch_pool) - 1,
         )
@@ -203,13 +203,6 @@ def finish_shard(
         read_seconds,
         compressed,
     )
-
-
-def _fetched_in_pieces(codec: Codec) -> bool:
-    """Whether a remote chunk of ``codec`` is fetched in part-sized pieces from its offset
-    (raw: in segments into the storages; progressive: while it decodes), the pieces
-    ``tierckpt.restore._early`` sends early."""
-    return codec.is_passthrough or isinstance(codec, SupportsProgressiveDecode)
 
 
 def _workers(pool: ThreadPoolExecutor) -> int:
