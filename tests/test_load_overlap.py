@@ -6,7 +6,6 @@ clear error."""
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,6 @@ from helpers import assert_same
 from tierckpt import Checkpointer, CheckpointNotFound, CorruptCheckpoint, S3Tier
 from tierckpt.backends.objstore import ObjectStoreBackend
 from tierckpt.bench.scale import classify
-from tierckpt.errors import TierCkptError
 from tierckpt.format import manifest_name, shard_name
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 from tierckpt.testing.s3servers import S3Server
@@ -165,154 +163,3 @@ def test_corrupt_tail_still_refused(bucket_url: tuple[str, str], where: str) -> 
     with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")]) as ck:
         assert_same(ck.load(), state)
     backend.close()
-
-
-# -- the first data GETs, sent before the storages exist ---------------------------------------
-def _big_state(chunks: int = 3, mib: int = 2) -> dict[str, Any]:
-    """Tensors of ``mib`` MiB each, saved with ``chunk_bytes=mib MiB``: a chunk per tensor."""
-    g = torch.Generator().manual_seed(chunks)
-    return {f"w{i}": torch.randn(mib << 18, generator=g) for i in range(chunks)}
-
-
-def _tck_gets(proxy: FaultProxy, bucket: str) -> int:
-    return sum(1 for k, rel in _kinds(proxy, bucket) if k == "GET" and rel.endswith(".tck"))
-
-
-@pytest.fixture
-def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Segments of 256 KiB: a 2 MiB chunk is read in 8 GETs, the first ones sent early."""
-    import tierckpt.restore._chunks as chunks_mod
-    import tierckpt.restore._shard as shard_mod
-
-    monkeypatch.setattr(chunks_mod, "PIECE_BYTES", 256 << 10)
-    monkeypatch.setattr(shard_mod, "PIECE_BYTES", 256 << 10, raising=False)
-    return 256 << 10
-
-
-def test_first_data_gets_go_out_before_the_storages_exist(
-    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """When the loading thread starts laying out the chunks (the storages allocated), the
-    first chunk's data GETs have already reached the store (before: only once the readers
-    started, after it)."""
-    import tierckpt.restore._shard as shard_mod
-
-    bucket, endpoint = bucket_url
-    state = _big_state(2)
-    url = f"s3://{bucket}/run"
-    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")], chunk_bytes=2 << 20) as ck:
-        ck.save(state, step=1).result()
-    seen_then: list[int] = []
-    real = shard_mod.ChunkReader
-    with FaultProxy(endpoint) as proxy:
-
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            # wait (bounded) for a data GET: the tail's is one GET of the file, data more
-            for _ in range(200):
-                if _tck_gets(proxy, bucket) >= 2:
-                    break
-                threading.Event().wait(0.025)
-            seen_then.append(_tck_gets(proxy, bucket))
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(shard_mod, "ChunkReader", watched)
-        with Checkpointer([S3Tier(url, endpoint_url=proxy.endpoint_url, codec="raw")]) as ck:
-            got = ck.load()
-    assert_same(got, state)
-    assert seen_then and seen_then[0] >= 2, seen_then
-
-
-def test_early_gets_are_not_sent_twice(
-    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch, small_segments: int
-) -> None:
-    """Three chunks of eight segments each: the load sends the same GETs of the shard file
-    with early GETs as without (the segments sent early are taken, not sent again)."""
-    import tierckpt.restore._shard as shard_mod
-
-    bucket, endpoint = bucket_url
-    state = _big_state(3)
-    url = f"s3://{bucket}/run"
-    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")], chunk_bytes=2 << 20) as ck:
-        ck.save(state, step=1).result()
-    counts = []
-    with FaultProxy(endpoint) as proxy:
-        for early in (True, False):
-            if not early:
-                monkeypatch.setattr(shard_mod, "early_ranges", lambda *a: [], raising=False)
-            with Checkpointer([S3Tier(url, endpoint_url=proxy.endpoint_url, codec="raw")]) as ck:
-                proxy.requests.clear()
-                got = ck.load()
-                counts.append(_tck_gets(proxy, bucket))
-            assert_same(got, state)
-    segments = sum(-(-t.numel() * 4 // small_segments) for t in state.values())
-    assert counts == [1 + segments, 1 + segments], counts  # the tail, then each segment once
-
-
-def test_early_gets_nobody_takes_are_dropped(
-    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch, small_segments: int
-) -> None:
-    """Early GETs of ranges no reader asks for (as many as may be sent: every fetch thread
-    but one) hold their threads only until the chunks are read: the load completes, right."""
-    import tierckpt.restore._shard as shard_mod
-
-    bucket, endpoint = bucket_url
-    state = _big_state(3)
-    url = f"s3://{bucket}/run"
-    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")], chunk_bytes=2 << 20) as ck:
-        ck.save(state, step=1).result()
-    # ranges inside the file that match no segment (shifted by one byte)
-    monkeypatch.setattr(
-        shard_mod,
-        "early_ranges",
-        lambda chunks, raw, step, most: [(1 + i * step, step) for i in range(most)],
-        raising=False,
-    )
-    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")]) as ck:
-        assert_same(ck.load(), state)
-
-
-def test_corrupt_first_chunk_read_early_is_refused(
-    bucket_url: tuple[str, str], small_segments: int
-) -> None:
-    """A byte of the first chunk changed (read by the early GETs): the chunk's checksum
-    still refuses it, naming it."""
-    bucket, endpoint = bucket_url
-    state = _big_state(2)
-    url = f"s3://{bucket}/run"
-    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")], chunk_bytes=2 << 20) as ck:
-        ck.save(state, step=1).result()
-    backend = ObjectStoreBackend(url, endpoint_url=endpoint)
-    name = shard_name(1, 0)
-    bad = bytearray(backend.get(name))
-    bad[1000] ^= 0xFF  # inside the first segment of chunk 0
-    backend.put_atomic(name, bytes(bad), overwrite=True)
-    with (
-        Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")]) as ck,
-        pytest.raises(CorruptCheckpoint, match="chunk 0 .*does not match its checksum"),
-    ):
-        ck.load()
-    backend.close()
-
-
-def test_failing_data_gets_fail_the_load_cleanly(
-    bucket_url: tuple[str, str], small_segments: int
-) -> None:
-    """Every data GET answered 500 (the early ones too, with their retries): the load fails
-    with the store's error naming the file, and returns (no thread waits for ever)."""
-    bucket, endpoint = bucket_url
-    state = _big_state(2)
-    url = f"s3://{bucket}/run"
-    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")], chunk_bytes=2 << 20) as ck:
-        ck.save(state, step=1).result()
-    with FaultProxy(endpoint) as proxy:
-        # the tail's GET is the file's first; every later one fails
-        proxy.set_faults(
-            [Fault("error500", method="GET", path_contains=".tck", nth=range(2, 10_000))]
-        )
-        with (
-            Checkpointer(
-                [S3Tier(url, endpoint_url=proxy.endpoint_url, codec="raw", max_attempts=2)]
-            ) as ck,
-            pytest.raises(TierCkptError, match=r"\.tck"),
-        ):
-            ck.load()
