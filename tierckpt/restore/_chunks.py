@@ -28,7 +28,6 @@ import torch
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, SupportsProgressiveDecode
 from tierckpt.format import ChunkRecord
-from tierckpt.restore._early import EarlyReads
 from tierckpt.restore._fetch import PIECE_BYTES, StreamedFetch
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers, decode_chunk, span_view
 from tierckpt.restore._prefault import prefault
@@ -55,7 +54,6 @@ class ChunkReader:
         repop: Repopulation,
         fetch_pool: ThreadPoolExecutor | None,
         on_fetch_start: Callable[[], None] | None = None,
-        early: EarlyReads | None = None,
     ) -> None:
         self.backend = backend
         self.file = file
@@ -80,8 +78,6 @@ class ChunkReader:
         self.fetch_pool = fetch_pool
         #: told when each fetch on the fetch pool begins (see ``FetchStarts``)
         self.on_fetch_start = on_fetch_start
-        #: GETs of the first segments sent before the storages existed (``_early``)
-        self.early = early
         # buffers of one thread, reused from chunk to chunk: a fresh buffer per chunk would
         # pay the first touch of new pages every time (peak extra memory: a chunk or two per
         # thread)
@@ -107,15 +103,6 @@ class ChunkReader:
 
     def read(self, ci: int) -> int:
         """Read, verify and decode chunk ``ci`` into the spans; returns its stored size."""
-        if self.early is None:
-            return self._read_chunk(ci)
-        rec = self.chunks[ci]
-        try:
-            return self._read_chunk(ci)
-        finally:  # however it went, no early GET of this chunk waits for it any more
-            self.early.release(rec.file_offset, rec.file_offset + rec.stored_size)
-
-    def _read_chunk(self, ci: int) -> int:
         rec = self.chunks[ci]
         codec = self.codecs[rec.codec]
         lo, hi = rec.logical_offset, rec.logical_offset + rec.raw_size
@@ -200,7 +187,6 @@ class ChunkReader:
             self.fetch_pool,
             PIECE_BYTES,
             self.on_fetch_start,
-            self.early,
         )
         self._prefault(parts)  # while the first segments are fetched (never overwrites them)
         try:

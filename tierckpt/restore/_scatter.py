@@ -28,7 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xxhash
 
 from tierckpt.backends.base import Backend
-from tierckpt.restore._early import EarlyReads
 from tierckpt.restore._fetch import _started
 
 __all__ = ["ScatterFetch", "segments"]
@@ -66,9 +65,7 @@ class ScatterFetch:
     ``finish()`` waits for every segment, folding each into the checksum in order as it
     arrives, and returns the checksum (hex, as the index) or re-raises the first failed
     segment's error; ``close()`` (always, also after an error) cancels what has not started
-    and waits for what has, so nothing writes into the pieces after it returns. A segment
-    whose GET was sent early (``early``, see ``tierckpt.restore._early``) is not sent again:
-    that GET's body is copied into it.
+    and waits for what has, so nothing writes into the pieces after it returns.
     """
 
     def __init__(
@@ -80,15 +77,13 @@ class ScatterFetch:
         pool: ThreadPoolExecutor,
         step: int,
         on_start: Callable[[], None] | None = None,
-        early: EarlyReads | None = None,
     ) -> None:
         self._segments = segments(pieces, offset, max(1, step))
         self._lock = threading.Lock()
         read = _started(on_start, backend.read_into_pieces)
-        self._futures: list[Future[None]] = []
-        for off, views in self._segments:
-            sent = early.take(off, views) if early is not None else None
-            self._futures.append(sent or pool.submit(read, file, off, views))
+        self._futures: list[Future[None]] = [
+            pool.submit(read, file, off, views) for off, views in self._segments
+        ]
 
     def finish(self) -> str:
         """Wait for every segment; the checksum of all of them, in file order."""

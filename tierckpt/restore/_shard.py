@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +16,7 @@ from tierckpt.codecs import Codec, SupportsProgressiveDecode, codec_from_config
 from tierckpt.errors import FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
-from tierckpt.restore._early import EarlyReads, SupportsReadBody, early_ranges
-from tierckpt.restore._fetch import PIECE_BYTES, FetchStarts
+from tierckpt.restore._fetch import FetchStarts
 from tierckpt.restore._index import EarlyTail, as_parameters, read_index, rebuild_tensor
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
@@ -77,6 +76,9 @@ def read_shard(
                 f"{where}: raw chunk {ci} stores {rec.stored_size} bytes "
                 f"but declares {rec.raw_size}"
             )
+    spans = [torch.empty(int(n), dtype=torch.uint8) for _off, n in index["storages"]]
+    span_offsets = [int(s[0]) for s in index["storages"]]
+    repop = Repopulation(repopulate, ref.file)
     # compressed chunks are fetched in pieces on their own pool while the reader threads
     # decode, and raw chunks from a remote store in segments straight into their storages (a
     # fetch never waits on a reader, so the two pools cannot deadlock)
@@ -86,69 +88,46 @@ def read_shard(
         else None
     )
     starts = FetchStarts(_workers(fetch_pool)) if fetch_pool is not None else None
-    early: EarlyReads | None = None
-    if fetch_pool is not None and isinstance(backend, SupportsReadBody):
-        # the first segments' GETs go out now, before the storages exist (see _early)
-        first = early_ranges(
-            chunks,
-            [codecs[c.codec].is_passthrough for c in chunks[:1]],
-            PIECE_BYTES,
-            _workers(fetch_pool) - 1,
-        )
-        if first:
-            assert starts is not None
-            early = EarlyReads(backend, ref.file, first, fetch_pool, starts.tick)
-    futures: list[Future[int]] = []
+    reader = ChunkReader(
+        backend,
+        ref.file,
+        tier,
+        where,
+        codecs,
+        chunks,
+        spans,
+        span_offsets,
+        repop,
+        fetch_pool,
+        starts.tick if starts is not None else None,
+    )
+    # every chunk is submitted first; once the first requests are out (this thread's Python
+    # would hold the GIL they need to be sent), the tensors (views of the storages) are built
+    # on this thread while the readers fill the storages, the tree only once they are full:
+    # rebuilding a quantized tensor copies its integers, which must have arrived by then
+    futures = [pool.submit(reader.read, ci) for ci in range(len(chunks))]
     try:
-        spans = [torch.empty(int(n), dtype=torch.uint8) for _off, n in index["storages"]]
-        span_offsets = [int(s[0]) for s in index["storages"]]
-        repop = Repopulation(repopulate, ref.file)
-        reader = ChunkReader(
-            backend,
-            ref.file,
-            tier,
-            where,
-            codecs,
-            chunks,
-            spans,
-            span_offsets,
-            repop,
-            fetch_pool,
-            starts.tick if starts is not None else None,
-            early,
-        )
-        # every chunk is submitted first; once the first requests are out (this thread's
-        # Python would hold the GIL they need to be sent), the tensors (views of the storages)
-        # are built on this thread while the readers fill the storages, the tree only once
-        # they are full: rebuilding a quantized tensor copies its integers, which must have
-        # arrived by then
-        futures = [pool.submit(reader.read, ci) for ci in range(len(chunks))]
-        try:
-            if starts is not None:
-                starts.wait(futures)
-            # cover every span byte: the chunks must tile the data stream
-            covered = sum(c.raw_size for c in chunks)
-            if covered != data_bytes:
-                raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
-            sizes = [sp.numel() for sp in spans]
-            tensors = [
-                rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
-            ]
-            as_parameters(tensors, index.get("parameters"), where)
-            stored_total = sum(f.result() for f in futures)
-            state = decode_tree(index.get("tree"), tensors, **tree_args(index))
-            read_seconds = time.perf_counter() - t0
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            if early is not None:
-                early.close()  # a cancelled chunk's early GETs must not hold fetch threads
-            wait(futures)  # nothing writes into the storages or the copies after this
-            repop.abort()
-            raise
+        if starts is not None:
+            starts.wait(futures)
+        # cover every span byte: the chunks must tile the data stream
+        covered = sum(c.raw_size for c in chunks)
+        if covered != data_bytes:
+            raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
+        sizes = [sp.numel() for sp in spans]
+        tensors = [
+            rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
+        ]
+        as_parameters(tensors, index.get("parameters"), where)
+        stored_total = sum(f.result() for f in futures)
+        state = decode_tree(index.get("tree"), tensors, **tree_args(index))
+        read_seconds = time.perf_counter() - t0
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        wait(futures)  # nothing writes into the storages or the copies after this
+        repop.abort()
+        raise
     finally:
-        if early is not None:
-            early.close()
         if fetch_pool is not None:
             fetch_pool.shutdown(wait=True, cancel_futures=True)
     return finish_shard(
