@@ -25,17 +25,14 @@ from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
-from tierckpt.format import CheckpointId, manifest_name, shard_name
-from tierckpt.layout import prefixes_for
+from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
 from tierckpt.restore import (
-    EarlyTail,
     LoadedShard,
     is_recoverable,
     read_shard,
     restore_into,
-    start_tail_read,
 )
 from tierckpt.restore_gpu import DeviceTarget, read_shard_to_device, target_for
 
@@ -256,25 +253,10 @@ def _load_candidates(
     raise CorruptCheckpoint(msg) from first_exc
 
 
-def _early_tail(ctx: LoadContext, tier: Tier, cid: CheckpointId) -> EarlyTail | None:
-    """From a remote store, this rank's shard file's footer and index are read while its
-    manifest is, not after it: the file's name is what this tier would have named it (a
-    guess: a checkpoint written with other names is read as before, see ``read_index``)."""
-    if not tier.backend.is_remote:
-        return None
-    try:
-        prefixes = prefixes_for(tier.spec.prefixes)
-        name = shard_name(cid.step, ctx.rank, timeline=cid.timeline, prefixes=prefixes)
-    except (ValueError, TierCkptError):
-        return None
-    return start_tail_read(tier.backend, name, ctx.read_pool())
-
-
 def _load_from(
     ctx: LoadContext, tier: Tier, cid: CheckpointId, target: DeviceTarget | None = None
 ) -> LoadedShard:
     step = cid.step
-    early = _early_tail(ctx, tier, cid) if target is None else None
     manifest = ctx.strategy.read_manifest(tier, cid)  # multi-rank: once per node
     if manifest.world_size != ctx.world_size:
         raise TierCkptError(
@@ -320,7 +302,6 @@ def _load_from(
         ctx.read_pool(),
         repopulate=repop,
         publish=False,  # the strategy's publish_repopulated commits the copies
-        early_tail=early,
     )
     if isinstance(tier.codec, SupportsObserveRead):  # the auto policy learns the restore's speed
         # (and, where the load was compressed, what a raw one would take: _auto_feedback)

@@ -6,10 +6,8 @@ allocation, checksums before any decode, and every tensor record against the sto
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,17 +32,13 @@ from tierckpt.limits import MAX_DIMS
 from tierckpt.tree import dtype_from_name
 
 __all__ = [
-    "EarlyTail",
     "TensorRecord",
     "as_parameters",
     "parse_tensor_entry",
     "read_index",
     "read_manifest",
     "rebuild_tensor",
-    "start_tail_read",
 ]
-
-log = logging.getLogger("tierckpt")
 
 
 def read_manifest(backend: Backend, step: int, tier: str, *, timeline: int = 0) -> Manifest:
@@ -75,59 +69,14 @@ MAX_TAIL_READ_BYTES = 8 << 20
 _tail_guess = TAIL_READ_BYTES
 
 
-@dataclass(frozen=True, slots=True)
-class EarlyTail:
-    """A read of a shard file's tail (footer and index) sent before the manifest that names
-    the file has arrived: ``file`` is the name the shard file would have (the names are
-    deterministic, :func:`tierckpt.format.shard_name`), ``future`` the answer of
-    ``backend.read_tail`` (size, tail bytes). Only a guess: :func:`read_index` uses it where
-    the manifest names that very file and the answer agrees with the manifest's size, and
-    otherwise reads the tail as it would have without it."""
-
-    file: str
-    future: Future[tuple[int, Any]]
-
-
-def start_tail_read(backend: Backend, file: str, pool: ThreadPoolExecutor) -> EarlyTail:
-    """Send the suffix read of ``file``'s footer and index on ``pool`` now (see
-    :class:`EarlyTail`): a remote load's footer and index then arrive with its manifest,
-    one round trip sooner. Its size is not known yet, so it asks for the learned tail size
-    whatever the file's (a file shorter than that comes whole)."""
-    return EarlyTail(file, pool.submit(backend.read_tail, file, _tail_guess + FOOTER_SIZE))
-
-
-def _early_tail(early: EarlyTail | None, ref: ShardRef, where: str) -> tuple[int, Any] | None:
-    """The early tail read's answer where it is this file's, complete, and of the size the
-    manifest says; None (read it again) where the guess named another file, the read failed
-    (a missing or unreadable file then fails the regular read with its own clear error) or
-    the answer does not agree with the manifest."""
-    if early is None:
-        return None
-    if early.file != ref.file:
-        early.future.cancel()  # another name: its answer (if any) is never used
-        log.debug("%s: the shard file is not the guessed %s; reading its tail", where, early.file)
-        return None
-    try:
-        size, tail = early.future.result()
-    except Exception as exc:
-        log.debug("%s: early tail read failed (%s); reading it again", where, exc)
-        return None
-    n = len(memoryview(tail).cast("B"))
-    if size != ref.size or not FOOTER_SIZE <= n <= size:
-        return None
-    return size, tail
-
-
 def read_index(
-    backend: Backend, ref: ShardRef, tier: str, *, early: EarlyTail | None = None
+    backend: Backend, ref: ShardRef, tier: str
 ) -> tuple[dict[str, Any], bytes | bytearray, bytes]:
     """The shard file's index, checked against its footer and the manifest's record (its
     size and index checksum); also the index and footer bytes (repopulated copies get them).
 
     One read of the file's tail brings its size, footer and (usually) the whole index:
-    through obstore one suffix-range GET where it used to take a HEAD and three GETs.
-    ``early``: that read, sent before the manifest arrived (:func:`start_tail_read`); used
-    where it is this file's."""
+    through obstore one suffix-range GET where it used to take a HEAD and three GETs."""
     global _tail_guess
     where = f"tier {tier!r} {backend.url}/{ref.file}"
     # a round trip is worth saving only on a remote store; a local file's footer and index
@@ -135,12 +84,9 @@ def read_index(
     # size (a large index seen once must not make every small file be read whole)
     remote = backend.is_remote
     guess = min(_tail_guess, max(TAIL_READ_BYTES, ref.size >> 4)) if remote else 0
-    got = _early_tail(early, ref, where)
-    if got is None:
-        # never more than the manifest says the file holds (a suffix past the start of the
-        # object is answered differently by different stores)
-        got = backend.read_tail(ref.file, max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE)))
-    size, tail = got
+    # never more than the manifest says the file holds (a suffix past the start of the
+    # object is answered differently by different stores)
+    size, tail = backend.read_tail(ref.file, max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE)))
     if size != ref.size:
         raise CorruptCheckpoint(
             f"{where}: file is {size} bytes, the manifest says {ref.size} (truncated or replaced)"

@@ -17,7 +17,7 @@ from tierckpt.errors import FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
 from tierckpt.restore._fetch import FetchStarts
-from tierckpt.restore._index import EarlyTail, as_parameters, read_index, rebuild_tensor
+from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
 
@@ -50,18 +50,16 @@ def read_shard(
     *,
     repopulate: Sequence[Backend] = (),
     publish: bool = True,
-    early_tail: EarlyTail | None = None,
 ) -> LoadedShard:
     """Read, verify and decode one rank's shard from one tier.
 
     ``repopulate``: also copy the shard file to these tiers; ``publish``: and write the
     manifest there (False where the caller commits the copies: a Checkpointer's commit
-    strategy, which with several ranks waits for every rank's file); ``early_tail``: the
-    file's footer and index, read while the manifest was (see ``read_index``)."""
+    strategy, which with several ranks waits for every rank's file)."""
     t0 = time.perf_counter()
     ref = manifest.shard_for(rank)
     where = f"tier {tier!r} {backend.url}/{ref.file}"
-    index, index_blob, footer_blob = read_index(backend, ref, tier, early=early_tail)
+    index, index_blob, footer_blob = read_index(backend, ref, tier)
     codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
     data_bytes = int(index["data_bytes"])
     if data_bytes > total_ram():
