@@ -29,7 +29,10 @@ Contenders (a contender whose package is missing is listed as skipped, with the 
     (``FileSystemReader``)
     s3: tierckpt-{boto3,obstore}-{raw,auto}, tierckpt-obstore-planes (compressed chunks
     whatever the rates), obstore-get (ranged GETs of ``--part`` bytes,
-    ``--concurrency`` in flight, into one buffer), boto3-transfer (TransferManager
+    ``--concurrency`` in flight, into one buffer allocated by torch and not written, so that
+    its pages are first touched by the copies, as tierckpt's storages are; obstore-get-zeroed: the
+    same into a ``bytearray``, zero-filled before the first GET, as tables before
+    2026-12-01 measured it), boto3-transfer (TransferManager
     ``download_fileobj``, same part size and concurrency), s3torchconnector (its
     ``S3Checkpoint`` reader), dcp-s3 (s3torchconnector's ``S3StorageReader``)
 """
@@ -54,6 +57,7 @@ BUCKET = "bench-restore"
 LOCAL = ["disk-read", "tierckpt-local", "dcp-fs"]
 S3 = [
     "obstore-get",
+    "obstore-get-zeroed",
     "boto3-transfer",
     "tierckpt-boto3-raw",
     "tierckpt-obstore-raw",
@@ -111,11 +115,41 @@ def _shapes_state(spec: dict[str, Any]) -> Any:
     return build(spec["layout"])
 
 
+def _count_requests() -> dict[str, int]:
+    """Count obstore's requests from here on (its synchronous and async calls, one per
+    range of a multi-range GET), by kind: what each contender sends, for the table."""
+    counts: dict[str, int] = {}
+    try:
+        import obstore
+    except ImportError:
+        return counts
+    kinds = {"get": "GET", "get_async": "GET", "get_range": "GET", "get_range_async": "GET"}
+    kinds.update(get_ranges="GET", get_ranges_async="GET", list="LIST", head="HEAD")
+
+    def wrap(fn_name: str, kind: str) -> None:
+        real = getattr(obstore, fn_name, None)
+        if real is None:
+            return
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            n = len(kwargs.get("starts", ())) if fn_name.startswith("get_ranges") else 1
+            counts[kind] = counts.get(kind, 0) + n
+            return real(*args, **kwargs)
+
+        setattr(obstore, fn_name, counted)
+
+    for fn_name, kind in kinds.items():
+        wrap(fn_name, kind)
+    return counts
+
+
 def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Run contender ``name`` once; imports happen before the clock starts. A name ending
     in ``@before`` is the same contender (run with another checkout on ``PYTHONPATH``)."""
     name = name.partition("@")[0]
-    import torch  # noqa: F401
+    import torch
+
+    requests = _count_requests()  # before any module binds obstore's functions
 
     import tierckpt
     from tierckpt import Checkpointer, LocalTier, S3Tier
@@ -164,7 +198,7 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             dcp.load(target, storage_reader=dcp.FileSystemReader(spec["dcp_dir"]))
             return target
 
-    elif name == "obstore-get":
+    elif name in ("obstore-get", "obstore-get-zeroed"):
         import asyncio
 
         import obstore
@@ -173,10 +207,17 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         store = S3Store(
             BUCKET, endpoint=endpoint, region="us-east-1", client_options={"allow_http": True}
         )
+        zeroed = name == "obstore-get-zeroed"
 
         def run() -> Any:
-            buf = bytearray(nbytes)
-            view = memoryview(buf)
+            # the baseline's memory as tierckpt's storages (torch's allocator): allocated,
+            # not written, so each page is first touched by the copy that fills it while the
+            # other GETs are in flight. (-zeroed: a bytearray, which zero-fills all of it
+            # before the first GET: 0.2-0.4 s per 256 MiB on a busy host. Not numpy.empty:
+            # numpy asks for huge pages, whose faults here compact memory and measured slower
+            # than either)
+            buf = bytearray(nbytes) if zeroed else torch.empty(nbytes, dtype=torch.uint8)
+            view = memoryview(buf.numpy()) if isinstance(buf, torch.Tensor) else memoryview(buf)
 
             async def main() -> None:
                 sem = asyncio.Semaphore(conc)
@@ -244,12 +285,14 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
     gc.collect()
     _reset_peak_rss()
+    requests.clear()  # the timed load's requests only
     before = _status_kib("VmRSS")
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     result = run()
     seconds = time.perf_counter() - start
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    sent = dict(requests)
     peak = _status_kib("VmHWM")
     del result
     gc.collect()
@@ -261,6 +304,7 @@ def worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "cpu_s": cpu,
         "setup_s": setup_s,
         "peak_rss_growth_mib": max(0, peak - before) / 1024,
+        "requests": sent,
     }
 
 
@@ -270,6 +314,7 @@ def _available(name: str) -> str:
     import importlib.util
 
     need = {"obstore-get": "obstore", "s3torchconnector": "s3torchconnector"}
+    need["obstore-get-zeroed"] = "obstore"
     need.update({"dcp-s3": "s3torchconnector", "tierckpt-obstore-raw": "obstore"})
     need["tierckpt-obstore-auto"] = "obstore"
     need["tierckpt-obstore-planes"] = "obstore"
@@ -451,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             rss: dict[str, list[float]] = {n: [] for n in names}
             cpu: dict[str, list[float]] = {n: [] for n in names}
             setup: dict[str, list[float]] = {n: [] for n in names}
+            sent: dict[str, dict[str, int]] = {}
             failed: dict[str, str] = {}
             cached = [tmp / "local", tmp / "blob.bin", tmp / "dcp", tmp / "seaweedfs"]
             for rnd in range(runs + warmup):
@@ -470,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                         rss[name].append(got["peak_rss_growth_mib"])
                         cpu[name].append(got["cpu_s"])
                         setup[name].append(got["setup_s"])
+                        sent[name] = got.get("requests", {})
                         continue
                     env = dict(os.environ)
                     if name.endswith("@before"):
@@ -491,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                     rss[name].append(got["peak_rss_growth_mib"])
                     cpu[name].append(got["cpu_s"])
                     setup[name].append(got["setup_s"])
+                    sent[name] = got.get("requests", {})
         finally:
             server.stop()
     results = {
@@ -512,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_rss_growth_mib": max(rss[n]),
                 "cpu_s": statistics.median(cpu[n]),
                 "setup_s": statistics.median(setup[n]),
+                "requests": sent.get(n, {}),
             }
             for n in names
             if times[n]
@@ -535,8 +584,8 @@ def table(results: dict[str, Any]) -> str:
         f"median of {results['runs']}, {results['date']}, {results['machine']}",
         "",
         "| source | contender | median s | GB/s | client CPU s | peak RSS growth MiB "
-        "| vs baseline |",
-        "|---|---|---|---|---|---|---|",
+        "| requests | vs baseline |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for group, names, base in (("local", LOCAL, "disk-read"), ("s3", S3, "obstore-get")):
         ref = c.get(base, {}).get("median_s")
@@ -545,16 +594,21 @@ def table(results: dict[str, Any]) -> str:
                 continue
             s = c[n]["median_s"]
             ratio = f"{ref / s:.2f}x" if ref else "-"
+            req = " ".join(f"{v} {k}" for k, v in sorted(c[n].get("requests", {}).items()))
             lines.append(
                 f"| {group} | {n} | {s:.3f} | {nbytes / s / 1e9:.2f} | "
-                f"{c[n].get('cpu_s', 0.0):.2f} | {c[n]['peak_rss_growth_mib']:.0f} | {ratio} |"
+                f"{c[n].get('cpu_s', 0.0):.2f} | {c[n]['peak_rss_growth_mib']:.0f} | "
+                f"{req or '-'} | {ratio} |"
             )
     for n, why in {**results["skipped"], **results["failed"]}.items():
-        lines.append(f"| - | {n} | skipped: {why} | | | | |")
+        lines.append(f"| - | {n} | skipped: {why} | | | | | |")
     lines.append("")
     lines.append("vs baseline: the baseline's time / this time (above 1: faster than the baseline)")
     lines.append(
         "client CPU s: user + system seconds of the restoring process (its threads) while timed"
+    )
+    lines.append(
+        "requests: obstore requests of the timed load (last round; '-': not through obstore)"
     )
     made = {n: v["setup_s"] for n, v in c.items() if v.get("setup_s")}
     if made:
