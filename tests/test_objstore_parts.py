@@ -37,13 +37,8 @@ def state_of(n: int, seed: int) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(PART // 4, generator=gen) for i in range(n)}
 
 
-@pytest.mark.s3
-def test_a_raw_tier_sends_parts_while_the_checksums_are_still_being_computed(
-    moto_server: S3Server, s3_bucket: BucketFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every chunk checksum is held back: parts still reach the store (before the fix the tier
-    waited for each chunk's checksum, so nothing went on the wire until it came)."""
-    bucket = s3_bucket(moto_server)
+def _hold_checksums(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every chunk checksum waits until the returned event is set."""
     hold = threading.Event()
     checksum = _capture.checksum
 
@@ -52,6 +47,17 @@ def test_a_raw_tier_sends_parts_while_the_checksums_are_still_being_computed(
         return checksum(data)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_capture, "checksum", held)
+    return hold
+
+
+@pytest.mark.s3
+def test_a_raw_tier_sends_parts_while_the_checksums_are_still_being_computed(
+    moto_server: S3Server, s3_bucket: BucketFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every chunk checksum is held back: parts still reach the store (before the fix the tier
+    waited for each chunk's checksum, so nothing went on the wire until it came)."""
+    bucket = s3_bucket(moto_server)
+    hold = _hold_checksums(monkeypatch)
     state = state_of(4, seed=1)
     with FaultProxy(moto_server.endpoint_url) as proxy:
         tier = S3Tier(
@@ -107,14 +113,7 @@ def test_a_tier_that_encodes_waits_for_the_encoder(
     """zstd's stored bytes are the encoder's: no part leaves before the encoder is done."""
     pytest.importorskip("zstandard")
     bucket = s3_bucket(moto_server)
-    hold = threading.Event()
-    checksum = _capture.checksum
-
-    def held(data: object) -> str:
-        assert hold.wait(120), "the test never released the checksums"
-        return checksum(data)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_capture, "checksum", held)
+    hold = _hold_checksums(monkeypatch)
     state = state_of(4, seed=4)
     with FaultProxy(moto_server.endpoint_url) as proxy:
         tier = S3Tier(
