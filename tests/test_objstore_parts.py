@@ -37,6 +37,12 @@ def state_of(n: int, seed: int) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(PART // 4, generator=gen) for i in range(n)}
 
 
+def _checkpointer(bucket: str, proxy: FaultProxy, codec: str) -> Checkpointer:
+    """One S3 tier of ``codec`` through ``proxy``, chunks of two parts."""
+    tier = S3Tier(f"s3://{bucket}/ck", endpoint_url=proxy.endpoint_url, codec=codec, part_size=PART)
+    return Checkpointer([tier], host_buffer_bytes=64 * MiB, chunk_bytes=2 * PART)
+
+
 def _hold_checksums(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Every chunk checksum waits until the returned event is set."""
     hold = threading.Event()
@@ -59,23 +65,19 @@ def test_a_raw_tier_sends_parts_while_the_checksums_are_still_being_computed(
     bucket = s3_bucket(moto_server)
     hold = _hold_checksums(monkeypatch)
     state = state_of(4, seed=1)
-    with FaultProxy(moto_server.endpoint_url) as proxy:
-        tier = S3Tier(
-            f"s3://{bucket}/ck", endpoint_url=proxy.endpoint_url, codec="raw", part_size=PART
-        )
-        with Checkpointer([tier], host_buffer_bytes=64 * MiB, chunk_bytes=2 * PART) as ck:
-            handle = ck.save(state, step=1)
-            try:
-                deadline = time.monotonic() + WAIT_S
-                while parts_sent(proxy) < 2 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                sent = parts_sent(proxy)
-                assert not handle.done()  # no checksum yet: nothing can commit
-            finally:
-                hold.set()
-            assert sent >= 2, f"{sent} parts sent while the checksums were held"
-            handle.result(timeout=300)
-            got = ck.load(step=1)  # every chunk's checksum verified on the way
+    with FaultProxy(moto_server.endpoint_url) as proxy, _checkpointer(bucket, proxy, "raw") as ck:
+        handle = ck.save(state, step=1)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while parts_sent(proxy) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sent = parts_sent(proxy)
+            assert not handle.done()  # no checksum yet: nothing can commit
+        finally:
+            hold.set()
+        assert sent >= 2, f"{sent} parts sent while the checksums were held"
+        handle.result(timeout=300)
+        got = ck.load(step=1)  # every chunk's checksum verified on the way
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
@@ -115,19 +117,15 @@ def test_a_tier_that_encodes_waits_for_the_encoder(
     bucket = s3_bucket(moto_server)
     hold = _hold_checksums(monkeypatch)
     state = state_of(4, seed=4)
-    with FaultProxy(moto_server.endpoint_url) as proxy:
-        tier = S3Tier(
-            f"s3://{bucket}/ck", endpoint_url=proxy.endpoint_url, codec="zstd", part_size=PART
-        )
-        with Checkpointer([tier], host_buffer_bytes=64 * MiB, chunk_bytes=2 * PART) as ck:
-            handle = ck.save(state, step=1)
-            try:
-                time.sleep(2)
-                sent = parts_sent(proxy)
-            finally:
-                hold.set()
-            handle.result(timeout=300)
-            got = ck.load(step=1)
+    with FaultProxy(moto_server.endpoint_url) as proxy, _checkpointer(bucket, proxy, "zstd") as ck:
+        handle = ck.save(state, step=1)
+        try:
+            time.sleep(2)
+            sent = parts_sent(proxy)
+        finally:
+            hold.set()
+        handle.result(timeout=300)
+        got = ck.load(step=1)
     assert sent == 0
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
