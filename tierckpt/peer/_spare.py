@@ -61,23 +61,36 @@ def spare_path(replica_root: str, rank: int) -> str:
     return os.path.join(replica_root, SPARE_DIR, f"rank-{rank:06d}.seg")
 
 
+def populate_pages(buf: torch.Tensor, stop: threading.Event | None, step: int) -> int:
+    """Allocate the pages of ``buf`` (a uint8 tensor over a page-aligned shared map) front to
+    back, ``step`` bytes per call (``MADV_POPULATE_WRITE``: the kernel allocates and maps them
+    as a write fault would, without writing a byte, so bytes already there stay as they are);
+    stops at ``stop`` or where the kernel does not know the advice (before Linux 5.14).
+    Returns the bytes populated."""
+    madvise = _libc.madvise
+    if madvise is None:
+        return 0
+    base, size = buf.data_ptr(), buf.numel()
+    done = 0
+    while done < size and not (stop is not None and stop.is_set()):
+        n = min(step, size - done)
+        if madvise(base + done, n, _libc.MADV_POPULATE_WRITE) != 0:
+            break
+        done += n
+    return done
+
+
 def populate(mm: Any, size: int, stop: threading.Event | None = None) -> None:
     """Allocate every page of the shared map ``mm`` (``size`` bytes) without changing a byte
-    that is already there: ``MADV_POPULATE_WRITE``, else a write of each page's first byte
-    with its own value (a write fault per page)."""
-    t = torch.frombuffer(mm, dtype=torch.uint8, count=size) if size else None
-    if t is None:
+    that is already there: :func:`populate_pages`, and where the kernel lacks that advice a
+    write of each remaining page's first byte with its own value (a write fault per page)."""
+    if not size:
         return
-    base = t.data_ptr()
-    done = 0
-    madvise = _libc.madvise
-    while done < size and not (stop is not None and stop.is_set()):
-        n = min(_STEP, size - done)
-        if madvise is None or madvise(base + done, n, _libc.MADV_POPULATE_WRITE) != 0:
-            page = mmap.PAGESIZE
-            piece = t[done : done + n]
-            piece[::page] = piece[::page].clone()  # one write per page
-        done += n
+    t = torch.frombuffer(mm, dtype=torch.uint8, count=size)
+    done = populate_pages(t, stop, _STEP)
+    if done < size and not (stop is not None and stop.is_set()):
+        rest = t[done:]
+        rest[:: mmap.PAGESIZE] = rest[:: mmap.PAGESIZE].clone()  # one write per page
     del t
 
 

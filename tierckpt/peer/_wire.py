@@ -46,12 +46,11 @@ from typing import Any
 
 import torch
 
-from tierckpt import _libc
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import FormatError
 from tierckpt.format import CheckpointId, Manifest, decode_manifest
 from tierckpt.limits import MAX_MANIFEST_BYTES
-from tierckpt.peer._spare import SpareSegment
+from tierckpt.peer._spare import SpareSegment, populate_pages
 
 __all__ = [
     "PIECE_BYTES",
@@ -116,22 +115,11 @@ def send_file_map(path: str, size: int) -> tuple[Any, torch.Tensor]:
 
 
 def populate_ahead(buf: torch.Tensor, stop: threading.Event, step: int = POPULATE_STEP) -> int:
-    """Allocate the pages of ``buf`` (a uint8 tensor over a page-aligned shared map) front to
-    back, ``step`` bytes per call (``MADV_POPULATE_WRITE``: the kernel allocates and maps them
-    as a write fault would, without writing a byte, so bytes already received stay as they
-    are); stops at ``stop`` or where the kernel does not know the advice (before Linux 5.14:
-    the receive then faults the pages in itself, as before). Returns the bytes populated."""
-    madvise = _libc.madvise
-    if madvise is None:
-        return 0
-    base, size = buf.data_ptr(), buf.numel()
-    done = 0
-    while done < size and not stop.is_set():
-        n = min(step, size - done)
-        if madvise(base + done, n, _libc.MADV_POPULATE_WRITE) != 0:
-            break  # unknown advice (an old kernel): the receive faults the rest in
-        done += n
-    return done
+    """Allocate the pages of a receiving file's map ahead of the arriving bytes, ``step``
+    bytes per call, until ``stop`` (:func:`tierckpt.peer._spare.populate_pages`: never writes a
+    byte, so bytes already received stay as they are; before Linux 5.14 it does nothing and
+    the receive faults the pages in itself). Returns the bytes populated."""
+    return populate_pages(buf, stop, step)
 
 
 def _recv_map(
