@@ -18,6 +18,7 @@ from tierckpt import config
 from tierckpt.catalog import committed_steps, steps_of
 from tierckpt.checkpointer._guarded import as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
+from tierckpt.checkpointer._readpool import warm as warm_read_pool
 from tierckpt.checkpointer._retention import Protectors, pin_target
 from tierckpt.checkpointer._saving import SavePath, resolve_rank
 from tierckpt.checkpointer._stateful import has_stateful, load_stateful
@@ -407,9 +408,9 @@ class Checkpointer(SavePath):
 
     def _get_read_pool(self) -> ThreadPoolExecutor:
         if self._read_pool is None:
-            self._read_pool = ThreadPoolExecutor(
-                max(2, self.io_threads * 2), thread_name_prefix="tierckpt-read"
-            )
+            threads = max(2, self.io_threads * 2)
+            self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-read")
+            warm_read_pool(self._read_pool, threads)
         return self._read_pool
 
     # -- stats / lifecycle ------------------------------------------------------------

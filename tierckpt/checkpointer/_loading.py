@@ -97,6 +97,7 @@ def load(
     while it was being read. ``device``: a CUDA device to restore onto where it has room
     (the device of ``Stateful`` targets), else the host."""
     seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
+    ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
     for attempt in range(LOAD_ATTEMPTS):
         try:
             return _load_once(
