@@ -24,7 +24,7 @@ from tierckpt.noderam import REPLICA_SUFFIX, NodeRamBackend, NodeRamTier
 from tierckpt.peer._placement import Placement, node_key, ring_placement
 from tierckpt.peer._spare import SpareSegment, prepare_spare
 from tierckpt.peer._spec import PeerTier
-from tierckpt.peer._wire import Offer, Received, exchange
+from tierckpt.peer._wire import Offer, Received, exchange, remove_dead_temporaries
 from tierckpt.restore import read_manifest
 from tierckpt.retention import Retention, gc_tier, kept_ids, pinned_ids
 from tierckpt.stats import CheckpointEvent
@@ -475,12 +475,14 @@ class PeerReplicator:
                 return None
             # a ready spare becomes the file: only the bytes beyond it are new
             more = ref.size - (spare.size if spare is not None and spare.error is None else 0)
+            path = self._ram_backend._path(ref.file)
+            remove_dead_temporaries(path)  # an earlier pull's, killed midway: not in the budget
             try:
                 self._ram_backend.check_budget(max(0, more), ref.file)
             except OSError as exc:  # decline: the load reads a slower tier instead
                 log.warning("rank %d: cannot pull %s into node RAM: %s", me, cid, exc)
                 return None
-            return self._ram_backend._path(ref.file)
+            return path
 
         got = exchange(self._load_group, me, offers, sources, accept, tag=1, spare=spare)
         n = 0

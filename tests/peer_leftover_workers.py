@@ -1,0 +1,102 @@
+"""Per-rank functions of ``test_peer_leftovers.py``: what a partner pull or a replica receive
+killed midway leaves in node RAM, and whether the restarted job removes it (tmpfs pages are
+the node's RAM: a leftover nobody removes holds memory for the rest of the job).
+
+Every rank is a "node" as in ``peer_spare_workers`` (node RAM ``<shm>/node-<r>``, disk
+``<disk>/node-<r>``), without S3.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch.distributed as dist
+from dist_workers import rank_state, same
+from peer_spare_workers import tiers
+from peer_workers import NUMEL
+
+from tierckpt import Checkpointer
+from tierckpt.noderam import node_ram_usage
+from tierckpt.peer import _wire
+
+
+def leftovers(shm: str, rank: int) -> list[str]:
+    """Every unfinished file in ``rank``'s node RAM: its run folder and its replicas."""
+    node = os.path.join(shm, f"node-{rank}")
+    return sorted(
+        os.path.relpath(os.path.join(d, f), node)
+        for d, _dirs, files in os.walk(node)
+        for f in files
+        if f.endswith(".tmp")
+    )
+
+
+def w_load_and_save(
+    rank: int,
+    world: int,
+    shm: str,
+    disk: str,
+    extra_saves: int = 0,
+    max_bytes: int | None = None,
+    save: bool = True,
+) -> dict[str, Any]:
+    """A restarted rank loads, trains on and saves step 3 (replicas included); what is left
+    unfinished in its node RAM before and after, and what its node RAM holds. ``max_bytes``:
+    rank 1's node-RAM budget; ``save``: False to only load."""
+    before = leftovers(shm, rank)
+    ck = Checkpointer(tiers(rank, shm, disk, max_bytes), chunk_bytes=64 << 10)
+    assert ck._peer is not None
+    got = ck.load()
+    report = ck._peer.last_restore
+    sources = list(report.sources) if report else None
+    diff = same(got, rank_state(rank, 2, NUMEL))
+    del got
+    if save:
+        ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
+        assert ck._peer.wait_idle(60)
+    dist.barrier()
+    after_first = leftovers(shm, rank)
+    for step in range(4, 4 + extra_saves):
+        ck.save(rank_state(rank, step, NUMEL), step).wait(timeout=60)
+        assert ck._peer.wait_idle(60)
+    dist.barrier()
+    ck.close()
+    dist.barrier()
+    node = os.path.join(shm, f"node-{rank}")
+    return {
+        "before": before,
+        "after_first": after_first,
+        "after": leftovers(shm, rank),
+        "diff": diff,
+        "sources": sources,
+        "usage": node_ram_usage(node),
+        "steps": sorted(
+            f for d, _dirs, files in os.walk(node) for f in files if f.endswith(".json")
+        ),
+    }
+
+
+def w_save_receiver_killed(rank: int, world: int, shm: str, disk: str) -> dict[str, Any] | None:
+    """Every rank saves step 3; rank 2 SIGKILLs itself while its partner's replica is
+    arriving (its fourth wait for pieces in the replication round)."""
+    ck = Checkpointer(tiers(rank, shm, disk), chunk_bytes=64 << 10)
+    assert ck._peer is not None
+    if rank == 2:
+        calls = [0]
+        wait = _wire._wait
+
+        def dying_wait(works: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            wait(works)
+
+        _wire._wait = dying_wait  # type: ignore[assignment]
+    try:
+        ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
+        ck._peer.wait_idle(30)
+    except Exception as exc:  # a partner died: its round fails
+        return {"error": str(exc)}
+    return {"error": None, "left": leftovers(shm, rank)}

@@ -1,0 +1,81 @@
+"""Nothing a killed partner pull or replica receive leaves in node RAM outlives the restarted
+job's first save: a temporary file there is the node's memory, held until someone removes it.
+3 gloo ranks in real processes, each its own "node" (``peer_leftover_workers``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import peer_workers
+import pytest
+from peer_leftover_workers import leftovers
+
+pytestmark = [pytest.mark.distributed]
+
+WORLD = 3
+S = "peer_spare_workers:"
+W = "peer_leftover_workers:"
+
+
+def _save(shm: Path, disk: Path) -> int:
+    """Steps 1 and 2 saved on every node, replicas included; the size of a shard."""
+    res = peer_workers.run(S + "w_save", WORLD, shm=str(shm), disk=str(disk))
+    assert all(r["rounds"] == 2 for r in res)
+    return int(res[1]["shard"])
+
+
+def _killed_pull(shm: Path, disk: Path) -> None:
+    """Node 1 lost; its replacement is killed while its partner pull is arriving."""
+    shutil.rmtree(shm / "node-1")
+    shutil.rmtree(disk / "node-1")
+    peer_workers.run(S + "w_pull_killed", WORLD, shm=str(shm), disk=str(disk), expect_killed=(1,))
+    assert leftovers(str(shm), 1), "the killed pull left no temporary file: nothing to test"
+
+
+def test_a_pull_killed_midway_is_removed_by_the_restarted_jobs_first_save(
+    shm: Path, tmp_path: Path
+) -> None:
+    _save(shm, tmp_path)
+    _killed_pull(shm, tmp_path)
+    res = peer_workers.run(
+        W + "w_load_and_save", WORLD, shm=str(shm), disk=str(tmp_path), extra_saves=3
+    )
+    assert res[1]["before"] and res[1]["diff"] == []
+    # gone at the restarted pull, not only once retention deletes the checkpoint it sits in
+    assert [r["after_first"] for r in res] == [[], [], []]
+    assert [r["after"] for r in res] == [[], [], []]
+
+
+def test_a_replica_receive_killed_midway_is_removed_by_the_restarted_jobs_first_save(
+    shm: Path, tmp_path: Path
+) -> None:
+    _save(shm, tmp_path)
+    peer_workers.run(
+        W + "w_save_receiver_killed", WORLD, shm=str(shm), disk=str(tmp_path), expect_killed=(2,)
+    )
+    left = leftovers(str(shm), 2)
+    assert left, "the killed receive left no temporary file: nothing to test"
+    res = peer_workers.run(W + "w_load_and_save", WORLD, shm=str(shm), disk=str(tmp_path))
+    assert res[2]["before"] == left
+    assert [r["after"] for r in res] == [[], [], []]
+
+
+def test_a_pull_killed_midway_does_not_take_the_next_pulls_budget(
+    shm: Path, tmp_path: Path
+) -> None:
+    """Node RAM with room for one shard and a half: the dead pull's file (a whole shard)
+    would leave no room for the next pull, which would then be declined (and with the node's
+    disk lost, the shard would be read from nowhere)."""
+    shard = _save(shm, tmp_path)
+    _killed_pull(shm, tmp_path)
+    res = peer_workers.run(
+        W + "w_load_and_save",
+        WORLD,
+        shm=str(shm),
+        disk=str(tmp_path),
+        max_bytes=shard + shard // 2,
+        save=False,  # a save needs room for keep_last + 1 checkpoints: not this budget
+    )
+    assert res[1]["sources"][1] == "peer:2" and res[1]["diff"] == []
+    assert [r["after"] for r in res] == [[], [], []]
