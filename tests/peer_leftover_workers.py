@@ -100,3 +100,19 @@ def w_save_receiver_killed(rank: int, world: int, shm: str, disk: str) -> dict[s
     except Exception as exc:  # a partner died: its round fails
         return {"error": str(exc)}
     return {"error": None, "left": leftovers(shm, rank)}
+
+
+def w_load_node_groups(rank: int, world: int, shm: str, disk: str) -> dict[str, Any]:
+    """A restarted rank loads from its node RAM (listed first, as in the recipe): whether
+    the load made the node groups that share manifests of shared tiers (it has none to read
+    first: two collectives and a broadcast of nothing, at the first load)."""
+    ck = Checkpointer(tiers(rank, shm, disk), chunk_bytes=64 << 10)
+    got = ck.load()
+    out = {
+        "diff": same(got, rank_state(rank, 2, NUMEL)),
+        "node_groups": ck._strategy._node is not None,  # type: ignore[attr-defined]
+    }
+    del got
+    dist.barrier()
+    ck.close()
+    return out

@@ -79,3 +79,13 @@ def test_a_pull_killed_midway_does_not_take_the_next_pulls_budget(
     )
     assert res[1]["sources"][1] == "peer:2" and res[1]["diff"] == []
     assert [r["after"] for r in res] == [[], [], []]
+
+
+def test_a_load_from_node_ram_first_makes_no_node_groups(shm: Path, tmp_path: Path) -> None:
+    """Node groups share the manifests of shared tiers listed before any private one; with
+    node RAM first there are none, so the restart's critical path has no collectives for
+    them (checked here, with the peer tests' setup, rather than in a test of its own)."""
+    _save(shm, tmp_path)
+    res = peer_workers.run(W + "w_load_node_groups", WORLD, shm=str(shm), disk=str(tmp_path))
+    assert [r["diff"] for r in res] == [[], [], []]
+    assert [r["node_groups"] for r in res] == [False, False, False]

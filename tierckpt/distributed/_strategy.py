@@ -284,14 +284,16 @@ class MultiRankCommit:
         newest candidate's first, the others' only where the ranks' newest readable differ."""
         self._manifests = None
         prefetch = None
-        if _group_ok(self._rank, self._world_size):
+        # only the shared tiers listed before any private one: where a node-local tier
+        # (RAM, node RAM, a local disk) comes first, ranks load from it, and reading the
+        # shared tiers' manifests up front would cost requests (S3 GETs) nobody needs
+        shared = list(itertools.takewhile(lambda t: not is_private_tier(t), self._tiers))
+        # the tiers are the same on every rank, so all skip or none: with nothing to share,
+        # no node groups (two collectives at the first load) and no broadcast of nothing
+        if shared and _group_ok(self._rank, self._world_size):
             if self._node is None:
                 self._node = TorchNodeComm()  # collective: every rank, first load
             node = self._node
-            # only the shared tiers listed before any private one: where a node-local tier
-            # (RAM, node RAM, a local disk) comes first, ranks load from it, and reading the
-            # shared tiers' manifests up front would cost requests (S3 GETs) nobody needs
-            shared = list(itertools.takewhile(lambda t: not is_private_tier(t), self._tiers))
             cache = self._manifests = ManifestCache()
 
             def prefetch(cids: Sequence[CheckpointId]) -> None:
