@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 from dist_workers import rank_state, same
-from peer_spare_workers import tiers
+from peer_spare_workers import the_spare, tiers
 from peer_workers import NUMEL
 
 from tierckpt import Checkpointer
@@ -113,6 +113,33 @@ def w_load_node_groups(rank: int, world: int, shm: str, disk: str) -> dict[str, 
         "node_groups": ck._strategy._node is not None,  # type: ignore[attr-defined]
     }
     del got
+    dist.barrier()
+    ck.close()
+    return out
+
+
+def w_spare_released(rank: int, world: int, shm: str, disk: str, first: str) -> dict[str, Any]:
+    """A restarted rank whose node lost its RAM (it gets a spare segment for a pull) first
+    loads from one named tier (``first="load_local"``: no pull) or saves without loading
+    (``first="save"``): whether its spare is still there afterwards."""
+    ck = Checkpointer(tiers(rank, shm, disk), chunk_bytes=64 << 10)
+    assert ck._peer is not None
+    spare = ck._peer.spare
+    had = spare is not None
+    if spare is not None:
+        spare.wait()
+    out: dict[str, Any] = {
+        "had_spare": had,
+        "spare_file_before": os.path.exists(the_spare(shm, rank)),
+    }
+    if first == "load_local":
+        got = ck.load(tier="local")
+        out["diff"] = same(got, rank_state(rank, 2, NUMEL))
+        del got
+    else:
+        ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
+    out["spare_file_after"] = os.path.exists(the_spare(shm, rank))
+    out["spare_after"] = ck._peer.spare is not None
     dist.barrier()
     ck.close()
     return out

@@ -89,3 +89,21 @@ def test_a_load_from_node_ram_first_makes_no_node_groups(shm: Path, tmp_path: Pa
     res = peer_workers.run(W + "w_load_node_groups", WORLD, shm=str(shm), disk=str(tmp_path))
     assert [r["diff"] for r in res] == [[], [], []]
     assert [r["node_groups"] for r in res] == [False, False, False]
+
+
+@pytest.mark.parametrize("first", ["load_local", "save"])
+def test_a_spare_nobody_pulls_into_is_given_back_at_the_first_load_or_save(
+    shm: Path, tmp_path: Path, first: str
+) -> None:
+    """Node 1 lost its RAM (not its disk): its restart allocates a spare segment for a pull,
+    then loads from its local disk by name, or saves without loading: the spare, a shard of
+    node RAM counted in the budget, goes then, not at close()."""
+    _save(shm, tmp_path)
+    shutil.rmtree(shm / "node-1")
+    res = peer_workers.run(
+        W + "w_spare_released", WORLD, shm=str(shm), disk=str(tmp_path), first=first
+    )
+    assert res[1]["had_spare"] and res[1]["spare_file_before"]
+    assert not res[1]["spare_file_after"] and not res[1]["spare_after"]
+    if first == "load_local":
+        assert [r["diff"] for r in res] == [[], [], []]

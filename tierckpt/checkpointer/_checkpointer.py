@@ -181,6 +181,8 @@ class Checkpointer(SavePath):
         ``"metrics"``), which a tier's ``keep_best`` / ``best_metric`` retention ranks by.
         """
         t0 = time.perf_counter()
+        if self._peer is not None and self._peer.spare is not None:
+            self._peer.release_spare()  # training went on without a pull into it
         try:
             merged = with_metrics(metadata, metrics)
         except BaseException as exc:  # a bad metric (NaN) on one rank: its round still runs
@@ -365,6 +367,8 @@ class Checkpointer(SavePath):
         ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
         through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``.
         """
+        if tier is not None and self._peer is not None:
+            self._peer.release_spare()  # a load of one tier pulls nothing from partners
         if has_stateful(into):
             return load_stateful(
                 into,

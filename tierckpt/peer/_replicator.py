@@ -327,11 +327,17 @@ class PeerReplicator:
             time.sleep(0.01)
         return True
 
+    def release_spare(self) -> None:
+        """Give back the spare segment's node RAM (a load that pulls takes it itself): a load
+        of one named tier (no pull) or a save came first, and the spare, counted in the
+        node-RAM budget, would otherwise hold a shard's memory until ``close``."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.discard()
+
     def close(self, timeout: float = 60.0) -> None:
         """Finish the queued rounds (bounded by ``timeout``), then stop the thread."""
-        if self.spare is not None:
-            self.spare.discard()
-            self.spare = None
+        self.release_spare()
         th = self._thread
         if th is None:
             return
