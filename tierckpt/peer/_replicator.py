@@ -21,6 +21,7 @@ from tierckpt.errors import TierCkptError
 from tierckpt.format import CheckpointId, Manifest, encode_manifest, manifest_name
 from tierckpt.handle import TierResult
 from tierckpt.noderam import REPLICA_SUFFIX, NodeRamBackend, NodeRamTier
+from tierckpt.peer._choose import choose
 from tierckpt.peer._placement import Placement, node_key, ring_placement
 from tierckpt.peer._spare import SpareSegment, prepare_spare
 from tierckpt.peer._spec import PeerTier
@@ -384,45 +385,10 @@ class PeerReplicator:
             vec[3 * k + 2 * i + 1] = checkpoint_key(cid)
         gathered = [torch.empty_like(vec) for _ in range(self._world)]
         dist.all_gather(gathered, vec, group=self._load_group)
-        rams: list[set[CheckpointId]] = []
-        slows: list[dict[CheckpointId, str]] = []
-        holders: dict[tuple[int, CheckpointId], list[int]] = {}
-        for h, g in enumerate(gathered):
-            v = [int(x) for x in g.tolist()]
-            rams.append({checkpoint_of_key(x) for x in v[:k] if x >= 0})
-            slows.append(
-                {checkpoint_of_key(v[j]): names[v[j + 1]] for j in range(k, 3 * k, 2) if v[j] >= 0}
-            )
-            for j in range(3 * k, len(v), 2):
-                if v[j] >= 0:
-                    holders.setdefault((v[j], checkpoint_of_key(v[j + 1])), []).append(h)
-        avail = [
-            rams[r] | set(slows[r]) | {c for (s, c) in holders if s == r}
-            for r in range(self._world)
-        ]
-        common = set.intersection(*avail)
-        if step is not None:
-            common = {c for c in common if c.step == step}
-        if timeline is not None:
-            common = {c for c in common if c.timeline == timeline}
-        if not common:
+        plan = choose(gathered, k, names, self.placement.partners, step, timeline)
+        if plan is None:
             return None
-        chosen = max(common)
-        sources: list[str] = []
-        pulls: list[tuple[int, int]] = []  # (holder, receiver)
-        for r in range(self._world):
-            if chosen in rams[r]:
-                sources.append("noderam")
-                continue
-            have = holders.get((r, chosen), [])
-            order = [p for p in self.placement.partners[r] if p in have] + sorted(
-                set(have) - set(self.placement.partners[r])
-            )
-            if order:
-                pulls.append((order[0], r))
-                sources.append(f"peer:{order[0]}")
-            else:
-                sources.append(slows[r].get(chosen, "?"))
+        chosen, sources, pulls = plan
         spare, self.spare = self.spare, None
         if spare is not None and not any(r == me for _h, r in pulls):
             spare.discard()  # nothing to pull here after all: its memory goes back
