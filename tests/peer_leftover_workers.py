@@ -9,17 +9,15 @@ Every rank is a "node" as in ``peer_spare_workers`` (node RAM ``<shm>/node-<r>``
 from __future__ import annotations
 
 import os
-import signal
 from typing import Any
 
 import torch.distributed as dist
 from dist_workers import rank_state, same
-from peer_spare_workers import the_spare, tiers
+from peer_spare_workers import die_at_wait, the_spare, tiers
 from peer_workers import NUMEL
 
 from tierckpt import Checkpointer
 from tierckpt.noderam import node_ram_usage
-from tierckpt.peer import _wire
 
 
 def leftovers(shm: str, rank: int) -> list[str]:
@@ -84,16 +82,7 @@ def w_save_receiver_killed(rank: int, world: int, shm: str, disk: str) -> dict[s
     ck = Checkpointer(tiers(rank, shm, disk), chunk_bytes=64 << 10)
     assert ck._peer is not None
     if rank == 2:
-        calls = [0]
-        wait = _wire._wait
-
-        def dying_wait(works: Any) -> None:
-            calls[0] += 1
-            if calls[0] == 4:
-                os.kill(os.getpid(), signal.SIGKILL)
-            wait(works)
-
-        _wire._wait = dying_wait  # type: ignore[assignment]
+        die_at_wait(4)
     try:
         ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=60)
         ck._peer.wait_idle(30)

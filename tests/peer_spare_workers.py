@@ -50,6 +50,21 @@ def _inodes(folder: str) -> dict[int, str]:
     }
 
 
+def die_at_wait(n: int) -> None:
+    """This process SIGKILLs itself entering its ``n``-th wait for a file's pieces (the
+    first three are a round's handshakes): while a file is arriving."""
+    calls = [0]
+    wait = _wire._wait
+
+    def dying_wait(works: Any) -> None:
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        wait(works)
+
+    _wire._wait = dying_wait  # type: ignore[assignment]
+
+
 def w_save(rank: int, world: int, shm: str, disk: str) -> dict[str, Any]:
     """Save steps 1 and 2 on every tier, replicas included; the shard size of step 2."""
     ck = Checkpointer(tiers(rank, shm, disk), chunk_bytes=64 << 10)
@@ -119,16 +134,7 @@ def w_pull_killed(rank: int, world: int, shm: str, disk: str) -> dict[str, Any] 
         spare = getattr(ck._peer, "spare", None)
         if spare is not None:
             spare.wait()
-        calls = [0]
-        wait = _wire._wait
-
-        def dying_wait(works: Any) -> None:
-            calls[0] += 1
-            if calls[0] == 4:
-                os.kill(os.getpid(), signal.SIGKILL)
-            wait(works)
-
-        _wire._wait = dying_wait  # type: ignore[assignment]
+        die_at_wait(4)
     try:
         ck._peer.prepare_load(None, None)
     except Exception as exc:  # the sender: its receiver died
