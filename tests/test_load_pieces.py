@@ -120,7 +120,14 @@ def test_remote_raw_chunks_land_in_their_storages_without_a_chunk_buffer(
     assert scratch and max(scratch) <= CHUNK, scratch
     assert len(scratch) <= 2, f"more than one buffer per reader thread: {scratch}"
     assert max(n for _o, n in backend.reads) <= PIECE
-    assert len(backend.reads) == sum(-(-c.stored_size // PIECE) for c in index["chunks"])
+    # one read per part-sized block of the file a chunk touches (cut at the file's multiples
+    # of the segment size), never across two blocks
+    assert all(o // PIECE == (o + n - 1) // PIECE for o, n in backend.reads)
+    blocks = [
+        (c.file_offset + c.stored_size - 1) // PIECE - c.file_offset // PIECE + 1
+        for c in index["chunks"]
+    ]
+    assert len(backend.reads) == sum(blocks)
     # every stored byte is read exactly once
     reads = sorted(backend.reads)
     assert all(a + n <= b for (a, n), (b, _m) in itertools.pairwise(reads))
@@ -212,8 +219,9 @@ def test_segments_split_pieces_at_the_step_and_keep_file_order() -> None:
     buf = bytearray(range(256)) * 4
     views = [memoryview(buf)[0:300], memoryview(buf)[300:310], memoryview(buf)[310:1024]]
     segs = scatter_mod.segments(views, 1000, 256)
-    assert [off for off, _v in segs] == [1000, 1256, 1512, 1768]
-    assert [sum(len(v) for v in vs) for _o, vs in segs] == [256, 256, 256, 256]
+    # cut at the file's multiples of the step, not the chunk's
+    assert [off for off, _v in segs] == [1000, 1024, 1280, 1536, 1792]
+    assert [sum(len(v) for v in vs) for _o, vs in segs] == [24, 256, 256, 256, 232]
     assert b"".join(bytes(v) for _o, vs in segs for v in vs) == bytes(buf)
 
 

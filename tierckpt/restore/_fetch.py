@@ -17,6 +17,7 @@ verifying cannot do more harm than a corrupt chunk found afterwards.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,7 +105,10 @@ class StreamedFetch:
         self._into = into
         n = len(into)
         step = max(1, piece_bytes or PIECE_BYTES)
-        self._bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
+        # cut at the file's multiples of step (see ``_scatter.segments``: a GET within one
+        # uploaded part costs the store one read)
+        cuts = [0, *range(step - offset % step, n, step), n]
+        self._bounds = [(a, b) for a, b in itertools.pairwise(cuts) if a < b]
         self._hash = xxhash.xxh3_64()
         self._hashed = 0  # pieces folded into the checksum (a prefix of them)
         self._lock = threading.Lock()

@@ -36,23 +36,29 @@ __all__ = ["ScatterFetch", "segments"]
 def segments(
     pieces: Sequence[memoryview], offset: int, step: int
 ) -> list[tuple[int, list[memoryview]]]:
-    """``pieces`` (contiguous in the file from ``offset``, in order) grouped into segments of
-    at most ``step`` bytes: ``(file offset, views)``; a piece that crosses a segment's end is
-    split there."""
+    """``pieces`` (contiguous in the file from ``offset``, in order) grouped into segments
+    that end at the file's multiples of ``step`` (at most ``step`` bytes each): ``(file
+    offset, views)``; a piece that crosses a segment's end is split there.
+
+    The cuts are at the file's offsets, not the chunk's: an object uploaded in parts of
+    ``step`` (or a multiple) is stored part by part, and a ranged GET across two parts costs
+    the store two reads (SeaweedFS here: about 25% more server CPU per byte, on the same
+    two cores as the client)."""
     out: list[tuple[int, list[memoryview]]] = []
     cur: list[memoryview] = []
     start, filled = offset, 0
+    limit = step - offset % step  # the first segment ends at the next multiple of step
     for p in pieces:
         pos = 0
         while pos < len(p):
-            take = min(len(p) - pos, step - filled)
+            take = min(len(p) - pos, limit - filled)
             cur.append(p[pos : pos + take])
             pos += take
             filled += take
-            if filled == step:
+            if filled == limit:
                 out.append((start, cur))
                 start += filled
-                cur, filled = [], 0
+                cur, filled, limit = [], 0, step
     if cur:
         out.append((start, cur))
     return out
