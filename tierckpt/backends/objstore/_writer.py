@@ -14,6 +14,10 @@ are slices of what it is given): the whole parts a write completes go uncopied a
 lent memory waits in obstore's buffer for a later write (the caller could not make that write
 while its memory stays lent: a deadlock on a small arena).
 
+obstore is handed one part per write (:meth:`_Writer._parts`): its writer waits for a free slot
+once per write, so a write of many parts would put them all in flight at once, past
+``max_concurrency``.
+
 obstore's writer takes its part size and parts in flight when it is opened, so it is opened at
 the first write (or at commit): ``size_hint`` before then sizes the upload from the shard's size
 and the host budget (:mod:`tierckpt.backends.sizing`), as the boto3 backend's writer does."""
