@@ -14,6 +14,10 @@ are slices of what it is given): the whole parts a write completes go uncopied a
 lent memory waits in obstore's buffer for a later write (the caller could not make that write
 while its memory stays lent: a deadlock on a small arena).
 
+obstore is handed one part per write (:meth:`_Writer._parts`): its writer waits for a free slot
+once per write, so a write of many parts would put them all in flight at once, past
+``max_concurrency``.
+
 obstore's writer takes its part size and parts in flight when it is opened, so it is opened at
 the first write (or at commit): ``size_hint`` before then sizes the upload from the shard's size
 and the host budget (:mod:`tierckpt.backends.sizing`), as the boto3 backend's writer does."""
@@ -24,7 +28,7 @@ import logging
 import threading
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from tierckpt._types import BytesLike
@@ -106,7 +110,8 @@ class _Writer(ObjectWriter):
         self._lock = threading.Lock()
         self._closed = False
         #: what obstore holds while no multipart upload exists yet (None: one exists)
-        self._held: list[bytes] | None = []
+        #: (views of the writer's own copies, never of lent memory)
+        self._held: list[memoryview] | None = []
         #: this upload's part size and parts in flight: the backend's until size_hint
         self.sizing = UploadSizing(backend.part_size, backend.max_concurrency)
         #: obstore's writer, opened with ``sizing`` at the first write (None: not yet)
@@ -174,7 +179,7 @@ class _Writer(ObjectWriter):
         self._file = self._open()
         return True
 
-    def _hand(self, chunk: bytes | memoryview, at: int, lent: bool) -> None:
+    def _hand(self, chunk: memoryview, at: int, lent: bool) -> None:
         """``chunk`` (the object's bytes from ``at``) to obstore; a start that lost its answer
         is done again. A lent chunk always completes a part, so the upload exists after it and
         nothing lent is ever held for a start done again (its memory may be reused by then)."""
@@ -195,7 +200,7 @@ class _Writer(ObjectWriter):
             if lent or at + len(chunk) > self.sizing.part_size:
                 self._held = None  # the upload exists now: obstore owns the parts
             else:
-                self._held.append(bytes(chunk))
+                self._held.append(chunk)  # not lent: a view of this writer's own copy
 
     def write(self, offset: int, data: BytesLike) -> None:
         self._write(offset, data, None)
@@ -220,6 +225,20 @@ class _Writer(ObjectWriter):
             return 0
         return head + (n - head) // part * part
 
+    def _parts(self, view: memoryview, at: int) -> Iterator[tuple[int, memoryview]]:
+        """``view`` (the object's bytes from ``at``) cut where the object's parts end, as
+        ``(offset, piece)``. obstore's writer waits for a free upload slot once per write and
+        then sends every part that write completes: handed a 64 MiB chunk whole it would send
+        8 parts of 8 MiB on one free slot, so up to twice the parts in flight, sent and
+        finished in bursts (measured on SeaweedFS: 15 in flight instead of 8, a slower upload
+        on a busy server). One part per write keeps ``concurrency`` parts in flight, each sent
+        as soon as one finishes, as ``obstore.put`` does."""
+        part, n, pos = self.sizing.part_size, len(view), 0
+        while pos < n:
+            end = min(n, pos + part - (at + pos) % part)
+            yield at + pos, view[pos:end]
+            pos = end
+
     def _write(self, offset: int, data: BytesLike, loan: _Loan | None) -> None:
         with self._lock:
             if self._closed:
@@ -228,18 +247,21 @@ class _Writer(ObjectWriter):
             view = memoryview(data).cast("B")
             n = len(view)
             lend = self._lendable(n) if loan is not None else 0
-            piece = view[:lend] if lend else None
+            piece: memoryview | None = None
             try:
                 self._check_fits(self.size + n)
-                if piece is not None:
+                for at, piece in self._parts(view[:lend], self.size):
                     assert loan is not None
                     loan.lend(piece)
-                    self._hand(piece, self.size, lent=True)
-                piece = None  # only obstore holds the lent view now
+                    self._hand(piece, at, lent=True)
+                piece = None  # only obstore holds the lent views now
                 if lend < n:
                     # a copy: obstore keeps what it is given until its part is sent, and the
                     # caller reuses this memory as soon as write() returns
-                    self._hand(bytes(view[lend:]), self.size + lend, lent=False)
+                    copy = memoryview(bytes(view[lend:]))
+                    for at, piece in self._parts(copy, self.size + lend):
+                        self._hand(piece, at, lent=False)
+                    piece = None
             except BaseException as exc:
                 piece = None
                 # the traceback's finished frames would keep lent views alive: let them go
