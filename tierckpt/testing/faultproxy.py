@@ -128,7 +128,8 @@ class FaultProxy:
         self.set_faults(faults, seed=seed)
         self.requests: deque[RequestRecord] = deque(maxlen=10_000)
         self.fired: Counter[str] = Counter()
-        #: requests being handled now, and the most at once (to check client concurrency)
+        #: requests being handled now (from their arrival until the upstream answers), and the
+        #: most at once (to check client concurrency)
         self.in_flight = 0
         self.max_in_flight = 0
         self._closed = threading.Event()
@@ -245,6 +246,16 @@ class FaultProxy:
                 if req is None:
                     return
                 self._busy(+1)
+                busy = [True]  # until the upstream's answer arrives (see done())
+
+                def done(busy: list[bool] = busy) -> None:
+                    # a request stops counting as in flight when the upstream has answered,
+                    # before the answer is relayed: the client may send its next request the
+                    # moment it has the last byte, before this thread would count it done
+                    if busy[0]:
+                        busy[0] = False
+                        self._busy(-1)
+
                 try:
                     fault = self._pick(req.method, req.target)
                     action = fault.action if fault else None
@@ -277,7 +288,11 @@ class FaultProxy:
                         client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     self._relay_body(rfile, req, upstream.sendall)
                     keep = self._relay_response(
-                        ufile, client, req, cut=action == "reset_response" and fault is not None
+                        ufile,
+                        client,
+                        req,
+                        cut=action == "reset_response" and fault is not None,
+                        on_head=done,
                     )
                     if keep is None:  # cut mid-body
                         reset = True
@@ -285,7 +300,7 @@ class FaultProxy:
                     if not keep or req.close:
                         return
                 finally:
-                    self._busy(-1)
+                    done()
         except (OSError, ValueError):
             return
         finally:
@@ -346,9 +361,16 @@ class FaultProxy:
             _copy_exact(src, send, n)
 
     def _relay_response(
-        self, ufile: BinaryIO, client: socket.socket, req: _Request, *, cut: bool
+        self,
+        ufile: BinaryIO,
+        client: socket.socket,
+        req: _Request,
+        *,
+        cut: bool,
+        on_head: Callable[[], None],
     ) -> bool | None:
-        """Relay one response; True to keep the connection, None when cut mid-body."""
+        """Relay one response; True to keep the connection, None when cut mid-body.
+        ``on_head``: called once the upstream's final status line and headers are read."""
         while True:
             head = self._read_head(ufile)
             if head is None:
@@ -361,6 +383,7 @@ class FaultProxy:
             if 100 <= status < 200:
                 continue  # we answered 100 Continue ourselves
             break
+        on_head()
         client.sendall(raw)
         te = (_header_value(headers, "transfer-encoding") or "").lower()
         cl = _header_value(headers, "content-length")
