@@ -231,18 +231,27 @@ class Checkpointer(SavePath):
         """What ``guard()`` learns, for integrations that install their own wait (Lightning)."""
         self._guarded.learn(optimizer, modules)
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, retention: bool = False) -> None:
         """Wait for every in-flight save to finish on every tier (errors stay on handles).
 
         A tier that makes no progress for ``save_deadline`` seconds meanwhile has its
         pending copies given up (``SaveDeadlineExceeded``), so a dead tier is waited for
         about that long, not its timeouts times the saves queued for it.
+
+        Finished means durable and committed: the retention pass that deletes the older
+        checkpoints a tier's rules no longer keep runs after that, on the tier's thread,
+        before its next save there. ``retention=True`` waits for those passes too (the old
+        checkpoints are gone on return); ``close()`` always waits for them.
         """
         if self._pipeline is None:
             return
+        end = None if timeout is None else time.monotonic() + timeout
         if not self._pipeline.drain(timeout):
             steps = sorted(j.step for j in self._pipeline.in_flight())
             raise TimeoutError(f"steps {steps} not finished after {timeout} s")
+        left = None if end is None else max(0.0, end - time.monotonic())
+        if retention and not self._pipeline.wait_retention(left):
+            raise TimeoutError(f"retention still deleting old checkpoints after {timeout} s")
 
     # -- listing -----------------------------------------------------------------------
     def checkpoints(self, tier: str | None = None) -> list[CheckpointId]:
