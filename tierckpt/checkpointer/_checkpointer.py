@@ -258,7 +258,10 @@ class Checkpointer(SavePath):
         """Committed checkpoints, oldest first: on ``tier``, or on any tier. The last one is
         the newest, what ``load()`` returns. After a rollback this includes the abandoned
         timeline's checkpoints that retention has not removed yet (older than every
-        checkpoint of the newer timeline, whatever their step numbers)."""
+        checkpoint of the newer timeline, whatever their step numbers). The retention passes
+        of commits already reported done are waited for first, so a checkpoint they delete
+        is not listed."""
+        self._settle_retention()
         return list_checkpoints(self._load_context(), tier)
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -287,7 +290,15 @@ class Checkpointer(SavePath):
 
     def tier_steps(self) -> dict[str, list[int]]:
         """Which steps are committed on which tier (each list in :meth:`steps` order)."""
+        self._settle_retention()
         return {t.name: committed_steps(t.backend) for t in self._tiers}
+
+    def _settle_retention(self) -> None:
+        """Wait for the retention passes already started (see :meth:`wait`): this object's
+        listings never show a checkpoint that a commit reported done is about to delete."""
+        pipeline = self._pipeline
+        if pipeline is not None:
+            pipeline.wait_retention()
 
     # -- pins --------------------------------------------------------------------------
     def pin(self, step: int, *, timeline: int | None = None, reason: str = "") -> CheckpointId:
