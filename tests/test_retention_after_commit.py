@@ -181,3 +181,26 @@ def test_a_steady_pass_sends_one_listing_to_an_object_store(
     for c in counts[1:]:
         assert c["list"] == 1 and c["uploads"] == 0, counts
     assert all(c["DELETE"] >= 1 for c in counts[2:]), counts
+
+
+def test_a_callback_inside_the_commit_or_the_pass_may_list(tmp_path: Path) -> None:
+    """``on_commit`` runs inside the report and ``protect_steps`` inside the pass, both on the
+    tier's thread: listing from there must not wait for that thread's own pass."""
+    seen: list[list[int]] = []
+    holder: dict[str, Checkpointer] = {}
+
+    def on_commit(_r: object) -> None:
+        seen.append(holder["ck"].steps())
+
+    def protect() -> list[int]:
+        seen.append(holder["ck"].steps())
+        return []
+
+    with Checkpointer([LocalTier(tmp_path, keep_last=1)], on_commit=on_commit) as ck:
+        holder["ck"] = ck
+        ck.protect_steps(protect)
+        for s in (1, 2, 3):
+            ck.save(_state(s), s).wait(timeout=WAIT)
+        ck.wait(timeout=WAIT, retention=True)
+        assert ck.steps() == [3]
+    assert seen and all(steps[-1] in (1, 2, 3) for steps in seen), seen

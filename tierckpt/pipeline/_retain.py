@@ -15,7 +15,9 @@ Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared i
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import Counter
 
 from tierckpt.errors import BackendError
 from tierckpt.format import CheckpointId
@@ -25,6 +27,18 @@ from tierckpt.pipeline._values import SaveJob, Tier
 from tierckpt.retention import gc_tier
 
 log = logging.getLogger("tierckpt")
+
+#: per thread, pipeline id -> the passes this thread has counted and not yet run: a callback
+#: inside the report (``on_commit``) or the pass (``protect_steps``) that lists the
+#: checkpoints must not wait for the pass its own thread runs next (or is running)
+_own = threading.local()
+
+
+def _own_passes() -> Counter[int]:
+    mine: Counter[int] | None = getattr(_own, "passes", None)
+    if mine is None:
+        mine = _own.passes = Counter()
+    return mine
 
 
 class _RetainMixin(_PipelineBase):
@@ -75,6 +89,7 @@ class _RetainMixin(_PipelineBase):
         if retain:
             with self._lock:
                 self._retaining[tier.name] += 1
+            _own_passes()[id(self)] += 1
         try:
             self._finish(tier, job, result, error)
         finally:
@@ -84,6 +99,7 @@ class _RetainMixin(_PipelineBase):
                 except Exception as exc:  # the copy is reported: a pass's error is only logged
                     log.warning("retention on tier %s failed: %s", tier.name, exc)
                 finally:
+                    _own_passes()[id(self)] -= 1
                     with self._lock:
                         self._retaining[tier.name] -= 1
                         self._retained.notify_all()
@@ -91,10 +107,12 @@ class _RetainMixin(_PipelineBase):
     def wait_retention(self, timeout: float | None = None) -> bool:
         """Wait until no retention pass started after a commit (or a failed local copy) is
         running or about to run; False if ``timeout`` seconds passed first. A pass started
-        by a later commit is waited for too."""
+        by a later commit is waited for too. Called on a thread that runs a pass (a callback
+        inside a commit's report or pass), that pass is not waited for."""
         end = None if timeout is None else time.monotonic() + timeout
+        own = _own_passes()[id(self)]
         with self._lock:
-            while any(self._retaining.values()):
+            while sum(self._retaining.values()) > own:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return False
