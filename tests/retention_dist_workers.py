@@ -79,6 +79,7 @@ def w_stranded_upload(rank: int, world: int, s3: dict[str, str], victim: int) ->
         out["left_after_2"] = backend.incomplete("")
         dist.barrier()
         ck.save(rank_state(rank, 3, NUMEL), 3).wait(timeout=90)
+        ck.wait(timeout=90, retention=True)  # rank 0's pass after the commit sweeps
         dist.barrier()
         out["left_after_3"] = backend.incomplete("")
         out["steps"] = ck.steps()

@@ -41,7 +41,8 @@ def _kind(rec: RequestRecord) -> str:
 def _per_save(
     proxy: FaultProxy, bucket: str, driver: str, keep_last: int | None, steps: range
 ) -> list[dict[str, int]]:
-    """The listings each save (its commit and retention: ``wait`` covers both) sent."""
+    """The listings each save (its commit and retention: ``wait(retention=True)`` covers
+    both) sent."""
     tier = S3Tier(
         f"s3://{bucket}/run",
         endpoint_url=proxy.endpoint_url,
@@ -54,6 +55,7 @@ def _per_save(
         for s in steps:
             before = len(proxy.requests)
             ck.save({"w": torch.full((20_000,), float(s))}, s).wait(timeout=120)
+            ck.wait(timeout=120, retention=True)
             kinds = [_kind(r) for r in list(proxy.requests)[before:]]
             out.append({k: kinds.count(k) for k in ("list", "uploads", "DELETE")})
     return out

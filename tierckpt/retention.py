@@ -28,9 +28,9 @@ at this writer's first pass on a backend and after each failed save of its own t
 (:func:`note_failed_save`), until a sweep spares nothing (a leftover newer than the newest
 commit waits for the next one), whatever the rules (``keep_last=None`` included: a killed
 writer's unfinished uploads are billed storage nothing else would remove).
-Otherwise a pass lists the manifests only if its rules may remove one, the pins only when one
-is about to go, the objects only to delete it. ``sweep=True`` (``tierckpt gc``, the
-default) always sweeps fully.
+Otherwise a pass lists the tier only if its rules may remove a checkpoint, and then once: that
+one listing of every object gives the manifests (what is committed), the pins and the data
+files to delete. ``sweep=True`` (``tierckpt gc``, the default) always sweeps fully.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
-from tierckpt.catalog import committed_ids
 from tierckpt.errors import BackendError
 from tierckpt.format import (
     MANIFEST_DIR,
@@ -237,12 +236,25 @@ def unpin_checkpoint(backend: Backend, cid: CheckpointId) -> None:
 
 def pinned_ids(backend: Backend) -> list[CheckpointId]:
     """The checkpoints pinned on ``backend`` (committed or not), oldest first."""
+    return _pinned_in(backend.list(f"{PIN_DIR}/"))
+
+
+def _pinned_in(names: Sequence[str]) -> list[CheckpointId]:
+    """The pinned checkpoints among a listing's ``names``, oldest first."""
     out = []
-    for name in backend.list(f"{PIN_DIR}/"):
-        cid = parse_manifest_id(MANIFEST_DIR + "/" + name.split("/", 1)[1])
-        if cid is not None:
-            out.append(cid)
+    for name in names:
+        if name.startswith(f"{PIN_DIR}/"):
+            cid = parse_manifest_id(MANIFEST_DIR + "/" + name.split("/", 1)[1])
+            if cid is not None:
+                out.append(cid)
     return sorted(out)
+
+
+def _committed_in(names: Sequence[str]) -> list[CheckpointId]:
+    """The committed checkpoints among a listing's ``names`` (as
+    :func:`~tierckpt.catalog.committed_ids` finds them), oldest first."""
+    ids = (parse_manifest_id(n) for n in names if n.startswith(f"{MANIFEST_DIR}/"))
+    return sorted(cid for cid in ids if cid is not None)
 
 
 def _best(
@@ -366,8 +378,10 @@ def gc_tier(
     deleted: list[CheckpointId] = []
     if not sweep and not rule.removes:
         return deleted  # nothing to decide: no listing at all
-    committed = committed_ids(backend)
     listing = Listing(backend)
+    # one listing of the whole tier serves the pass: what is committed, the pins, the data
+    names = listing.objects()
+    committed = _committed_in(names)
     if protect_steps:
         steps = set(protect_steps)
         # leftovers are looked at only while sweeping: only then their ids are needed
@@ -379,7 +393,7 @@ def gc_tier(
     if rule.removes:
         keep = _kept_by_rules(backend, committed, rule)
         if any(c not in keep and c not in protect for c in committed):
-            keep |= set(pinned_ids(backend))  # listed only when something is about to go
+            keep |= set(_pinned_in(names))  # read only when something is about to go
         for cid in committed:
             if cid in keep or cid == newest or cid in protect:
                 continue

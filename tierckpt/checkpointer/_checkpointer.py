@@ -234,25 +234,37 @@ class Checkpointer(SavePath):
         """What ``guard()`` learns, for integrations that install their own wait (Lightning)."""
         self._guarded.learn(optimizer, modules)
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, retention: bool = False) -> None:
         """Wait for every in-flight save to finish on every tier (errors stay on handles).
 
         A tier that makes no progress for ``save_deadline`` seconds meanwhile has its
         pending copies given up (``SaveDeadlineExceeded``), so a dead tier is waited for
         about that long, not its timeouts times the saves queued for it.
+
+        Finished means durable and committed: the retention pass that deletes the older
+        checkpoints a tier's rules no longer keep runs after that, on the tier's thread,
+        before its next save there. ``retention=True`` waits for those passes too (the old
+        checkpoints are gone on return); ``close()`` always waits for them.
         """
         if self._pipeline is None:
             return
+        end = None if timeout is None else time.monotonic() + timeout
         if not self._pipeline.drain(timeout):
             steps = sorted(j.step for j in self._pipeline.in_flight())
             raise TimeoutError(f"steps {steps} not finished after {timeout} s")
+        left = None if end is None else max(0.0, end - time.monotonic())
+        if retention and not self._pipeline.wait_retention(left):
+            raise TimeoutError(f"retention still deleting old checkpoints after {timeout} s")
 
     # -- listing -----------------------------------------------------------------------
     def checkpoints(self, tier: str | None = None) -> list[CheckpointId]:
         """Committed checkpoints, oldest first: on ``tier``, or on any tier. The last one is
         the newest, what ``load()`` returns. After a rollback this includes the abandoned
         timeline's checkpoints that retention has not removed yet (older than every
-        checkpoint of the newer timeline, whatever their step numbers)."""
+        checkpoint of the newer timeline, whatever their step numbers). The retention passes
+        of commits already reported done are waited for first, so a checkpoint they delete
+        is not listed."""
+        self._settle_retention()
         return list_checkpoints(self._load_context(), tier)
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -281,7 +293,15 @@ class Checkpointer(SavePath):
 
     def tier_steps(self) -> dict[str, list[int]]:
         """Which steps are committed on which tier (each list in :meth:`steps` order)."""
+        self._settle_retention()
         return {t.name: committed_steps(t.backend) for t in self._tiers}
+
+    def _settle_retention(self) -> None:
+        """Wait for the retention passes already started (see :meth:`wait`): this object's
+        listings never show a checkpoint that a commit reported done is about to delete."""
+        pipeline = self._pipeline
+        if pipeline is not None:
+            pipeline.wait_retention()
 
     # -- pins --------------------------------------------------------------------------
     def pin(self, step: int, *, timeline: int | None = None, reason: str = "") -> CheckpointId:

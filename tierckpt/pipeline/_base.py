@@ -87,6 +87,10 @@ class _PipelineBase:
     #: this writer's leases (tierckpt.lease)
     _leases: Leases
     _threads: list[threading.Thread]
+    #: tier name -> retention passes reported-but-running after commits (under ``_lock``);
+    #: ``_retained`` (a condition on ``_lock``) is notified as each ends
+    _retaining: Counter[str]
+    _retained: threading.Condition
 
     # -- shared helpers ------------------------------------------------------------------
     def in_flight(self) -> list[SaveJob]:

@@ -84,6 +84,8 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
         self._tier_q = {t.name: queue.Queue() for t in tiers}
         self._by_name = {t.name: t for t in tiers}
         self._lock = threading.Lock()
+        self._retaining = Counter()
+        self._retained = threading.Condition(self._lock)
         self._in_flight = []
         #: chunks whose arena slot some tier still holds (at most the arena's slot count)
         self._held_chunks = []

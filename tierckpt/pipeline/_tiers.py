@@ -1,6 +1,7 @@
 """The tiers: one writer thread per tier writes its chunks in order (or, for a tier with a
 ``source``, copies the source's durable file), then the index and footer, makes the file
-durable, commits (manifest last), applies retention and reports the copy done.
+durable, commits (manifest last), reports the copy done and then applies retention
+(``_retain``: deletions of older checkpoints trail the report, never delay it).
 
 Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared in ``_base``."""
 
@@ -18,12 +19,11 @@ import torch
 
 from tierckpt._types import BytesLike
 from tierckpt.codecs import SupportsObserve, codec_from_config
-from tierckpt.errors import BackendError, FormatError, TierCkptError
+from tierckpt.errors import FormatError, TierCkptError
 from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
     FORMAT_VERSION,
-    CheckpointId,
     ChunkRecord,
     Footer,
     ShardRef,
@@ -35,49 +35,18 @@ from tierckpt.format import (
 from tierckpt.handle import TierResult
 from tierckpt.pipeline._capture import _encode
 from tierckpt.pipeline._lend import Countdown, Loan, abort_quietly, early_view
+from tierckpt.pipeline._retain import _RetainMixin
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, Tier, _ChunkState, _Follow, _TierWrite
 from tierckpt.plan import ChunkPlan
-from tierckpt.retention import gc_tier, note_failed_save
+from tierckpt.retention import note_failed_save
 from tierckpt.verify import read_verified
 
 log = logging.getLogger("tierckpt")
 _ZEROS = bytes(4096)
 
 
-class _TiersMixin(_StallMixin):
-    def _protected(self, tier: Tier, job: SaveJob) -> set[CheckpointId]:
-        """Checkpoints retention on ``tier`` must keep besides its newest: those still being
-        saved there, and (for a source) those its followers hold, at most ``max_behind`` each."""
-        with self._lock:
-            ids = {
-                j.id
-                for j in self._in_flight
-                if j is not job
-                and tier.name in j.handle.tiers
-                and tier.name not in j.given_up
-                and not j.handle.done(tier.name)
-            }
-            for name, held in self._following.items():
-                if self._by_name[name].spec.source == tier.name:
-                    ids.update(j.id for j in held)
-        return ids
-
-    def _retain(self, tier: Tier, job: SaveJob) -> None:
-        if not self._leases.may_collect(tier, job.rank):
-            return
-        try:
-            protect = self._protected(tier, job)
-            gc_tier(
-                tier.backend,
-                tier.spec.retention,
-                protect=protect,
-                protect_steps=self.protect_steps(),
-                sweep=None,  # leftovers: at this writer's first pass and after a failed save
-            )
-        except (BackendError, OSError) as exc:
-            log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
-
+class _TiersMixin(_RetainMixin, _StallMixin):
     # -- capture ---------------------------------------------------------------------
     def _release(self, state: _ChunkState, tier: str) -> None:
         """``tier`` is done with this chunk; the last holder frees its slot (a given-up tier
@@ -151,11 +120,10 @@ class _TiersMixin(_StallMixin):
         self._source_done(tier, job, None, given_up or error)
         if given_up is not None:
             return  # reported when it was given up
-        self._finish(tier, job, None, error)
-        if self.retains(tier, job) and not tier.backend.is_remote:
-            # a failed save (disk full) runs retention too, so the disk frees itself; a
-            # remote tier that just failed would likely fail again: its next commit does it
-            self._retain(tier, job)
+        # a failed save (disk full) runs retention too, so the disk frees itself; a remote
+        # tier that just failed would likely fail again: its next commit does it
+        retain = self.retains(tier, job) and not tier.backend.is_remote
+        self._finish_then_retain(tier, job, None, error, retain=retain)
 
     def _tier_start(self, tier: Tier, job: SaveJob, tw: _TierWrite) -> None:
         with self._lock:
@@ -452,10 +420,9 @@ class _TiersMixin(_StallMixin):
             codec_desc,
             result.ratio,
         )
-        # the owner says which ranks apply retention where; only while holding the lease
-        if self.retains(tier, job):
-            self._retain(tier, job)
-        self._finish(tier, job, result, None)
+        # the owner says which ranks apply retention where; only while holding the lease.
+        # Reported durable first: deleting older checkpoints is not part of this save's time
+        self._finish_then_retain(tier, job, result, None, retain=self.retains(tier, job))
 
     def _finish(
         self,

@@ -1,0 +1,120 @@
+"""Retention after a commit: which checkpoints a tier's pass must keep besides its rules, and
+when the pass runs.
+
+A copy is reported done (``h.wait()``, ``Checkpointer.wait()``) as soon as it is durable and
+committed; the pass that deletes the older checkpoints its rules no longer keep runs right
+after, on the same thread (the tier's writer, or the commit thread of a deferred multi-rank
+commit), before that thread takes its next job. So a save is never slower to become durable
+because old checkpoints are being listed and deleted, and the deletions still happen in
+commit order, one pass at a time per tier. :meth:`wait_retention` waits for the passes that
+have started (``Checkpointer.wait(retention=True)``); ``close()`` always does, as it joins
+those threads.
+
+Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared in ``_base``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+from tierckpt.errors import BackendError
+from tierckpt.format import CheckpointId
+from tierckpt.handle import TierResult
+from tierckpt.pipeline._base import _PipelineBase
+from tierckpt.pipeline._values import SaveJob, Tier
+from tierckpt.retention import gc_tier
+
+log = logging.getLogger("tierckpt")
+
+#: per thread, pipeline id -> the passes this thread has counted and not yet run: a callback
+#: inside the report (``on_commit``) or the pass (``protect_steps``) that lists the
+#: checkpoints must not wait for the pass its own thread runs next (or is running)
+_own = threading.local()
+
+
+def _own_passes() -> Counter[int]:
+    mine: Counter[int] | None = getattr(_own, "passes", None)
+    if mine is None:
+        mine = _own.passes = Counter()
+    return mine
+
+
+class _RetainMixin(_PipelineBase):
+    def _protected(self, tier: Tier, job: SaveJob) -> set[CheckpointId]:
+        """Checkpoints retention on ``tier`` must keep besides its newest: those still being
+        saved there, and (for a source) those its followers hold, at most ``max_behind`` each."""
+        with self._lock:
+            ids = {
+                j.id
+                for j in self._in_flight
+                if j is not job
+                and tier.name in j.handle.tiers
+                and tier.name not in j.given_up
+                and not j.handle.done(tier.name)
+            }
+            for name, held in self._following.items():
+                if self._by_name[name].spec.source == tier.name:
+                    ids.update(j.id for j in held)
+        return ids
+
+    def _retain(self, tier: Tier, job: SaveJob) -> None:
+        if not self._leases.may_collect(tier, job.rank):
+            return
+        try:
+            protect = self._protected(tier, job)
+            gc_tier(
+                tier.backend,
+                tier.spec.retention,
+                protect=protect,
+                protect_steps=self.protect_steps(),
+                sweep=None,  # leftovers: at this writer's first pass and after a failed save
+            )
+        except (BackendError, OSError) as exc:
+            log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+
+    def _finish_then_retain(
+        self,
+        tier: Tier,
+        job: SaveJob,
+        result: TierResult | None,
+        error: BaseException | None,
+        *,
+        retain: bool,
+    ) -> None:
+        """Report ``tier``'s copy of ``job`` done (:meth:`_finish`), then, if ``retain``, apply
+        the tier's retention on this thread. The pass is counted from before the report, so
+        that a :meth:`wait_retention` called once the copy is reported done waits for it."""
+        if retain:
+            with self._lock:
+                self._retaining[tier.name] += 1
+            _own_passes()[id(self)] += 1
+        try:
+            self._finish(tier, job, result, error)
+        finally:
+            if retain:
+                try:
+                    self._retain(tier, job)
+                except Exception as exc:  # the copy is reported: a pass's error is only logged
+                    log.warning("retention on tier %s failed: %s", tier.name, exc)
+                finally:
+                    _own_passes()[id(self)] -= 1
+                    with self._lock:
+                        self._retaining[tier.name] -= 1
+                        self._retained.notify_all()
+
+    def wait_retention(self, timeout: float | None = None) -> bool:
+        """Wait until no retention pass started after a commit (or a failed local copy) is
+        running or about to run; False if ``timeout`` seconds passed first. A pass started
+        by a later commit is waited for too. Called on a thread that runs a pass (a callback
+        inside a commit's report or pass), that pass is not waited for."""
+        end = None if timeout is None else time.monotonic() + timeout
+        own = _own_passes()[id(self)]
+        with self._lock:
+            while sum(self._retaining.values()) > own:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._retained.wait(left)
+        return True
