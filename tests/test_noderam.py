@@ -71,7 +71,11 @@ def test_killed_process_restarts_from_node_ram_reading_nothing_from_disk(
     )
     tiers = [NodeRamTier(path=shm, namespace="run"), LocalTier(tmp_path / "disk")]
     with Checkpointer(tiers) as ck:
-        assert ck.tier_steps() == {"noderam": [2, 3], "local": [1, 2, 3]}  # keep_last=2
+        steps = ck.tier_steps()
+        assert steps["local"] == [1, 2, 3]
+        # keep_last=2; killed right after step 3's commit was reported, the process may not
+        # have run the retention pass that trails it: step 1 then goes at the next save
+        assert steps["noderam"] in ([2, 3], [1, 2, 3]), steps
         counter = peer_workers.ReadCounter(ck)
         got = ck.load()
         assert same(got, rank_state(0, 3)) == []
