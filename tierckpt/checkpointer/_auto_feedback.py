@@ -7,15 +7,11 @@ as a raw load would, so the policy can compare the two restores.
 A tier whose ``auto`` policy compresses never stores raw chunks, so no load of it measures what
 a raw restore would take; a model of the two rates (the decoders outrun the link, so compressing
 pays) misses what the machine shares, e.g. an object store serving from the decoder's cores.
-The probe measures it directly, reading as a raw load reads: the first bytes of the shard
-file in ranged reads of one segment each (``PIECE_BYTES``, 8 MiB, cut at the file's multiples
-of it), as many at once as a raw load's fetch threads (twice the reader threads), each into
-fresh memory mapped in bulk just before (as a raw load's storages are), timed end to end. A
-probe that read otherwise measured another link: four 4 MiB reads of a 16 MiB probe took
-0.43-0.86 GB/s on SeaweedFS here where raw loads delivered ~0.74 GB/s, so ``auto`` chose
-compressed chunks that restored 1.6x slower than raw. It runs only when the policy asks
+The probe measures it directly: the first bytes of the shard file, split among the reader
+threads, each read with the backend's ``read_into`` into fresh memory (first touch included,
+as a raw load's storages are), timed end to end. It runs only when the policy asks
 (:meth:`~tierckpt.codecs.adaptive.AdaptiveCodec.link_probe_due`: no raw rate yet, or a stale
-one), reads a quarter of what the load read (64 MiB at least, 256 MiB at most), and a
+one), reads a sixteenth of what the load read (16 MiB at least, 256 MiB at most), and a
 failure is logged and ignored: the load it follows has succeeded.
 
 The bytes were just read by the load, so a store with a cache serves them warm: if anything
@@ -50,8 +46,6 @@ from tierckpt.codecs import SupportsObserveRead
 from tierckpt.codecs.adaptive import AdaptiveCodec
 from tierckpt.pipeline import Tier
 from tierckpt.restore import LoadedShard
-from tierckpt.restore._fetch import PIECE_BYTES
-from tierckpt.restore._prefault import prefault
 
 __all__ = [
     "feed_policy",
@@ -68,10 +62,10 @@ log = logging.getLogger("tierckpt")
 STATE_FORMAT = "tierckpt-auto-state"
 STATE_VERSION = 1
 MAX_STATE_BYTES = 64 << 10
-PROBE_MIN = 64 << 20
+PROBE_MIN = 16 << 20
 PROBE_MAX = 256 << 20
-#: the probe reads this fraction of what the load read (within PROBE_MIN..PROBE_MAX)
-PROBE_FRACTION = 4
+#: the probe reads at most this fraction of what the load read
+PROBE_FRACTION = 16
 
 
 def probe_bytes(stored_bytes: int, file_size: int) -> int:
@@ -82,27 +76,22 @@ def probe_bytes(stored_bytes: int, file_size: int) -> int:
 
 
 def read_probe(tier: Tier, name: str, nbytes: int, pool: ThreadPoolExecutor) -> float:
-    """Read ``name``'s first ``nbytes`` from ``tier`` as a raw load reads them (see the module
-    docstring): one segment per read, on twice ``pool``'s threads; returns the wall seconds.
-    Raises what the backend raises."""
+    """Read ``name``'s first ``nbytes`` from ``tier`` on ``pool``'s threads, one contiguous
+    range per thread into fresh memory; returns the wall seconds. Raises what the backend
+    raises."""
     workers = getattr(pool, "_max_workers", 2)
     workers = workers if isinstance(workers, int) and workers > 0 else 2
-    out = np.empty(nbytes, np.uint8)
-    view = out.data.cast("B")
-    base = out.ctypes.data
+    step = -(-nbytes // workers)
+    ranges = [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
     def one(off: int, length: int) -> None:
-        prefault([(base + off, length)])
-        tier.backend.read_into(name, off, view[off : off + length])
+        out = np.empty(length, np.uint8)
+        tier.backend.read_into(name, off, out.data)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(2 * workers, thread_name_prefix="tierckpt-probe") as fetch:
-        futures = [
-            fetch.submit(one, off, min(PIECE_BYTES, nbytes - off))
-            for off in range(0, nbytes, PIECE_BYTES)
-        ]
-        for f in futures:
-            f.result()
+    futures = [pool.submit(one, off, length) for off, length in ranges]
+    for f in futures:
+        f.result()
     return time.perf_counter() - t0
 
 
