@@ -26,6 +26,7 @@ from tierckpt.format import (
 
 __all__ = [
     "committed_ids",
+    "manifest_ids",
     "listed_once",
     "committed_steps",
     "data_ids",
@@ -61,17 +62,18 @@ def listed_once(backends: Iterable[Backend]) -> Iterator[None]:
         _LISTED.reset(token)
 
 
+def manifest_ids(names: Iterable[str]) -> list[CheckpointId]:
+    """The committed checkpoints a listing's ``names`` show (their manifests), oldest first."""
+    ids = (parse_manifest_id(n) for n in names if n.startswith(f"{MANIFEST_DIR}/"))
+    return sorted(cid for cid in ids if cid is not None)
+
+
 def committed_ids(backend: Backend) -> list[CheckpointId]:
     """Every committed checkpoint on ``backend``, oldest first (the last one is the newest)."""
     kept = _LISTED.get()
     if kept is not None and kept.get(id(backend)) is not None:
         return list(kept[id(backend)] or ())
-    ids = []
-    for name in backend.list(f"{MANIFEST_DIR}/"):
-        cid = parse_manifest_id(name)
-        if cid is not None:
-            ids.append(cid)
-    ids.sort()
+    ids = manifest_ids(backend.list(f"{MANIFEST_DIR}/"))
     if kept is not None and id(backend) in kept:
         kept[id(backend)] = list(ids)
     return ids

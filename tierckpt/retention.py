@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
+from tierckpt.catalog import manifest_ids
 from tierckpt.errors import BackendError
 from tierckpt.format import (
     MANIFEST_DIR,
@@ -250,13 +251,6 @@ def _pinned_in(names: Sequence[str]) -> list[CheckpointId]:
     return sorted(out)
 
 
-def _committed_in(names: Sequence[str]) -> list[CheckpointId]:
-    """The committed checkpoints among a listing's ``names`` (as
-    :func:`~tierckpt.catalog.committed_ids` finds them), oldest first."""
-    ids = (parse_manifest_id(n) for n in names if n.startswith(f"{MANIFEST_DIR}/"))
-    return sorted(cid for cid in ids if cid is not None)
-
-
 def _best(
     backend: Backend, committed: list[CheckpointId], rule: Retention
 ) -> tuple[set[CheckpointId], set[CheckpointId]]:
@@ -381,7 +375,7 @@ def gc_tier(
     listing = Listing(backend)
     # one listing of the whole tier serves the pass: what is committed, the pins, the data
     names = listing.objects()
-    committed = _committed_in(names)
+    committed = manifest_ids(names)
     if protect_steps:
         steps = set(protect_steps)
         # leftovers are looked at only while sweeping: only then their ids are needed

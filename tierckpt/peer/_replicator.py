@@ -25,7 +25,7 @@ from tierckpt.peer._choose import choose
 from tierckpt.peer._placement import Placement, node_key, ring_placement
 from tierckpt.peer._spare import SpareSegment, prepare_spare
 from tierckpt.peer._spec import PeerTier
-from tierckpt.peer._wire import Offer, Received, exchange, remove_dead_temporaries
+from tierckpt.peer._wire import Offer, Received, exchange
 from tierckpt.restore import read_manifest
 from tierckpt.retention import Retention, gc_tier, kept_ids, pinned_ids
 from tierckpt.stats import CheckpointEvent
@@ -447,14 +447,17 @@ class PeerReplicator:
                 return None
             # a ready spare becomes the file: only the bytes beyond it are new
             more = ref.size - (spare.size if spare is not None and spare.error is None else 0)
-            path = self._ram_backend._path(ref.file)
-            remove_dead_temporaries(path)  # an earlier pull's, killed midway: not in the budget
+            # an earlier pull of this file killed midway left its temporary file (a whole
+            # shard; only this rank writes this name): it goes before the budget is checked.
+            # The save's sweep spares unfinished files under a committed checkpoint, as this
+            # one is once the pull's manifest lands, so it would stay until retention
+            self._ram_backend.cleanup_incomplete(ref.file)
             try:
                 self._ram_backend.check_budget(max(0, more), ref.file)
             except OSError as exc:  # decline: the load reads a slower tier instead
                 log.warning("rank %d: cannot pull %s into node RAM: %s", me, cid, exc)
                 return None
-            return path
+            return self._ram_backend._path(ref.file)
 
         got = exchange(self._load_group, me, offers, sources, accept, tag=1, spare=spare)
         n = 0

@@ -58,7 +58,6 @@ __all__ = [
     "Offer",
     "Received",
     "exchange",
-    "remove_dead_temporaries",
     "populate_ahead",
     "send_file_map",
 ]
@@ -121,26 +120,6 @@ def populate_ahead(buf: torch.Tensor, stop: threading.Event, step: int = POPULAT
     byte, so bytes already received stay as they are; before Linux 5.14 it does nothing and
     the receive faults the pages in itself). Returns the bytes populated."""
     return populate_pages(buf, stop, step)
-
-
-def remove_dead_temporaries(path: str) -> None:
-    """Remove the temporary files of earlier receives of ``path`` (``<path>.<hex>.tmp``: a
-    pull killed midway, by a process of this rank before this one; only this rank writes its
-    shard's name). The sweep at a save spares unfinished files under a checkpoint that is
-    committed, as this one is once its manifest lands, so such a file would hold its size in
-    node RAM (and in the tier's budget) until retention deleted the whole checkpoint."""
-    folder, name = os.path.split(path)
-    try:
-        entries = os.listdir(folder)
-    except OSError:
-        return
-    for entry in entries:
-        rest = entry[len(name) + 1 : -len(".tmp")] if entry.startswith(name + ".") else ""
-        if entry.endswith(".tmp") and rest and all(c in "0123456789abcdef" for c in rest):
-            try:
-                os.unlink(os.path.join(folder, entry))
-            except OSError:
-                pass  # gone already
 
 
 def _recv_map(
@@ -309,7 +288,6 @@ def exchange(
             os.close(fd)
             path, m, body, size, rank = takes[s]
             os.replace(tmp, path)
-            remove_dead_temporaries(path)
             received.append(Received(s, rank, m, body, path, size))
     finally:
         stop.set()  # a failed round: the filler stops before its maps go
