@@ -201,9 +201,13 @@ def test_200_saves_no_growth_in_rss_threads_fds(tmp_path: Path) -> None:
     ) as ck:
         for s in range(20):  # warm-up
             ck.save(state, step=s).wait()
+        # a save is durable before its tier's retention pass has run (the pass trails
+        # the commit and may hold a directory open): sample when the passes are done
+        ck.wait(retention=True)
         rss0, th0, fd0 = proc.memory_info().rss, threading.active_count(), _fds()
         for s in range(20, 220):
             ck.save(state, step=s).wait()
+        ck.wait(retention=True)
         rss1, th1, fd1 = proc.memory_info().rss, threading.active_count(), _fds()
         assert ck.tier_steps() == {"memory": [219], "local": [218, 219]}
     assert th1 == th0, (th0, th1)
