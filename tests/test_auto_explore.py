@@ -29,6 +29,7 @@ from helpers import assert_same
 from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
+from tierckpt.checkpointer import _auto_feedback
 from tierckpt.checkpointer._auto_feedback import (
     PROBE_FRACTION,
     PROBE_MAX,
@@ -140,11 +141,12 @@ def test_a_measured_veto_is_reexamined_after_some_raw_loads() -> None:
 
 
 def test_probe_size() -> None:
-    assert probe_bytes(8 * MiB, 9 * MiB) == 8 * MiB  # a small load: all of it
+    assert probe_bytes(8 * MiB, 9 * MiB) == 0  # a small load: no probe, never all of it again
+    assert probe_bytes(4 * PROBE_MIN - 1, 1 << 30) == 0  # its quarter is under PROBE_MIN
+    assert probe_bytes(4 * PROBE_MIN, 1 << 30) == PROBE_MIN
     assert probe_bytes(1 << 30, (1 << 30) + 4096) == (1 << 30) // PROBE_FRACTION
-    assert probe_bytes(100 * MiB, 200 * MiB) == PROBE_MIN
     assert probe_bytes(64 << 30, 65 << 30) == PROBE_MAX
-    assert probe_bytes(100 * MiB, 10 * MiB) == 10 * MiB  # never past the file's end
+    assert probe_bytes(1 << 30, 100 * MiB) == 100 * MiB  # never past the file's end
 
 
 # -- end to end -------------------------------------------------------------------------------
@@ -177,12 +179,22 @@ def _injected(candidate: Codec) -> AdaptiveCodec:
     return policy
 
 
+def _probe_small_loads() -> None:
+    """Let a load of this file's few MiB probe the link, all of it read again (a real
+    probe skips loads under 4 x PROBE_MIN: tests here would need 128 MiB states)."""
+    _auto_feedback.PROBE_MIN, _auto_feedback.PROBE_FRACTION = MiB, 1
+
+
 def _codec_ids(backend: Backend, step: int) -> list[str]:
     index = read_index(backend, read_manifest(backend, step, "t").shard_for(0), "t")[0]
     return [index["codecs"][c.codec]["id"] for c in index["chunks"]]
 
 
-def test_a_slow_decoder_switches_an_s3_tier_to_raw(s3_server: S3Server, s3_bucket: Any) -> None:
+def test_a_slow_decoder_switches_an_s3_tier_to_raw(
+    s3_server: S3Server, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_auto_feedback, "PROBE_MIN", MiB)
+    monkeypatch.setattr(_auto_feedback, "PROBE_FRACTION", 1)
     bucket = s3_bucket(s3_server)
     state = _state()
     policy = _injected(SlowZstd())
@@ -225,7 +237,11 @@ class ThrottledTier(LocalTier):
         return ThrottledBackend(self.path)
 
 
-def test_a_slow_link_keeps_the_tier_compressing(tmp_path: Path) -> None:
+def test_a_slow_link_keeps_the_tier_compressing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_auto_feedback, "PROBE_MIN", MiB)
+    monkeypatch.setattr(_auto_feedback, "PROBE_FRACTION", 1)
     state = _state()
     policy = _injected(ZstdCodec())
     tier = ThrottledTier(tmp_path, codec=policy, keep_last=None)
@@ -310,6 +326,7 @@ def test_the_load_side_state_round_trips_and_garbage_is_ignored(
 def _restart_worker(folder: str, step: int) -> None:
     """One process of a job on a local tier with a slow-decoding auto policy: load the newest
     checkpoint (if any), save ``step``, print the saved chunks' codec ids."""
+    _probe_small_loads()
     state = _state()
     policy = _injected(SlowZstd())
     with Checkpointer([LocalTier(folder, codec=policy, keep_last=None)], chunk_bytes=CHUNK) as ck:

@@ -214,6 +214,9 @@ def test_the_link_probe_reads_into_fresh_memory_never_the_loaded_state(
     from tierckpt.checkpointer import _auto_feedback
 
     server, name = bucket
+    # a probe of this small load (a real one skips loads under 4 x PROBE_MIN), all of it
+    monkeypatch.setattr(_auto_feedback, "PROBE_MIN", 1 << 20)
+    monkeypatch.setattr(_auto_feedback, "PROBE_FRACTION", 1)
     g = torch.Generator().manual_seed(2)
     state = {"w": (torch.randn(4 << 20, generator=g) * 4).round()}  # 16 MiB, compressible
 
