@@ -481,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="bench-restore-", dir=os.environ.get("TMPDIR")) as t:
         tmp = Path(t)
+        # auto's load-side state in a fresh folder (the workers inherit it): a state kept
+        # from an earlier run of this benchmark (same URLs) would decide what the auto tier
+        # stores and whether its loads probe
+        os.environ["TIERCKPT_AUTO_STATE_DIR"] = str(tmp / "auto-state")
         server = start_seaweedfs(tmp / "seaweedfs")  # volumes on this disk, not /dev/shm
         try:
             t0 = time.perf_counter()
