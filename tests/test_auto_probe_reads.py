@@ -199,3 +199,14 @@ def test_the_probe_chooses_raw_where_raw_loads_would_beat_the_compressed_one(
     assert seen["read_link_bps"] is not None
     assert seen["read_link_bps"] > seen["read_compressed_bps"], seen
     assert seen["compress"] == {"float4": False}
+
+
+def test_a_probe_too_short_for_every_fetch_thread_reads_halved_segments(tmp_path: Path) -> None:
+    """A load of 128 MiB keeps 8 fetch threads busy with 8 MiB segments; its 32 MiB probe
+    would keep only 4 so: it reads 4 MiB segments (at the file's multiples of 4 MiB, so each
+    stays inside one 8 MiB part), 8 at once."""
+    tier, loaded = _after_compressed_load(tmp_path, 128 * MiB, 1e9, 40 * MiB)
+    with ThreadPoolExecutor(4) as pool:  # 4 reader threads: 8 fetch threads
+        probe_after_load(tier, loaded, 0, pool)  # type: ignore[arg-type]
+    assert sorted(tier.backend.reads) == [(o, 4 * MiB) for o in range(0, 32 * MiB, 4 * MiB)]
+    assert tier.backend.most == 8

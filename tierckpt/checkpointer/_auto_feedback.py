@@ -81,6 +81,8 @@ PROBE_MIN = 32 << 20
 PROBE_MAX = 256 << 20
 #: the probe reads at most this fraction of what the load read
 PROBE_FRACTION = 4
+#: the shortest read of a probe too short to keep every fetch thread busy in whole segments
+MIN_SEGMENT = 1 << 20
 
 
 def probe_bytes(stored_bytes: int, file_size: int) -> int:
@@ -95,7 +97,8 @@ def probe_bytes(stored_bytes: int, file_size: int) -> int:
 
 def read_probe(tier: Tier, name: str, nbytes: int, pool: ThreadPoolExecutor) -> float:
     """Read ``name``'s first ``nbytes`` from ``tier`` as a raw load reads them (see the module
-    docstring): one segment per read, as many at once as the load's reads in flight, each
+    docstring): one segment per read (halved down to :data:`MIN_SEGMENT` where there would be
+    fewer segments than reads in flight), as many at once as the load's reads in flight, each
     into fresh memory; returns the wall seconds. Raises what the backend raises."""
     workers = getattr(pool, "_max_workers", 2)
     workers = workers if isinstance(workers, int) and workers > 0 else 2
@@ -117,7 +120,13 @@ def read_probe(tier: Tier, name: str, nbytes: int, pool: ThreadPoolExecutor) -> 
             except BufferError:  # a view still held somewhere: the collector unmaps it
                 pass
 
-    segments = [(off, min(PIECE_BYTES, nbytes - off)) for off in range(0, nbytes, PIECE_BYTES)]
+    # a raw load of the whole shard keeps every fetch thread busy; a probe too short for that
+    # in whole segments reads halved ones (still within one part each: the cuts stay at the
+    # file's multiples of a divisor of the part), so it measures as many reads in flight
+    step = PIECE_BYTES
+    while step > MIN_SEGMENT and nbytes < in_flight * step:
+        step //= 2
+    segments = [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
     with ThreadPoolExecutor(in_flight, thread_name_prefix="tierckpt-probe") as fetch:
         t0 = time.perf_counter()
         futures = [fetch.submit(one, off, length) for off, length in segments]
