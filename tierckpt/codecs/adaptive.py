@@ -24,9 +24,10 @@ Loads from the tier report what they measured, end to end (:meth:`AdaptiveCodec.
 raw bytes delivered per second of the load, index to last decoded byte): a load of raw chunks
 gives the raw rate ``R``, a load of compressed chunks the compressed rate ``C``. A tier that
 compresses stores no raw chunks to measure ``R`` with, so after a compressed load the loader
-reads a slice of the same shard file again, raw, on the same reader threads into fresh memory
-(a *link probe*, :meth:`AdaptiveCodec.link_probe_due`, ``checkpointer/_probe.py``). A kind of
-chunk is stored raw, whatever the save would gain, when
+reads a slice of the same shard file again, raw, as a raw load reads (a *link probe*,
+:meth:`AdaptiveCodec.link_probe_due`, ``checkpointer/_auto_feedback.py``: a quarter of the
+load at most, and none after a load of under 128 MiB, whose restore it would barely change).
+A kind of chunk is stored raw, whatever the save would gain, when
 
 * both rates are measured and ``C < R``: compressed loads delivered fewer bytes per second
   than raw reads of the same tier (this sees what no model does: an object store that runs on
