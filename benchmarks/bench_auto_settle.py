@@ -2,6 +2,7 @@
 
     python benchmarks/bench_auto_settle.py                 # 0.5 GiB, 4 cycles, median of 5
     python benchmarks/bench_auto_settle.py --gib 0.25 --cycles 3 --runs 3
+    python benchmarks/bench_auto_settle.py --gib 0.25 --probe-check 5   # the probe's accuracy
 
 SeaweedFS on 127.0.0.1 (volumes on this disk, not ``/dev/shm``), obstore driver. The synthetic
 state is saved once raw (the reference). Then a training job's life on an ``auto`` tier:
@@ -12,6 +13,12 @@ policy's newest checkpoint and the raw one are each restored ``--runs`` times in
 processes, interleaved, the benchmark's files dropped from the page cache first (as
 ``bench_restore.py`` does); medians. The policy's state folder is a fresh temporary one, so
 earlier runs do not count.
+
+``--probe-check N``: instead, N rounds (files dropped from the page cache before each load) of
+a raw load of the raw checkpoint (its read rate ``R``: what the probe should measure) and a
+compressed load of a planes checkpoint followed by the link probe of now and the probe of old
+(16 MiB in one range per reader thread), in alternating order; each probe's rate over ``R``
+of the same round, medians.
 """
 
 from __future__ import annotations
@@ -62,12 +69,79 @@ def worker(endpoint: str, prefix: str) -> float:
     return time.perf_counter() - t0
 
 
+def _old_probe(backend: Any, name: str, pool: Any) -> float:
+    """The probe of old (before 2026-12-01): 16 MiB, one contiguous range per reader thread
+    into fresh memory; seconds."""
+    import numpy as np
+
+    workers = pool._max_workers
+    nbytes = 16 * MiB
+    step = -(-nbytes // workers)
+
+    def one(off: int) -> None:
+        out = np.empty(min(step, nbytes - off), np.uint8)
+        backend.read_into(name, off, out.data)
+
+    t0 = time.perf_counter()
+    for f in [pool.submit(one, off) for off in range(0, nbytes, step)]:
+        f.result()
+    return time.perf_counter() - t0
+
+
+def probe_check(tmp: Path, ep: str, state: Any, rounds: int) -> dict[str, Any]:
+    """See the module docstring (``--probe-check``)."""
+    from tierckpt import Checkpointer, S3Tier
+    from tierckpt.checkpointer._auto_feedback import probe_bytes, read_probe
+    from tierckpt.restore import read_manifest, read_shard
+
+    tiers = {
+        c: S3Tier(f"s3://{BUCKET}/{c}", endpoint_url=ep, driver="obstore", codec=c, name=c)
+        for c in ("raw", "planes")
+    }
+    with Checkpointer(list(tiers.values())) as ck:
+        ck.save(state, step=1).result()
+    ratios: dict[str, list[float]] = {"new": [], "old": []}
+    rates: dict[str, list[float]] = {"raw_load": [], "compressed_load": [], "new": [], "old": []}
+    with Checkpointer([tiers["raw"]]) as ck_raw, Checkpointer([tiers["planes"]]) as ck_pl:
+        for rnd in range(rounds):
+            _drop_cache([tmp / "seaweedfs"])
+            b = ck_raw.backend("raw")
+            man = read_manifest(b, 1, "raw")
+            got = read_shard(b, "raw", man, 0, ck_raw._get_read_pool())
+            r = got.stored_bytes / got.read_seconds
+            _drop_cache([tmp / "seaweedfs"])
+            b = ck_pl.backend("planes")
+            man = read_manifest(b, 1, "planes")
+            pool = ck_pl._get_read_pool()
+            got = read_shard(b, "planes", man, 0, pool)
+            rates["compressed_load"].append(got.raw_bytes / got.read_seconds)
+            ref = man.shard_for(0)
+            n = probe_bytes(got.stored_bytes, ref.size)
+            tier: Any = ck_pl._tiers[0]
+            order = ["new", "old"] if rnd % 2 == 0 else ["old", "new"]
+            for which in order:
+                if which == "new":
+                    bps = n / read_probe(tier, ref.file, n, pool) if n else float("nan")
+                else:
+                    bps = 16 * MiB / _old_probe(b, ref.file, pool)
+                rates[which].append(bps)
+                ratios[which].append(bps / r)
+            rates["raw_load"].append(r)
+            print(json.dumps({k: v[-1] / 1e9 for k, v in rates.items()}), file=sys.stderr)
+    return {
+        "probe_over_raw_load_median": {k: statistics.median(v) for k, v in ratios.items()},
+        "probe_over_raw_load": ratios,
+        "rates_gbps_median": {k: statistics.median(v) / 1e9 for k, v in rates.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.5)
     ap.add_argument("--cycles", type=int, default=4)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", default="")
+    ap.add_argument("--probe-check", type=int, default=0, help="rounds of the probe check")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -91,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             ep = server.endpoint_url
             state, info = make_state(args.gib, seed=0)
             server.admin.create_bucket(Bucket=BUCKET)
+            if args.probe_check:
+                out["probe_check"] = probe_check(tmp, ep, state, args.probe_check)
+                out["loadavg"] = os.getloadavg()
+                print(json.dumps(out, indent=1))
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=1))
+                return 0
             raw = S3Tier(f"s3://{BUCKET}/raw", endpoint_url=ep, driver="obstore", codec="raw")
             with Checkpointer([raw]) as ck:
                 ck.save(state, step=1).result()
