@@ -114,8 +114,8 @@ def read_probe(tier: Tier, name: str, nbytes: int, pool: ThreadPoolExecutor) -> 
             prefault([(np.frombuffer(view, np.uint8).ctypes.data, length)])
             backend.read_into(name, off, view)
         finally:
-            view.release()
             try:
+                view.release()
                 buf.close()
             except BufferError:  # a view still held somewhere: the collector unmaps it
                 pass
