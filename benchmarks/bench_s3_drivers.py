@@ -15,8 +15,10 @@ are in each row's name):
   one streamed GET.
 
 A save of the tier is timed from ``save()`` to its commit (the capture into the arena, the
-upload, the index and the manifest: ``TierResult.seconds``); a raw upload from the call to its
-return (the bytes already in memory). Each case's wall time, this process's CPU time (the
+upload, the index and the manifest: ``TierResult.seconds``); its retention pass, which trails
+the commit, is waited for before the next case starts (its CPU counted with the save's, its
+requests kept out of the next case's time); a raw upload from the call to its return (the
+bytes already in memory). Each case's wall time, this process's CPU time (the
 client's) and SeaweedFS's CPU time over the case (the server's: on a machine with few cores
 each client CPU second slows the server too). Rounds are interleaved (each round runs every
 case once, the order alternating), one warm-up round, then the median of ``--runs``. A case
@@ -273,7 +275,11 @@ def cases(
         cks[name] = ck
 
         def ck_save(ck: Checkpointer = ck) -> float:
-            return float(ck.save(state, step=next(steps)).result()["s3"].seconds)
+            seconds = float(ck.save(state, step=next(steps)).result()["s3"].seconds)
+            # the retention pass trails the commit (not part of the save's time): let it end
+            # here, inside this case's CPU counts, not inside the next case's window
+            ck.wait(retention=True)
+            return seconds
 
         save[name] = ck_save
         restore[name] = wall(lambda ck=ck: ck.load())
