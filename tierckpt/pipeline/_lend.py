@@ -1,8 +1,7 @@
 """A tier's writer and the arena slots lent to it: a :class:`Loan` is one tier's hold on a
 chunk's slot, a :class:`Countdown` frees it after several holders (the writer and the
 checksum), :func:`early_view` says when a chunk may be uploaded before its checksum is known,
-:func:`ask_aside` runs a check whose answer the writer needs only before it publishes, and
-:func:`abort_quietly` aborts a writer without ending the tier's thread.
+and :func:`abort_quietly` aborts a writer without ending the tier's thread.
 
 Part of :class:`~tierckpt.pipeline.Pipeline` (its tiers' writer threads)."""
 
@@ -11,8 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
 
 from tierckpt import devices
 from tierckpt.arena import HostArena
@@ -21,8 +18,6 @@ from tierckpt.codecs import SupportsProfile
 from tierckpt.pipeline._values import SaveJob, Tier, _ChunkState
 
 log = logging.getLogger("tierckpt")
-
-T = TypeVar("T")
 
 
 class Loan:
@@ -94,22 +89,3 @@ def abort_quietly(tier: Tier, writer: ObjectWriter) -> None:
             writer.name,
             exc,
         )
-
-
-def ask_aside(fn: Callable[[], T], name: str) -> Future[T]:
-    """``fn()`` (one blocking request) on a thread of its own, its answer or error in the
-    returned Future: the tier's thread starts uploading at once and waits for the answer only
-    where it needs it (before it publishes anything). A thread per call: such a check is one
-    per save, and a pool shared with other work could make it wait behind that work."""
-    fut: Future[T] = Future()
-
-    def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:  # the waiter raises it
-            fut.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut

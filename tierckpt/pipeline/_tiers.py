@@ -34,7 +34,7 @@ from tierckpt.format import (
 )
 from tierckpt.handle import TierResult
 from tierckpt.pipeline._capture import _encode
-from tierckpt.pipeline._lend import Countdown, Loan, abort_quietly, ask_aside, early_view
+from tierckpt.pipeline._lend import Countdown, Loan, abort_quietly, early_view
 from tierckpt.pipeline._retain import _RetainMixin
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, Tier, _ChunkState, _Follow, _TierWrite
@@ -136,40 +136,16 @@ class _TiersMixin(_RetainMixin, _StallMixin):
         if lease_error is not None:
             raise lease_error
         self._leases.get(tier, job.rank).acquire()  # a no-op while held; raises once lost
-        exists = functools.partial(
-            tier.backend.exists, manifest_name(job.step, timeline=job.timeline)
-        )
-        if tier.backend.is_remote:
-            # nothing a writer writes is visible before its commit (the Backend contract), so
-            # the answer is needed only then: asked aside, the first part goes on the wire a
-            # round trip sooner (on a busy store, more); a "yes" fails the copy at the next
-            # chunk, or at the latest before the commit (_refuse_committed)
-            tw.committed = ask_aside(exists, f"tierckpt-{tier.name}-check")
-        elif exists():
-            raise self._committed_error(tier, job)
+        if tier.backend.exists(manifest_name(job.step, timeline=job.timeline)):
+            raise FileExistsError(
+                f"{job.id} is already committed on tier {tier.name!r} "
+                f"({tier.backend.url}); refusing to overwrite it — save under another step or "
+                "delete the old one first (tierckpt gc)"
+            )
         tw.writer = tier.backend.open_writer(job.shard_on(tier))
         if job.plan is not None:  # lets an object store size its parts from the shard
             tw.writer.size_hint(job.plan.data_bytes, self.host_buffer_bytes)
         tw.emit = self._emitter(job.step, tier.name)
-
-    @staticmethod
-    def _committed_error(tier: Tier, job: SaveJob) -> FileExistsError:
-        return FileExistsError(
-            f"{job.id} is already committed on tier {tier.name!r} "
-            f"({tier.backend.url}); refusing to overwrite it — save under another step or "
-            "delete the old one first (tierckpt gc)"
-        )
-
-    def _refuse_committed(self, tier: Tier, job: SaveJob, tw: _TierWrite, *, wait: bool) -> None:
-        """Raise where the step turned out committed on ``tier`` already (asked aside at the
-        start: :meth:`_tier_start`). ``wait``: for the answer (before the writer publishes);
-        else only an answer that has come."""
-        asked = tw.committed
-        if asked is None or not (wait or asked.done()):
-            return
-        tw.committed = None
-        if asked.result():  # the check's own error (store unreachable) fails the copy too
-            raise self._committed_error(tier, job)
 
     def _tier_chunk(
         self, tier: Tier, job: SaveJob, tw: _TierWrite, state: _ChunkState, loan: Loan
@@ -187,7 +163,6 @@ class _TiersMixin(_RetainMixin, _StallMixin):
             self._append(tier, tw, state.plan, enc.result(), loan)
         # given up during the write: the slot may hold other bytes by now; stop here
         self._check_given_up(tier, job)
-        self._refuse_committed(tier, job, tw, wait=False)
 
     def _append_early(
         self,
@@ -310,9 +285,7 @@ class _TiersMixin(_RetainMixin, _StallMixin):
         if tw.writer.size != size:
             raise FormatError(f"shard size {tw.writer.size} != expected {size}")
         self._check_abandoned(job)
-        # publishing replaces whatever has this name: only where the step is not committed
-        # already and while the location is still ours
-        self._refuse_committed(tier, job, tw, wait=True)
+        # publishing replaces whatever has this name: only while the location is still ours
         self._leases.get(tier, job.rank).verify()
         t0 = time.perf_counter()
         tw.writer.commit()

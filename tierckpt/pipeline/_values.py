@@ -193,9 +193,6 @@ class _TierWrite:
     write_seconds: float = 0.0
     #: this tier's stage reporter for the job; None when nobody listens
     emit: _Emit | None = None
-    #: whether the step is committed on the tier already, asked while the shard uploads
-    #: (None: answered, or asked before the writer opened); known before the writer commits
-    committed: Future[bool] | None = None
 
 
 #: commits one tier's copy; returns None when done, or a Future (from ``Pipeline.defer``) that
