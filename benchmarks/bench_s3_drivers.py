@@ -15,8 +15,10 @@ are in each row's name):
   one streamed GET.
 
 A save of the tier is timed from ``save()`` to its commit (the capture into the arena, the
-upload, the index and the manifest: ``TierResult.seconds``); a raw upload from the call to its
-return (the bytes already in memory). Each case's wall time, this process's CPU time (the
+upload, the index and the manifest: ``TierResult.seconds``); its retention pass, which trails
+the commit, is waited for before the next case starts (its CPU counted with the save's, its
+requests kept out of the next case's time); a raw upload from the call to its return (the
+bytes already in memory). Each case's wall time, this process's CPU time (the
 client's) and SeaweedFS's CPU time over the case (the server's: on a machine with few cores
 each client CPU second slows the server too). Rounds are interleaved (each round runs every
 case once, the order alternating), one warm-up round, then the median of ``--runs``. A case
@@ -26,6 +28,11 @@ and the others go on.
 ``--unsigned``: also raw obstore and the obstore tier sending ``UNSIGNED-PAYLOAD`` (what the
 tier does over TLS, where the body is not hashed for the signature; over this plain-HTTP server
 it signs them, as every raw client here does).
+
+``--capture-twin``: also raw obstore ``put`` (8 MiB x 8) with a capture's client work done
+beside it on a thread: the state's tensors copied into a reused buffer, then the xxh3 of each
+64 MiB piece (tierckpt's chunk checksum). A tier save that is level with this row but slower
+than the bare put loses its time to its capture's CPU, not to its requests.
 
 ``--count-requests``: afterwards each save case runs once more through a counting proxy
 (:class:`tierckpt.testing.faultproxy.FaultProxy`, after a warm-up save so that a tier's first
@@ -47,6 +54,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,12 +63,15 @@ from typing import Any
 import torch
 
 from tierckpt import Checkpointer, S3Tier
+from tierckpt.format import checksum
 from tierckpt.testing.faultproxy import FaultProxy
 from tierckpt.testing.s3servers import REGION, S3Server, start_seaweedfs
 
 MiB = 2**20
 PART = 8 * MiB
 THREADS = 8
+#: the tier's chunk (the checksummed piece of the capture twin)
+CHUNK = 64 * MiB
 #: obstore.put's own defaults (obstore 0.12)
 OBSTORE_PART, OBSTORE_THREADS = 5 * MiB, 12
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -127,9 +138,11 @@ def cases(
     state: dict[str, torch.Tensor],
     endpoint: str | None = None,
     unsigned: bool = False,
+    capture_twin: bool = False,
 ) -> dict[str, Any]:
     """``{"save": {name: fn}, "restore": {name: fn}}``: each fn returns its seconds.
     ``endpoint``: where the clients connect (default the server's; a counting proxy).
+    ``capture_twin``: also the raw put with a capture's copy and checksum beside it.
     ``unsigned``: also obstore and the obstore tier sending unsigned payloads (what the tier
     does over TLS; the server here speaks plain HTTP, where the tier signs them)."""
     endpoint = endpoint or server.endpoint_url
@@ -201,6 +214,27 @@ def cases(
                 unsigned_store, "raw/unsigned", data, chunk_size=PART, max_concurrency=THREADS
             )
         )
+    if capture_twin:
+        arena = torch.empty(size, dtype=torch.uint8)
+
+        def capture_work() -> None:
+            at = 0
+            for t in state.values():
+                n = t.numel() * t.element_size()
+                arena[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
+                at += n
+            for i in range(0, size, CHUNK):
+                checksum(memoryview(arena[i : i + CHUNK].numpy()))  # type: ignore[arg-type]
+
+        def twin() -> None:
+            beside = threading.Thread(target=capture_work)
+            beside.start()
+            try:
+                obstore.put(store, "raw/twin", data, chunk_size=PART, max_concurrency=THREADS)
+            finally:
+                beside.join()
+
+        save["twin: obstore 8 MiB x 8 + copy, xxh3"] = wall(twin)
     save["raw obstore (put 5 MiB x 12)"] = wall(
         lambda: obstore.put(
             store,
@@ -273,7 +307,11 @@ def cases(
         cks[name] = ck
 
         def ck_save(ck: Checkpointer = ck) -> float:
-            return float(ck.save(state, step=next(steps)).result()["s3"].seconds)
+            seconds = float(ck.save(state, step=next(steps)).result()["s3"].seconds)
+            # the retention pass trails the commit (not part of the save's time): let it end
+            # here, inside this case's CPU counts, not inside the next case's window
+            ck.wait(retention=True)
+            return seconds
 
         save[name] = ck_save
         restore[name] = wall(lambda ck=ck: ck.load())
@@ -370,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         help="then count each case's requests once, through a proxy",
     )
     ap.add_argument(
+        "--capture-twin",
+        action="store_true",
+        help="also the raw obstore put with a capture's copy and xxh3 beside it",
+    )
+    ap.add_argument(
         "--unsigned",
         action="store_true",
         help="also obstore and the obstore tier with unsigned payloads (the tier's way over TLS)",
@@ -383,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             bucket = "bench"
             server.admin.create_bucket(Bucket=bucket)
             state = make_state(args.size)
-            c = cases(server, bucket, state, unsigned=args.unsigned)
+            c = cases(server, bucket, state, unsigned=args.unsigned, capture_twin=args.capture_twin)
             if args.only:
                 words = args.only.split(",")
                 for kind in kinds:
