@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,12 +16,39 @@ from tierckpt.demo import scenario as demo
 
 
 @pytest.fixture(scope="module")
-def quick_demo() -> tuple[int, str]:
+def users_auto_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The user's own ``TIERCKPT_AUTO_STATE_DIR`` while the demo runs."""
+    folder = tmp_path_factory.mktemp("users-auto-state")
+    before = os.environ.get("TIERCKPT_AUTO_STATE_DIR")
+    os.environ["TIERCKPT_AUTO_STATE_DIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        if before is None:
+            del os.environ["TIERCKPT_AUTO_STATE_DIR"]
+        else:
+            os.environ["TIERCKPT_AUTO_STATE_DIR"] = before
+
+
+@pytest.fixture(scope="module")
+def quick_demo(users_auto_state: Path) -> tuple[int, str]:
     """One run of ``tierckpt demo --quick`` (exit status, stdout), shared by the tests."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = demo.main(["--quick"])
     return rc, out.getvalue()
+
+
+def test_quick_demo_keeps_auto_state_in_its_own_folder(
+    quick_demo: tuple[int, str], users_auto_state: Path
+) -> None:
+    """``codec="auto"`` remembers its measurements per tier URL; the demo's URL is the same
+    every run while its S3 server is new, so its children keep that state in the demo's own
+    work folder: an earlier demo's state never decides what this one stores, and the user's
+    folder is left alone."""
+    rc, out = quick_demo
+    assert rc == 0, out
+    assert sorted(p.name for p in users_auto_state.rglob("*")) == []
 
 
 def test_quick_demo_is_bit_identical(quick_demo: tuple[int, str]) -> None:

@@ -175,6 +175,10 @@ def _demo(
             "MKL_NUM_THREADS": "1",
             "PYTHONHASHSEED": "0",
             "PYTHONUNBUFFERED": "1",
+            # codec="auto" keeps what it measured per tier URL; the demo's URL is the same
+            # every run but its server is new, so an earlier demo's measurements (or the
+            # user's own folder) must not decide what this one stores
+            "TIERCKPT_AUTO_STATE_DIR": os.path.join(workdir, "auto-state"),
         }
     )
     model = [
