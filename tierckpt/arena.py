@@ -12,7 +12,9 @@ allocator, which rounds every block up to a power of two: a 20 GB arena would pi
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -26,6 +28,12 @@ from tierckpt.config import total_ram as total_ram
 __all__ = ["HostArena", "default_host_buffer_bytes"]
 
 ALIGN = 4096
+#: an arena of at least this many bytes starts on a huge-page boundary and asks the kernel for
+#: transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux): a direct-I/O write pins every
+#: page it writes from (``get_user_pages``), ~3 ms of kernel time per 64 MiB in 4 KiB pages
+#: against ~0.9 ms in 2 MiB pages here, on every checkpoint
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 #: cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinned memory
 _REGISTER_PORTABLE = 1
 
@@ -56,6 +64,22 @@ def _unpin(_memory: torch.Tensor, ptr: int) -> None:
     unregister_host(ptr)  # _memory: kept alive until the registration is gone
 
 
+def _advise_huge(ptr: int, nbytes: int) -> bool:
+    """Ask for transparent huge pages over ``nbytes`` at ``ptr`` (huge-page aligned); False
+    where the call is missing or refused (not Linux, THP off): the arena works the same in
+    small pages, only its direct-I/O writes cost more kernel time."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return int(madvise(ptr, nbytes, _MADV_HUGEPAGE)) == 0
+
+
 def default_host_buffer_bytes() -> int:
     """The default arena budget: 1/8 of physical RAM, at most 32 GiB, at least 256 MiB.
 
@@ -78,10 +102,14 @@ class HostArena:
         want_pin = torch.cuda.is_available() if pin is None else pin
         nbytes = n_slots * slot_bytes
         t0 = time.perf_counter()
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % ALIGN
+        align = HUGE_PAGE if nbytes >= HUGE_PAGE else ALIGN
+        raw = torch.empty(nbytes + align, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % align
         self._raw = raw
         self.buffer = raw[skip : skip + nbytes]
+        #: whether the kernel was asked to back the arena with huge pages (before the first
+        #: touch, so the pre-touch below faults them in as huge pages where it has them)
+        self.huge_pages = align == HUGE_PAGE and _advise_huge(self.buffer.data_ptr(), nbytes)
         self.buffer.fill_(0)  # pre-touch every page now, not during the first checkpoint
         self.pinned = False
         self._unpin: weakref.finalize[Any, Any] | None = None

@@ -65,6 +65,9 @@ class SaveHandle:
         #: forward pass may write (parameters and optimizer state are captured lazily)
         self.eager_bytes = 0
         self._captured = threading.Event()
+        #: set once someone waits for this save (``wait_captured``, ``wait``): its capture
+        #: then leaves each chunk's checksum until after the copy, as training waits for it
+        self.capture_awaited = threading.Event()
         self._capture_error: BaseException | None = None
         self._tier_events = {t: threading.Event() for t in tiers}
         self._results: dict[str, TierResult] = {}
@@ -118,6 +121,7 @@ class SaveHandle:
         return self._captured.is_set()
 
     def wait_captured(self, timeout: float | None = None) -> None:
+        self.capture_awaited.set()
         if not self._captured.wait(timeout):
             raise TimeoutError(f"step {self.step}: capture not finished after {timeout} s")
         if self._capture_error is not None:
@@ -154,6 +158,7 @@ class SaveHandle:
                 "still flushing, so nothing of it was written (check h.skipped, or use "
                 "on_busy='block' to wait for arena space instead)"
             )
+        self.capture_awaited.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -18,7 +18,7 @@ import torch
 from tierckpt import devices
 from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
-from tierckpt.capture import SPLIT_MIN_BYTES, compress_chunk, copy_chunk
+from tierckpt.capture import SPLIT_MIN_BYTES, ChunkHash, compress_chunk, copy_chunk
 from tierckpt.codecs import Codec, SupportsProfile
 from tierckpt.codecs.adaptive import AdaptiveCodec
 from tierckpt.codecs.nvcomp import NvcompCodec
@@ -158,6 +158,7 @@ class _CaptureMixin(_StallMixin):
                 # and only the compressed bytes cross PCIe
                 dev_codec = _device_codec(codecs, chunk.dtype, device)
                 on_device: tuple[int, Any] | None = None
+                hasher: ChunkHash | None = None
                 try:
                     t1 = time.perf_counter() if emit else 0.0
                     slot_t = a.slot(slot)
@@ -168,8 +169,9 @@ class _CaptureMixin(_StallMixin):
                     if on_device is not None:
                         event = on_device[1]
                     else:
+                        hasher = _fused_hash(job, codecs, chunk.dtype, bool(cuda))
                         event = copy_chunk(
-                            plan, chunk, slot_t, self._streams, job.ready_events, team
+                            plan, chunk, slot_t, self._streams, job.ready_events, team, hasher
                         )
                 except BaseException:
                     a.release(slot)
@@ -191,8 +193,9 @@ class _CaptureMixin(_StallMixin):
                                 _stored, stored, event, config, emit, device
                             )
                             continue
+                        digest = hasher.digest if hasher is not None else None
                         state.encoded[codec] = self._pool.submit(
-                            _encode, codec, chunk.dtype, view, event, emit, device, gate
+                            _encode, codec, chunk.dtype, view, event, emit, device, gate, digest
                         )
                     if takers:
                         self._held_chunks.append(state)
@@ -235,7 +238,11 @@ def _encode(
     emit: _Emit | None = None,
     device: torch.device | None = None,
     gate: threading.Event | None = None,
+    digest: str | None = None,
 ) -> Encoded:
+    """The chunk at ``view`` as ``tier_codec`` stores it, with its checksum; ``digest``: the
+    raw bytes' checksum, already taken as they were copied (:class:`ChunkHash`), used when
+    the codec stores them raw."""
     if gate is not None:
         gate.wait()  # set when the capture ends (always: also when it fails)
     devices.use_device(device)  # an encoder thread works on the chunk's device
@@ -247,6 +254,8 @@ def _encode(
     data: BytesLike
     if codec.is_passthrough:
         data, config = view, codec.get_config()
+        if digest is not None:
+            return Encoded(data, digest, config)
     else:
         t0 = time.perf_counter() if emit else 0.0
         out = codec.encode(view)
@@ -270,6 +279,20 @@ def _opens_at_exit(gate: threading.Event) -> Iterator[None]:
         yield
     finally:
         gate.set()
+
+
+def _fused_hash(job: SaveJob, codecs: set[Codec], dtype: str, cuda: bool) -> ChunkHash | None:
+    """A hasher for a host chunk copied while nobody waits for the capture (a lazy capture:
+    training computes meanwhile), when every codec stores its bytes raw: hashing each block
+    right after it is copied saves reading the chunk back from memory for its checksum.
+    None when someone waits (a blocking save): the copy alone is on the path training waits
+    for, and checksums come after it, as before."""
+    if cuda or job.handle.capture_awaited.is_set():
+        return None
+    for codec in codecs:
+        if isinstance(codec, SupportsProfile) or not codec.for_dtype(dtype).is_passthrough:
+            return None
+    return ChunkHash(job.handle.capture_awaited)
 
 
 def _has_big_chunk(plan: ShardLayout) -> bool:
