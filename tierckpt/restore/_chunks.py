@@ -54,6 +54,8 @@ class ChunkReader:
         repop: Repopulation,
         fetch_pool: ThreadPoolExecutor | None,
         on_fetch_start: Callable[[], None] | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
     ) -> None:
         self.backend = backend
         self.file = file
@@ -64,7 +66,11 @@ class ChunkReader:
         self.spans = spans
         self.offsets = span_offsets
         self.repop = repop
-        self.layout = SpanLayout(span_offsets, [sp.numel() for sp in spans])
+        #: ``sizes``: the storages' sizes where ``spans`` is filled in while the first chunk
+        #: is read (``read_shard`` allocates the rest meanwhile)
+        self.layout = SpanLayout(
+            span_offsets, list(sizes) if sizes is not None else [sp.numel() for sp in spans]
+        )
         #: a local file is read straight into the storages (one preadv per chunk); from a
         #: remote store one ranged read per chunk beats one per tensor, so its bytes land in
         #: a buffer
