@@ -16,7 +16,7 @@ from tierckpt.codecs import Codec, SupportsProgressiveDecode, codec_from_config
 from tierckpt.errors import FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
-from tierckpt.restore._fetch import PIECE_BYTES, FetchStarts
+from tierckpt.restore._fetch import PIECE_BYTES, FetchStarts, warm
 from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
@@ -59,21 +59,24 @@ def read_shard(
     t0 = time.perf_counter()
     ref = manifest.shard_for(rank)
     where = f"tier {tier!r} {backend.url}/{ref.file}"
-    index, index_blob, footer_blob = read_index(backend, ref, tier)
-    codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
-    data_bytes = int(index["data_bytes"])
-    if data_bytes > total_ram():
-        raise FormatError(
-            f"{where}: declares {data_bytes} bytes of tensor data, more than this machine's "
-            "memory; refusing to allocate it"
-        )
-    chunks: list[ChunkRecord] = index["chunks"]
-    for ci, rec in enumerate(chunks):
-        if codecs[rec.codec].is_passthrough and rec.stored_size != rec.raw_size:
-            raise FormatError(
-                f"{where}: raw chunk {ci} stores {rec.stored_size} bytes "
-                f"but declares {rec.raw_size}"
-            )
+    # compressed chunks are fetched in pieces on their own pool while the reader threads
+    # decode, and raw chunks from a remote store in segments straight into their storages (a
+    # fetch never waits on a reader, so the two pools cannot deadlock). From a remote store
+    # its threads are started while the index is read (each start waits for its thread to
+    # run: a few ms on a busy host, else paid before the first GETs)
+    fetch_pool = _fetch_pool(pool) if backend.is_remote else None
+    if fetch_pool is not None:
+        warm(fetch_pool, 2 * _workers(pool))
+    try:
+        index, index_blob, footer_blob = read_index(backend, ref, tier)
+        codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
+        data_bytes, chunks = _check_sizes(index, codecs, where)
+    except BaseException:
+        if fetch_pool is not None:
+            fetch_pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    if fetch_pool is None and any(isinstance(c, SupportsProgressiveDecode) for c in codecs):
+        fetch_pool = _fetch_pool(pool)
     sizes = [int(n) for _off, n in index["storages"]]
     span_offsets = [int(s[0]) for s in index["storages"]]
     # the storages the first chunk fills (and the next chunk's bytes in the part it ends in,
@@ -84,14 +87,6 @@ def read_shard(
     first_hi = chunks[0].logical_offset + chunks[0].raw_size + PIECE_BYTES if chunks else 0
     _allocate(spans, sizes, span_offsets, lambda off: off < first_hi)
     repop = Repopulation(repopulate, ref.file)
-    # compressed chunks are fetched in pieces on their own pool while the reader threads
-    # decode, and raw chunks from a remote store in segments straight into their storages (a
-    # fetch never waits on a reader, so the two pools cannot deadlock)
-    fetch_pool = (
-        ThreadPoolExecutor(2 * _workers(pool), thread_name_prefix="tierckpt-fetch")
-        if backend.is_remote or any(isinstance(c, SupportsProgressiveDecode) for c in codecs)
-        else None
-    )
     starts = FetchStarts(_workers(fetch_pool)) if fetch_pool is not None else None
     reader = ChunkReader(
         backend,
@@ -196,6 +191,31 @@ def finish_shard(
         read_seconds,
         compressed,
     )
+
+
+def _fetch_pool(pool: ThreadPoolExecutor) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(2 * _workers(pool), thread_name_prefix="tierckpt-fetch")
+
+
+def _check_sizes(
+    index: dict[str, Any], codecs: Sequence[Codec], where: str
+) -> tuple[int, list[ChunkRecord]]:
+    """The index's data bytes (refused beyond this machine's memory) and chunks (a raw one
+    must store what it declares)."""
+    data_bytes = int(index["data_bytes"])
+    if data_bytes > total_ram():
+        raise FormatError(
+            f"{where}: declares {data_bytes} bytes of tensor data, more than this machine's "
+            "memory; refusing to allocate it"
+        )
+    chunks: list[ChunkRecord] = index["chunks"]
+    for ci, rec in enumerate(chunks):
+        if codecs[rec.codec].is_passthrough and rec.stored_size != rec.raw_size:
+            raise FormatError(
+                f"{where}: raw chunk {ci} stores {rec.stored_size} bytes "
+                f"but declares {rec.raw_size}"
+            )
+    return data_bytes, chunks
 
 
 #: a placeholder of a storage not allocated yet (never read: see ``read_shard``)
