@@ -71,37 +71,37 @@ def read_shard(
         index, index_blob, footer_blob = read_index(backend, ref, tier)
         codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
         data_bytes, chunks = _check_sizes(index, codecs, where)
+        if fetch_pool is None and any(isinstance(c, SupportsProgressiveDecode) for c in codecs):
+            fetch_pool = _fetch_pool(pool)
+        sizes = [int(n) for _off, n in index["storages"]]
+        span_offsets = [int(s[0]) for s in index["storages"]]
+        # the storages the first chunk fills (and the next chunk's bytes in the part it ends in,
+        # which its fetch may read together with its own: ``_scatter.Boundaries``) are allocated
+        # first, the rest once that chunk's requests are on their way: a state of a thousand
+        # tensors takes a few ms to allocate, which the first GETs need not wait for
+        spans: list[torch.Tensor] = [_NONE] * len(sizes)
+        first_hi = chunks[0].logical_offset + chunks[0].raw_size + PIECE_BYTES if chunks else 0
+        _allocate(spans, sizes, span_offsets, lambda off: off < first_hi)
+        repop = Repopulation(repopulate, ref.file)
+        starts = FetchStarts(_workers(fetch_pool)) if fetch_pool is not None else None
+        reader = ChunkReader(
+            backend,
+            ref.file,
+            tier,
+            where,
+            codecs,
+            chunks,
+            spans,
+            span_offsets,
+            repop,
+            fetch_pool,
+            starts.tick if starts is not None else None,
+            sizes=sizes,
+        )
     except BaseException:
         if fetch_pool is not None:
             fetch_pool.shutdown(wait=True, cancel_futures=True)
         raise
-    if fetch_pool is None and any(isinstance(c, SupportsProgressiveDecode) for c in codecs):
-        fetch_pool = _fetch_pool(pool)
-    sizes = [int(n) for _off, n in index["storages"]]
-    span_offsets = [int(s[0]) for s in index["storages"]]
-    # the storages the first chunk fills (and the next chunk's bytes in the part it ends in,
-    # which its fetch may read together with its own: ``_scatter.Boundaries``) are allocated
-    # first, the rest once that chunk's requests are on their way: a state of a thousand
-    # tensors takes a few ms to allocate, which the first GETs need not wait for
-    spans: list[torch.Tensor] = [_NONE] * len(sizes)
-    first_hi = chunks[0].logical_offset + chunks[0].raw_size + PIECE_BYTES if chunks else 0
-    _allocate(spans, sizes, span_offsets, lambda off: off < first_hi)
-    repop = Repopulation(repopulate, ref.file)
-    starts = FetchStarts(_workers(fetch_pool)) if fetch_pool is not None else None
-    reader = ChunkReader(
-        backend,
-        ref.file,
-        tier,
-        where,
-        codecs,
-        chunks,
-        spans,
-        span_offsets,
-        repop,
-        fetch_pool,
-        starts.tick if starts is not None else None,
-        sizes=sizes,
-    )
     # every chunk is submitted first (the first before the other storages are allocated);
     # once the first requests are out (this thread's Python would hold the GIL they need to
     # be sent), the tensors (views of the storages) and the tree are built on this thread
