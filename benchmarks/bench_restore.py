@@ -563,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 "runs_s": times[n],
                 "peak_rss_growth_mib": max(rss[n]),
                 "cpu_s": statistics.median(cpu[n]),
+                "cpu_runs_s": cpu[n],  # per round, in order (pairs with runs_s)
                 "setup_s": statistics.median(setup[n]),
                 "requests": sent.get(n, {}),
             }

@@ -12,32 +12,6 @@ threads waiting.
 
 from __future__ import annotations
 
-import _thread
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from tierckpt.restore._fetch import warm
 
 __all__ = ["warm"]
-
-
-def warm(pool: ThreadPoolExecutor, threads: int) -> None:
-    """Start up to ``threads`` of ``pool``'s threads in the background; returns at once.
-
-    Each started thread holds a placeholder task until all are started (a thread that
-    finished its task early would be reused by the next submit instead of a new one being
-    started); the placeholders then end and the threads wait idle for the load's reads. A
-    pool shut down meanwhile is left alone."""
-    if threads <= 0:
-        return
-    # not threading.Thread: its start() would make the caller wait for the starter to run
-    _thread.start_new_thread(_start_threads, (pool, threads))
-
-
-def _start_threads(pool: ThreadPoolExecutor, threads: int) -> None:
-    release = threading.Event()
-    try:
-        for _ in range(threads):
-            pool.submit(release.wait)
-    except RuntimeError:
-        pass  # the pool was shut down (the Checkpointer closed): nothing to warm
-    finally:
-        release.set()

@@ -28,11 +28,11 @@ import torch
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, SupportsProgressiveDecode
 from tierckpt.format import ChunkRecord
-from tierckpt.restore._fetch import PIECE_BYTES, StreamedFetch
+from tierckpt.restore._fetch import PIECE_BYTES, StreamedFetch, _started
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers, decode_chunk, span_view
 from tierckpt.restore._prefault import prefault
 from tierckpt.restore._repopulate import Repopulation
-from tierckpt.restore._scatter import ScatterFetch
+from tierckpt.restore._scatter import Boundaries, Joint, ScatterFetch
 from tierckpt.verify import corrupt_chunk, read_verified, read_verified_pieces
 
 __all__ = ["ChunkReader"]
@@ -54,6 +54,8 @@ class ChunkReader:
         repop: Repopulation,
         fetch_pool: ThreadPoolExecutor | None,
         on_fetch_start: Callable[[], None] | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
     ) -> None:
         self.backend = backend
         self.file = file
@@ -64,7 +66,11 @@ class ChunkReader:
         self.spans = spans
         self.offsets = span_offsets
         self.repop = repop
-        self.layout = SpanLayout(span_offsets, [sp.numel() for sp in spans])
+        #: ``sizes``: the storages' sizes where ``spans`` is filled in while the first chunk
+        #: is read (``read_shard`` allocates the rest meanwhile)
+        self.layout = SpanLayout(
+            span_offsets, list(sizes) if sizes is not None else [sp.numel() for sp in spans]
+        )
         #: a local file is read straight into the storages (one preadv per chunk); from a
         #: remote store one ranged read per chunk beats one per tensor, so its bytes land in
         #: a buffer
@@ -83,6 +89,64 @@ class ChunkReader:
         # thread)
         self.scratch = ThreadBuffers()
         self._views: list[memoryview | None] = [None] * len(spans)
+        #: from a remote store with a cheap scatter read, the part around a boundary of two
+        #: raw chunks is one GET for both (see ``Boundaries``)
+        self.share = (
+            backend.is_remote
+            and self.cheap_scatter
+            and fetch_pool is not None
+            and self.layout.tiled
+        )
+        self.boundaries = Boundaries()
+
+    def _shared_part(self, ci: int) -> int | None:
+        """The file offset of the part that holds both chunk ``ci``'s end and chunk
+        ``ci + 1``'s start (and any padding between them), fetched by one GET; None where
+        each reads its own share. Only where the part is the last segment of one and the
+        first of the other (never a part shared three ways)."""
+        if not self.share or not 0 <= ci < len(self.chunks) - 1:
+            return None
+        a, b = self.chunks[ci], self.chunks[ci + 1]
+        end = a.file_offset + a.stored_size
+        part = b.file_offset - b.file_offset % PIECE_BYTES  # the part the next one starts in
+        if (
+            not self.codecs[a.codec].is_passthrough
+            or not self.codecs[b.codec].is_passthrough
+            or not a.file_offset <= part < end <= b.file_offset
+            or part + PIECE_BYTES > b.file_offset + b.stored_size
+        ):
+            return None
+        return part
+
+    def _file_views(self, ci: int, lo: int, hi: int) -> list[memoryview]:
+        """Where file bytes ``lo..hi`` of raw chunk ``ci`` land: the storages' memory, or a
+        fresh buffer for gap bytes (not this thread's: the other chunk's reader hashes it)."""
+        rec = self.chunks[ci]
+        d = rec.logical_offset - rec.file_offset
+        parts = self.layout.parts(lo + d, hi + d)
+        assert parts is not None  # tiled: see ``share``
+        return [
+            self._dest(si, a, b) if si >= 0 else memoryview(bytearray(b - a)) for si, a, b in parts
+        ]
+
+    def _joint(self, ci: int, part: int) -> Joint:
+        """The joint part of chunks ``ci`` and ``ci + 1`` at file offset ``part``, submitted
+        by whichever of their readers asks first."""
+        a, b = self.chunks[ci], self.chunks[ci + 1]
+        end = a.file_offset + a.stored_size
+        pool = self.fetch_pool
+        assert pool is not None
+
+        def make() -> Joint:
+            left = self._file_views(ci, part, end)
+            right = self._file_views(ci + 1, b.file_offset, part + PIECE_BYTES)
+            # the padding between the two chunks: read with them, checked by neither, dropped
+            pad = [memoryview(bytearray(b.file_offset - end))] if b.file_offset > end else []
+            read = _started(self.on_fetch_start, self.backend.read_into_pieces)
+            future = pool.submit(read, self.file, part, [*left, *pad, *right])
+            return Joint(part, left, right, future)
+
+        return self.boundaries.claim(part, make)
 
     def _prefault(self, parts: list[tuple[int, int, int]]) -> None:
         """Map the storages' pages these parts fill in bulk (see ``_prefault``)."""
@@ -159,6 +223,21 @@ class ChunkReader:
         for gap bytes and (from a remote store) runs of small tensors, copied out once the
         chunk's checksum matched."""
         assert self.fetch_pool is not None
+        lo, hi = rec.file_offset, rec.file_offset + rec.stored_size
+        head = tail = None
+        head_part, tail_part = self._shared_part(ci - 1), self._shared_part(ci)
+        if head_part is not None:  # its first bytes come with the end of the chunk before
+            j = self._joint(ci - 1, head_part)
+            head, lo = (j.future, j.right), head_part + PIECE_BYTES
+        if tail_part is not None:  # its last bytes with the start of the next chunk
+            j = self._joint(ci, tail_part)
+            tail, hi = (j.future, j.left), tail_part
+        whole = parts
+        if head is not None or tail is not None:
+            d = rec.logical_offset - rec.file_offset
+            mid = self.layout.parts(lo + d, hi + d)
+            assert mid is not None
+            parts = mid
         pieces: list[memoryview] = []
         copies: list[tuple[int, int, int, int]] = []  # (span, start, end, at in the buffer)
         # where each piece would be a request of its own, the chunk goes through the buffer
@@ -182,13 +261,15 @@ class ChunkReader:
         fetch = ScatterFetch(
             self.backend,
             self.file,
-            rec.file_offset,
+            lo,
             pieces,
             self.fetch_pool,
             PIECE_BYTES,
             self.on_fetch_start,
+            head=head,
+            tail=tail,
         )
-        self._prefault(parts)  # while the first segments are fetched (never overwrites them)
+        self._prefault(whole)  # while the first segments are fetched (never overwrites them)
         try:
             digest = fetch.finish()
         finally:
@@ -198,7 +279,7 @@ class ChunkReader:
         for si, a, b, at in copies:
             self._dest(si, a, b)[:] = buf[at : at + b - a]
         pos = rec.file_offset
-        for v in pieces:
+        for v in [*(head[1] if head else ()), *pieces, *(tail[1] if tail else ())]:
             self.repop.write(pos, v)
             pos += len(v)
 

@@ -17,6 +17,7 @@ verifying cannot do more harm than a corrupt chunk found afterwards.
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -26,11 +27,38 @@ import xxhash
 
 from tierckpt.backends.base import Backend
 
-__all__ = ["PIECE_BYTES", "FetchStarts", "StreamedFetch"]
+__all__ = ["PIECE_BYTES", "FetchStarts", "StreamedFetch", "warm"]
 
 #: bytes per ranged read of a streamed chunk: one S3 part (the backends' default part size),
 #: small enough that a 64 MiB chunk's first segments decode while the rest downloads
 PIECE_BYTES = 8 << 20
+
+
+def warm(pool: ThreadPoolExecutor, threads: int) -> None:
+    """Start up to ``threads`` of ``pool``'s threads in the background; returns at once.
+
+    A :class:`~concurrent.futures.ThreadPoolExecutor` starts a thread at a ``submit`` that
+    finds none idle, and ``Thread.start`` waits until the new thread runs: on a busy host a
+    few ms per thread, paid by the submit (the load's reader pool while the ranks agree on a
+    step; a remote load's fetch pool while its index is read). Each started thread holds a
+    placeholder task until all are started (a thread that finished its task early would be
+    reused by the next submit instead of a new one being started); the placeholders then end
+    and the threads wait idle. A pool shut down meanwhile is left alone."""
+    if threads <= 0:
+        return
+    # not threading.Thread: its start() would make the caller wait for the starter to run
+    _thread.start_new_thread(_start_threads, (pool, threads))
+
+
+def _start_threads(pool: ThreadPoolExecutor, threads: int) -> None:
+    release = threading.Event()
+    try:
+        for _ in range(threads):
+            pool.submit(release.wait)
+    except RuntimeError:
+        pass  # the pool was shut down (the Checkpointer closed): nothing to warm
+    finally:
+        release.set()
 
 
 class FetchStarts:

@@ -24,13 +24,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import xxhash
 
 from tierckpt.backends.base import Backend
 from tierckpt.restore._fetch import _started
 
-__all__ = ["ScatterFetch", "segments"]
+__all__ = ["Boundaries", "Joint", "ScatterFetch", "segments"]
 
 
 def segments(
@@ -64,6 +65,44 @@ def segments(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Joint:
+    """One part that holds the end of a chunk and the start of the next, fetched once: its
+    ranged GET fills ``left`` (the earlier chunk's pieces) and then ``right`` (the later
+    chunk's); each chunk folds its own pieces into its own checksum."""
+
+    offset: int  # file offset of the part
+    left: list[memoryview]
+    right: list[memoryview]
+    future: Future[None]
+
+
+class Boundaries:
+    """The parts two neighbouring raw chunks share, each fetched by one ranged GET.
+
+    A chunk's file range seldom starts at a multiple of the part size (the file's header, the
+    chunks before it), so reading each chunk's own bytes splits the part at every chunk
+    boundary into two GETs (a 256 MiB file of 4 chunks: 35 data GETs for 32 parts; each GET
+    costs the store a request and a part read). Here whichever of the two chunks' readers
+    comes first builds the views of both sides and submits one GET (:meth:`claim`); the other
+    picks it up. The views are memory of the load's storages, or fresh buffers for the gap
+    bytes no storage holds (never a reader thread's buffer: the other chunk's reader reuses
+    its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._joints: dict[int, Joint] = {}
+
+    def claim(self, part: int, make: Callable[[], Joint]) -> Joint:
+        """The joint part at file offset ``part``: made (and submitted) by ``make``
+        at the first call, handed over (and forgotten) at the second."""
+        with self._lock:
+            got = self._joints.pop(part, None)
+            if got is None:
+                got = self._joints[part] = make()
+            return got
+
+
 class ScatterFetch:
     """Fetch ``pieces`` (the stored bytes at ``offset`` of ``file``, in order) as segments of
     at most ``step`` bytes on ``pool``.
@@ -83,6 +122,9 @@ class ScatterFetch:
         pool: ThreadPoolExecutor,
         step: int,
         on_start: Callable[[], None] | None = None,
+        *,
+        head: tuple[Future[None], list[memoryview]] | None = None,
+        tail: tuple[Future[None], list[memoryview]] | None = None,
     ) -> None:
         self._segments = segments(pieces, offset, max(1, step))
         self._lock = threading.Lock()
@@ -90,12 +132,20 @@ class ScatterFetch:
         self._futures: list[Future[None]] = [
             pool.submit(read, file, off, views) for off, views in self._segments
         ]
+        #: this chunk's share of the joint parts (``head``: before its own segments, ``tail``:
+        #: after), whose GET it waits for and never cancels: the neighbour needs it too
+        self._shared = [x for x in (head, tail) if x is not None]
+        self._order: list[tuple[Future[None], list[memoryview]]] = [
+            *([head] if head is not None else []),
+            *((f, v) for f, (_o, v) in zip(self._futures, self._segments, strict=True)),
+            *([tail] if tail is not None else []),
+        ]
 
     def finish(self) -> str:
         """Wait for every segment; the checksum of all of them, in file order."""
         h = xxhash.xxh3_64()  # the same digest as format.checksum over the joined bytes
         with self._lock:
-            for f, (_off, views) in zip(self._futures, self._segments, strict=True):
+            for f, views in self._order:
                 f.result()
                 for v in views:
                     h.update(v)
@@ -105,6 +155,6 @@ class ScatterFetch:
         """Stop: cancel the segments not started, wait for the running ones (errors dropped)."""
         for f in self._futures:
             f.cancel()
-        for f in self._futures:
+        for f in [*self._futures, *(sf for sf, _v in self._shared)]:
             if not f.cancelled():
                 f.exception()
