@@ -187,7 +187,7 @@ def collect_state(state: Any) -> CollectedState:
 
     def on_tensor(t: torch.Tensor, path: object) -> int:
         tensors.append(_check_tensor(t, path))
-        if t.device.type != "cpu":
+        if not t.is_cpu:  # is_cpu: a flag; t.device builds a device object per tensor
             devices.add(str(t.device))
         if isinstance(t, torch.nn.Parameter):
             parameters.append(2 * (len(tensors) - 1) + bool(t.requires_grad))

@@ -59,6 +59,8 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
         if depth > max_depth:
             raise UnsupportedObject(f"state nested deeper than {max_depth} at {_path_str(path)}")
         t = type(x)
+        if t is dict or t is OrderedDict:
+            return enc_dict(x, t, path, depth)
         if x is None or t is bool:
             return x
         if t is str:
@@ -90,18 +92,6 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
             return [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]
         if t is tuple:
             return {"$tuple": [enc(v, (*path, i), depth + 1) for i, v in enumerate(x)]}
-        if t is dict or t is OrderedDict:
-            meta = None
-            if t is OrderedDict:
-                ordinal, odicts = odicts, odicts + 1
-                meta = _odict_metadata(x, path)
-            items = [
-                [enc(k, (*path, f"<key {k!r}>"), depth + 1), enc(v, (*path, k), depth + 1)]
-                for k, v in x.items()
-            ]
-            if meta is not None:
-                pending.append((ordinal, meta, (*path, "<_metadata>")))
-            return {"$odict" if t is OrderedDict else "$dict": items}
         if t is bytes:
             size += 4 * ((len(x) + 2) // 3)
             return {"$bytes": base64.b64encode(x).decode("ascii")}
@@ -128,6 +118,30 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
             ".tolist() or str()) before saving"
         )
 
+    def enc_dict(x: Any, t: type, path: tuple[object, ...], depth: int) -> JSON:
+        nonlocal nodes, size, odicts
+        meta = None
+        if t is OrderedDict:
+            ordinal, odicts = odicts, odicts + 1
+            meta = _odict_metadata(x, path)
+        items: list[JSON] = []
+        inner = depth + 1
+        # a str key within the limits is encoded inline (the common case: every key of a
+        # state_dict); anything else, or a key at a limit, goes through enc, which refuses
+        # with the key's path as it always did
+        fast_keys = inner <= max_depth
+        for k, v in x.items():
+            if fast_keys and type(k) is str and nodes < max_nodes:
+                nodes += 1
+                size += len(encode_basestring_ascii(k))
+                key: JSON = k
+            else:
+                key = enc(k, (*path, _KeyOf(k)), inner)
+            items.append([key, enc(v, (*path, k), inner)])
+        if meta is not None:
+            pending.append((ordinal, meta, (*path, "<_metadata>")))
+        return {"$odict" if t is OrderedDict else "$dict": items}
+
     def side_value(meta: object, path: tuple[object, ...]) -> JSON:
         # decoded as a side table of its own, at depth 1: encoded the same way
         nonlocal in_side, size
@@ -151,6 +165,19 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
             "bytes or sequences as tensors (torch.frombuffer(...), torch.tensor(...))"
         )
     return tree
+
+
+class _KeyOf:
+    """The key-path part that stands for a dict key itself (shown as ``['<key 'k'>']``),
+    formatted only if a message shows it: a save walks every key of the state."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: object) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return repr(f"<key {self.key!r}>")
 
 
 def _odict_metadata(x: OrderedDict[Any, Any], path: tuple[object, ...]) -> object | None:
