@@ -57,9 +57,7 @@ def test_checksums_wait_until_every_chunk_is_copied(
     with Checkpointer([LocalTier(tmp_path)], chunk_bytes=64 << 10, host_buffer_bytes=4 << 20) as ck:
         order = _Order()
         ck._get_pipeline().subscribe(order)
-        h = ck.save(state, step=1)
-        h.wait_captured()  # checksums after the copy (h.wait() alone hashes while copying)
-        h.wait()
+        ck.save(state, step=1).wait()
         captures = [i for i, s in enumerate(order.stages) if s == "capture"]
         checksums = [i for i, s in enumerate(order.stages) if s == "checksum"]
         assert len(captures) == 12 and len(checksums) == 12
@@ -79,9 +77,7 @@ def test_a_save_bigger_than_the_arena_starts_its_checksums_before_its_copy_ends(
     ) as ck:
         order = _Order()
         ck._get_pipeline().subscribe(order)
-        h = ck.save(state, step=1)
-        h.wait_captured(60)  # checksums after the copy (h.wait() alone hashes while copying)
-        h.wait(timeout=60)
+        ck.save(state, step=1).wait(timeout=60)
         assert ck._pipeline.arena.n_slots == 4  # type: ignore[union-attr]
         captures = [i for i, s in enumerate(order.stages) if s == "capture"]
         checksums = [i for i, s in enumerate(order.stages) if s == "checksum"]
