@@ -65,10 +65,8 @@ class SaveHandle:
         #: forward pass may write (parameters and optimizer state are captured lazily)
         self.eager_bytes = 0
         self._captured = threading.Event()
-        #: set once someone waits for this save's capture alone (``wait_captured``, a blocking
-        #: save): its capture then leaves each chunk's checksum until after the copy, as
-        #: training waits for the copy only. ``wait()`` does not set it: the commit it waits
-        #: for needs every checksum anyway, and hashing as it copies reads nothing back
+        #: set once someone waits for this save (``wait_captured``, ``wait``): its capture
+        #: then leaves each chunk's checksum until after the copy, as training waits for it
         self.capture_awaited = threading.Event()
         self._capture_error: BaseException | None = None
         self._tier_events = {t: threading.Event() for t in tiers}
@@ -160,8 +158,7 @@ class SaveHandle:
                 "still flushing, so nothing of it was written (check h.skipped, or use "
                 "on_busy='block' to wait for arena space instead)"
             )
-        # no capture_awaited here: who waits for durability waits for every chunk's checksum
-        # too, so the capture may take them as it copies (less CPU: no read-back)
+        self.capture_awaited.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

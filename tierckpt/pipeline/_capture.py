@@ -282,12 +282,11 @@ def _opens_at_exit(gate: threading.Event) -> Iterator[None]:
 
 
 def _fused_hash(job: SaveJob, codecs: set[Codec], dtype: str, cuda: bool) -> ChunkHash | None:
-    """A hasher for a host chunk copied while nobody waits for the capture alone (a lazy
-    capture: training computes meanwhile; or a save waited for to its commit with ``wait()``,
-    which needs every checksum anyway), when every codec stores its bytes raw: hashing each
-    block right after it is copied saves reading the chunk back from memory for its checksum.
-    None when someone waits for the capture (``wait_captured()``, a blocking save): the copy
-    alone is on the path training waits for, and checksums come after it, as before."""
+    """A hasher for a host chunk copied while nobody waits for the capture (a lazy capture:
+    training computes meanwhile), when every codec stores its bytes raw: hashing each block
+    right after it is copied saves reading the chunk back from memory for its checksum.
+    None when someone waits (a blocking save): the copy alone is on the path training waits
+    for, and checksums come after it, as before."""
     if cuda or job.handle.capture_awaited.is_set():
         return None
     for codec in codecs:
