@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -30,11 +29,11 @@ from tierckpt.format import (
     ShardRef,
     align_up,
     checksum,
+    encode_index,
     manifest_name,
 )
 from tierckpt.handle import TierResult
 from tierckpt.pipeline._capture import _encode
-from tierckpt.pipeline._indextext import IndexText
 from tierckpt.pipeline._lend import Countdown, Loan, abort_quietly, early_view
 from tierckpt.pipeline._retain import _RetainMixin
 from tierckpt.pipeline._stall import _StallMixin
@@ -45,15 +44,6 @@ from tierckpt.verify import read_verified
 
 log = logging.getLogger("tierckpt")
 _ZEROS = bytes(4096)
-#: each tier thread's IndexText (the texts of its last index: values only, never a tensor)
-_THREAD = threading.local()
-
-
-def _index_text() -> IndexText:
-    it: IndexText | None = getattr(_THREAD, "index_text", None)
-    if it is None:
-        it = _THREAD.index_text = IndexText()
-    return it
 
 
 class _TiersMixin(_RetainMixin, _StallMixin):
@@ -283,7 +273,7 @@ class _TiersMixin(_RetainMixin, _StallMixin):
             "chunks": tw.records,
             **job.laid_out.index_skeleton(),
         }
-        blob = _index_text().encode(index)
+        blob = encode_index(index)
         index_offset = tw.offset
         t0 = time.perf_counter() if tw.emit else 0.0
         tw.writer.write(index_offset, blob)
