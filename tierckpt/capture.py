@@ -297,8 +297,8 @@ def _hash_block(block: Sequence[_Copy], hasher: ChunkHash, copy: bool) -> None:
         if length <= 0:
             continue
         addr = _source_addr(src, offset, length)
-        if hasher.on:
-            hasher.update(memoryview((ctypes.c_char * length).from_address(addr)))
+        if hasher.on:  # (the span is a uint8 host tensor: its numpy view shares its bytes)
+            hasher.update(memoryview(src.numpy())[offset : offset + length])  # type: ignore[arg-type]
         if copy:
             _copy_bytes(dst_addr, addr, length)
 
