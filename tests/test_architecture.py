@@ -232,6 +232,7 @@ LAYERS: dict[str, int] = {
             "jsonbound",
             "devices",
             "_libc",
+            "_native",
         ],
         0,
     ),

@@ -57,6 +57,15 @@ KNOBS: tuple[Knob, ...] = (
         "writer is made, not in the first save",
     ),
     Knob(
+        "",
+        "TIERCKPT_NATIVE_COPY, CC",
+        "on (x86-64 with a C compiler), cc",
+        "bool, command",
+        "copy host state into the arena with streaming (non-temporal) stores, from a small C "
+        "helper compiled once with $CC (else cc) into $XDG_CACHE_HOME/tierckpt/native (else "
+        "~/.cache/tierckpt/native); off, or without a compiler: libc memmove",
+    ),
+    Knob(
         "Checkpointer / TierWriter(chunk_bytes=)",
         "TIERCKPT_CHUNK_BYTES",
         "64 MiB",

@@ -4,9 +4,10 @@ On CUDA the copies run on a dedicated side stream that first waits for an event 
 the training stream at ``save()`` time, so they are ordered after the work already queued and
 overlap the next forward/backward pass. Chunks made of many small tensors are first gathered
 into a reusable device staging buffer of one chunk (one kernel), then copied to the pinned
-slot in one transfer. On CPU the capture thread copies host bytes itself with ``memmove``
-(:func:`host_copy`): no tensor views per piece, no OpenMP team of its own competing with the
-training thread's, and the GIL held only for small pieces.
+slot in one transfer. On CPU the capture thread copies host bytes itself (:func:`host_copy`),
+with streaming stores where :mod:`tierckpt._native` could build them, else ``memmove``: no
+tensor views per piece, no OpenMP team of its own competing with the training thread's, and
+the GIL held only for small pieces.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
+from tierckpt import _native
 from tierckpt import devices as cuda_api
 from tierckpt.errors import UnsupportedObject
 from tierckpt.plan import ChunkPlan, ShardLayout
@@ -42,9 +44,9 @@ RELEASE_GIL_BYTES = 256 << 10
 SPLIT_MIN_BYTES = 4 << 20
 
 #: a host chunk hashed as it is copied (:class:`ChunkHash`) is copied in blocks of this size,
-#: each hashed right after it is copied, while its bytes are still in the copying core's cache:
-#: copy 64 MiB then hash it costs ~17 ms of CPU here, copy and hash by 128-512 KiB blocks ~12
-#: (the separate hash reads the whole chunk back from memory)
+#: each block's source hashed and copied one right after the other, while its bytes are in
+#: the core's cache: copy 64 MiB then hash it costs ~17 ms of CPU here, copy and hash by
+#: 128-512 KiB blocks ~12 (the separate hash reads the whole chunk back from memory)
 HASH_BLOCK_BYTES = 512 << 10
 
 _VOIDP_SIG = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
@@ -70,9 +72,18 @@ class CopyRunner(Protocol):
 
 class ChunkHash:
     """The xxh3-64 of a host chunk (:func:`tierckpt.format.checksum` of its bytes), computed
-    while :func:`copy_chunk` copies it: every block is hashed in order, right after it is
-    copied. The digest is the plain xxh3-64 of the chunk (a streaming hash over its blocks
-    equals the one-shot hash), so nothing in the format changes.
+    while :func:`copy_chunk` copies it: every block is hashed in order, from its source, right
+    before (or, a helper thread's block, right after) it is copied. The digest is the plain
+    xxh3-64 of the chunk (a streaming hash over its blocks equals the one-shot hash), so
+    nothing in the format changes.
+
+    The source, not the copy, is hashed so that the copy can use streaming stores
+    (:mod:`tierckpt._native`), which leave the copy out of the cache: hashing the source
+    brings it into the cache, and the copy then reads it from there. The two are the same
+    bytes: the state does not change while it is captured (what forward writes is copied at
+    ``save()``). Were a source written anyway between its hash and its copy, the chunk would
+    be stored with a checksum that does not match it, and every read of it fails
+    (:class:`~tierckpt.errors.CorruptChunk`): loudly, never silently loading other bytes.
 
     ``stop`` (set when someone waits for the capture) ends the hashing at the next block:
     a blocking save must not wait for checksums; the chunk is then hashed later, as before,
@@ -182,8 +193,7 @@ def copy_chunk(
         ]
         split = team is not None and team.threads > 1 and chunk.raw_size >= SPLIT_MIN_BYTES
         if hasher is not None:
-            view = memoryview(dst.numpy())  # type: ignore[arg-type]
-            _copy_hashed(copies, chunk.raw_size, view, hasher, team if split else None)
+            _copy_hashed(copies, chunk.raw_size, hasher, team if split else None)
         elif split:
             assert team is not None
             team.run(_split(copies, chunk.raw_size, team.threads))
@@ -280,30 +290,37 @@ def _blocks(copies: Sequence[_Copy], total: int, size: int) -> list[list[_Copy]]
     return blocks
 
 
+def _hash_block(block: Sequence[_Copy], hasher: ChunkHash, copy: bool) -> None:
+    """Hash the source bytes of ``block`` in order; with ``copy``, copy each piece right after
+    it is hashed (it is then read from the cache)."""
+    for dst_addr, src, offset, length in block:
+        if length <= 0:
+            continue
+        addr = _source_addr(src, offset, length)
+        if hasher.on:  # (the span is a uint8 host tensor: its numpy view shares its bytes)
+            hasher.update(memoryview(src.numpy())[offset : offset + length])  # type: ignore[arg-type]
+        if copy:
+            _copy_bytes(dst_addr, addr, length)
+
+
 def _copy_hashed(
     copies: Sequence[_Copy],
     total: int,
-    view: memoryview,
     hasher: ChunkHash,
     team: CopyRunner | None,
 ) -> None:
-    """Copy ``copies`` (``total`` bytes, landing in ``view``) in blocks of
-    :data:`HASH_BLOCK_BYTES`, and hash every block in order right after it is copied.
+    """Copy ``copies`` (``total`` bytes) in blocks of :data:`HASH_BLOCK_BYTES`, and hash
+    every block's source in order right before it is copied (:class:`ChunkHash`).
 
     With ``team``, thread ``t`` of ``n`` copies blocks ``t, t + n, ...`` in order and says
-    so on its queue; this thread copies its own blocks and hashes every block in order,
-    taking a helper's block as soon as the helper says it is copied (still in a cache)."""
-    size = HASH_BLOCK_BYTES
-    blocks = _blocks(copies, total, size)
+    so on its queue; this thread hashes and copies its own blocks and hashes every block in
+    order, taking a helper's block as soon as the helper says it is copied (its source still
+    in a cache)."""
+    blocks = _blocks(copies, total, HASH_BLOCK_BYTES)
     n = 1 if team is None else max(1, min(team.threads, len(blocks)))
-
-    def hash_block(k: int) -> None:
-        hasher.update(view[k * size : min((k + 1) * size, total)])
-
     if n == 1:
-        for k, block in enumerate(blocks):
-            _copy_all(block)
-            hash_block(k)
+        for block in blocks:
+            _hash_block(block, hasher, copy=True)
         hasher.finish()
         return
     assert team is not None
@@ -322,10 +339,11 @@ def _copy_hashed(
         for k, block in enumerate(blocks):
             t = k % n
             if t == 0:
-                _copy_all(block)
-            elif hasher.on and done[t].get() != k:
+                _hash_block(block, hasher, copy=True)
+                continue
+            if hasher.on and done[t].get() != k:
                 hasher.abandon()  # a helper failed: stop hashing (team.run raises its error)
-            hash_block(k)
+            _hash_block(block, hasher, copy=False)
         hasher.finish()
 
     team.run([lead] + [functools.partial(helper, t) for t in range(1, n)])
@@ -348,8 +366,13 @@ def host_copy(dst_addr: int, src: torch.Tensor, src_offset: int, length: int) ->
     storage freed or shrunk since (``untyped_storage().resize_(0)``) is refused with a clear
     error instead of read out of bounds.
     """
-    if length <= 0:
-        return
+    if length > 0:
+        _copy_bytes(dst_addr, _source_addr(src, src_offset, length), length)
+
+
+def _source_addr(src: torch.Tensor, src_offset: int, length: int) -> int:
+    """The address of byte ``src_offset`` of ``src``, once ``length`` bytes from there are
+    known to lie inside its storage as it is now."""
     storage_end = src.untyped_storage().nbytes()
     start = src.storage_offset() + src_offset
     if src_offset < 0 or src_offset + length > src.numel() or start + length > storage_end:
@@ -358,11 +381,16 @@ def host_copy(dst_addr: int, src: torch.Tensor, src_offset: int, length: int) ->
             f"{start}..{start + length} of it: it was freed or resized after save() (e.g. an "
             "FSDP parameter outside forward); keep the state's storages until wait_captured()"
         )
-    addr = int(src.data_ptr()) + src_offset
+    return int(src.data_ptr()) + src_offset
+
+
+def _copy_bytes(dst_addr: int, src_addr: int, length: int) -> None:
+    """Copy with streaming stores (:mod:`tierckpt._native`) once they are ready, else
+    ``memmove``; the GIL is released from :data:`RELEASE_GIL_BYTES` on."""
     if length >= RELEASE_GIL_BYTES:
-        _memmove_nogil(dst_addr, addr, length)
+        (_native.copier() or _memmove_nogil)(dst_addr, src_addr, length)
     else:
-        _memmove_gil(dst_addr, addr, length)
+        (_native.copier(gil=True) or _memmove_gil)(dst_addr, src_addr, length)
 
 
 def _device_compressible(device: torch.device) -> bool:

@@ -163,6 +163,25 @@ def arena_prebuild() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def native_copy() -> bool:
+    """Whether host copies may use the compiled streaming-store copy (``tierckpt._native``):
+    ``TIERCKPT_NATIVE_COPY`` (1/0), on by default."""
+    env = _env_bool("TIERCKPT_NATIVE_COPY")
+    return True if env is None else env
+
+
+def c_compiler() -> str:
+    """The C compiler that builds the streaming-store copy: ``CC``, else ``cc``."""
+    return _raw("CC") or "cc"
+
+
+def native_cache_dir() -> str:
+    """Where compiled helpers are kept: ``$XDG_CACHE_HOME/tierckpt/native``, else
+    ``~/.cache/tierckpt/native``."""
+    cache = _raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "tierckpt", "native")
+
+
 @dataclass(frozen=True, slots=True)
 class WriterConfig:
     """The resolved sizes of a writer (``Checkpointer`` or DCP ``TierWriter``)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tierckpt import devices
+from tierckpt import _native, devices
 from tierckpt._types import BytesLike
 from tierckpt.arena import HostArena
 from tierckpt.capture import SPLIT_MIN_BYTES, ChunkHash, compress_chunk, copy_chunk
@@ -95,6 +95,7 @@ class _CaptureMixin(_StallMixin):
 
     def _capture(self, job: SaveJob) -> None:
         emit = self._emitter(job.step, None)
+        _native.prepare()  # (a writer made without one started) used once it is built
         self._check_abandoned(job)
         # this thread works on the state's device (a fresh thread's is GPU 0 on every rank)
         cuda = devices.cuda_devices(job.ready_events)

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from tierckpt import config
+from tierckpt import _native, config
 from tierckpt.arena import HostArena
 from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
@@ -249,7 +249,9 @@ class PipelineOwner:
 
     def _start_arena_prebuild(self) -> None:
         """At construction: build the host arena on a background thread (CUDA available, or
-        ``TIERCKPT_ARENA_PREBUILD=1``), so the first save does not allocate and pin it."""
+        ``TIERCKPT_ARENA_PREBUILD=1``), so the first save does not allocate and pin it; and
+        start building the streaming-store copy (:mod:`tierckpt._native`) likewise."""
+        _native.prepare()
         if not config.arena_prebuild():
             return
         device = None
