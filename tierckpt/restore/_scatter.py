@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tierckpt.backends.base import Backend
-from tierckpt.restore._fetch import _started
+from tierckpt.restore._fetch import PieceReads, _started
 
 __all__ = ["Boundaries", "Joint", "ScatterFetch", "segments"]
 
@@ -115,7 +114,7 @@ class ScatterFetch:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: PieceReads,
         file: str,
         offset: int,
         pieces: Sequence[memoryview],
