@@ -262,6 +262,10 @@ class ChunkReader:
             at += b - a
         if at > run:
             pieces.append(buf[run:at])
+        # bytes fetched early (``_early``) are copied at once: their pages are mapped first
+        early = self.reads is not self.backend and lo < getattr(self.reads, "end", 0)
+        if early:
+            self._prefault(whole)
         fetch = ScatterFetch(
             self.reads,
             self.file,
@@ -273,7 +277,8 @@ class ChunkReader:
             head=head,
             tail=tail,
         )
-        self._prefault(whole)  # while the first segments are fetched (never overwrites them)
+        if not early:  # while the first segments are fetched (never overwrites them)
+            self._prefault(whole)
         try:
             digest = fetch.finish()
         finally:
