@@ -95,11 +95,6 @@ class _Remote(LocalBackend):
         self.on_read(offset, sum(len(o) for o in outs))
         super().read_into_pieces(name, offset, outs)
 
-    def read_owned(self, name: str, offset: int, length: int) -> Any:
-        # the first parts, fetched while the index is read (tierckpt.restore._early)
-        self.on_read(offset, length)
-        return super().read_owned(name, offset, length)
-
 
 def _saved(tmp_path: Path, state: Any, chunk: int = CHUNK) -> _Remote:
     with Checkpointer([LocalTier(tmp_path, codec="raw", name="t")], chunk_bytes=chunk) as ck:

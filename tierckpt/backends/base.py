@@ -185,13 +185,6 @@ class Backend(ABC):
             self.read_into(name, offset, out)
             offset += len(out)
 
-    def read_owned(self, name: str, offset: int, length: int) -> Buffer:
-        """``length`` bytes at ``offset`` in a buffer of the backend's own, for a read
-        whose destination is not known yet (a remote load's first parts, fetched while its
-        index is read: :mod:`tierckpt.restore._early`). The default is :meth:`read`; a
-        backend that can hands over the response body as it came, with no copy."""
-        return self.read(name, offset, length)
-
     def get(self, name: str) -> bytes:
         """The whole object (for small objects: manifests, records)."""
         return bytes(self.read(name, 0, self.size(name)))

@@ -28,7 +28,7 @@ import torch
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, SupportsProgressiveDecode
 from tierckpt.format import ChunkRecord
-from tierckpt.restore._fetch import PIECE_BYTES, PieceReads, StreamedFetch, _started
+from tierckpt.restore._fetch import PIECE_BYTES, StreamedFetch, _started
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers, decode_chunk, span_view
 from tierckpt.restore._prefault import prefault
 from tierckpt.restore._repopulate import Repopulation
@@ -56,12 +56,8 @@ class ChunkReader:
         on_fetch_start: Callable[[], None] | None = None,
         *,
         sizes: Sequence[int] | None = None,
-        reads: PieceReads | None = None,
     ) -> None:
         self.backend = backend
-        #: what the fetch pool reads through: ``backend``, or its first parts fetched early
-        #: (``reads``: see ``_early``)
-        self.reads: PieceReads = reads if reads is not None else backend
         self.file = file
         self.tier = tier
         self.where = where
@@ -146,7 +142,7 @@ class ChunkReader:
             right = self._file_views(ci + 1, b.file_offset, part + PIECE_BYTES)
             # the padding between the two chunks: read with them, checked by neither, dropped
             pad = [memoryview(bytearray(b.file_offset - end))] if b.file_offset > end else []
-            read = _started(self.on_fetch_start, self.reads.read_into_pieces)
+            read = _started(self.on_fetch_start, self.backend.read_into_pieces)
             future = pool.submit(read, self.file, part, [*left, *pad, *right])
             return Joint(part, left, right, future)
 
@@ -262,12 +258,8 @@ class ChunkReader:
             at += b - a
         if at > run:
             pieces.append(buf[run:at])
-        # bytes fetched early (``_early``) are copied at once: their pages are mapped first
-        early = self.reads is not self.backend and lo < getattr(self.reads, "end", 0)
-        if early:
-            self._prefault(whole)
         fetch = ScatterFetch(
-            self.reads,
+            self.backend,
             self.file,
             lo,
             pieces,
@@ -277,8 +269,7 @@ class ChunkReader:
             head=head,
             tail=tail,
         )
-        if not early:  # while the first segments are fetched (never overwrites them)
-            self._prefault(whole)
+        self._prefault(whole)  # while the first segments are fetched (never overwrites them)
         try:
             digest = fetch.finish()
         finally:
@@ -304,7 +295,7 @@ class ChunkReader:
             decode_chunk(codec, stored, out, ci, self.tier, self.where, self.file)
         else:
             fetch = StreamedFetch(
-                self.reads,
+                self.backend,
                 self.file,
                 rec.file_offset,
                 stored,

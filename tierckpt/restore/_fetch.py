@@ -22,24 +22,16 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
 
 import xxhash
 
-__all__ = ["PIECE_BYTES", "FetchStarts", "PieceReads", "StreamedFetch", "warm"]
+from tierckpt.backends.base import Backend
+
+__all__ = ["PIECE_BYTES", "FetchStarts", "StreamedFetch", "warm"]
 
 #: bytes per ranged read of a streamed chunk: one S3 part (the backends' default part size),
 #: small enough that a 64 MiB chunk's first segments decode while the rest downloads
 PIECE_BYTES = 8 << 20
-
-
-class PieceReads(Protocol):
-    """The reads the fetch pool makes: a :class:`~tierckpt.backends.base.Backend`, or one
-    that serves a load's first parts from their early fetches (``_early.EarlyParts``)."""
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None: ...
-
-    def read_into_pieces(self, name: str, offset: int, outs: Sequence[memoryview]) -> None: ...
 
 
 def warm(pool: ThreadPoolExecutor, threads: int) -> None:
@@ -129,7 +121,7 @@ class StreamedFetch:
 
     def __init__(
         self,
-        backend: PieceReads,
+        backend: Backend,
         file: str,
         offset: int,
         into: memoryview,

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tierckpt.restore._fetch import PieceReads, _started
+from tierckpt.backends.base import Backend
+from tierckpt.restore._fetch import _started
 
 __all__ = ["Boundaries", "Joint", "ScatterFetch", "segments"]
 
@@ -114,7 +115,7 @@ class ScatterFetch:
 
     def __init__(
         self,
-        backend: PieceReads,
+        backend: Backend,
         file: str,
         offset: int,
         pieces: Sequence[memoryview],

@@ -16,7 +16,6 @@ from tierckpt.codecs import Codec, SupportsProgressiveDecode, codec_from_config
 from tierckpt.errors import FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
-from tierckpt.restore._early import early_parts
 from tierckpt.restore._fetch import PIECE_BYTES, FetchStarts, warm
 from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
 from tierckpt.restore._repopulate import Repopulation
@@ -66,14 +65,8 @@ def read_shard(
     # its threads are started while the index is read (each start waits for its thread to
     # run: a few ms on a busy host, else paid before the first GETs)
     fetch_pool = _fetch_pool(pool) if backend.is_remote else None
-    first_parts = None
     if fetch_pool is not None:
         warm(fetch_pool, 2 * _workers(pool))
-        # its first parts while the index is read (and decoded): see ``_early``
-        if type(backend).read_into_pieces is not Backend.read_into_pieces:
-            first_parts = early_parts(
-                backend, ref.file, ref.size, fetch_pool, _workers(fetch_pool), PIECE_BYTES
-            )
     try:
         index, index_blob, footer_blob = read_index(backend, ref, tier)
         codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
@@ -104,7 +97,6 @@ def read_shard(
             fetch_pool,
             starts.tick if starts is not None else None,
             sizes=sizes,
-            reads=first_parts,
         )
     except BaseException:
         if fetch_pool is not None:

@@ -226,8 +226,6 @@ class BackendTests:
             out = bytearray(length)
             backend.read_into("r", offset, memoryview(out))
             assert out == data[offset : offset + length], (offset, length)
-            owned = backend.read_owned("r", offset, length)
-            assert bytes(owned) == data[offset : offset + length], (offset, length)
 
     def test_read_into_fills_a_view_in_place(self, backend: Backend) -> None:
         data = payload(3 * MiB, seed=8)
@@ -248,10 +246,6 @@ class BackendTests:
             backend.read("short", 100, 4)
         with pytest.raises(FormatError):
             backend.read_into("short", 8, memoryview(bytearray(3)))
-        with pytest.raises(FormatError):
-            backend.read_owned("short", 5, 6)
-        with pytest.raises(FormatError):
-            backend.read_owned("short", 10, 1)
         write_object(backend, "zero", b"")
         with pytest.raises(FormatError):
             backend.read("zero", 0, 1)
@@ -260,7 +254,6 @@ class BackendTests:
         for call in (
             lambda: backend.read("missing", 0, 1),
             lambda: backend.read_into("missing", 0, memoryview(bytearray(4))),
-            lambda: backend.read_owned("missing", 0, 1),
             lambda: backend.size("missing"),
             lambda: backend.get("d/missing"),
         ):

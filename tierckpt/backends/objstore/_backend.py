@@ -28,7 +28,7 @@ from tierckpt.backends.objstore._errors import (
     transient,
     translate,
 )
-from tierckpt.backends.objstore._reads import fill, get_bounded, read_owned, read_tail
+from tierckpt.backends.objstore._reads import fill, get_bounded, read_tail
 from tierckpt.backends.objstore._slots import Slots
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.backends.objstore._store import StoreSettings, make_stores, parse_url
@@ -293,10 +293,6 @@ class ObjectStoreBackend(RemoteBackend):
             batch=min(self.max_concurrency, self.read_concurrency),
             fetch=lambda pieces: self._fetch_in_share(key, pieces),
         )
-
-    def read_owned(self, name: str, offset: int, length: int) -> BytesLike:
-        """One ranged GET, its body handed over as obstore returned it (see ``_reads``)."""
-        return cast(BytesLike, read_owned(self, name, offset, length))
 
     def _fetch_in_share(self, key: str, pieces: builtins.list[Range]) -> None:
         """:meth:`_fetch` once its ranges fit in the rank's share of the node's connections

@@ -13,7 +13,7 @@ from tierckpt.backends.base import Backend
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
-__all__ = ["NOGIL_COPY_BYTES", "fill", "get_bounded", "read_owned", "read_tail"]
+__all__ = ["NOGIL_COPY_BYTES", "fill", "get_bounded", "read_tail"]
 
 log = logging.getLogger("tierckpt.backends.objstore")
 
@@ -56,27 +56,6 @@ def get_bounded(backend: Any, name: str, limit: int) -> tuple[int, bytes | None]
         return size, None if size > limit else bytes(got.bytes())
 
     return cast(tuple[int, "bytes | None"], backend._call("get", key, one))
-
-
-def read_owned(backend: Any, name: str, offset: int, length: int) -> Any:
-    """One ranged GET (in the rank's share of the connections, ``_read_slots``), its body
-    handed over as obstore returned it: no zero-filled buffer and no copy (the caller copies
-    it once, where it belongs: :mod:`tierckpt.restore._early`)."""
-    import obstore
-
-    if offset < 0 or length < 0:
-        raise FormatError(f"{backend.url}/{name}: negative read range {offset}+{length}")
-    key = backend._key(name)
-    with backend._read_slots.taken(1):
-        got = backend._call(
-            "read", key, lambda store: obstore.get_range(store, key, start=offset, length=length)
-        )
-    if len(got) != length:
-        raise FormatError(
-            f"{backend._where(key)}: read of bytes {offset}-{offset + length - 1} got "
-            f"{len(got)} bytes"
-        )
-    return got
 
 
 def read_tail(backend: Any, name: str, length: int) -> tuple[int, bytes]:
