@@ -37,7 +37,7 @@ from typing import Any
 
 from tierckpt import config
 
-__all__ = ["SOURCE", "cache_dir", "copier", "prepare", "wait"]
+__all__ = ["SOURCE", "copier", "prepare", "wait"]
 
 log = logging.getLogger("tierckpt")
 
@@ -128,12 +128,6 @@ class _State:
 _state = _State()
 
 
-def cache_dir() -> str:
-    """Where compiled helpers are kept: ``$XDG_CACHE_HOME/tierckpt/native``, else
-    ``~/.cache/tierckpt/native``."""
-    return config.native_cache_dir()
-
-
 def _supported() -> str:
     """ "" when this platform can build the helper, else why not."""
     if not config.native_copy():
@@ -154,7 +148,7 @@ def _library_path() -> str:
     """The helper's file: its name changes with the source, flags, compiler and machine."""
     key = "\0".join([SOURCE, *_FLAGS, *_compiler(), platform.machine(), sys.platform])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return os.path.join(cache_dir(), f"ntcopy-{platform.machine()}-{digest}.so")
+    return os.path.join(config.native_cache_dir(), f"ntcopy-{platform.machine()}-{digest}.so")
 
 
 def _compile(path: str) -> None:

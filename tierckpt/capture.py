@@ -341,8 +341,11 @@ def _copy_hashed(
             if t == 0:
                 _hash_block(block, hasher, copy=True)
                 continue
-            if hasher.on and done[t].get() != k:
+            if not hasher.on:
+                continue  # hashing stopped (someone waits): the helpers copy the rest
+            if done[t].get() != k:
                 hasher.abandon()  # a helper failed: stop hashing (team.run raises its error)
+                continue
             _hash_block(block, hasher, copy=False)
         hasher.finish()
 

@@ -178,8 +178,13 @@ def c_compiler() -> str:
 def native_cache_dir() -> str:
     """Where compiled helpers are kept: ``$XDG_CACHE_HOME/tierckpt/native``, else
     ``~/.cache/tierckpt/native``."""
+    return _user_cache("native")
+
+
+def _user_cache(name: str) -> str:
+    """``$XDG_CACHE_HOME/tierckpt/<name>``, else ``~/.cache/tierckpt/<name>``."""
     cache = _raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "tierckpt", "native")
+    return os.path.join(cache, "tierckpt", name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,8 +301,7 @@ def auto_state_dir() -> str | None:
     text = _raw("TIERCKPT_AUTO_STATE_DIR")
     if text is not None:
         return None if text.lower() in _FALSE else os.path.expanduser(text)
-    cache = _raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "tierckpt", "auto")
+    return _user_cache("auto")
 
 
 def private_tiers() -> frozenset[str]:
