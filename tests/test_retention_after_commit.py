@@ -204,3 +204,28 @@ def test_a_callback_inside_the_commit_or_the_pass_may_list(tmp_path: Path) -> No
         ck.wait(timeout=WAIT, retention=True)
         assert ck.steps() == [3]
     assert seen and all(steps[-1] in (1, 2, 3) for steps in seen), seen
+
+
+def test_the_dcp_writers_pass_is_waited_for_too(tmp_path: Path) -> None:
+    """The DCP writer commits itself and queues the pass on the tier's thread
+    (``Pipeline.retain_later``): a wait for retention waits for that pass as well (before:
+    it returned at once, while the pass had still to delete the older checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    gate = _Gate()
+    w = TierWriter([_gated_tier(tmp_path, gate)], 1)
+    try:
+        dcp.save({"w": torch.ones(64)}, storage_writer=w, no_dist=True)
+        dcp.save({"w": torch.full((64,), 2.0)}, storage_writer=w, checkpoint_id=2, no_dist=True)
+        assert gate.deleting.wait(WAIT)
+        pipeline = w._pipeline
+        assert pipeline is not None
+        assert not pipeline.wait_retention(timeout=0.2)  # the pass is held: cannot be over
+        gate.open.set()
+        assert pipeline.wait_retention(timeout=WAIT)
+        assert _manifests(tmp_path) == ["step-000000000002.json"]
+    finally:
+        gate.open.set()
+        w.close()

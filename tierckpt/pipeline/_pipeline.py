@@ -164,8 +164,13 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
         """Apply ``tier``'s retention on its thread, after what is queued there: for an owner
         that commits itself (the DCP writer's coordinator), off its save's critical path.
         As after a commit here: only while this writer holds the lease, keeping the saves in
-        flight (``job`` is the owner's save just committed)."""
-        self._tier_q[tier.name].put(("retain", job, None))
+        flight (``job`` is the owner's save just committed). Counted from now, so that
+        :meth:`wait_retention` waits for it as for a pass after a commit here."""
+        with self._lock:  # atomic with close(): queued before the thread's end, or not at all
+            if self._closed:
+                return
+            self._retaining[tier.name] += 1
+            self._tier_q[tier.name].put(("retain", job, None))
 
     def release_leases(self) -> None:
         """Delete this writer's leases that are still its own (close, exit)."""

@@ -89,20 +89,28 @@ class _RetainMixin(_PipelineBase):
         if retain:
             with self._lock:
                 self._retaining[tier.name] += 1
-            _own_passes()[id(self)] += 1
+            _own_passes()[id(self)] += 1  # a callback inside the report must not wait for it
         try:
             self._finish(tier, job, result, error)
         finally:
             if retain:
-                try:
-                    self._retain(tier, job)
-                except Exception as exc:  # the copy is reported: a pass's error is only logged
-                    log.warning("retention on tier %s failed: %s", tier.name, exc)
-                finally:
-                    _own_passes()[id(self)] -= 1
-                    with self._lock:
-                        self._retaining[tier.name] -= 1
-                        self._retained.notify_all()
+                _own_passes()[id(self)] -= 1
+                self._run_counted_pass(tier, job)
+
+    def _run_counted_pass(self, tier: Tier, job: SaveJob) -> None:
+        """Run a pass counted beforehand (in ``_retaining``) on this thread, then uncount it.
+        Its error is only logged: the copy is reported, and the thread lives on to write the
+        next saves."""
+        _own_passes()[id(self)] += 1  # the pass's own callbacks (protect_steps) may list
+        try:
+            self._retain(tier, job)
+        except Exception as exc:
+            log.warning("retention on tier %s failed: %s", tier.name, exc)
+        finally:
+            _own_passes()[id(self)] -= 1
+            with self._lock:
+                self._retaining[tier.name] -= 1
+                self._retained.notify_all()
 
     def wait_retention(self, timeout: float | None = None) -> bool:
         """Wait until no retention pass started after a commit (or a failed local copy) is

@@ -77,10 +77,7 @@ class _TiersMixin(_RetainMixin, _StallMixin):
                 self._leases.take(tier, job, payload)
                 continue
             if kind == "retain":  # an owner's commit asked for it (Pipeline.retain_later)
-                try:
-                    self._retain(tier, job)
-                except Exception as exc:  # this thread must live on to write the next saves
-                    log.warning("retention on tier %s failed: %s", tier.name, exc)
+                self._run_counted_pass(tier, job)
                 continue
             self._tier_busy(tier, progressed=False, idle=False)
             tw = progress.setdefault(id(job), _TierWrite())
