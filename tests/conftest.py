@@ -41,6 +41,9 @@ def _auto_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """codec="auto" keeps what loads measured in a session folder, not the user's cache."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TIERCKPT_AUTO_STATE_DIR", str(tmp_path_factory.mktemp("auto-state")))
+    # the streaming-store copy is compiled once per session into a session folder too
+    # (tierckpt/_native.py builds into $XDG_CACHE_HOME/tierckpt/native), not the user's cache
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("user-cache")))
     yield
     mp.undo()
 

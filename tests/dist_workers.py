@@ -18,6 +18,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -145,7 +146,13 @@ def launch(
         logs = "\n".join(
             f"--- log of rank {r}:\n" + _tail(out / f"log-{r}.txt") for r in range(world)
         )
-        raise AssertionError(f"{fn} on {world} ranks failed: " + "\n".join(problems) + "\n" + logs)
+        raise AssertionError(
+            f"{fn} on {world} ranks failed (logs kept in {out}): "
+            + "\n".join(problems)
+            + "\n"
+            + logs
+        )
+    shutil.rmtree(out, ignore_errors=True)  # results read: the folder is not needed
     return results
 
 
