@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tierckpt.bench.config import BenchConfig
 from tierckpt.bench.report import format_table, summarize_train
 from tierckpt.bench.train import train_worker
@@ -39,3 +41,23 @@ def test_every_step_training_reports_load_paired_ratios_and_library_cpu(tmp_path
         {"meta": {"config": {"train_layers": 1, "train_dmodel": 64}}, "sizes": [], "train": train}
     )
     assert "load average" in table and "library CPU per checkpoint" in table
+
+
+def test_longer_blocks_take_turns_less_often(tmp_path: Path) -> None:
+    """``train_block`` sets the steps per turn (and so how often a drain closes one)."""
+    cfg = BenchConfig(
+        sizes_gib=(1.0,),
+        contenders=(),
+        train_variants=("none", "tierckpt"),
+        train_steps=8,
+        train_every=1,
+        train_block=8,
+        train_layers=1,
+        train_dmodel=64,
+        train_threads=1,
+    )
+    train = train_worker(str(tmp_path), cfg)
+    assert train["block_steps"] == 8 and train["rounds"] == 1
+    assert train["variants"]["tierckpt"]["saves"] == 8
+    with pytest.raises(ValueError, match="train block"):
+        BenchConfig(sizes_gib=(1.0,), train_block=0)

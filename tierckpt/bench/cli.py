@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.train_every,
         help="checkpoint every k steps in the training loop",
     )
+    p.add_argument(
+        "--train-block",
+        type=int,
+        default=d.train_block,
+        help="the training variants take turns in blocks of at least this many steps, each "
+        "closed by a drain (its last save made durable); longer blocks come closer to a run "
+        "that never stops",
+    )
     p.add_argument("--train-layers", type=int, default=d.train_layers)
     p.add_argument("--train-dmodel", type=int, default=d.train_dmodel)
     p.add_argument(
@@ -112,6 +120,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         train_variants=tuple(a.train),
         train_steps=a.train_steps,
         train_every=a.train_every,
+        train_block=a.train_block,
         train_layers=a.train_layers,
         train_dmodel=a.train_dmodel,
         train_threads=a.train_threads,

@@ -50,6 +50,10 @@ class BenchConfig:
     train_variants: tuple[str, ...] = TRAIN_VARIANTS
     train_steps: int = 120  # measured steps per variant
     train_every: int = 10
+    #: the variants take turns in blocks of at least this many steps; each block ends with a
+    #: drain (its last save made durable) charged to its last step, so short blocks charge
+    #: one commit's whole latency every few steps, which a run that never stops does not see
+    train_block: int = 4
     train_layers: int = 4
     train_dmodel: int = 256
     train_threads: int = 0  # torch intra-op threads of the training loop; 0: torch's default
@@ -73,5 +77,5 @@ class BenchConfig:
         for v in self.train_variants:
             if v not in TRAIN_VARIANTS:
                 raise ValueError(f"unknown training variant {v!r}; known: {TRAIN_VARIANTS}")
-        if self.train_variants and min(self.train_steps, self.train_every) < 1:
-            raise ValueError("train steps and train every must be >= 1")
+        if self.train_variants and min(self.train_steps, self.train_every, self.train_block) < 1:
+            raise ValueError("train steps, train every and train block must be >= 1")

@@ -183,7 +183,8 @@ def train_schedule(variants: Sequence[str], rounds: int) -> list[tuple[int, str]
 
 
 def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
-    """Train one model; the variants take turns in blocks of ``train_every`` steps (at least 4).
+    """Train one model; the variants take turns in blocks of ``train_every`` steps (at least
+    ``train_block``, default 4).
 
     Interleaving in one process is what makes the comparison usable on a shared machine:
     separate runs minutes apart differed by 2-4x in iteration time from other tenants' load
@@ -200,7 +201,8 @@ def train_worker(directory: str, cfg: BenchConfig) -> dict[str, Any]:
     data = torch.randint(0, vocab, (64, batch, seq + 1))
     out = Path(directory) / "train"
     savers = {v: _TrainSaver(v, out / v, opt) for v in cfg.train_variants if v != "none"}
-    block = cfg.train_every * max(1, -(-4 // cfg.train_every))  # one save or more per block
+    # one save or more per block, at least train_block steps
+    block = cfg.train_every * max(1, -(-cfg.train_block // cfg.train_every))
     rounds = max(1, -(-cfg.train_steps // block))
     times: dict[str, list[float]] = {v: [] for v in cfg.train_variants}
     round_means: dict[str, list[float]] = {v: [] for v in cfg.train_variants}
