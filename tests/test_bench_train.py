@@ -14,8 +14,9 @@ from tierckpt.bench.report import format_table, summarize_train
 from tierckpt.bench.train import train_worker
 
 
-def test_every_step_training_reports_load_paired_ratios_and_library_cpu(tmp_path: Path) -> None:
-    cfg = BenchConfig(
+def _tiny(train_block: int = 4) -> BenchConfig:
+    """8 steps of a one-layer model, with and without a checkpoint every step."""
+    return BenchConfig(
         sizes_gib=(1.0,),
         contenders=(),
         train_variants=("none", "tierckpt"),
@@ -24,8 +25,12 @@ def test_every_step_training_reports_load_paired_ratios_and_library_cpu(tmp_path
         train_layers=1,
         train_dmodel=64,
         train_threads=1,
+        train_block=train_block,
     )
-    train = train_worker(str(tmp_path), cfg)
+
+
+def test_every_step_training_reports_load_paired_ratios_and_library_cpu(tmp_path: Path) -> None:
+    train = train_worker(str(tmp_path), _tiny())
     assert len(train["load_average"]) == 2 and all(x >= 0 for x in train["load_average"])
     vs = train["variants"]
     assert vs["tierckpt"]["saves"] == 8
@@ -45,18 +50,7 @@ def test_every_step_training_reports_load_paired_ratios_and_library_cpu(tmp_path
 
 def test_longer_blocks_take_turns_less_often(tmp_path: Path) -> None:
     """``train_block`` sets the steps per turn (and so how often a drain closes one)."""
-    cfg = BenchConfig(
-        sizes_gib=(1.0,),
-        contenders=(),
-        train_variants=("none", "tierckpt"),
-        train_steps=8,
-        train_every=1,
-        train_block=8,
-        train_layers=1,
-        train_dmodel=64,
-        train_threads=1,
-    )
-    train = train_worker(str(tmp_path), cfg)
+    train = train_worker(str(tmp_path), _tiny(train_block=8))
     assert train["block_steps"] == 8 and train["rounds"] == 1
     assert train["variants"]["tierckpt"]["saves"] == 8
     with pytest.raises(ValueError, match="train block"):
