@@ -5,6 +5,7 @@ S3-specific behaviour under faults (the boto3 driver; obstore's own: tests/test_
 from __future__ import annotations
 
 import http.client
+import logging
 import pickle
 import secrets
 import time
@@ -338,6 +339,25 @@ def test_missing_bucket_is_a_backend_error(moto_server: S3Server) -> None:
     backend = make_s3(moto_server, "no-such-bucket-" + secrets.token_hex(3))
     with pytest.raises(BackendError, match="NoSuchBucket"):
         backend.read("x", 0, 1)
+    backend.close()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("driver", ["boto3", "obstore"])
+def test_a_missing_bucket_is_reported_once(
+    moto_server: S3Server, driver: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first save's probe of create-only puts fails on a missing bucket with an error that
+    says what to do; no second warning follows about the probe object it never created."""
+    make = make_s3 if driver == "boto3" else make_obs
+    backend = make(moto_server, "no-such-bucket-" + secrets.token_hex(3))
+    with (
+        caplog.at_level(logging.DEBUG, logger="tierckpt"),
+        pytest.raises(BackendError, match="NoSuchBucket.*create the bucket"),
+    ):
+        assert backend.supports_conditional_put is None  # raises first
+    noisy = [r for r in caplog.records if "probe object" in r.getMessage()]
+    assert noisy and all(r.levelno < logging.WARNING for r in noisy)  # tried, quietly
     backend.close()
 
 

@@ -256,10 +256,12 @@ class ObjectStoreBackend(RemoteBackend):
         import obstore
 
         key = self._root + PROBE_PREFIX + secrets.token_hex(8)
+        created = False  # a put answered: a failed delete would leave an object behind
         try:
             for attempt in (1, 2):
                 try:
                     obstore.put(self._store, key, b"", mode="create", use_multipart=False)
+                    created = True
                 except Exception as exc:
                     kind = type(exc).__name__
                     if attempt == 2 and kind in EXISTS_KINDS:
@@ -275,8 +277,14 @@ class ObjectStoreBackend(RemoteBackend):
         finally:
             try:
                 obstore.delete(self._store, key)
-            except Exception as exc:
-                log.warning("%s: could not delete probe object %s: %s", self.url, key, short(exc))
+            except Exception as exc:  # after a failed put (no bucket, no server) only noise
+                log.log(
+                    logging.WARNING if created else logging.DEBUG,
+                    "%s: could not delete probe object %s: %s",
+                    self.url,
+                    key,
+                    short(exc),
+                )
 
     # -- reading ---------------------------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> BytesLike:

@@ -173,10 +173,12 @@ class S3Backend(S3Connection, RemoteBackend):
 
     def _probe_conditional_put(self) -> bool:
         key = self._root + PROBE_PREFIX + secrets.token_hex(8)
+        created = False  # a put answered: a failed delete would leave an object behind
         try:
             for attempt in (1, 2):
                 try:
                     self._client.put_object(Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
+                    created = True
                 except ClientError as exc:
                     code, status, _ = _error_info(exc)
                     if attempt == 2 and (code == "PreconditionFailed" or status == 412):
@@ -202,9 +204,13 @@ class S3Backend(S3Connection, RemoteBackend):
         finally:
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=key)
-            except (ClientError, BotoCoreError) as exc:
-                log.warning(
-                    "%s: could not delete probe object %s: %s", self.url, key, redact(str(exc))
+            except (ClientError, BotoCoreError) as exc:  # after a failed put: only noise
+                log.log(
+                    logging.WARNING if created else logging.DEBUG,
+                    "%s: could not delete probe object %s: %s",
+                    self.url,
+                    key,
+                    redact(str(exc)),
                 )
 
     # -- reading -------------------------------------------------------------------------
