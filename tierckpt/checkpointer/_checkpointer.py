@@ -20,7 +20,7 @@ from tierckpt.checkpointer._guarded import as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
 from tierckpt.checkpointer._readpool import warm as warm_read_pool
 from tierckpt.checkpointer._retention import Protectors, pin_target
-from tierckpt.checkpointer._saving import SavePath, resolve_rank
+from tierckpt.checkpointer._saving import SavePath, as_step, resolve_rank
 from tierckpt.checkpointer._stateful import has_stateful, load_stateful
 from tierckpt.config import resolve_writer_config
 from tierckpt.format import CheckpointId
@@ -167,6 +167,8 @@ class Checkpointer(SavePath):
         metrics: dict[str, float] | None = None,
     ) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns at once with a :class:`SaveHandle`.
+        ``step``: a non-negative ``int`` (a NumPy integer or a one-element integer tensor is
+        taken as the int it holds; a float or a bool is refused).
 
         The checkpoint is the state at this call. Module buffers and loose tensors (which the
         next forward pass may write) are copied here (``h.eager_bytes``); parameters and
@@ -181,6 +183,7 @@ class Checkpointer(SavePath):
         ``"metrics"``), which a tier's ``keep_best`` / ``best_metric`` retention ranks by.
         """
         t0 = time.perf_counter()
+        step = as_step(step)
         if self._peer is not None and self._peer.spare is not None:
             self._peer.release_spare()  # training went on without a pull into it
         try:
@@ -310,7 +313,7 @@ class Checkpointer(SavePath):
         restarts; the step may still be in flight. ``timeline``: default, the one being saved,
         else the newest holding ``step``. Returns the pinned checkpoint."""
         cid = pin_target(
-            step,
+            as_step(step),
             timeline,
             in_flight=self._pipeline.in_flight() if self._pipeline is not None else (),
             last_saved=self._last_saved,
@@ -323,6 +326,7 @@ class Checkpointer(SavePath):
     def unpin(self, step: int, *, timeline: int | None = None) -> None:
         """Let retention remove checkpoint ``step`` again (it goes at the next commit if no
         other rule keeps it). Unpinning a step that is not pinned does nothing."""
+        step = as_step(step)
         pinned = [
             c
             for c in self.pinned()
@@ -387,6 +391,7 @@ class Checkpointer(SavePath):
         ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
         through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``.
         """
+        step = None if step is None else as_step(step)
         if tier is not None and self._peer is not None:
             self._peer.release_spare()  # a load of one tier pulls nothing from partners
         if has_stateful(into):

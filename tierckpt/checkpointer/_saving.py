@@ -10,6 +10,7 @@ public API and its documentation stay on the facade in ``_checkpointer``.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import Counter
@@ -124,8 +125,7 @@ class SavePath(PipelineOwner):
 
     # -- starting a save ---------------------------------------------------------------
     def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = as_step(step)
         manifest_name(step)  # validates the range
         # checked (and copied) now, with the limits a reader applies: not after the data
         try:
@@ -295,3 +295,20 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     return rank, world_size
+
+
+def as_step(step: object) -> int:
+    """A step as the caller gave it: an ``int``, or an integer that indexes as one (a NumPy
+    integer, a one-element integer tensor: Python's own indexing takes them, via
+    ``__index__``); never a ``bool`` or a float. Raises ``ValueError`` otherwise."""
+    value = None
+    if not isinstance(step, bool):
+        try:
+            value = operator.index(step)  # type: ignore[arg-type]
+        except TypeError:
+            value = None
+    if value is None or value < 0:
+        raise ValueError(
+            f"step must be a non-negative int (or an integer NumPy/torch scalar), got {step!r}"
+        )
+    return value

@@ -278,13 +278,8 @@ class ObjectStoreBackend(RemoteBackend):
             try:
                 obstore.delete(self._store, key)
             except Exception as exc:  # after a failed put (no bucket, no server) only noise
-                log.log(
-                    logging.WARNING if created else logging.DEBUG,
-                    "%s: could not delete probe object %s: %s",
-                    self.url,
-                    key,
-                    short(exc),
-                )
+                lvl = logging.WARNING if created else logging.DEBUG
+                log.log(lvl, "%s: could not delete probe %s: %s", self.url, key, short(exc))
 
     # -- reading ---------------------------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> BytesLike:

@@ -205,13 +205,8 @@ class S3Backend(S3Connection, RemoteBackend):
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=key)
             except (ClientError, BotoCoreError) as exc:  # after a failed put: only noise
-                log.log(
-                    logging.WARNING if created else logging.DEBUG,
-                    "%s: could not delete probe object %s: %s",
-                    self.url,
-                    key,
-                    redact(str(exc)),
-                )
+                lvl = logging.WARNING if created else logging.DEBUG
+                log.log(lvl, "%s: could not delete probe %s: %s", self.url, key, redact(str(exc)))
 
     # -- reading -------------------------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> BytesLike:
