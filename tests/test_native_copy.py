@@ -207,29 +207,3 @@ def test_a_source_changed_between_its_hash_and_its_copy_fails_the_load(
         with pytest.raises(CorruptCheckpoint, match="does not match its checksum") as ei:
             ck.load(step=1)
         assert isinstance(ei.value.__cause__, CorruptChunk)
-
-
-def test_the_self_check_catches_a_wrong_copy_without_a_python_step_per_byte() -> None:
-    """The self-check runs on a thread started with every Checkpointer, often while a load
-    starts: its test bytes are made without a Python step per byte (which held the GIL for
-    ms), and it still refuses a copy that gives wrong bytes."""
-    fn = _native_or_skip()
-    lines = 0
-
-    def tracer(frame: Any, event: str, _arg: Any) -> Any:
-        nonlocal lines
-        lines += event == "line"
-        return tracer
-
-    sys.settrace(tracer)
-    try:
-        _native._self_check(fn)
-    finally:
-        sys.settrace(None)
-    assert lines < 2000  # (a step per byte: more than 12,000)
-
-    def off_by_one(dst: int, src: int, n: int) -> None:
-        ctypes.memmove(dst, src + 1, n)
-
-    with pytest.raises(OSError, match="wrong bytes"):
-        _native._self_check(off_by_one)

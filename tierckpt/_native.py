@@ -184,11 +184,7 @@ def _self_check(fn: Any) -> None:
     """Copy a few awkward lengths at odd offsets and compare: a helper that copies wrong is
     never used."""
     n = 3 * 4096 + 77
-    # byte i is i * 7 % 251, which repeats every 251 bytes: one period built in Python, the
-    # rest repeated in C (a Python step per byte held the GIL for ms, while the load that
-    # often follows a Checkpointer's construction was starting)
-    pattern = bytes(i * 7 % 251 for i in range(251))
-    src = (ctypes.c_ubyte * (n + 64)).from_buffer_copy((pattern * (n // 251 + 2))[: n + 64])
+    src = (ctypes.c_ubyte * (n + 64))(*(i * 7 % 251 for i in range(n + 64)))
     for off_s, off_d, length in ((0, 0, n), (3, 1, n - 5), (1, 17, 4096), (5, 0, 4111)):
         dst = (ctypes.c_ubyte * (n + 64))()
         fn(ctypes.addressof(dst) + off_d, ctypes.addressof(src) + off_s, length)

@@ -6,6 +6,7 @@ allocation, checksums before any decode, and every tensor record against the sto
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,6 @@ from tierckpt.format import (
     manifest_name,
 )
 from tierckpt.limits import MAX_DIMS
-from tierckpt.restore._gc import gc_paused
 from tierckpt.tree import dtype_from_name
 
 __all__ = [
@@ -113,9 +113,7 @@ def read_index(
         raise CorruptCheckpoint(f"{where}: index bytes do not match their checksum")
     if remote and n > have:  # a checked index larger than the guess: read it in one go next
         _tail_guess = min(MAX_TAIL_READ_BYTES, max(_tail_guess, n + (n >> 3)))
-    with gc_paused():  # a few JSON lists per tensor, no cycles (see ``_gc``)
-        index = decode_index(blob, file_size=size, where=where)
-    return index, blob, footer_bytes
+    return decode_index(blob, file_size=size, where=where), blob, footer_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,18 +132,6 @@ def parse_tensor_entry(
     entry: Any, i: int, where: str, storage_sizes: Sequence[int]
 ) -> TensorRecord:
     """Validate tensor ``i``'s record against the storage table; ``FormatError`` if hostile."""
-    return TensorRecord(*_checked_entry(entry, i, where, storage_sizes))
-
-
-#: a shape's or stride's values are below this
-_DIM_LIMIT = 1 << 48
-
-
-def _checked_entry(
-    entry: Any, i: int, where: str, storage_sizes: Sequence[int]
-) -> tuple[int, int, torch.dtype, list[int], list[int], int]:
-    """The fields of :class:`TensorRecord` for tensor ``i``'s record, validated (a tuple: a
-    load rebuilds every tensor from these and keeps none of them)."""
     if not isinstance(entry, list) or len(entry) != 6:
         raise FormatError(f"{where}: tensor {i} record malformed")
     sid, off, dtype_s, shape, stride, _device = entry
@@ -155,31 +141,23 @@ def _checked_entry(
         or not isinstance(stride, list)
         or len(shape) != len(stride)
         or len(shape) > MAX_DIMS
+        or not all(type(v) is int and 0 <= v < 1 << 48 for v in shape + stride)
     ):
         raise FormatError(f"{where}: tensor {i} has a malformed shape/stride")
-    numel, extent = 1, 1  # extent: elements from the first to the last, plus one
-    for s, st in zip(shape, stride, strict=True):  # one pass: a load checks every record
-        if (
-            type(s) is not int
-            or type(st) is not int
-            or not (0 <= s < _DIM_LIMIT and 0 <= st < _DIM_LIMIT)
-        ):
-            raise FormatError(f"{where}: tensor {i} has a malformed shape/stride")
-        numel *= s
-        extent += (s - 1) * st
+    numel = math.prod(shape)
     if numel >= 1 << 62:  # zero strides can declare more elements than torch can count
         raise FormatError(f"{where}: tensor {i} declares {numel} elements")
     if sid == -1:
         if numel != 0:
             raise FormatError(f"{where}: tensor {i} has elements but no storage")
-        return -1, 0, dtype, shape, stride, 0
+        return TensorRecord(-1, 0, dtype, shape, stride, 0)
     if type(sid) is not int or not 0 <= sid < len(storage_sizes) or type(off) is not int or off < 0:
         raise FormatError(f"{where}: tensor {i} points outside the storage table")
     item = dtype.itemsize
-    extent *= item
+    extent = (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
     if numel == 0 or off % item or off + extent > storage_sizes[sid]:
         raise FormatError(f"{where}: tensor {i} does not fit its storage")
-    return sid, off, dtype, shape, stride, extent
+    return TensorRecord(sid, off, dtype, shape, stride, extent)
 
 
 def as_parameters(tensors: list[torch.Tensor], table: object, where: str) -> None:
@@ -208,9 +186,10 @@ def as_parameters(tensors: list[torch.Tensor], table: object, where: str) -> Non
 def rebuild_tensor(
     entry: Any, spans: list[torch.Tensor], sizes: Sequence[int], i: int, where: str
 ) -> torch.Tensor:
-    sid, off, dtype, shape, stride, _extent = _checked_entry(entry, i, where, sizes)
-    if sid == -1:
-        return torch.empty_strided(shape, stride, dtype=dtype)
-    t = torch.empty(0, dtype=dtype)
-    t.set_(spans[sid].untyped_storage(), off // dtype.itemsize, shape, stride)
+    rec = parse_tensor_entry(entry, i, where, sizes)
+    if rec.storage == -1:
+        return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype)
+    item = rec.dtype.itemsize
+    t = torch.empty(0, dtype=rec.dtype)
+    t.set_(spans[rec.storage].untyped_storage(), rec.offset // item, rec.shape, rec.stride)
     return t

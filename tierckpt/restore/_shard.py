@@ -17,7 +17,6 @@ from tierckpt.errors import FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
 from tierckpt.restore._fetch import PIECE_BYTES, FetchStarts, warm
-from tierckpt.restore._gc import gc_paused
 from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
@@ -82,8 +81,7 @@ def read_shard(
         # tensors takes a few ms to allocate, which the first GETs need not wait for
         spans: list[torch.Tensor] = [_NONE] * len(sizes)
         first_hi = chunks[0].logical_offset + chunks[0].raw_size + PIECE_BYTES if chunks else 0
-        with gc_paused():  # a tensor per storage (see ``_gc``)
-            _allocate(spans, sizes, span_offsets, lambda off: off < first_hi)
+        _allocate(spans, sizes, span_offsets, lambda off: off < first_hi)
         repop = Repopulation(repopulate, ref.file)
         starts = FetchStarts(_workers(fetch_pool)) if fetch_pool is not None else None
         reader = ChunkReader(
@@ -113,8 +111,7 @@ def read_shard(
     try:
         if chunks:
             futures.append(pool.submit(reader.read, 0))
-        with gc_paused():
-            _allocate(spans, sizes, span_offsets, lambda off: off >= first_hi)
+        _allocate(spans, sizes, span_offsets, lambda off: off >= first_hi)
         futures += [pool.submit(reader.read, ci) for ci in range(1, len(chunks))]
         if starts is not None:
             starts.wait(futures)
@@ -122,20 +119,16 @@ def read_shard(
         covered = sum(c.raw_size for c in chunks)
         if covered != data_bytes:
             raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
-        # CPU work on this thread only, a few objects per tensor: the collector is paused
-        # (see ``_gc``), never while waiting for the chunks
+        tensors = [
+            rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
+        ]
+        as_parameters(tensors, index.get("parameters"), where)
         early = not _may_hold_quantized(index_blob)
-        with gc_paused():
-            tensors = [
-                rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
-            ]
-            as_parameters(tensors, index.get("parameters"), where)
-            if early:  # nothing in it reads the bytes: decoded while they download
-                state = decode_tree(index.get("tree"), tensors, **tree_args(index))
+        if early:  # nothing in it reads the bytes: decoded while they download
+            state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         stored_total = sum(f.result() for f in futures)
         if not early:
-            with gc_paused():
-                state = decode_tree(index.get("tree"), tensors, **tree_args(index))
+            state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         read_seconds = time.perf_counter() - t0
     except BaseException:
         for f in futures:
