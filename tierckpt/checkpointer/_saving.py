@@ -125,8 +125,7 @@ class SavePath(PipelineOwner):
 
     # -- starting a save ---------------------------------------------------------------
     def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
-        step = as_step(step)
-        manifest_name(step)  # validates the range
+        manifest_name(step)  # validates the range (the type: save() took it through as_step)
         # checked (and copied) now, with the limits a reader applies: not after the data
         try:
             metadata = encode_metadata(metadata)
@@ -301,13 +300,11 @@ def as_step(step: object) -> int:
     """A step as the caller gave it: an ``int``, or an integer that indexes as one (a NumPy
     integer, a one-element integer tensor: Python's own indexing takes them, via
     ``__index__``); never a ``bool`` or a float. Raises ``ValueError`` otherwise."""
-    value = None
-    if not isinstance(step, bool):
-        try:
-            value = operator.index(step)  # type: ignore[arg-type]
-        except TypeError:
-            value = None
-    if value is None or value < 0:
+    try:
+        value = -1 if isinstance(step, bool) else operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if value < 0:
         raise ValueError(
             f"step must be a non-negative int (or an integer NumPy/torch scalar), got {step!r}"
         )
