@@ -18,10 +18,11 @@ import torch
 from golden_state import golden_state
 from helpers import assert_same
 
-from tierckpt import Checkpointer, LocalTier, StateMismatch, UnsupportedObject
+from tierckpt import Checkpointer, LocalTier, NodeRamTier, StateMismatch, UnsupportedObject
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import FormatError
 from tierckpt.integrations import sanitize_state
+from tierckpt.noderam_map import live_mappings
 from tierckpt.offline import inspect_checkpoint, verify_checkpoint
 from tierckpt.tree import decode_tree, encode_tree, tree_side_table
 
@@ -155,6 +156,24 @@ def test_arrays_are_copied_once(tmp_path: Path) -> None:
         h = ck.save({"model": model.state_dict(), "perm": np.arange(1000), "t": torch.ones(8)}, 1)
         h.wait(timeout=120)
     assert h.eager_bytes == 8 * 4
+
+
+def test_node_ram_load_gives_writable_arrays_that_keep_the_segment(shm: Path) -> None:
+    """From node RAM a load maps the segment copy-on-write: an array of it is writable and a
+    write stays private to the process."""
+    state = {"perm": np.arange(5000, dtype=np.int64), "loss": np.float64(2.0)}
+    with Checkpointer([NodeRamTier(path=shm, namespace="run", stale_after_s=None)]) as ck:
+        ck.save(state, 1).wait(timeout=120)
+        ck.wait(retention=True)
+    (seg,) = [p for p in shm.rglob("*") if p.is_file() and p.stat().st_size > 40_000]
+    before = seg.read_bytes()
+    with Checkpointer([NodeRamTier(path=shm, namespace="run", stale_after_s=None)]) as ck:
+        got = ck.load(step=1)
+        assert live_mappings([str(shm)]), "the load did not map the segment"
+        assert_same(state, got)
+        got["perm"][:] = -1
+        assert seg.read_bytes() == before
+        assert_same(state, ck.load(step=1))
 
 
 # -- NumPy random states ----------------------------------------------------------------------
