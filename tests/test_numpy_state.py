@@ -231,6 +231,19 @@ def test_load_into_restores_arrays_in_place_and_the_rng_tuple(tmp_path: Path) ->
             ck.load(step=1, into={**target, "loss": np.zeros(1)})
 
 
+def test_load_into_rebuilds_tuples(tmp_path: Path) -> None:
+    """A tuple cannot change in place: load(into=) used to keep the target's tuple, its
+    tensors restored but its ints and floats the target's (an RNG state tuple half restored).
+    It is rebuilt now, its tensors still restored in place."""
+    t = torch.zeros(3)
+    target = {"p": (t, 0, 0.0), "l": [(1, 2)]}
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save({"p": (torch.ones(3), 7, 0.5), "l": [(3, 4)]}, 1).wait(timeout=120)
+        assert ck.load(step=1, into=target) is target
+    assert target["p"][0] is t and torch.equal(t, torch.ones(3))
+    assert target["p"][1:] == (7, 0.5) and target["l"] == [(3, 4)]
+
+
 # -- what is refused at save ------------------------------------------------------------------
 
 
