@@ -417,6 +417,19 @@ def test_verify_inspect_and_export(tmp_path: Path) -> None:
     assert np.array_equal(arrays[ref["name"]], np.arange(10, dtype=np.int32)[::-1])
 
 
+def test_dcp_planner_data_keeps_scalars_and_refuses_arrays() -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from tierckpt.dcp._metadata import decode_metadata, encode_metadata
+
+    md = Metadata(state_dict_metadata={}, planner_data={"epoch": np.int64(4)})
+    back = decode_metadata(encode_metadata(md), where="t")
+    assert type(back.planner_data["epoch"]) is np.int64 and back.planner_data["epoch"] == 4
+    md.planner_data = {"perm": np.arange(3)}
+    with pytest.raises(UnsupportedObject, match=r"NumPy array at \['perm'\]"):
+        encode_metadata(md)
+
+
 def test_sanitize_state_keeps_numpy_values() -> None:
     perm = np.arange(4)
     out = sanitize_state({"perm": perm, "loss": np.float64(1.5), "names": np.array(["a"])})
