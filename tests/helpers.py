@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -96,7 +97,10 @@ def zoo_state() -> dict[Any, Any]:
 def assert_same(a: Any, b: Any, path: str = "") -> None:
     """Bit-exact, type-exact equality of two state trees."""
     assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, (np.ndarray, np.generic)):  # NumPy: dtype, shape and bytes
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a!r} vs {b!r}"
+        assert a.tobytes() == b.tobytes(), f"{path}: bytes differ"
+    elif isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, (
             f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
         )

@@ -22,7 +22,9 @@ each alias to it (as Hugging Face records them, so ``safetensors.torch.load_mode
 tied modules) and ``state.json`` lists them. Other tensors that overlap in storage (``B =
 A[:1]``) are not aliases: each is stored under its own name. Every dtype the installed
 safetensors stores is exported (float8_e8m0fnu, float4_e2m1fn_x2 with a recent one); the
-others (complex128, sub-byte integer types) are skipped and listed.
+others (complex128, sub-byte integer types) are skipped and listed. A NumPy array is
+exported as a tensor of the same dtype (its reference in ``state.json`` says ``"numpy":
+dtype``); a NumPy scalar is written to ``state.json`` as its Python value.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierckpt.backends.base import Backend
@@ -156,6 +159,23 @@ def flatten_state(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]
     return out
 
 
+def _arrays_as_tensors(state: Any, arrays: dict[int, str]) -> Any:
+    """``state`` with each NumPy array replaced by a tensor viewing it (``arrays``: the
+    tensors' ids to the arrays' dtypes), so arrays are exported as the tensors they are in
+    the checkpoint."""
+    if isinstance(state, np.ndarray):
+        t = torch.from_numpy(state)
+        arrays[id(t)] = state.dtype.name
+        return t
+    if isinstance(state, dict):
+        return type(state)((k, _arrays_as_tensors(v, arrays)) for k, v in state.items())
+    if isinstance(state, list):
+        return [_arrays_as_tensors(v, arrays) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_arrays_as_tensors(v, arrays) for v in state)
+    return state
+
+
 def _jsonable(x: Any, ref: dict[int, dict[str, str]]) -> Any:
     """A readable JSON form of the non-tensor state; tensors become references."""
     if isinstance(x, torch.Tensor):
@@ -174,6 +194,8 @@ def _jsonable(x: Any, ref: dict[int, dict[str, str]]) -> Any:
         return {"$bytes": base64.b64encode(x).decode("ascii")}
     if isinstance(x, (torch.dtype, torch.device)):
         return str(x)
+    if isinstance(x, np.generic):  # a NumPy scalar: its Python value
+        return _jsonable(x.item(), ref)
     return repr(x)
 
 
@@ -236,7 +258,8 @@ def export_safetensors(
             where = out_dir if len(ranks) == 1 else os.path.join(out_dir, f"rank-{r:06d}")
             _ensure_writable(where)
             res = ExportResult(step, r, where)
-            state = loaded.state
+            arrays: dict[int, str] = {}  # tensors that were NumPy arrays: their dtypes
+            state = _arrays_as_tensors(loaded.state, arrays)
             groups: OrderedDict[str, list[tuple[str, torch.Tensor]]] = OrderedDict()
             if (
                 not single_file
@@ -286,6 +309,8 @@ def export_safetensors(
                 )
                 for t, (file, name) in written.items():
                     ref[t] = {"$safetensors": file, "name": name}
+                    if t in arrays:
+                        ref[t]["numpy"] = arrays[t]
             doc = {
                 "tierckpt_export": 1,
                 "format_version": FORMAT_VERSION,

@@ -178,6 +178,9 @@ class CollectedState:
     #: ``2 * tensor + requires_grad`` for each tensor that is an ``nn.Parameter`` (a load
     #: gives it back as a Parameter with its requires_grad, as ``torch.load`` does)
     parameters: list[int] = field(default_factory=list)
+    #: indices of the tensors that are copies taken by the walk itself (NumPy arrays): a
+    #: snapshot already, which ``snapshot_eager`` need not copy again
+    copies: list[int] = field(default_factory=list)
 
 
 def collect_state(state: Any) -> CollectedState:
@@ -193,8 +196,9 @@ def collect_state(state: Any) -> CollectedState:
             parameters.append(2 * (len(tensors) - 1) + bool(t.requires_grad))
         return len(tensors) - 1
 
-    tree = encode_tree(state, on_tensor)
-    return CollectedState(tree, tensors, devices, parameters)
+    copies: list[int] = []
+    tree = encode_tree(state, on_tensor, copies=copies)
+    return CollectedState(tree, tensors, devices, parameters, copies)
 
 
 def build_plan(state: Any, chunk_bytes: int) -> ShardLayout:

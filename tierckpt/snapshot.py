@@ -127,17 +127,22 @@ class Snapshot:
     eager_tensors: int
 
 
-def snapshot_eager(tensors: list[torch.Tensor], lazy: set[_Key]) -> Snapshot:
+def snapshot_eager(
+    tensors: list[torch.Tensor], lazy: set[_Key], copies: Iterable[int] | None = None
+) -> Snapshot:
     """Copy every tensor whose storage is not in ``lazy``; keep the others by reference.
 
-    ``nn.Parameter`` objects put in the state directly are parameters, hence lazy too.
+    ``nn.Parameter`` objects put in the state directly are parameters, hence lazy too. The
+    tensors at ``copies`` are private copies already (of NumPy arrays, taken by the walk):
+    kept as they are.
     """
     out = list(tensors)
     groups: dict[_Key, list[int]] = {}
     eager_bytes = 0
     eager_n = 0
+    own = frozenset(copies or ())
     for i, t in enumerate(tensors):
-        if type(t) is torch.nn.Parameter or t.numel() == 0:
+        if type(t) is torch.nn.Parameter or t.numel() == 0 or i in own:
             continue
         k = _key(t)
         if k in lazy:

@@ -431,6 +431,16 @@ CASES = [
         r"tensor reference 99 out of range",
         _edits(index=_set("tree", {"$tensor": 99})),
     ),
+    Case(
+        "tree: a $ndarray of dtype 'object'",
+        r"unknown NumPy dtype 'object'",
+        _edits(index=_set("tree", {"$ndarray": [0, "object"]})),
+    ),
+    Case(
+        "tree: a $ndarray whose tensor is of another dtype",
+        r"tensor is torch.float32, not torch.complex128",
+        _edits(index=_set("tree", {"$ndarray": [0, "complex128"]})),
+    ),
     Case("tree: 5,000-digit $int", r"bad \$int", _edits(index=_set("tree", {"$int": "9" * 5000}))),
     Case(
         "tree: two tags in one node",

@@ -371,13 +371,15 @@ class Checkpointer(SavePath):
         ``step``: that step, of the newest timeline holding it; ``timeline``: only that
         timeline's checkpoints. ``into``: copy into these existing tensors in place (shapes
         must match; a tensor of another floating-point dtype is cast, as ``load_state_dict``
-        does) and return it; ``strict=False``: restore only the keys both hold (the others
+        does) and return it (NumPy arrays too, of the same dtype; a tuple is rebuilt with the
+        checkpoint's values); ``strict=False``: restore only the keys both hold (the others
         stay as they are), as ``load_state_dict(strict=False)`` does. ``nn.Parameter`` values
         come back as Parameters with their ``requires_grad``, as with ``torch.load``.
         ``fallback="previous"``: if every tier's copy is unreadable, try older checkpoints of
         the same history (older steps of its timeline, then the steps of older timelines
         below the point where the newer one branched off; never steps of an abandoned run).
-        ``map_location``: device of the returned tensors (default CPU).
+        ``map_location``: device of the returned tensors (default CPU; NumPy arrays stay on
+        the CPU).
 
         The next ``save()`` after a load chooses its timeline again: a step after the newest
         committed one continues its timeline; an older or equal one starts a new timeline.

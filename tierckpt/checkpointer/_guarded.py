@@ -31,12 +31,15 @@ class GuardedSources:
         """Add what ``guard(optimizer, model)`` named."""
         self._lazy.add(optimizer, modules)
 
-    def snapshot(self, tensors: list[torch.Tensor], handle: SaveHandle) -> list[torch.Tensor]:
-        """Copy what the next forward pass may write (see :mod:`tierckpt.snapshot`)."""
+    def snapshot(
+        self, tensors: list[torch.Tensor], handle: SaveHandle, copies: list[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Copy what the next forward pass may write (see :mod:`tierckpt.snapshot`).
+        ``copies``: indices of tensors that are private copies already (NumPy arrays)."""
         if not self._lazy.guarded:
             # nothing tells parameters from buffers: copying all would copy the model at
             # every save, so the whole state stays lazy, as the caller's wait_captured() implies
-            if tensors:
+            if len(tensors) > len(copies or ()):
                 self._warn_once(
                     "no-guard",
                     "save() without guard(): tierckpt cannot tell parameters from buffers, so "
@@ -47,7 +50,7 @@ class GuardedSources:
                     "copied at save(), parameters and optimizer state captured lazily",
                 )
             return tensors
-        snap = snapshot_eager(tensors, self._lazy.storages())
+        snap = snapshot_eager(tensors, self._lazy.storages(), copies)
         handle.eager_bytes = snap.eager_bytes
         self._warn_eager(snap)
         return snap.tensors

@@ -169,7 +169,7 @@ class SavePath(PipelineOwner):
                 return handle
             # before the ready events: on CUDA the copies are queued ahead of the capture's
             # wait
-            collected.tensors = self._guarded.snapshot(collected.tensors, handle)
+            collected.tensors = self._guarded.snapshot(collected.tensors, handle, collected.copies)
             job = SaveJob(
                 step=step,
                 plan=None,

@@ -98,7 +98,10 @@ def _rows(flat: list[int], width: int, n: int, what: str, where: str) -> list[li
 
 
 def _refuse_tensor(t: torch.Tensor, path: object) -> int:
-    raise UnsupportedObject(f"DCP planner_data holds a tensor at {path}; it cannot be stored")
+    raise UnsupportedObject(
+        f"DCP planner_data holds a tensor or a NumPy array at {path}; it cannot be stored "
+        "(DCP metadata keeps no tensor data)"
+    )
 
 
 def encode_metadata(md: Metadata) -> bytes:

@@ -10,7 +10,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import numpy as np
 import torch
+
+from tierckpt.tree import numpy_storable
 
 __all__ = ["closure_guard_hook", "sanitize_state"]
 
@@ -26,12 +29,15 @@ def sanitize_state(
 
     Dict subclasses (``AttributeDict``, ``defaultdict``) become dicts (``OrderedDict`` stays),
     namedtuples and list subclasses become tuples and lists, paths become strings, enums their
-    values, dataclasses dicts. With ``unsupported="repr"`` any other object is stored as its
+    values, dataclasses dicts; NumPy arrays and scalars of numeric or bool dtypes stay as they
+    are (tierckpt stores them). With ``unsupported="repr"`` any other object is stored as its
     ``repr()`` string (logged once per path; it cannot be restored as an object); with
     ``"error"`` it is left alone, so ``save()`` refuses it with ``UnsupportedObject``.
     """
     if isinstance(obj, torch.Tensor) or type(obj) in _PLAIN:
         return obj
+    if isinstance(obj, (np.ndarray, np.generic)) and numpy_storable(obj):
+        return obj  # stored as it is (a NumPy array or scalar of a numeric or bool dtype)
     if isinstance(obj, Mapping):
         items = [
             (

@@ -44,6 +44,8 @@ def tensor_paths(tree: Any) -> dict[int, str]:
             ((tag, v),) = node.items()
             if tag == "$tensor" and type(v) is int:
                 out.setdefault(v, path or "<root>")
+            elif tag == "$ndarray" and isinstance(v, list) and v and type(v[0]) is int:
+                out.setdefault(v[0], path or "<root>")  # a NumPy array: a tensor of the file
             elif tag == "$tuple" and isinstance(v, list):
                 walk(v, path, depth + 1)
             elif tag in ("$dict", "$odict") and isinstance(v, list):

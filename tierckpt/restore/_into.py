@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierckpt.errors import (
@@ -32,7 +33,9 @@ def restore_into(target: Any, loaded: Any, path: str = "<root>", *, strict: bool
     and torchsnapshot's partial restore): only the keys both sides hold are restored; the
     others are left as they are and logged. Shapes must match either way. A tensor loads into
     a tensor of another floating-point dtype by casting (``copy_``, as ``load_state_dict``
-    does: float32 into bfloat16 rounds); any other dtype difference is refused."""
+    does: float32 into bfloat16 rounds); any other dtype difference is refused. A NumPy array
+    loads into a writable array of the same dtype and shape in place, as a tensor does; a
+    tuple is rebuilt (it cannot change in place), so its scalars are the checkpoint's too."""
     skipped: list[str] = []
     _check_into(target, loaded, path, strict, skipped)
     if skipped:
@@ -65,6 +68,22 @@ def _check_into(target: Any, loaded: Any, path: str, strict: bool, skipped: list
                 )
             )
         return
+    if isinstance(target, np.ndarray):
+        if not isinstance(loaded, np.ndarray):
+            raise StateMismatch(
+                f"{path}: the checkpoint holds a {type(loaded).__name__}, the target a NumPy array"
+            )
+        if target.shape != loaded.shape or target.dtype != loaded.dtype:
+            raise StateMismatch(
+                f"{path}: checkpoint has a {loaded.dtype} array {loaded.shape}, target has "
+                f"{target.dtype} {target.shape}"
+            )
+        if not target.flags.writeable:
+            raise StateMismatch(
+                f"{path}: the target NumPy array is read-only; make it writable "
+                "(x.setflags(write=True) or a copy) or load without into="
+            )
+        return
     if isinstance(target, dict):
         if not isinstance(loaded, dict):
             raise StateMismatch(f"{path}: target is a dict, checkpoint a {type(loaded).__name__}")
@@ -93,6 +112,9 @@ def _copy_into(target: Any, loaded: Any) -> Any:
         with torch.no_grad():
             target.copy_(loaded)
         return target
+    if isinstance(target, np.ndarray):
+        np.copyto(target, loaded)
+        return target
     if isinstance(target, dict):
         for k in target:
             if k not in loaded:
@@ -108,9 +130,12 @@ def _copy_into(target: Any, loaded: Any) -> Any:
                 target[i] = new
         return target
     if isinstance(target, tuple):
-        for a, b in zip(target, loaded, strict=True):
-            _copy_into(a, b)
-        return target
+        # tensors and arrays in it are restored in place; a tuple with the checkpoint's
+        # scalars replaces it where its container can change (a dict, a list)
+        items = [_copy_into(a, b) for a, b in zip(target, loaded, strict=True)]
+        if all(a is b for a, b in zip(items, target, strict=True)):
+            return target
+        return type(target)(*items) if hasattr(target, "_fields") else type(target)(items)
     return loaded
 
 

@@ -18,7 +18,15 @@ torch.dtype         ``{"$dtype": "float32"}``
 torch.device        ``{"$device": "cuda:0"}``
 torch.Tensor        ``{"$tensor": n}`` — the n-th entry of the shard index's tensor table
 quantized tensor    ``{"$qtensor": [n, "qint8", qscheme, ...parameters]}`` (below)
+numpy.ndarray       ``{"$ndarray": [n, "float32"]}`` — entry n holds a copy taken at save()
+NumPy scalar        ``{"$npscalar": ["float64", "<base64 of its little-endian bytes>"]}``
 =================  ==========================================================
+
+NumPy values (:mod:`tierckpt.tree._numpy`) are those of a fixed list of dtypes (bool, signed
+and unsigned ints of 8 to 64 bits, float16/32/64, complex64/128), in native byte order; the
+array's tensor is a CPU tensor of the torch dtype of the same name, and a load gives back a
+writable ``np.ndarray`` viewing it. Other dtypes, byte-swapped arrays and ndarray subclasses
+are refused at save time naming the key path.
 
 A quantized tensor is stored as its integer representation (entry ``n``, a uint8 / int8 / int32
 view of the same storage, captured lazily like any tensor) and its quantization parameters:
@@ -39,7 +47,8 @@ refuses at save time what JSON would not give back as it was (non-str keys, tupl
 types) and what is larger than a reader accepts.
 
 Behind this module: ``_common`` (limits, dtypes, key paths), ``_encode`` (save time),
-``_metadata`` (the manifest's user metadata), ``_decode`` (load time).
+``_metadata`` (the manifest's user metadata), ``_decode`` (load time), ``_numpy`` (NumPy
+arrays and scalars).
 """
 
 from __future__ import annotations
@@ -62,16 +71,22 @@ from tierckpt.tree._encode import (
 from tierckpt.tree._metadata import (
     encode_metadata,
 )
+from tierckpt.tree._numpy import (
+    NUMPY_DTYPES,
+    numpy_storable,
+)
 
 __all__ = [
     "DTYPES",
     "MAX_DEPTH",
     "MAX_NODES",
+    "NUMPY_DTYPES",
     "KeyPath",
     "decode_tree",
     "dtype_from_name",
     "dtype_name",
     "encode_metadata",
     "encode_tree",
+    "numpy_storable",
     "tree_side_table",
 ]

@@ -40,7 +40,8 @@ _NODE_INDEX_BYTES = 40
 _INDEX_HEADROOM = 1 << 20
 _STORED_TYPES = (
     "tensors, dict, OrderedDict, list, tuple, str, int, float, bool, None, bytes, "
-    "torch.Size, torch.dtype and torch.device"
+    "torch.Size, torch.dtype, torch.device, and NumPy arrays and scalars of numeric or bool "
+    "dtypes"
 )
 
 

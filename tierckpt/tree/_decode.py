@@ -22,6 +22,7 @@ from tierckpt.tree._common import (
     dtype_from_name,
     dtype_name,
 )
+from tierckpt.tree._numpy import decode_ndarray, decode_scalar
 
 
 def decode_tree(
@@ -148,7 +149,20 @@ def decode_tree(
             seen += len(v)
             more_nodes(len(v))
             return _dequantized_ref(v, tensor, callable(tensors))
-        raise FormatError(f"unknown tag {tag!r} in object tree")
+        if tag == "$ndarray" or tag == "$npscalar":
+            if not isinstance(v, list) or len(v) != 2:
+                raise FormatError(
+                    f"{tag} needs " + ("[tensor, dtype]" if tag == "$ndarray" else "[dtype, bytes]")
+                )
+            seen += 2
+            more_nodes(2)
+            if tag == "$npscalar":
+                return decode_scalar(v)
+            return decode_ndarray(v, tensor, callable(tensors))
+        raise FormatError(
+            f"unknown tag {str(tag)[:40]!r} in object tree (written by a newer tierckpt? "
+            "upgrade tierckpt to read it)"
+        )
 
     out = dec(data, 0)
     if odict_metadata is not None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierckpt import limits
@@ -28,10 +29,19 @@ from tierckpt.tree._common import (
     _path_str,
     dtype_name,
 )
+from tierckpt.tree._numpy import encode_ndarray, encode_scalar
 
 
-def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) -> JSON:
+def encode_tree(
+    obj: object,
+    on_tensor: Callable[[torch.Tensor, KeyPath], int],
+    *,
+    copies: list[int] | None = None,
+) -> JSON:
     """Encode ``obj``; each tensor is handed to ``on_tensor(t, path)`` for its table index.
+
+    A NumPy array is handed over as a tensor too: a copy of it taken here, whose table index
+    is appended to ``copies`` (a snapshot already: nothing else need copy it).
 
     Refuses with :class:`UnsupportedObject` naming the key path whatever
     :func:`decode_tree` would refuse or not give back as it was.
@@ -112,6 +122,25 @@ def encode_tree(obj: object, on_tensor: Callable[[torch.Tensor, KeyPath], int]) 
             text = str(x)
             size += len(text)
             return {"$device": text}
+        if isinstance(x, np.ndarray):
+            if in_side:
+                raise UnsupportedObject(f"a NumPy array in the _metadata at {_path_str(path)}")
+            copy, name = encode_ndarray(x, path)
+            nodes += 2  # the record's two fields, as decode_tree counts them
+            if nodes > max_nodes:
+                raise refuse_nodes(path)
+            size += _TENSOR_INDEX_BYTES + _DIM_INDEX_BYTES * copy.dim() + len(name)
+            n = on_tensor(copy, KeyPath(path))
+            if copies is not None:
+                copies.append(n)
+            return {"$ndarray": [n, name]}
+        if isinstance(x, np.generic):
+            payload = encode_scalar(x, path)
+            nodes += 2
+            if nodes > max_nodes:
+                raise refuse_nodes(path)
+            size += sum(len(str(p)) for p in payload)
+            return {"$npscalar": payload}
         raise UnsupportedObject(
             f"cannot store {t.__module__}.{t.__qualname__} at {_path_str(path)}: tierckpt stores "
             f"{_STORED_TYPES} without pickle; convert this value (e.g. with .state_dict(), "
