@@ -67,7 +67,6 @@ BACKENDS = [
     pytest.param("memory", id="memory"),
     pytest.param("local", id="local"),
     pytest.param("local-buffered", id="local-buffered"),  # direct I/O off: the page cache
-    pytest.param("local-recycle", id="local-recycle"),  # deleted files parked, then overwritten
     pytest.param("boto3-moto", id="boto3-moto", marks=S3),
     pytest.param("boto3-seaweedfs", id="boto3-seaweedfs", marks=S3),
     pytest.param("obstore-moto", id="obstore-moto", marks=S3),
@@ -81,7 +80,6 @@ LEAVES_INCOMPLETE = frozenset(
     {
         "local",
         "local-buffered",
-        "local-recycle",
         "boto3-moto",
         "boto3-seaweedfs",
         "obstore-moto",
@@ -96,10 +94,6 @@ def open_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> B
         namespace = f"test-{secrets.token_hex(4)}"
         request.addfinalizer(lambda: MemoryBackend.clear_namespace(namespace))
         return MemoryBackend(namespace)
-    if kind == "local-recycle":
-        backend = LocalBackend(tmp_path / "store", recycle=True)
-        backend._spares.min_size = 1  # every deleted object is parked and reused
-        return backend
     if kind.startswith("local"):
         return LocalBackend(tmp_path / "store", direct_io=kind == "local")
     driver, _, where = kind.partition("-")
@@ -612,12 +606,4 @@ def test_range_responses_checked() -> None:
     for resp, message in bad:
         with pytest.raises(FormatError, match=message):
             check("k", resp, 5, 14)
-    backend.close()
-
-
-def test_stateful_local_recycle(tmp_path: Path) -> None:
-    """Deleted objects parked and overwritten by later writes: the same as a dict."""
-    backend = LocalBackend(tmp_path, recycle=True)
-    backend._spares.min_size = 1
-    run_backend_state_machine(backend)
     backend.close()

@@ -88,14 +88,6 @@ KNOBS: tuple[Knob, ...] = (
         "raw chunks are written to local tiers with O_DIRECT (off: through the page cache)",
     ),
     Knob(
-        "LocalBackend(recycle=)",
-        "TIERCKPT_RECYCLE",
-        "on",
-        "bool (1/true/yes/on, 0/false/no/off)",
-        "a local tier overwrites the shard files retention retires (parked in .spare/) "
-        "instead of deleting them and writing new ones",
-    ),
-    Knob(
         "Checkpointer(exit_timeout_s=)",
         "TIERCKPT_EXIT_TIMEOUT_S",
         "60",

@@ -239,15 +239,6 @@ def direct_io(arg: bool | None = None) -> bool:
     return True if env is None else env
 
 
-def recycle(arg: bool | None = None) -> bool:
-    """Local tiers overwrite retired shard files instead of deleting them and writing new
-    ones (tierckpt.backends._spares): ``arg``, else ``TIERCKPT_RECYCLE``, else on."""
-    if arg is not None:
-        return arg
-    env = _env_bool("TIERCKPT_RECYCLE")
-    return True if env is None else env
-
-
 def exit_timeout_s(arg: float | None = None) -> float:
     """Seconds in-flight saves get at interpreter exit: ``arg`` (negative: 0), else
     ``TIERCKPT_EXIT_TIMEOUT_S`` (a number; negative: 0), else :data:`DEFAULT_EXIT_TIMEOUT_S`."""

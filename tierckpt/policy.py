@@ -61,7 +61,7 @@ from tierckpt.backends.base import Backend
 from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
-from tierckpt.config import S3_DRIVERS, recycle, s3_driver
+from tierckpt.config import S3_DRIVERS, s3_driver
 from tierckpt.layout import check_prefixes
 from tierckpt.redact import redact, refuse_credentials
 from tierckpt.retention import Retention
@@ -235,7 +235,7 @@ class LocalTier(TierSpec):
             raise ValueError("LocalTier needs a folder path")
 
     def make_backend(self) -> Backend:
-        return LocalBackend(self.path, recycle=recycle())
+        return LocalBackend(self.path)
 
 
 def _folder_of(path: str) -> str:

@@ -269,10 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         host_buffer_bytes=8 << 20,
         repopulate=not args.s3_only,
     )
-    for t in ck._tiers:  # retired local shard files are parked and overwritten, however
-        spares = getattr(t.backend, "_spares", None)  # small, so the kills hit that path too
-        if spares is not None and spares.enabled:
-            spares.min_size = 1
     start = 0
     if ck.steps():
         try:

@@ -29,7 +29,6 @@ import numpy as np
 
 from tierckpt import _libc, config
 from tierckpt._types import BytesLike
-from tierckpt.backends._spares import SPARE_DIR, SparePool
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
@@ -47,7 +46,6 @@ DIRECT_ALIGN = 4096
 #: writes shorter than this go through the page cache (direct I/O pays for large writes)
 DIRECT_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_ZEROS = bytes(1 << 20)
 #: most buffers one preadv call takes (Linux IOV_MAX)
 _IOV_MAX = 1024
 
@@ -90,36 +88,17 @@ class _LocalWriter(ObjectWriter):
         self._backend = backend
         self._final = backend._path(name)
         self._tmp = f"{self._final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
-        #: a parked file taken to be overwritten: the byte ranges written so far (the rest
-        #: of [0, size) is zeroed at commit, so the file is what a fresh one would hold)
-        self._written: list[tuple[int, int]] | None = None
         try:
             os.makedirs(os.path.dirname(self._final), exist_ok=True)
-            self._fd: int | None = self._open_spare()
-            if self._fd is None:
-                self._fd = os.open(
-                    self._tmp,
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                    0o644,
-                )
+            self._fd: int | None = os.open(
+                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
         except OSError as exc:
             raise _os_error(backend.url, name, "create", exc) from exc
         self._direct_fd: int | None = None
         self._unflushed = 0
         #: bytes written with O_DIRECT (for tests and stats)
         self.direct_bytes = 0
-
-    def _open_spare(self) -> int | None:
-        """A parked file renamed to this writer's temporary name, opened for overwriting."""
-        if not self._backend._spares.take(self._tmp):
-            return None
-        try:
-            fd = os.open(self._tmp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            self._unlink_tmp()
-            return None
-        self._written = []
-        return fd
 
     def _direct(self) -> int | None:
         """The O_DIRECT descriptor of the temporary file, or None where it is not possible."""
@@ -137,43 +116,32 @@ class _LocalWriter(ObjectWriter):
         if self._fd is None:
             raise FormatError(f"{self._backend.url}/{self.name}: write after commit/abort")
         view = memoryview(data).cast("B")
-        try:
-            self._write(offset, view)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC or not self._backend._spares.drop_all():
-                raise _os_error(self._backend.url, self.name, "write", exc) from exc
-            try:  # the space of the parked files is free now: once more
-                self._write(offset, view)
-            except OSError as exc2:
-                raise _os_error(self._backend.url, self.name, "write", exc2) from exc2
-
-    def _write(self, offset: int, view: memoryview) -> None:
-        assert self._fd is not None
         n = len(view)
-        done = 0
-        aligned = n // DIRECT_ALIGN * DIRECT_ALIGN
-        if (
-            aligned >= DIRECT_MIN
-            and offset % DIRECT_ALIGN == 0
-            and _address(view) % DIRECT_ALIGN == 0
-            and (dfd := self._direct()) is not None
-        ):
-            try:
-                while done < aligned:
-                    wrote = os.pwrite(dfd, view[done:aligned], offset + done)
-                    done += wrote
-                    if wrote <= 0 or wrote % DIRECT_ALIGN:
-                        break  # a short, unaligned write: the rest goes the buffered way
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._backend._no_direct(exc)  # accepted at open, refused at write
-            self.direct_bytes += done
-        buffered_from = done
-        while done < n:
-            done += os.pwrite(self._fd, view[done:], offset + done)
-        if self._written is not None:
-            self._written.append((offset, offset + n))
+        try:
+            done = 0
+            aligned = n // DIRECT_ALIGN * DIRECT_ALIGN
+            if (
+                aligned >= DIRECT_MIN
+                and offset % DIRECT_ALIGN == 0
+                and _address(view) % DIRECT_ALIGN == 0
+                and (dfd := self._direct()) is not None
+            ):
+                try:
+                    while done < aligned:
+                        wrote = os.pwrite(dfd, view[done:aligned], offset + done)
+                        done += wrote
+                        if wrote <= 0 or wrote % DIRECT_ALIGN:
+                            break  # a short, unaligned write: the rest goes the buffered way
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._backend._no_direct(exc)  # accepted at open, refused at write
+                self.direct_bytes += done
+            buffered_from = done
+            while done < n:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError as exc:
+            raise _os_error(self._backend.url, self.name, "write", exc) from exc
         self.size = max(self.size, offset + n)
         self._unflushed += n - buffered_from
         if self._unflushed >= WRITEBACK_BYTES and _sync_file_range is not None:
@@ -187,8 +155,6 @@ class _LocalWriter(ObjectWriter):
         fd, self._fd = self._fd, None
         self._close_direct()
         try:
-            if self._written is not None:
-                self._fit_reused(fd)
             os.fsync(fd)  # the file's data from both descriptors, and its size
             os.close(fd)
             fd = -1
@@ -199,18 +165,6 @@ class _LocalWriter(ObjectWriter):
                 os.close(fd)
             self._unlink_tmp()
             raise _os_error(self._backend.url, self.name, "commit", exc) from exc
-
-    def _fit_reused(self, fd: int) -> None:
-        """Make a reused file hold what a fresh one would: zeros where nothing was written
-        (the padding between chunks), nothing past the end."""
-        assert self._written is not None
-        pos = 0
-        for start, end in sorted(self._written):
-            while pos < start:
-                pos += os.pwrite(fd, _ZEROS[: min(len(_ZEROS), start - pos)], pos)
-            pos = max(pos, end)
-        if os.fstat(fd).st_size > self.size:
-            os.ftruncate(fd, self.size)
 
     def _unlink_tmp(self) -> None:
         try:
@@ -238,13 +192,7 @@ class _LocalWriter(ObjectWriter):
 
 
 class LocalBackend(Backend):
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        *,
-        direct_io: bool | None = None,
-        recycle: bool = False,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, direct_io: bool | None = None) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         try:
@@ -255,9 +203,6 @@ class LocalBackend(Backend):
         direct_io = config.direct_io(direct_io)
         #: False once the filesystem refused O_DIRECT (then every write uses the page cache)
         self._direct_ok = bool(direct_io and _O_DIRECT)
-        #: retired large files parked for the next shard file to overwrite (``recycle``:
-        #: what a local tier's writer uses; tierckpt.backends._spares says why it is safe)
-        self._spares = SparePool(self.root, recycle)
 
     def _no_direct(self, exc: OSError) -> None:
         if self._direct_ok:
@@ -413,14 +358,12 @@ class LocalBackend(Backend):
 
     def delete(self, name: str) -> None:
         path = self._path(name)
-        if not self._spares.park(path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                raise _os_error(self.url, name, "delete", exc) from exc
-            self._spares.removed(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _os_error(self.url, name, "delete", exc) from exc
         # remove folders left empty, up to the root
         parent = os.path.dirname(path)
         while parent != self.root and parent.startswith(self.root):
@@ -434,8 +377,6 @@ class LocalBackend(Backend):
         out = set()
         for dirpath, _dirs, files in os.walk(self.root):
             rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            if rel_dir == SPARE_DIR:
-                continue  # parked files: no object's unfinished write
             for f in files:
                 if f.endswith(TMP_SUFFIX):
                     # <name>.<random hex>.tmp -> <name>
@@ -465,7 +406,3 @@ class LocalBackend(Backend):
                 except OSError:
                     pass
         return removed
-
-    def close(self) -> None:
-        """Delete the files parked for reuse (the disk space is the user's again)."""
-        self._spares.drop_all()

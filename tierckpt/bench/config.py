@@ -21,14 +21,7 @@ SAVE_CONTENDERS = (
 #: the peers that stage the state in host memory before writing it (the others write directly)
 STAGING_PEERS = frozenset({"dcp_async", "dcp_async_stager", "tc_async"})
 #: every variant of the training benchmark
-TRAIN_VARIANTS = (
-    "none",
-    "tierckpt",
-    "tierckpt_fresh",
-    "torch_save",
-    "dcp_async",
-    "dcp_async_stager",
-)
+TRAIN_VARIANTS = ("none", "tierckpt", "torch_save", "dcp_async", "dcp_async_stager")
 
 LABELS = {
     "torch_save": "torch.save + fsync",
@@ -40,7 +33,6 @@ LABELS = {
     "tierckpt_default": "tierckpt (default arena)",
     "none": "no checkpointing",
     "tierckpt": "tierckpt (guard)",
-    "tierckpt_fresh": "tierckpt (guard, TIERCKPT_RECYCLE=0)",
 }
 
 
@@ -55,7 +47,7 @@ class BenchConfig:
     compute: str = "sleep"  # "sleep" (an accelerator computes) or "busy" (CPU matmuls)
     arena_bytes: int = 256 * MiB
     contenders: tuple[str, ...] = SAVE_CONTENDERS
-    train_variants: tuple[str, ...] = tuple(v for v in TRAIN_VARIANTS if v != "tierckpt_fresh")
+    train_variants: tuple[str, ...] = TRAIN_VARIANTS
     train_steps: int = 120  # measured steps per variant
     train_every: int = 10
     #: the variants take turns in blocks of at least this many steps; each block ends with a

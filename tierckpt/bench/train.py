@@ -62,19 +62,10 @@ class _TrainSaver:
         self.resp: Any = None
         self.blocked_s: list[float] = []  # per checkpoint: the save call + the wait before step
         self._pending_block: float | None = None
-        if variant in ("tierckpt", "tierckpt_fresh"):
+        if variant == "tierckpt":
             from tierckpt import Checkpointer, LocalTier
 
-            recycle = os.environ.get("TIERCKPT_RECYCLE")
-            if variant == "tierckpt_fresh":  # retired files deleted, each save a new file
-                os.environ["TIERCKPT_RECYCLE"] = "0"
-            try:
-                self.ck = Checkpointer([LocalTier(out, keep_last=2)])
-            finally:
-                if recycle is None:
-                    os.environ.pop("TIERCKPT_RECYCLE", None)
-                else:
-                    os.environ["TIERCKPT_RECYCLE"] = recycle
+            self.ck = Checkpointer([LocalTier(out, keep_last=2)])
             self.ck.guard(opt)  # a no-op while this Checkpointer has nothing in flight
         elif variant == "dcp_async_stager":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -111,7 +102,7 @@ class _TrainSaver:
         self._pending_block = time.perf_counter() - t0
 
     def _save(self, state: dict[str, Any], step: int) -> None:
-        if self.ck is not None:
+        if self.variant == "tierckpt":
             self.handles.append(self.ck.save(state, step))
             return
         path = self.out / f"step-{step}"
