@@ -6,9 +6,10 @@ default: the model with its AdamW state) from a pre-touched buffer with ``O_DIRE
 it, renames it into place and fsyncs the folder, keeping the newest two files, in one of:
 
 - ``fresh``: a new file each step, and the file two steps old is unlinked (what a local tier
-  did before it recycled retired files);
+  does: a new temporary file per save, retention unlinks the retired one);
 - ``reuse``: the file two steps old is renamed to the new temporary name and overwritten in
-  place (what a local tier does now: tierckpt.backends._spares);
+  place (tried in the library as commit 84ee6de and reverted: see docs/benchmarks.md,
+  thirteenth session);
 - ``buffered``: as ``fresh`` but through the page cache;
 - ``none``: no writes (the baseline).
 
