@@ -135,3 +135,31 @@ def test_missing_credentials_get_a_hint(moto_server, s3_bucket, tmp_path: Path) 
     p = _cli(["ls", f"s3://{bucket}/run", "--endpoint-url", moto_server.endpoint_url], env)
     assert p.returncode == 1
     assert "set AWS_PROFILE" in p.stderr and "AWS_ACCESS_KEY_ID" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [("s3:/bucket/run", "s3://bucket/run"), ("s3:bucket", "s3://bucket"), ("file:/x", "file:///x")],
+)
+def test_a_url_a_slash_short_is_refused_not_taken_for_a_folder(
+    typed: str,
+    meant: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``s3:/bucket/run`` is a path to a folder ``s3:`` in the working directory: a training
+    job given it saved every checkpoint there, on this machine's disk, instead of to S3; the
+    CLI said only 'no such folder'. Both say what was meant and write nothing."""
+    from tierckpt import LocalTier, tier
+
+    monkeypatch.chdir(tmp_path)
+    for make in (tier, LocalTier):
+        with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+            make(typed)
+    rc, _out, err = _run(["ls", typed], capsys)
+    assert rc == 2 and f"did you mean '{meant}'" in err, err
+    rc, _out, err = _run(["gc", typed, "--keep-last", "1"], capsys)
+    assert rc == 2 and f"did you mean '{meant}'" in err, err
+    assert list(tmp_path.iterdir()) == []
+    assert LocalTier(f"./{typed}").path == f"./{typed}"  # a folder really named so: ./ first
