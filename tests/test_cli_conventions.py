@@ -163,3 +163,23 @@ def test_a_url_a_slash_short_is_refused_not_taken_for_a_folder(
     assert rc == 2 and f"did you mean '{meant}'" in err, err
     assert list(tmp_path.iterdir()) == []
     assert LocalTier(f"./{typed}").path == f"./{typed}"  # a folder really named so: ./ first
+
+
+def test_ls_shows_which_checkpoints_are_pinned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator about to run gc sees what a pin keeps (it showed nothing of pins)."""
+    from tierckpt import LocalTier
+
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        for step in (1, 2, 3):
+            ck.save(_state(), step=step).wait()
+        ck.pin(2, reason="eval")
+        ck.wait(retention=True)
+    rc, out, _err = _run(["ls", str(tmp_path)], capsys)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert rc == 0 and rows["2"].endswith("pinned") and "pinned" not in rows["1"] + rows["3"]
+    assert rows["3"].endswith("newest")
+    rc, out, _err = _run(["ls", str(tmp_path), "--json"], capsys)
+    doc = json.loads(out)
+    assert [c["pinned"] for c in doc["checkpoints"]] == [False, True, False]
