@@ -183,3 +183,25 @@ def test_ls_shows_which_checkpoints_are_pinned(
     rc, out, _err = _run(["ls", str(tmp_path), "--json"], capsys)
     doc = json.loads(out)
     assert [c["pinned"] for c in doc["checkpoints"]] == [False, True, False]
+
+
+def test_gc_says_which_uncommitted_saves_it_keeps_and_what_removes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A save killed after the newest commit leaves an uncommitted step that gc keeps (it may
+    be in progress): gc said 'deleted 0 uncommitted leftover(s)' while ls listed it."""
+    from tierckpt import LocalTier
+    from tierckpt.format import shard_name
+
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        for step in (1, 2):
+            ck.save(_state(), step=step).wait()
+    dead = tmp_path / f"{shard_name(3, 0)}.0123456789ab.tmp"  # a save of 3 killed midway
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"x" * 100)
+    rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--dry-run"], capsys)
+    assert rc == 0 and "kept 1 uncommitted save(s)" in out and ": 3 (" in out, out
+    assert "--abort-incomplete" in out
+    rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--abort-incomplete"], capsys)
+    assert rc == 0 and "aborted every unfinished write" in out and "those of 3 included" in out
+    assert not dead.exists()
