@@ -205,3 +205,23 @@ def test_gc_says_which_uncommitted_saves_it_keeps_and_what_removes_them(
     rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--abort-incomplete"], capsys)
     assert rc == 0 and "aborted every unfinished write" in out and "those of 3 included" in out
     assert not dead.exists()
+
+
+def test_ls_of_a_folder_a_level_off_names_the_tier_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ls`` of the folder above a tier, or of one inside it, said only 'no committed
+    checkpoint': now it names the tier folder meant."""
+    from tierckpt import LocalTier
+
+    run = tmp_path / "jobs" / "run-7"
+    with Checkpointer([LocalTier(run)]) as ck:
+        ck.save(_state(), step=1).wait()
+    for where in (tmp_path, tmp_path / "jobs"):
+        rc, out, _err = _run(["ls", str(where)], capsys)
+        assert rc == 0 and f"tier folders below this one: {run}" in out, out
+    rc, out, _err = _run(["ls", str(run / "manifests")], capsys)
+    assert f"inside the tier folder {run}: tierckpt ls {run}" in out, out
+    (tmp_path / "empty").mkdir()
+    rc, out, _err = _run(["ls", str(tmp_path / "empty")], capsys)
+    assert "hint" not in out

@@ -43,7 +43,7 @@ def _status(c: Any, newest: Any, pinned: set[Any]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tierckpt.cli._hints import stored_codecs
+    from tierckpt.cli._hints import stored_codecs, tier_folders_near
     from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
     from tierckpt.retention import pinned_ids
 
@@ -99,6 +99,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return _unreadable(listed)
     if not listed:
         print(f"{backend.url}: no committed checkpoint")
+        if not pending:
+            hint = tier_folders_near(args.url)
+            if hint:
+                print(hint)
     else:
         rows = []
         for c in listed:
