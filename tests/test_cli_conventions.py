@@ -225,3 +225,23 @@ def test_ls_of_a_folder_a_level_off_names_the_tier_folder(
     (tmp_path / "empty").mkdir()
     rc, out, _err = _run(["ls", str(tmp_path / "empty")], capsys)
     assert "hint" not in out
+
+
+def test_a_reader_that_goes_away_ends_ls_quietly(tmp_path: Path) -> None:
+    """``tierckpt ls DIR | head -1``: the pipe's reader closes it; ls printed
+    'tierckpt ls: error: BrokenPipeError: [Errno 32] Broken pipe' (and exit status 1)."""
+    from tierckpt import LocalTier
+
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save(_state(), step=1).wait()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tierckpt", "ls", str(tmp_path), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # before the child writes a byte: its first write meets a closed pipe
+    err = p.stderr.read()
+    assert p.wait(timeout=180) == 141 and err == "", err
