@@ -446,7 +446,8 @@ def _sweep(
     for name in listing.uploads() if uploads else ():
         # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
         pending = parse_manifest_id(name) if name.startswith(f"{MANIFEST_DIR}/") else None
-        if (pending or parse_data_folder(name)) in committed_set:
+        under = pending if pending is not None else parse_data_folder(name)
+        if under in committed_set:
             # an unfinished file under a committed checkpoint (a writer killed midway: a
             # shard file, a rank record, a peer pull or receive): the checkpoint's folder
             # may still be written (another rank's pull into it, this process's own), so

@@ -270,10 +270,11 @@ def test_dead_temp_under_a_committed_checkpoint_goes_a_live_one_stays(
         killed = [_writer(root, shard_name(1, 0), "shard"), _writer(root, shard_name(1, 1), "pull")]
         for p in killed:
             p.communicate("stop\n", timeout=60)
+        _dead_manifest_put(root, 1)  # a second, create-only put of a committed manifest
         live = _writer(root, shard_name(2, 1), "shard")  # another process, still writing
         mine = LocalBackend(root).open_writer(shard_name(2, 2))  # this process, still writing
         mine.write(0, b"y" * 1000)
-        assert len(_temps(root)) == 4
+        assert len(_temps(root)) == 5
         _save_steps(
             [LocalTier(root, keep_last=None)], range(3, 4)
         )  # a new writer: its first pass sweeps
