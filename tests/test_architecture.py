@@ -237,7 +237,7 @@ LAYERS: dict[str, int] = {
         0,
     ),
     **dict.fromkeys(["backends", "codecs"], 1),
-    **dict.fromkeys(["tree", "format", "layout", "verify", "catalog", "sweep"], 2),
+    **dict.fromkeys(["tree", "format", "layout", "verify", "catalog", "sweep", "reported"], 2),
     **dict.fromkeys(
         [
             "plan",

@@ -135,3 +135,113 @@ def test_missing_credentials_get_a_hint(moto_server, s3_bucket, tmp_path: Path) 
     p = _cli(["ls", f"s3://{bucket}/run", "--endpoint-url", moto_server.endpoint_url], env)
     assert p.returncode == 1
     assert "set AWS_PROFILE" in p.stderr and "AWS_ACCESS_KEY_ID" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [("s3:/bucket/run", "s3://bucket/run"), ("s3:bucket", "s3://bucket"), ("file:/x", "file:///x")],
+)
+def test_a_url_a_slash_short_is_refused_not_taken_for_a_folder(
+    typed: str,
+    meant: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``s3:/bucket/run`` is a path to a folder ``s3:`` in the working directory: a training
+    job given it saved every checkpoint there, on this machine's disk, instead of to S3; the
+    CLI said only 'no such folder'. Both say what was meant and write nothing."""
+    from tierckpt import LocalTier, tier
+
+    monkeypatch.chdir(tmp_path)
+    for make in (tier, LocalTier):
+        with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+            make(typed)
+    rc, _out, err = _run(["ls", typed], capsys)
+    assert rc == 2 and f"did you mean '{meant}'" in err, err
+    rc, _out, err = _run(["gc", typed, "--keep-last", "1"], capsys)
+    assert rc == 2 and f"did you mean '{meant}'" in err, err
+    assert list(tmp_path.iterdir()) == []
+    assert LocalTier(f"./{typed}").path == f"./{typed}"  # a folder really named so: ./ first
+
+
+def test_ls_shows_which_checkpoints_are_pinned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator about to run gc sees what a pin keeps (it showed nothing of pins)."""
+    from tierckpt import LocalTier
+
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        for step in (1, 2, 3):
+            ck.save(_state(), step=step).wait()
+        ck.pin(2, reason="eval")
+        ck.wait(retention=True)
+    rc, out, _err = _run(["ls", str(tmp_path)], capsys)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert rc == 0 and rows["2"].endswith("pinned") and "pinned" not in rows["1"] + rows["3"]
+    assert rows["3"].endswith("newest")
+    rc, out, _err = _run(["ls", str(tmp_path), "--json"], capsys)
+    doc = json.loads(out)
+    assert [c["pinned"] for c in doc["checkpoints"]] == [False, True, False]
+
+
+def test_gc_says_which_uncommitted_saves_it_keeps_and_what_removes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A save killed after the newest commit leaves an uncommitted step that gc keeps (it may
+    be in progress): gc said 'deleted 0 uncommitted leftover(s)' while ls listed it."""
+    from tierckpt import LocalTier
+    from tierckpt.format import shard_name
+
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        for step in (1, 2):
+            ck.save(_state(), step=step).wait()
+    dead = tmp_path / f"{shard_name(3, 0)}.0123456789ab.tmp"  # a save of 3 killed midway
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"x" * 100)
+    rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--dry-run"], capsys)
+    assert rc == 0 and "kept 1 uncommitted save(s)" in out and ": 3 (" in out, out
+    assert "--abort-incomplete" in out
+    rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--abort-incomplete"], capsys)
+    assert rc == 0 and "aborted every unfinished write" in out and "those of 3 included" in out
+    assert not dead.exists()
+
+
+def test_ls_of_a_folder_a_level_off_names_the_tier_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ls`` of the folder above a tier, or of one inside it, said only 'no committed
+    checkpoint': now it names the tier folder meant."""
+    from tierckpt import LocalTier
+
+    run = tmp_path / "jobs" / "run-7"
+    with Checkpointer([LocalTier(run)]) as ck:
+        ck.save(_state(), step=1).wait()
+    for where in (tmp_path, tmp_path / "jobs"):
+        rc, out, _err = _run(["ls", str(where)], capsys)
+        assert rc == 0 and f"tier folders below this one: {run}" in out, out
+    rc, out, _err = _run(["ls", str(run / "manifests")], capsys)
+    assert f"inside the tier folder {run}: tierckpt ls {run}" in out, out
+    (tmp_path / "empty").mkdir()
+    rc, out, _err = _run(["ls", str(tmp_path / "empty")], capsys)
+    assert "hint" not in out
+
+
+def test_a_reader_that_goes_away_ends_ls_quietly(tmp_path: Path) -> None:
+    """``tierckpt ls DIR | head -1``: the pipe's reader closes it; ls printed
+    'tierckpt ls: error: BrokenPipeError: [Errno 32] Broken pipe' (and exit status 1)."""
+    from tierckpt import LocalTier
+
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save(_state(), step=1).wait()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tierckpt", "ls", str(tmp_path), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # before the child writes a byte: its first write meets a closed pipe
+    err = p.stderr.read()
+    assert p.wait(timeout=180) == 141 and err == "", err

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 from typing import Any
 
-__all__ = ["MADV_POPULATE_WRITE", "madvise", "sync_file_range"]
+__all__ = ["MADV_POPULATE_WRITE", "fs_magic", "madvise", "sync_file_range"]
 
 #: ``madvise`` advice (Linux 5.14+): map a range for writing as write faults would, without
 #: writing a byte (older kernels answer EINVAL)
@@ -39,3 +40,16 @@ madvise: Any = _bind("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 sync_file_range: Any = _bind(
     "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 )
+#: ``statfs(path, buf)``, or None
+_statfs: Any = _bind("statfs", [ctypes.c_char_p, ctypes.c_void_p])
+
+
+def fs_magic(path: str) -> int | None:
+    """The file system type (``f_type``, the first field of ``struct statfs``) of ``path``,
+    or None where it cannot be read."""
+    if _statfs is None:
+        return None
+    buf = (ctypes.c_long * 32)()  # struct statfs is 120 bytes on 64-bit Linux
+    if _statfs(os.fsencode(path), buf) != 0:
+        return None
+    return int(buf[0]) & 0xFFFFFFFF

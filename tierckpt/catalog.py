@@ -23,6 +23,7 @@ from tierckpt.format import (
     parse_data_folder,
     parse_manifest_id,
 )
+from tierckpt.reported import report_once
 
 __all__ = [
     "committed_ids",
@@ -149,7 +150,9 @@ def newest_committed(tiers: Iterable[tuple[str, Backend]]) -> CheckpointId | Non
         try:
             ids = committed_ids(backend)
         except (TierCkptError, OSError) as exc:
-            log.warning(
+            report_once(
+                backend,
+                exc,
                 "cannot list tier %s to choose the timeline of the next checkpoint "
                 "(ignoring it): %s",
                 name,

@@ -238,9 +238,30 @@ class LocalTier(TierSpec):
         return LocalBackend(self.path)
 
 
+#: schemes a location may start with: ``s3:/bucket/run`` (a slash short) or ``s3:bucket`` is a
+#: mistyped URL, never a folder ``s3:`` to create in the working directory
+_URL_SCHEMES = frozenset({"s3", "gs", "gcs", "az", "file", "memory", "http", "https"})
+
+
+def refuse_mistyped_url(path: str, who: str) -> None:
+    """Raise ValueError when the local path ``path`` is a mistyped URL (``s3:/bucket/run``):
+    saved there, the checkpoints would go to ``./s3:/bucket/run`` on this machine's disk."""
+    head, colon, rest = path.partition(":")
+    if colon and "://" not in path and head.lower() in _URL_SCHEMES:
+        meant = f"{head}://{'/' if head.lower() == 'file' else ''}{rest.lstrip('/')}"
+        raise ValueError(
+            f"{who} {redact(path)!r}: a URL starts with {head}:// (did you mean "
+            f"{redact(meant)!r}?); as a path it would be a folder {head + ':'!r} in the working "
+            f"directory (write ./{redact(path)} for a folder really named so)"
+        )
+
+
 def _folder_of(path: str) -> str:
     """The folder a LocalTier writes to: a plain path, or ``file:///abs/path``. Any other
-    ``scheme://`` is refused: written as a relative path it would create ``./s3:/bucket``."""
+    ``scheme://`` is refused: written as a relative path it would create ``./s3:/bucket``;
+    so is a URL a slash short (``s3:/bucket``)."""
+    if isinstance(path, str):
+        refuse_mistyped_url(path, "LocalTier")
     if not isinstance(path, str) or "://" not in path:
         return path
     scheme, _, rest = path.partition("://")

@@ -5,7 +5,9 @@ Retention keeps the ``keep_last`` newest ids, so the abandoned timeline's checkp
 first, as they are older, and never the resumed run's. GC deletes the manifest first and the
 data after, never the newest committed checkpoint, and removes leftovers of saves that never
 committed (a killed process): data folders older than the newest committed checkpoint that
-have no manifest, with their temporary files and open multipart uploads.
+have no manifest, with their temporary files and open multipart uploads; and under committed
+checkpoints the unfinished files whose writer is provably dead
+(:meth:`~tierckpt.backends.base.Backend.remove_dead_incomplete`).
 
 Besides the ``keep_last`` newest (:class:`Retention`, Orbax ``CheckpointManager`` style):
 
@@ -53,6 +55,7 @@ from tierckpt.format import (
     CheckpointId,
     decode_manifest,
     manifest_name,
+    parse_data_folder,
     parse_manifest_id,
     step_prefix,
 )
@@ -443,6 +446,16 @@ def _sweep(
     for name in listing.uploads() if uploads else ():
         # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
         pending = parse_manifest_id(name) if name.startswith(f"{MANIFEST_DIR}/") else None
+        under = pending if pending is not None else parse_data_folder(name)
+        if under in committed_set:
+            # an unfinished file under a committed checkpoint (a writer killed midway: a
+            # shard file, a rank record, a peer pull or receive): the checkpoint's folder
+            # may still be written (another rank's pull into it, this process's own), so
+            # only what the store proves dead goes (a local file no live writer holds the
+            # lock of); S3's uploads there go with the checkpoint (``state.stale``)
+            if backend.remove_dead_incomplete(name):
+                clean = False  # a live writer's: looked at again by a later sweep
+            continue
         if pending is None or pending in in_flight:
             continue
         if pending < newest and pending not in protect:

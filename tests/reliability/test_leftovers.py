@@ -13,6 +13,10 @@ an upload orphaned by a retried CreateMultipartUpload.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ import pytest
 import torch
 from rel_util import Recorder, local_leftovers, s3_leftovers
 
+import tierckpt
 from tierckpt import Checkpointer, LocalTier, S3Tier
 from tierckpt.backends.local import LocalBackend
 from tierckpt.format import manifest_name, shard_name
@@ -93,11 +98,12 @@ def test_leftovers_never_block_the_next_save_of_the_same_step(
     with Checkpointer([LocalTier(tmp_path), _s3(moto_server, bucket)]) as ck:
         assert ck.tier_steps() == {"local": [5], "s3": [5]}
         assert torch.equal(ck.load()["w"], _state(5, (6 << 20) // 4)["w"])
-    assert tmp.exists()  # the dead writer's temp file is left alone (the step is retained)
+    # the dead writer's temp file under the now committed step goes with the save's sweep
+    assert not tmp.exists()
     record(
         "leftovers",
         "temp file + open upload + manifest-less shard of the same step",
-        "next save of that step committed on both tiers",
+        "next save of that step committed on both tiers, the dead temp file removed",
     )
 
 
@@ -205,3 +211,91 @@ def test_local_backend_lists_no_temp_files(tmp_path: Path) -> None:
     """The premise of the gap above: leftovers are invisible to list(), hence to gc."""
     _dead_local_writer(tmp_path, 5)
     assert [n for n in LocalBackend(tmp_path).list("") if "steps/" in n] == []
+
+
+# -- unfinished files under a committed checkpoint ----------------------------------------------
+_WRITER = """
+import os, sys
+from tierckpt.backends.local import LocalBackend
+from tierckpt.peer._wire import _recv_map
+root, name, how = sys.argv[1:4]
+if how == "pull":  # a peer pull's receiving file, as the replacement rank makes it
+    tmp, fd, mm, t = _recv_map(os.path.join(root, name), 1 << 20)
+    t[:4096] = 7
+else:
+    w = LocalBackend(root).open_writer(name)
+    w.write(0, b"x" * 100_000)
+print("writing", flush=True)
+if sys.stdin.readline().strip() == "commit" and how != "pull":
+    w.commit()
+    print("committed", flush=True)
+    sys.stdin.readline()
+os._exit(0)  # killed midway: no abort, no unlink
+"""
+
+
+def _writer(root: Path, name: str, how: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(tierckpt.__file__).parent.parent)}
+    p = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(root), name, how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+    return p
+
+
+def _temps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("tier", ["disk", "tmpfs"])
+def test_dead_temp_under_a_committed_checkpoint_goes_a_live_one_stays(
+    tmp_path: Path, tier: str, record: Recorder
+) -> None:
+    """A writer killed midway (a shard file, a peer pull) leaves its temporary file inside a
+    checkpoint folder that is committed: the next writer's first save removes it, while the
+    temporaries of writers still at work there (another process, this one) stay and commit."""
+    if tier == "tmpfs":
+        shm = Path("/dev/shm")
+        if not shm.is_dir():
+            pytest.skip("no /dev/shm")
+        root = shm / f"tierckpt-test-{uuid.uuid4().hex[:8]}"
+    else:
+        root = tmp_path / "tier"
+    try:
+        _save_steps([LocalTier(root, keep_last=None)], range(1, 3))
+        killed = [_writer(root, shard_name(1, 0), "shard"), _writer(root, shard_name(1, 1), "pull")]
+        for p in killed:
+            p.communicate("stop\n", timeout=60)
+        _dead_manifest_put(root, 1)  # a second, create-only put of a committed manifest
+        live = _writer(root, shard_name(2, 1), "shard")  # another process, still writing
+        mine = LocalBackend(root).open_writer(shard_name(2, 2))  # this process, still writing
+        mine.write(0, b"y" * 1000)
+        assert len(_temps(root)) == 5
+        _save_steps(
+            [LocalTier(root, keep_last=None)], range(3, 4)
+        )  # a new writer: its first pass sweeps
+        left = _temps(root)
+        assert len(left) == 2 and all(n.startswith(("rank-000001", "rank-000002")) for n in left), (
+            left
+        )
+        assert live.stdin is not None and live.stdout is not None
+        live.stdin.write("commit\n")
+        live.stdin.flush()
+        assert live.stdout.readline().strip() == "committed"  # its file was never touched
+        live.communicate("\n", timeout=60)
+        mine.commit()
+        assert _temps(root) == []
+        with Checkpointer([LocalTier(root)]) as ck:
+            assert ck.tier_steps() == {"local": [1, 2, 3]}
+            assert torch.equal(ck.load(step=1)["w"], _state(1)["w"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    record(
+        "leftovers",
+        f"temp files of killed writers under a committed checkpoint ({tier})",
+        "removed by the next writer's first save; live writers' temp files kept and committed",
+    )

@@ -234,6 +234,13 @@ class Backend(ABC):
         in progress. Sorted; a name may also exist committed."""
         return []
 
+    def remove_dead_incomplete(self, name: str) -> int:
+        """Remove the unfinished writes of ``name`` whose writer is provably gone (killed),
+        while other writers may be active; returns how many are left because a writer may
+        still be at work. A store that cannot tell removes nothing and returns 0: what it
+        leaves is then found by :meth:`cleanup_incomplete` once nothing writes there."""
+        return 0
+
     def cleanup_incomplete(self, prefix: str = "") -> int:
         """Discard leftovers of writers that never committed (a killed process).
 

@@ -3,7 +3,9 @@
 Large objects are written with ``os.pwrite`` into ``<name>.<random>.tmp``, fsynced, renamed
 into place and the directory fsynced: an object is either absent or whole. Small atomic
 objects follow the same path; ``overwrite=False`` uses ``os.link`` so an existing name is
-never replaced (a create-only put).
+never replaced (a create-only put). A temporary file is ``flock``-ed by its writer until it is
+renamed or removed, so a sweep can tell a killed writer's from a live one's
+(:mod:`tierckpt.backends._templock`).
 
 Direct I/O: a write whose buffer and file offset are 4 KiB aligned (raw chunks straight from
 the host arena) goes through a second descriptor opened with ``O_DIRECT``, which skips the copy
@@ -29,6 +31,7 @@ import numpy as np
 
 from tierckpt import _libc, config
 from tierckpt._types import BytesLike
+from tierckpt.backends._templock import hold_new_temp, remove_dead_temps
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
@@ -82,17 +85,26 @@ def _os_error(url: str, name: str, what: str, exc: OSError) -> BackendError:
     return err
 
 
+def _new_temp(final: str, flags: int) -> tuple[str, int]:
+    """A new temporary file ``<final>.<hex>.tmp``, opened with ``flags`` and locked
+    (:mod:`tierckpt.backends._templock`): its path and descriptor."""
+    while True:
+        tmp = f"{final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        if hold_new_temp(fd, tmp):
+            return tmp, fd
+        os.close(fd)  # a sweep took it for a dead writer's before the lock: another name
+
+
 class _LocalWriter(ObjectWriter):
     def __init__(self, backend: LocalBackend, name: str) -> None:
         super().__init__(name)
         self._backend = backend
         self._final = backend._path(name)
-        self._tmp = f"{self._final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         try:
             os.makedirs(os.path.dirname(self._final), exist_ok=True)
-            self._fd: int | None = os.open(
-                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
-            )
+            self._tmp, fd = _new_temp(self._final, os.O_WRONLY)
+            self._fd: int | None = fd
         except OSError as exc:
             raise _os_error(backend.url, name, "create", exc) from exc
         self._direct_fd: int | None = None
@@ -156,14 +168,15 @@ class _LocalWriter(ObjectWriter):
         self._close_direct()
         try:
             os.fsync(fd)  # the file's data from both descriptors, and its size
+            # renamed while its lock is held: a sweep never takes a live writer's file for dead
+            os.replace(self._tmp, self._final)
             os.close(fd)
             fd = -1
-            os.replace(self._tmp, self._final)
             _fsync_dir(os.path.dirname(self._final))
         except OSError as exc:
             if fd >= 0:
+                self._unlink_tmp()
                 os.close(fd)
-            self._unlink_tmp()
             raise _os_error(self._backend.url, self.name, "commit", exc) from exc
 
     def _unlink_tmp(self) -> None:
@@ -184,11 +197,11 @@ class _LocalWriter(ObjectWriter):
         self._close_direct()
         fd, self._fd = self._fd, None
         if fd is not None:
+            self._unlink_tmp()
             try:
                 os.close(fd)
             except OSError:
                 pass
-            self._unlink_tmp()
 
 
 class LocalBackend(Backend):
@@ -229,33 +242,34 @@ class LocalBackend(Backend):
 
     def put_atomic(self, name: str, data: BytesLike, *, overwrite: bool = False) -> None:
         final = self._path(name)
-        tmp = f"{final}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        tmp = ""
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
+            tmp, fd = _new_temp(final, os.O_WRONLY)
+            try:  # the temporary's lock is held until it is renamed or removed
                 view = memoryview(data).cast("B")
                 done = 0
                 while done < len(view):
                     done += os.write(fd, view[done:])
                 os.fsync(fd)
+                if overwrite:
+                    os.replace(tmp, final)
+                else:
+                    try:
+                        os.link(tmp, final)
+                    except FileExistsError:
+                        raise FileExistsError(f"{self.url}/{name} already exists") from None
+                    finally:
+                        os.unlink(tmp)
             finally:
                 os.close(fd)
-            if overwrite:
-                os.replace(tmp, final)
-            else:
-                try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    raise FileExistsError(f"{self.url}/{name} already exists") from None
-                finally:
-                    os.unlink(tmp)
             _fsync_dir(os.path.dirname(final))
         except FileExistsError:
             raise
         except OSError as exc:
             try:
-                os.unlink(tmp)
+                if tmp:
+                    os.unlink(tmp)
             except OSError:
                 pass
             raise _os_error(self.url, name, "put", exc) from exc
@@ -385,6 +399,10 @@ class LocalBackend(Backend):
                     if rel.startswith(prefix):
                         out.add(rel)
         return sorted(out)
+
+    def remove_dead_incomplete(self, name: str) -> int:
+        folder, _, target = self._path(name).rpartition(os.sep)
+        return remove_dead_temps(folder, target)[1]
 
     def cleanup_incomplete(self, prefix: str = "") -> int:
         removed = 0

@@ -1,6 +1,7 @@
 """What the CLI adds around a command: a line on stderr while it waits (an unreachable
 endpoint is retried for seconds), a hint naming the likely fix when it fails for missing
-credentials or an endpoint nobody answers at, and the codecs a checkpoint really stores."""
+credentials or an endpoint nobody answers at, the tier folder meant when ``ls`` was given a
+folder a level off, and the codecs a checkpoint really stores."""
 
 from __future__ import annotations
 
@@ -172,3 +173,37 @@ def stored_codecs(backend: Backend, manifest: Manifest) -> list[str]:
     except Exception:  # ls must list what it can; inspect / verify say what is wrong
         return list(manifest.codecs)
     return sorted(ids) or ["raw"]
+
+
+def tier_folders_near(url: str) -> str:
+    """Where a local folder with no checkpoint is near tier folders (one that has
+    ``manifests/``): the tier folder it lies inside, or those below it (two levels); a hint
+    line, or empty. A mistyped level is the usual reason ``ls`` finds nothing."""
+    import os
+
+    if "://" in url and not url.startswith("file://"):
+        return ""
+    path = os.path.abspath(url.removeprefix("file://"))
+    up = os.path.dirname(path)
+    while up and up != os.path.dirname(up):
+        if os.path.isdir(os.path.join(up, "manifests")):
+            return f"hint: this folder is inside the tier folder {up}: tierckpt ls {up}"
+        up = os.path.dirname(up)
+    below: list[str] = []
+    try:
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            inner = [entry.path]
+            try:
+                inner += sorted(e.path for e in os.scandir(entry.path) if e.is_dir())
+            except OSError:
+                pass
+            below += [p for p in inner if os.path.isdir(os.path.join(p, "manifests"))]
+            if len(below) >= 5:
+                break
+    except OSError:
+        return ""
+    if not below:
+        return ""
+    return "hint: tier folders below this one: " + ", ".join(below[:5])

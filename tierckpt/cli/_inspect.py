@@ -35,19 +35,23 @@ def _lease_doc(info: Any) -> dict[str, Any]:
     return doc
 
 
-def _status(c: Any, newest: Any) -> str:
-    """``newest`` (what a load returns), ``abandoned`` (an older timeline's) or empty."""
-    return "newest" if c.id == newest else "abandoned" if c.abandoned else ""
+def _status(c: Any, newest: Any, pinned: set[Any]) -> str:
+    """``newest`` (what a load returns) or ``abandoned`` (an older timeline's), and
+    ``pinned`` (retention keeps it until unpinned); or empty."""
+    words = ["newest" if c.id == newest else "abandoned" if c.abandoned else ""]
+    return ", ".join(w for w in [*words, "pinned" if c.id in pinned else ""] if w)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tierckpt.cli._hints import stored_codecs
+    from tierckpt.cli._hints import stored_codecs, tier_folders_near
     from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
+    from tierckpt.retention import pinned_ids
 
     with opened(args, args.url) as backend:
         listed = list_checkpoints(backend)
         pending = uncommitted_ids(backend)
         writers = leases(backend)
+        pinned = set(pinned_ids(backend))
         # what the chunks are stored with (the manifest names the tier's setting, e.g. auto)
         codecs = {
             c.id: stored_codecs(backend, c.manifest) for c in listed if c.manifest is not None
@@ -55,12 +59,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     newest = listed[-1].id if listed else None
     if args.json:
         doc = [
-            {"step": c.step, "timeline": c.timeline, "abandoned": c.abandoned, "error": c.error}
+            {
+                "step": c.step,
+                "timeline": c.timeline,
+                "abandoned": c.abandoned,
+                "pinned": c.id in pinned,
+                "error": c.error,
+            }
             if c.manifest is None
             else {
                 "step": c.step,
                 "timeline": c.timeline,
                 "abandoned": c.abandoned,
+                "pinned": c.id in pinned,
                 "created": c.manifest.created,
                 "tier": c.manifest.tier,
                 "world_size": c.manifest.world_size,
@@ -88,6 +99,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return _unreadable(listed)
     if not listed:
         print(f"{backend.url}: no committed checkpoint")
+        if not pending:
+            hint = tier_folders_near(args.url)
+            if hint:
+                print(hint)
     else:
         rows = []
         for c in listed:
@@ -104,7 +119,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "",
                         c.error,
                         c.timeline,
-                        _status(c, newest),
+                        _status(c, newest, pinned),
                     ]
                 )
                 continue
@@ -120,7 +135,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     m.tier or "?",
                     ",".join(codecs[c.id]) or "?",
                     c.timeline,
-                    _status(c, newest),
+                    _status(c, newest, pinned),
                 ]
             )
         table(
@@ -145,6 +160,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "abandoned: checkpoints of an older timeline (the run went back to an older "
                 "step and went on from there); retention removes them first, as older"
             )
+        if any(c.id in pinned for c in listed):
+            print("pinned: retention and tierckpt gc keep it until Checkpointer.unpin()")
     if pending:
         print(
             f"uncommitted (in progress, or leftovers of killed saves): "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -310,6 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`tierckpt ls | head`): nothing to tell, as other tools do;
+        # stdout goes to /dev/null so the interpreter's last flush does not complain either
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as exc:  # expected failures end with a message, not a traceback
         scrub_exception(exc)
         if ns.debug:

@@ -118,8 +118,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         f"{verb} {len(plan.leftovers)} uncommitted leftover(s)"
         + (f": {', '.join(map(id_text, plan.leftovers))}" if plan.leftovers else "")
     )
-    if args.abort_incomplete and not args.dry_run:
-        print("aborted unfinished writes under steps/")
+    if plan.kept_uncommitted and not args.abort_incomplete:
+        print(
+            f"kept {len(plan.kept_uncommitted)} uncommitted save(s) not older than the newest "
+            f"checkpoint: {', '.join(map(id_text, plan.kept_uncommitted))} (a save in progress, "
+            "or a killed one: once no job writes here, --abort-incomplete discards their "
+            "unfinished writes)"
+        )
+    if args.abort_incomplete:
+        ids = ", ".join(map(id_text, plan.kept_uncommitted))
+        print(
+            f"{'would abort' if args.dry_run else 'aborted'} every unfinished write (temporary "
+            "files, open multipart uploads)" + (f", those of {ids} included" if ids else "")
+        )
     return 0
 
 

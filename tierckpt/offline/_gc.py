@@ -3,7 +3,7 @@ leftovers of saves that never committed (refused while a live writer holds the l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierckpt.backends.base import Backend
 from tierckpt.catalog import committed_ids, data_ids
@@ -27,6 +27,9 @@ class GcPlan:
     retained: list[CheckpointId]
     expired: list[CheckpointId]
     leftovers: list[CheckpointId]
+    #: uncommitted saves gc keeps: not older than the newest committed checkpoint (a save in
+    #: progress, or a killed one; ``abort_incomplete`` discards their unfinished writes)
+    kept_uncommitted: list[CheckpointId] = field(default_factory=list)
 
 
 def gc(
@@ -65,10 +68,10 @@ def gc(
     pinned = set(pinned_ids(backend))  # never removed (Checkpointer.pin)
     expired = [c for c in committed[: max(len(committed) - keep_last, 0)] if c not in pinned]
     committed_set = set(committed)
-    leftovers = [
-        c for c in data_ids(backend) if c not in committed_set and newest is not None and c < newest
-    ]
-    plan = GcPlan([c for c in committed if c not in expired], expired, leftovers)
+    uncommitted = [c for c in data_ids(backend) if c not in committed_set]
+    leftovers = [c for c in uncommitted if newest is not None and c < newest]
+    kept = [c for c in uncommitted if c not in leftovers]
+    plan = GcPlan([c for c in committed if c not in expired], expired, leftovers, kept)
     if dry_run:
         return plan
     gc_tier(backend, keep_last)

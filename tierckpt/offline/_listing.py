@@ -20,6 +20,7 @@ from tierckpt.format import (
     CheckpointId,
     Manifest,
 )
+from tierckpt.policy import refuse_mistyped_url
 from tierckpt.redact import redact
 from tierckpt.restore import read_manifest
 
@@ -53,6 +54,7 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
             f"unsupported URL scheme {scheme!r} in {redact(url)!r}: use a local path, "
             "file:///path, s3://, gs:// or az://"
         )
+    refuse_mistyped_url(url, "tier URL")
     path = url.removeprefix("file://")
     if not create and not os.path.isdir(path):
         raise CheckpointNotFound(f"{path}: no such folder")

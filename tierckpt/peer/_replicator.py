@@ -448,9 +448,8 @@ class PeerReplicator:
             # a ready spare becomes the file: only the bytes beyond it are new
             more = ref.size - (spare.size if spare is not None and spare.error is None else 0)
             # an earlier pull of this file killed midway left its temporary file (a whole
-            # shard; only this rank writes this name): it goes before the budget is checked.
-            # The save's sweep spares unfinished files under a committed checkpoint, as this
-            # one is once the pull's manifest lands, so it would stay until retention
+            # shard; only this rank writes this name): it goes before the budget is checked
+            # (the save's sweep would remove it too, but only at the next save)
             self._ram_backend.cleanup_incomplete(ref.file)
             try:
                 self._ram_backend.check_budget(max(0, more), ref.file)

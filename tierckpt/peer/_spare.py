@@ -25,6 +25,7 @@ no manifest names, swept like any unfinished write.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -119,6 +120,9 @@ class SpareSegment:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
             self._fd = fd
+            # locked before a pull renames it into a tier folder as its temporary file: a
+            # sweep never takes it for a dead pull's (tierckpt.backends._templock)
+            fcntl.flock(fd, fcntl.LOCK_EX)
             os.ftruncate(fd, self.size)
             self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             populate(self._mm, self.size, self._stop)

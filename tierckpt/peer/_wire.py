@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from tierckpt.backends._templock import hold_new_temp
 from tierckpt.backends.base import validate_name
 from tierckpt.errors import FormatError
 from tierckpt.format import CheckpointId, Manifest, decode_manifest
@@ -131,6 +132,9 @@ def _recv_map(
     if taken is not None:  # pages allocated before the pull: nothing to populate
         return tmp, *taken
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    if not hold_new_temp(fd, tmp):  # a sweep took it for a dead pull's: another name
+        os.close(fd)
+        return _recv_map(path, size)
     try:
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -285,9 +289,11 @@ def exchange(
             tmp, fd, mm, _t = maps_in.pop(s)
             del _t
             _close(mm)  # MAP_SHARED: the bytes are in the file whether or not it unmaps now
-            os.close(fd)
             path, m, body, size, rank = takes[s]
-            os.replace(tmp, path)
+            try:  # renamed while its lock is held (tierckpt.backends._templock)
+                os.replace(tmp, path)
+            finally:
+                os.close(fd)
             received.append(Received(s, rank, m, body, path, size))
     finally:
         stop.set()  # a failed round: the filler stops before its maps go
@@ -302,9 +308,9 @@ def exchange(
             tmp, fd, mm, _t = maps_in.pop(s)
             del _t
             _close(mm)
-            os.close(fd)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            os.close(fd)
     return received

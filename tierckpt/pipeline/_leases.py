@@ -16,6 +16,7 @@ from concurrent.futures import wait as wait_futures
 from tierckpt.errors import WriterConflict
 from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
 from tierckpt.pipeline._values import SaveJob, Tier
+from tierckpt.reported import report_once
 
 log = logging.getLogger("tierckpt")
 
@@ -79,7 +80,9 @@ class Leases:
             return
         except Exception as exc:
             job.lease_errors[tier.name] = exc
-            log.warning(
+            report_once(
+                tier.backend,
+                exc,
                 "step %d: cannot take this writer's lease on tier %s (its copy of this step "
                 "fails; tried again at the next save): %s",
                 job.step,

@@ -39,6 +39,7 @@ from tierckpt.pipeline._retain import _RetainMixin
 from tierckpt.pipeline._stall import _StallMixin
 from tierckpt.pipeline._values import Encoded, SaveJob, Tier, _ChunkState, _Follow, _TierWrite
 from tierckpt.plan import ChunkPlan
+from tierckpt.reported import forget_causes, reported
 from tierckpt.retention import note_failed_save
 from tierckpt.verify import read_verified
 
@@ -439,6 +440,7 @@ class _TiersMixin(_RetainMixin, _StallMixin):
                 log.warning("%s", error)
             else:
                 log.error("step %d failed on tier %s: %s", job.step, tier.name, error)
+                reported(tier.backend, error)  # its warnings say nothing new after this
             hook = self.on_failure
             if hook is not None:
                 # e.g. tell rank 0 not to wait for this rank (I/O on a tier that may hang)
@@ -447,6 +449,8 @@ class _TiersMixin(_RetainMixin, _StallMixin):
                     self.defer(lambda: hook(tier, job, err))
                 else:
                     hook(tier, job, err)
+        elif result is not None:
+            forget_causes(tier.backend)  # a cause met before is news again when it comes back
         with self._lock:
             self._counts[tier.name]["committed" if error is None else outcome] += 1
             self._unfollow_locked(tier.name, job)

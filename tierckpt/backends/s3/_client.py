@@ -187,8 +187,8 @@ class S3Connection:
             if code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchUpload"):
                 if code == "NoSuchBucket":
                     return S3Error(
-                        f"{where}: {what} failed: NoSuchBucket (404): create the bucket or "
-                        "check the URL",
+                        f"{where}: {what} failed: NoSuchBucket: the bucket {self.bucket!r} "
+                        "does not exist (404): create the bucket or check the URL",
                         bucket=self.bucket,
                         key=key,
                         code=code,
