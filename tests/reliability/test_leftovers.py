@@ -299,3 +299,29 @@ def test_dead_temp_under_a_committed_checkpoint_goes_a_live_one_stays(
         f"temp files of killed writers under a committed checkpoint ({tier})",
         "removed by the next writer's first save; live writers' temp files kept and committed",
     )
+
+
+def test_a_file_system_without_flock_still_saves_and_sweeps_nothing_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where flock fails (Lustre without -o flock: ENOSYS; NFS without its lock service:
+    ENOLCK), writers write unlocked and a sweep, which cannot lock either, removes none of
+    their files."""
+    import errno
+    import fcntl
+
+    from tierckpt.backends import _templock
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(_templock.fcntl, "flock", no_flock)
+    b = LocalBackend(tmp_path)
+    b.put_atomic("manifests/m.json", b"{}")
+    live = b.open_writer("steps/1/shard")
+    live.write(0, b"x" * 4096)
+    assert b.remove_dead_incomplete("steps/1/shard") == 1  # left: its writer may be alive
+    live.commit()
+    assert b.read("steps/1/shard", 0, 4096) == b"x" * 4096
+    assert b.read("manifests/m.json", 0, 2) == b"{}"
+    assert fcntl.flock is no_flock

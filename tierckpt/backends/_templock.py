@@ -47,7 +47,13 @@ def hold_new_temp(fd: int, path: str) -> bool:
     """Lock the temporary file just created as ``path`` on ``fd`` (held until ``fd`` is
     closed); False if a sweep removed it before the lock was taken (the caller closes ``fd``
     and creates another)."""
-    fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a sweep removes it (microseconds)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a sweep removes it (microseconds)
+    except OSError:
+        # no flock here (Lustre mounted without -o flock: ENOSYS; NFS without its lock
+        # service: ENOLCK): write unlocked. A sweep removes only what it could lock
+        # itself, which fails the same way there, so this file is never taken for dead.
+        return True
     try:
         st = os.stat(path)
     except FileNotFoundError:
