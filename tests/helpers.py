@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import mmap
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -148,3 +152,15 @@ def new_shared_map(path: str, size: int) -> mmap.mmap:
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (registered as ``name``, once: a benchmark that
+    imports another finds it)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod

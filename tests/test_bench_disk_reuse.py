@@ -4,31 +4,16 @@ every variant against the baseline."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_disk_reuse", ROOT / "benchmarks" / "bench_disk_reuse.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from helpers import load_benchmark
 
 
 @pytest.mark.parametrize("variant,same_file", [("reuse", True), ("fresh", False)])
 def test_the_writer_reuses_only_when_asked(tmp_path: Path, variant: str, same_file: bool) -> None:
-    bench = load()
+    bench = load_benchmark("bench_disk_reuse")
     w = bench.Writer(str(tmp_path), 1)
     w.write(variant)
     fd = os.open(tmp_path / "f0", os.O_RDONLY)  # held: its inode number cannot be reused
@@ -45,7 +30,7 @@ def test_the_writer_reuses_only_when_asked(tmp_path: Path, variant: str, same_fi
 
 def test_a_tiny_run_reports_every_variant(tmp_path: Path) -> None:
     argv = ["--dir", str(tmp_path), "--rounds", "1", "--block", "1", "--mib", "1"]
-    res = load().main(argv)
+    res = load_benchmark("bench_disk_reuse").main(argv)
     assert set(res) == {"none", "fresh", "reuse", "buffered"}
     assert res["none"]["ratio_median"] == 1.0
     assert all(r["step_median_s"] > 0 and r["write_median_s"] >= 0 for r in res.values())

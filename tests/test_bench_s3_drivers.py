@@ -3,27 +3,10 @@ out under load) is reported with its error and left out of later rounds; the oth
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from helpers import load_benchmark
 
 pytest.importorskip("obstore", reason="the bench imports the tiers' drivers")
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_s3_drivers", ROOT / "benchmarks" / "bench_s3_drivers.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_s3_drivers", mod)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_a_failing_contender_is_reported_and_the_others_finish() -> None:
@@ -40,7 +23,9 @@ def test_a_failing_contender_is_reported_and_the_others_finish() -> None:
         return 2.0
 
     cases = {"save": {"raw ok": ok, "raw flaky": flaky}}
-    samples, failed = bench().run_rounds(cases, ["save"], warmup=1, runs=3)
+    samples, failed = load_benchmark("bench_s3_drivers").run_rounds(
+        cases, ["save"], warmup=1, runs=3
+    )
     assert calls == {"ok": 4, "flaky": 2}  # never run again once it failed
     assert samples["wall"]["save"]["raw ok"] == [1.0, 1.0, 1.0]
     assert "TimeoutError: S3 request timed out" in failed["save"]["raw flaky"]

@@ -4,32 +4,17 @@ quiet server to a quiet server."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from helpers import load_benchmark
 
 pytest.importorskip("obstore", reason="the bench imports the tiers' drivers")
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_measure_counts_per_run_and_waits_for_a_quiet_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    load("bench_s3_drivers")
-    bench = load("bench_s3_server_cpu")
+    load_benchmark("bench_s3_drivers")
+    bench = load_benchmark("bench_s3_server_cpu")
     # the server: 0.5 s of CPU per call of the case, and 0.2 s more after it answered, spent
     # 0.05 s per poll (a server deleting chunks after its answer)
     cpu = {"now": 0.0, "trail": 0.0}
