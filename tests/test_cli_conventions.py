@@ -245,3 +245,22 @@ def test_a_reader_that_goes_away_ends_ls_quietly(tmp_path: Path) -> None:
     p.stdout.close()  # before the child writes a byte: its first write meets a closed pipe
     err = p.stderr.read()
     assert p.wait(timeout=180) == 141 and err == "", err
+
+
+def test_gc_marks_what_it_keeps_because_pinned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gc --keep-last 1`` keeps a pinned older step: its 'keeping' line said only '1, 3'."""
+    from tierckpt import LocalTier
+
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        for step in (1, 2, 3):
+            ck.save(_state(), step=step).wait()
+        ck.pin(1)
+    rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "1"], capsys)
+    assert rc == 0 and "keeping step(s) 1 (pinned), 3" in out, out
+    assert "1 older than --keep-last 1 kept because pinned" in out
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        assert ck.steps() == [1, 3]
+    rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--dry-run"], capsys)
+    assert "pinned" not in out  # kept by the rule anyway

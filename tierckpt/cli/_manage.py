@@ -109,7 +109,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
             force=args.force,
         )
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"{backend.url}: keeping step(s) {', '.join(map(id_text, plan.retained)) or 'none'}")
+    kept = [id_text(c) + (" (pinned)" if c in plan.kept_pinned else "") for c in plan.retained]
+    print(f"{backend.url}: keeping step(s) {', '.join(kept) or 'none'}")
+    if plan.kept_pinned:
+        print(
+            f"{len(plan.kept_pinned)} older than --keep-last {args.keep_last} kept because pinned "
+            "(Checkpointer.unpin(step) lets gc remove them)"
+        )
     print(
         f"{verb} {len(plan.expired)} expired checkpoint(s)"
         + (f": {', '.join(map(id_text, plan.expired))}" if plan.expired else "")

@@ -30,6 +30,8 @@ class GcPlan:
     #: uncommitted saves gc keeps: not older than the newest committed checkpoint (a save in
     #: progress, or a killed one; ``abort_incomplete`` discards their unfinished writes)
     kept_uncommitted: list[CheckpointId] = field(default_factory=list)
+    #: the retained checkpoints kept only because they are pinned (``Checkpointer.pin``)
+    kept_pinned: list[CheckpointId] = field(default_factory=list)
 
 
 def gc(
@@ -71,7 +73,14 @@ def gc(
     uncommitted = [c for c in data_ids(backend) if c not in committed_set]
     leftovers = [c for c in uncommitted if newest is not None and c < newest]
     kept = [c for c in uncommitted if c not in leftovers]
-    plan = GcPlan([c for c in committed if c not in expired], expired, leftovers, kept)
+    by_rule = committed[: max(len(committed) - keep_last, 0)]
+    plan = GcPlan(
+        [c for c in committed if c not in expired],
+        expired,
+        leftovers,
+        kept,
+        [c for c in by_rule if c in pinned],
+    )
     if dry_run:
         return plan
     gc_tier(backend, keep_last)
