@@ -12,9 +12,13 @@ checkpoint for every one it adds.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from tierckpt import _native
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter, validate_name
 from tierckpt.errors import CheckpointNotFound, FormatError
@@ -23,6 +27,22 @@ __all__ = ["MemoryBackend"]
 
 #: recycled buffers kept per namespace, in bytes
 POOL_BYTES = 4 << 30
+#: writes from this size on are copied with the GIL released (a slice assignment holds it for
+#: the whole copy, and the training thread needs it between its ops: with one 85 MiB save per
+#: step, a MemoryTier cost the training loop 1.18x with the slice copy, 1.08x with this one)
+NOGIL_BYTES = 1 << 20
+
+
+def _copy(buf: bytearray, view: memoryview) -> None:
+    """``buf[:] = view`` (same length), with the GIL released for a large copy."""
+    n = len(view)
+    if n < NOGIL_BYTES:
+        buf[:] = view
+        return
+    dst = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    src = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    # the native streaming copy once it is built, else ctypes' memmove (it releases the GIL)
+    (_native.copier() or ctypes.memmove)(dst, src, n)
 
 
 @dataclass
@@ -74,7 +94,7 @@ class _MemoryWriter(ObjectWriter):
         if offset < obj.size:
             raise FormatError(f"{self._url}/{self.name}: overlapping write at {offset}")
         buf = self._space.take(len(view))
-        buf[:] = view
+        _copy(buf, view)
         obj.offsets.append(offset)
         obj.blobs.append(buf)
         obj.size = offset + len(view)
