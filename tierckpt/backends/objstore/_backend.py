@@ -28,7 +28,7 @@ from tierckpt.backends.objstore._errors import (
     transient,
     translate,
 )
-from tierckpt.backends.objstore._reads import fill, get_bounded, read_tail
+from tierckpt.backends.objstore._reads import fill, get_bounded, read_tail, stream_into
 from tierckpt.backends.objstore._slots import Slots
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.backends.objstore._store import StoreSettings, make_stores, parse_url
@@ -336,7 +336,9 @@ class ObjectStoreBackend(RemoteBackend):
 
     def _fetch(self, key: str, pieces: builtins.list[Range]) -> None:
         """Fetch ranges concurrently (one Rust call, GIL released) and copy each into its
-        piece; a failed batch is fetched again, up to ``max_attempts`` times."""
+        piece; a single range (each part of a load's scatter read) is streamed into its
+        piece as it arrives instead (``stream_into``). A failed batch is fetched again, up to
+        ``max_attempts`` times."""
         import obstore
 
         where = self._where(key)
@@ -344,12 +346,12 @@ class ObjectStoreBackend(RemoteBackend):
         lengths = [len(view) for _, view in pieces]
         for attempt in range(1, self.max_attempts + 1):
             try:
-                if len(pieces) == 1:
-                    got = [obstore.get_range(self._store, key, start=starts[0], length=lengths[0])]
-                else:
-                    got = obstore.get_ranges(
-                        self._store, key, starts=starts, lengths=lengths, coalesce=0
-                    )
+                if len(pieces) == 1:  # streamed into place (a load's scatter reads)
+                    stream_into(obstore, self._store, key, starts[0], pieces[0][1], where)
+                    return
+                got = obstore.get_ranges(
+                    self._store, key, starts=starts, lengths=lengths, coalesce=0
+                )
             except Exception as exc:
                 err = self._translate(exc, "read", where)
                 if (

@@ -1,7 +1,7 @@
 """Reads of :class:`~tierckpt.backends.objstore.ObjectStoreBackend` that save a load its
 round trips and its GIL: a small object in one GET (size from its headers), a file's tail
-with its size in one suffix-range GET, and a GET's body copied into its pieces with the GIL
-released."""
+with its size in one suffix-range GET, a GET's body copied into its pieces with the GIL
+released, and a ranged GET streamed into its pieces as it arrives."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from tierckpt.backends.base import Backend
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
-__all__ = ["NOGIL_COPY_BYTES", "fill", "get_bounded", "read_tail"]
+__all__ = ["NOGIL_COPY_BYTES", "fill", "get_bounded", "read_tail", "stream_into"]
 
 log = logging.getLogger("tierckpt.backends.objstore")
 
 #: copies from a GET's body at least this large run with the GIL released
 NOGIL_COPY_BYTES = 1 << 20
+#: a streamed body's pieces at least this large are copied with the GIL released
+NOGIL_STREAM_BYTES = 1 << 16
 
 
 def fill(view: Any, body: memoryview) -> None:
@@ -86,3 +88,61 @@ def read_tail(backend: Any, name: str, length: int) -> tuple[int, bytes]:
         log.debug("%s: suffix read failed (%s); HEAD and read", backend._where(key), exc)
         size, data = Backend.read_tail(backend, name, length)
         return size, bytes(data)
+
+
+def stream_into(obstore: Any, store: Any, key: str, start: int, view: Any, where: str) -> None:
+    """Fill ``view`` (a memoryview or a :class:`_Spread`) with the ``len(view)`` bytes at
+    ``start`` of ``key``: one ranged GET whose body is copied into place as it arrives, in
+    the pieces the HTTP client reads off the socket (a few hundred KiB each).
+
+    ``obstore.get_range`` first joins the whole body into one fresh buffer (an 8 MiB part:
+    new pages, faulted and zeroed, then a copy through memory that the cache cannot hold)
+    and the caller copies it again; here each piece is copied once, from the cache. A
+    256 MiB load from SeaweedFS on 127.0.0.1 took ~100 ms less client CPU (0.58 vs 0.69 s,
+    fresh processes, medians of 4-5). ``FormatError`` when the store sends fewer or more
+    bytes than asked (``object_store`` answers a range past the end with the rest)."""
+    want = len(view)
+    if not want:
+        return
+    result = obstore.get(store, key, options={"range": (start, start + want)})
+    pieces = view._views if isinstance(view, _Spread) else [view]
+    it = iter([v.cast("B") if v.format != "B" else v for v in pieces])
+    cur = next(it, None)
+    pos = 0  # bytes of ``cur`` filled
+    got = 0
+    for chunk in result.stream(min_chunk_size=1):
+        body = memoryview(chunk)
+        body = body.cast("B") if body.format != "B" else body
+        n = len(body)
+        if got + n > want:
+            raise FormatError(
+                f"{where}: read of bytes {start}-{start + want - 1} got more than asked "
+                f"({got + n} bytes)"
+            )
+        got += n
+        off = 0
+        while off < n:
+            assert cur is not None  # got <= want: a piece is left
+            take = min(n - off, len(cur) - pos)
+            _copy(cur[pos : pos + take], body[off : off + take])
+            off += take
+            pos += take
+            if pos == len(cur):
+                cur, pos = next(it, None), 0
+    if got != want:
+        raise FormatError(
+            f"{where}: read of bytes {start}-{start + want - 1} past its end ({start + got})"
+        )
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``; a large copy through ``ctypes.memmove`` (GIL released)."""
+    n = len(dst)
+    if n >= NOGIL_STREAM_BYTES and dst.contiguous:
+        import numpy as np
+
+        to = np.frombuffer(dst, dtype=np.uint8)  # writable: the caller's memory
+        frm = np.frombuffer(src, dtype=np.uint8)
+        ctypes.memmove(to.ctypes.data, frm.ctypes.data, n)
+    else:
+        dst[:] = src

@@ -1,0 +1,126 @@
+"""A scatter read through obstore streams each ranged GET's body into place as it arrives
+(``tierckpt.backends.objstore._reads.stream_into``), never joining a part into a buffer of
+its own first. On a real S3 server (moto on 127.0.0.1), through the fault proxy where a
+response must be cut."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+pytest.importorskip(
+    "obstore", reason="the object-store backend needs obstore (pip install obstore)"
+)
+
+import obstore
+
+from tierckpt.backends.objstore import ObjectStoreBackend
+from tierckpt.errors import FormatError
+from tierckpt.testing.backends import payload, write_object
+from tierckpt.testing.faultproxy import Fault, FaultProxy
+from tierckpt.testing.s3servers import S3Server
+
+MiB = 2**20
+PART = 5 * MiB
+BucketFactory = Callable[[S3Server], str]
+
+#: piece sizes of one scatter read: tiny and large, crossing the 5 MiB part and the HTTP
+#: client's read sizes at odd places
+SIZES = [1, 7, 4096, 3 * MiB + 5, 100_003, 2 * MiB - 1, 1, 4 * MiB + 17, 12_345]
+#: the same within one part: what a load's segment reads with one ranged GET
+ONE_PART = [1, 7, 4096, 3 * MiB + 5, 100_003, MiB - 1, 1, 12_345]
+
+
+def _backend(server: S3Server, bucket: str, endpoint: str | None = None) -> ObjectStoreBackend:
+    return ObjectStoreBackend(
+        f"s3://{bucket}/run",
+        endpoint_url=endpoint or server.endpoint_url,
+        part_size=PART,
+        max_concurrency=4,
+        read_timeout=20,
+    )
+
+
+def _pieces(sizes: list[int]) -> tuple[list[bytearray], list[memoryview]]:
+    bufs = [bytearray(n) for n in sizes]
+    return bufs, [memoryview(b) for b in bufs]
+
+
+@pytest.mark.s3
+def test_scatter_read_streams_a_part_into_its_pieces(
+    moto_server: S3Server, s3_bucket: BucketFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load reads each part of a raw chunk with one ``read_into_pieces`` (one ranged GET
+    spread over the storages it covers): every byte lands in its piece, and the part goes
+    neither through ``obstore.get_range`` nor ``get_ranges``, which join the whole body into
+    one fresh buffer before the copy (a page-faulted, zeroed 8 MiB per part of a load)."""
+    backend = _backend(moto_server, s3_bucket(moto_server))
+    data = payload(3 * PART, seed=71)
+    write_object(backend, "obj", data, [PART] * 3)
+
+    def joined(*_a: object, **_k: object) -> None:
+        raise AssertionError("a scatter read joined a part's body before copying it")
+
+    monkeypatch.setattr(obstore, "get_range", joined)
+    monkeypatch.setattr(obstore, "get_ranges", joined)
+    for offset in (0, PART + 99):
+        bufs, views = _pieces(ONE_PART)
+        backend.read_into_pieces("obj", offset, views)
+        assert b"".join(bufs) == data[offset : offset + sum(ONE_PART)]
+    backend.close()
+
+
+@pytest.mark.s3
+def test_scatter_read_over_several_parts(moto_server: S3Server, s3_bucket: BucketFactory) -> None:
+    """Pieces over several parts (read in batches of ranged GETs) land byte for byte."""
+    backend = _backend(moto_server, s3_bucket(moto_server))
+    offset = 12_345
+    data = payload(offset + sum(SIZES) + 999, seed=74)
+    write_object(backend, "obj", data, [PART, len(data) - PART])
+    bufs, views = _pieces(SIZES)
+    backend.read_into_pieces("obj", offset, views)
+    assert b"".join(bufs) == data[offset : offset + sum(SIZES)]
+    backend.close()
+
+
+@pytest.mark.s3
+def test_a_body_cut_midway_is_read_again_whole(
+    moto_server: S3Server, s3_bucket: BucketFactory
+) -> None:
+    """A ranged GET whose answer is reset halfway through its body has already written part
+    of its pieces: it is asked again, and the pieces end up holding exactly the object's
+    bytes."""
+    bucket = s3_bucket(moto_server)
+    data = payload(3 * PART, seed=72)
+    write_object(_backend(moto_server, bucket), "obj", data, [PART] * 3)
+    faults = [Fault("reset_response", method="GET", path_contains="/run/obj", times=2)]
+    with FaultProxy(moto_server.endpoint_url, faults) as proxy:
+        backend = _backend(moto_server, bucket, proxy.endpoint_url)
+        for sizes in (ONE_PART, SIZES):  # one streamed GET; a batch of them
+            bufs, views = _pieces(sizes)
+            backend.read_into_pieces("obj", 100, views)
+            assert b"".join(bufs) == data[100 : 100 + sum(sizes)]
+        assert proxy.fired["reset_response"] == 2
+        backend.close()
+
+
+@pytest.mark.s3
+def test_a_read_past_the_end_is_refused_and_writes_nothing_beyond(
+    moto_server: S3Server, s3_bucket: BucketFactory
+) -> None:
+    """The object ends inside the last piece: ``FormatError`` naming the end, and memory
+    next to the pieces (the same buffer, past the last view) is never written."""
+    backend = _backend(moto_server, s3_bucket(moto_server))
+    data = payload(2 * PART, seed=73)
+    write_object(backend, "obj", data, [PART, PART])
+    for offset, sizes in ((2 * PART - 1000, [500, 600]), (0, [PART, PART + 100])):
+        # 100 bytes past the object's end: in one streamed GET; in a batch of them
+        n = sum(sizes)
+        whole = bytearray(b"\xa5" * (n + 4096))
+        mv = memoryview(whole)
+        views = [mv[: sizes[0]], mv[sizes[0] : n]]
+        with pytest.raises(FormatError, match="past its end"):
+            backend.read_into_pieces("obj", offset, views)
+        assert whole[n:] == b"\xa5" * 4096
+    backend.close()
