@@ -5,6 +5,7 @@ response must be cut."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -124,3 +125,32 @@ def test_a_read_past_the_end_is_refused_and_writes_nothing_beyond(
             backend.read_into_pieces("obj", offset, views)
         assert whole[n:] == b"\xa5" * 4096
     backend.close()
+
+
+@pytest.mark.s3
+def test_a_body_that_stalls_midway_is_read_again_after_the_read_timeout(
+    moto_server: S3Server, s3_bucket: BucketFactory
+) -> None:
+    """A store that sends the headers and half a ranged GET's body, then nothing (a hang,
+    not an error): the client's read timeout ends the wait and the part is read again, so a
+    load is held up by the timeout, not forever."""
+    bucket = s3_bucket(moto_server)
+    data = payload(2 * PART, seed=75)
+    write_object(_backend(moto_server, bucket), "obj", data, [PART, PART])
+    faults = [Fault("stall_response", method="GET", path_contains="/run/obj", times=1, seconds=30)]
+    with FaultProxy(moto_server.endpoint_url, faults) as proxy:
+        backend = ObjectStoreBackend(
+            f"s3://{bucket}/run",
+            endpoint_url=proxy.endpoint_url,
+            part_size=PART,
+            max_concurrency=4,
+            read_timeout=2,
+        )
+        bufs, views = _pieces(ONE_PART)
+        t0 = time.monotonic()
+        backend.read_into_pieces("obj", 7, views)
+        waited = time.monotonic() - t0
+        assert proxy.fired["stall_response"] == 1
+        backend.close()
+    assert b"".join(bufs) == data[7 : 7 + sum(ONE_PART)]
+    assert waited < 25  # the read timeout ended the stall (it would last 30 s)

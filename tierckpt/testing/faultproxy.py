@@ -13,6 +13,9 @@ the n-th match, a seeded probability, at most ``times``) and, instead of forward
     read about half of the request body, then reset the connection (TCP RST);
 ``reset_response``
     forward the request, send the response headers and half the body, then reset;
+``stall_response``
+    the same, but send nothing more for ``seconds`` (a store that hangs mid-answer, longer
+    than the client's read timeout) before the reset;
 ``delay``
     wait ``seconds``, then forward normally;
 ``stall``
@@ -38,7 +41,9 @@ from urllib.parse import urlsplit
 
 __all__ = ["ACTIONS", "Fault", "FaultProxy", "RequestRecord"]
 
-ACTIONS = frozenset({"error500", "slowdown", "reset_request", "reset_response", "delay", "stall"})
+ACTIONS = frozenset(
+    {"error500", "slowdown", "reset_request", "reset_response", "stall_response", "delay", "stall"}
+)
 _MAX_LINE = 65536
 _MAX_HEADERS = 256
 _PIECE = 256 * 1024
@@ -58,7 +63,7 @@ class Fault:
     probability: float | None = None
     #: fire at most this many times
     times: int | None = None
-    #: for ``delay`` and ``stall``
+    #: for ``delay``, ``stall`` and ``stall_response``
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -291,10 +296,12 @@ class FaultProxy:
                         ufile,
                         client,
                         req,
-                        cut=action == "reset_response" and fault is not None,
+                        cut=action in ("reset_response", "stall_response") and fault is not None,
                         on_head=done,
                     )
                     if keep is None:  # cut mid-body
+                        if fault is not None and action == "stall_response":
+                            self._closed.wait(fault.seconds)
                         reset = True
                         return
                     if not keep or req.close:
