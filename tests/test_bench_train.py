@@ -55,3 +55,28 @@ def test_longer_blocks_take_turns_less_often(tmp_path: Path) -> None:
     assert train["variants"]["tierckpt"]["saves"] == 8
     with pytest.raises(ValueError, match="train block"):
         BenchConfig(sizes_gib=(1.0,), train_block=0)
+
+
+def test_a_memory_tier_variant_splits_the_library_from_the_disk(tmp_path: Path) -> None:
+    """``tierckpt_memory`` (on request, not by default) saves the same states into host RAM
+    only: its commits are timed and its library CPU counted as the disk variant's are, and
+    nothing of it is written under the run's folder."""
+    cfg = BenchConfig(
+        sizes_gib=(1.0,),
+        contenders=(),
+        train_variants=("none", "tierckpt", "tierckpt_memory"),
+        train_steps=4,
+        train_every=1,
+        train_layers=1,
+        train_dmodel=64,
+        train_threads=1,
+        train_block=4,
+    )
+    assert "tierckpt_memory" not in BenchConfig().train_variants
+    train = train_worker(str(tmp_path), cfg)
+    vs = train["variants"]
+    assert vs["tierckpt_memory"]["saves"] == vs["tierckpt"]["saves"] == 4
+    assert vs["tierckpt_memory"]["library_cpu_s_per_save"] > 0
+    assert vs["tierckpt_memory"]["label"] == "tierckpt (guard, MemoryTier only)"
+    summary = summarize_train(train)
+    assert summary["paired_median_over_none_no_drain"]["tierckpt_memory"] > 0

@@ -20,8 +20,12 @@ SAVE_CONTENDERS = (
 )
 #: the peers that stage the state in host memory before writing it (the others write directly)
 STAGING_PEERS = frozenset({"dcp_async", "dcp_async_stager", "tc_async"})
-#: every variant of the training benchmark
-TRAIN_VARIANTS = ("none", "tierckpt", "torch_save", "dcp_async", "dcp_async_stager")
+#: the variants of the training benchmark run by default
+DEFAULT_TRAIN_VARIANTS = ("none", "tierckpt", "torch_save", "dcp_async", "dcp_async_stager")
+#: every variant of the training benchmark; ``tierckpt_memory`` (on request): the same saves
+#: into host RAM only (``MemoryTier``), which splits what every-step checkpointing costs
+#: between the library and the disk
+TRAIN_VARIANTS = (*DEFAULT_TRAIN_VARIANTS, "tierckpt_memory")
 
 LABELS = {
     "torch_save": "torch.save + fsync",
@@ -33,6 +37,7 @@ LABELS = {
     "tierckpt_default": "tierckpt (default arena)",
     "none": "no checkpointing",
     "tierckpt": "tierckpt (guard)",
+    "tierckpt_memory": "tierckpt (guard, MemoryTier only)",
 }
 
 
@@ -47,7 +52,7 @@ class BenchConfig:
     compute: str = "sleep"  # "sleep" (an accelerator computes) or "busy" (CPU matmuls)
     arena_bytes: int = 256 * MiB
     contenders: tuple[str, ...] = SAVE_CONTENDERS
-    train_variants: tuple[str, ...] = TRAIN_VARIANTS
+    train_variants: tuple[str, ...] = DEFAULT_TRAIN_VARIANTS
     train_steps: int = 120  # measured steps per variant
     train_every: int = 10
     #: the variants take turns in blocks of at least this many steps; each block ends with a

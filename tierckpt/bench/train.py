@@ -62,10 +62,15 @@ class _TrainSaver:
         self.resp: Any = None
         self.blocked_s: list[float] = []  # per checkpoint: the save call + the wait before step
         self._pending_block: float | None = None
-        if variant == "tierckpt":
-            from tierckpt import Checkpointer, LocalTier
+        if variant in ("tierckpt", "tierckpt_memory"):
+            from tierckpt import Checkpointer, LocalTier, MemoryTier
 
-            self.ck = Checkpointer([LocalTier(out, keep_last=2)])
+            tier = (
+                LocalTier(out, keep_last=2)
+                if variant == "tierckpt"
+                else MemoryTier(keep_last=2, namespace=f"bench-train-{id(self)}")
+            )
+            self.ck = Checkpointer([tier])
             self.ck.guard(opt)  # a no-op while this Checkpointer has nothing in flight
         elif variant == "dcp_async_stager":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -102,7 +107,7 @@ class _TrainSaver:
         self._pending_block = time.perf_counter() - t0
 
     def _save(self, state: dict[str, Any], step: int) -> None:
-        if self.variant == "tierckpt":
+        if self.ck is not None:
             self.handles.append(self.ck.save(state, step))
             return
         path = self.out / f"step-{step}"
@@ -133,8 +138,7 @@ class _TrainSaver:
         self.drain()
         if self.ck is not None:
             for h in self.handles:
-                r = h.results.get("local")
-                if r is not None:
+                for r in h.results.values():  # the one tier's result
                     self.commit_s.append(r.seconds)
             self.ck.close()
         if self.stager is not None:
