@@ -94,6 +94,7 @@ def test_a_save_in_flight_is_named_with_the_live_writer(
     root = tmp_path / "run"
     with Checkpointer([LocalTier(root, keep_last=None)]) as ck:
         ck.save(_state(), step=1).wait()
+        ck.wait(retention=True)  # its pass has swept: the temporary below stays
         tmp = root / f"{shard_name(2, 0)}.0123456789ab.tmp"  # a save of 2 being written
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(b"x" * 100)
