@@ -272,7 +272,7 @@ def test_gc_marks_what_it_keeps_because_pinned(
 
 @pytest.mark.s3
 def test_ls_of_a_prefix_a_level_off_names_the_tier_prefix(
-    moto_server,  # type: ignore[no-untyped-def]
+    s3_server,  # type: ignore[no-untyped-def]
     s3_bucket,  # type: ignore[no-untyped-def]
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -281,10 +281,10 @@ def test_ls_of_a_prefix_a_level_off_names_the_tier_prefix(
     names the tier prefix meant."""
     from tierckpt.format import shard_name
 
-    bucket = s3_bucket(moto_server)
-    ep = ["--endpoint-url", moto_server.endpoint_url]
+    bucket = s3_bucket(s3_server)
+    ep = ["--endpoint-url", s3_server.endpoint_url]
     run = f"s3://{bucket}/jobs/run-7"
-    with Checkpointer([S3Tier(run, endpoint_url=moto_server.endpoint_url)]) as ck:
+    with Checkpointer([S3Tier(run, endpoint_url=s3_server.endpoint_url)]) as ck:
         ck.save(_state(), step=1).wait()
     for where in (f"s3://{bucket}", f"s3://{bucket}/jobs"):
         rc, out, _err = _run(["ls", where, *ep], capsys)
