@@ -58,7 +58,7 @@ def test_an_abandoned_save_is_named_with_the_committed_steps_and_the_gc_that_rem
     rc, _out, err = _run([command, str(root), "--step", "5"], capsys)
     assert rc == 1
     assert "step 5 is not committed here" in err
-    assert "uncommitted save here (temporary files only, no manifest): abandoned" in err, err
+    assert "uncommitted save here (unfinished writes only, no manifest): abandoned" in err, err
     assert "Committed here: 1, 3 (newest 3)" in err, err
     assert f"`tierckpt gc {root} --keep-last 2 --abort-incomplete` removes it" in err, err
 
@@ -113,7 +113,7 @@ def test_no_committed_checkpoint_names_the_uncommitted_save(
     tmp.write_bytes(b"x" * 100)
     rc, _out, err = _run(["inspect", str(root)], capsys)
     assert rc == 1 and "no committed checkpoint here" in err, err
-    assert "Step 7 has an uncommitted save here (temporary files only" in err, err
+    assert "Step 7 has an uncommitted save here (unfinished writes only" in err, err
     assert "No checkpoint is committed here" in err, err
 
 
@@ -127,3 +127,31 @@ def test_many_committed_checkpoints_name_the_newest(
     rc, _out, err = _run(["verify", str(root), "--step", "99"], capsys)
     assert rc == 1
     assert "12 checkpoints are committed here, the newest 3, 4, 5, 6, 7, 8, 9, 10, 11, 12" in err
+
+
+@pytest.mark.s3
+def test_an_open_upload_on_s3_is_named_as_an_uncommitted_save(
+    moto_server,  # type: ignore[no-untyped-def]
+    s3_bucket,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On S3 a save killed mid-upload leaves an open multipart upload, not a file."""
+    from tierckpt import S3Tier
+
+    bucket = s3_bucket(moto_server)
+    ep = ["--endpoint-url", moto_server.endpoint_url]
+    url = f"s3://{bucket}/run"
+    with Checkpointer([S3Tier(url, endpoint_url=moto_server.endpoint_url)]) as ck:
+        ck.save(_state(), step=1).wait()
+        ck.wait(retention=True)
+    moto_server.admin.create_multipart_upload(Bucket=bucket, Key=f"run/{shard_name(2, 0)}")
+    rc, _out, err = _run(["verify", url, "--step", "2", *ep], capsys)
+    assert rc == 1
+    assert "uncommitted save here (unfinished writes only, no manifest): abandoned" in err, err
+    assert "Committed here: 1 (newest 1)" in err, err
+    assert f"`tierckpt gc {url} --keep-last 1 --abort-incomplete` removes it" in err, err
+    rc, _out, _err = _run(["gc", url, "--keep-last", "1", "--abort-incomplete", *ep], capsys)
+    assert rc == 0
+    rc, out, _err = _run(["ls", url, "--json", *ep], capsys)
+    doc = json.loads(out)
+    assert [c["step"] for c in doc["checkpoints"]] == [1] and doc["uncommitted"] == []

@@ -183,7 +183,7 @@ def _uncommitted_note(
         return f"{nor}. {_committed_text(ids)}"
     save = max(complete | partial)
     which = f"Step {id_text(save)} has" if step is None else "It has"
-    files = "shard files" if save in complete else "temporary files only"
+    files = "shard files" if save in complete else "unfinished writes only"
     gc = f"tierckpt gc {backend.url} --keep-last {max(len(ids), 1)}"
     if ids and save < ids[-1]:
         what = "one that failed or was killed, older than the newest checkpoint"
@@ -203,7 +203,10 @@ def _uncommitted_note(
                 "removes them as a leftover"
             )
         else:
-            fix += "removes it (temporary files, open uploads), keeping every committed checkpoint"
+            fix += (
+                "removes it (its temporary files or open uploads), keeping every committed "
+                "checkpoint"
+            )
     return f". {which} an uncommitted save here ({files}, no manifest): {what}. " + (
         f"{_committed_text(ids)}. {fix}"
     )
