@@ -297,3 +297,26 @@ def test_ls_of_a_prefix_a_level_off_names_the_tier_prefix(
     assert rc == 0 and "hint" not in out, out
     rc, out, _err = _run(["ls", run, *ep], capsys)
     assert rc == 0 and "hint" not in out, out
+
+
+@pytest.mark.s3
+def test_ls_lists_what_it_can_when_the_hint_cannot_list(
+    moto_server,  # type: ignore[no-untyped-def]
+    s3_bucket,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A role may list only below its prefix: the hint's listings above it fail; ls still
+    answers (it failed with that error instead)."""
+    from tierckpt.cli import _hints
+    from tierckpt.errors import BackendError
+
+    def denied(*_args: object) -> str:
+        raise BackendError("s3://b/: list failed: AccessDenied")
+
+    monkeypatch.setattr(_hints, "tier_prefixes_near", denied)
+    bucket = s3_bucket(moto_server)
+    rc, out, err = _run(
+        ["ls", f"s3://{bucket}/jobs", "--endpoint-url", moto_server.endpoint_url], capsys
+    )
+    assert rc == 0 and "no committed checkpoint" in out and "AccessDenied" not in out + err

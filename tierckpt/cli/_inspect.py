@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from tierckpt.cli._common import (
 )
 from tierckpt.errors import CorruptChunk, TierCkptError
 from tierckpt.redact import redact
+
+log = logging.getLogger("tierckpt")
 
 
 def _lease_doc(info: Any) -> dict[str, Any]:
@@ -51,8 +54,12 @@ def _near_hint(args: argparse.Namespace, backend: Any) -> str:
     if "://" not in url or url.startswith("file://"):
         return tier_folders_near(url)
     parts = urlsplit(url)
-    with opened(args, f"{parts.scheme}://{parts.netloc}") as root:
-        return tier_prefixes_near(backend, url, root.list)
+    try:
+        with opened(args, f"{parts.scheme}://{parts.netloc}") as root:
+            return tier_prefixes_near(backend, url, root.list)
+    except Exception as exc:  # e.g. no right to list above the prefix: ls lists what it can
+        log.debug("ls: no hint for %s: %s", redact(url), exc)
+        return ""
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

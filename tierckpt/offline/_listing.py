@@ -176,7 +176,7 @@ def _uncommitted_note(
         complete = saves_in(backend.list(""))
         partial = saves_in(backend.incomplete(""))
         live = [w for w in leases(backend) if w.alive] if complete | partial else []
-    except TierCkptError:  # the first listing worked: say what it told, not a second error
+    except Exception:  # the first listing worked: say what it told, not a second error
         return f". {_committed_text(ids)}"
     if not complete | partial:
         nor = " and no save of it is either" if step is not None else ""
