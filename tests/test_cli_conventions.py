@@ -222,6 +222,10 @@ def test_ls_of_a_folder_a_level_off_names_the_tier_folder(
         assert rc == 0 and f"tier folders below this one: {run}" in out, out
     rc, out, _err = _run(["ls", str(run / "manifests")], capsys)
     assert f"inside the tier folder {run}: tierckpt ls {run}" in out, out
+    # the data's hashed folder: its steps/ list as uncommitted saves, which hid the hint
+    hashed = next(p for p in run.iterdir() if p.name not in ("manifests", "leases"))
+    rc, out, _err = _run(["ls", str(hashed)], capsys)
+    assert f"inside the tier folder {run}: tierckpt ls {run}" in out, out
     (tmp_path / "empty").mkdir()
     rc, out, _err = _run(["ls", str(tmp_path / "empty")], capsys)
     assert "hint" not in out
@@ -264,3 +268,55 @@ def test_gc_marks_what_it_keeps_because_pinned(
         assert ck.steps() == [1, 3]
     rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--dry-run"], capsys)
     assert "pinned" not in out  # kept by the rule anyway
+
+
+@pytest.mark.s3
+def test_ls_of_a_prefix_a_level_off_names_the_tier_prefix(
+    s3_server,  # type: ignore[no-untyped-def]
+    s3_bucket,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As for a local folder: ``ls`` of the prefix above a tier's, or of one inside it, said
+    only 'no committed checkpoint' (or listed the tier's data as uncommitted saves); now it
+    names the tier prefix meant."""
+    from tierckpt.format import shard_name
+
+    bucket = s3_bucket(s3_server)
+    ep = ["--endpoint-url", s3_server.endpoint_url]
+    run = f"s3://{bucket}/jobs/run-7"
+    with Checkpointer([S3Tier(run, endpoint_url=s3_server.endpoint_url)]) as ck:
+        ck.save(_state(), step=1).wait()
+    for where in (f"s3://{bucket}", f"s3://{bucket}/jobs"):
+        rc, out, _err = _run(["ls", where, *ep], capsys)
+        assert rc == 0 and f"hint: tier prefixes below this one: {run}" in out, out
+    hashed = shard_name(1, 0).split("/")[0]  # the data's hashed prefix, e.g. "de"
+    for inside in ("manifests", hashed, f"{hashed}/steps"):
+        rc, out, _err = _run(["ls", f"{run}/{inside}", *ep], capsys)
+        assert rc == 0 and f"inside the tier prefix {run}: tierckpt ls {run}" in out, out
+    rc, out, _err = _run(["ls", f"s3://{bucket}/elsewhere", *ep], capsys)
+    assert rc == 0 and "hint" not in out, out
+    rc, out, _err = _run(["ls", run, *ep], capsys)
+    assert rc == 0 and "hint" not in out, out
+
+
+@pytest.mark.s3
+def test_ls_lists_what_it_can_when_the_hint_cannot_list(
+    moto_server,  # type: ignore[no-untyped-def]
+    s3_bucket,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A role may list only below its prefix: the hint's listings above it fail; ls still
+    answers (it failed with that error instead)."""
+    from tierckpt.cli import _hints
+    from tierckpt.errors import BackendError
+
+    def denied(*_args: object) -> str:
+        raise BackendError("s3://b/: list failed: AccessDenied")
+
+    monkeypatch.setattr(_hints, "tier_prefixes_near", denied)
+    bucket = s3_bucket(moto_server)
+    rc, out, err = _run(
+        ["ls", f"s3://{bucket}/jobs", "--endpoint-url", moto_server.endpoint_url], capsys
+    )
+    assert rc == 0 and "no committed checkpoint" in out and "AccessDenied" not in out + err

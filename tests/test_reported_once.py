@@ -4,16 +4,21 @@ a different cause is still reported, and the same one again after a commit there
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from tierckpt import Checkpointer, CheckpointFailed, S3Tier
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, S3Tier
+from tierckpt.backends.local import LocalBackend
 from tierckpt.backends.memory import MemoryBackend
 from tierckpt.errors import BackendError
-from tierckpt.reported import forget_causes, report_once
+from tierckpt.format import manifest_name
+from tierckpt.reported import RETENTION, forget_causes, report_once
 from tierckpt.testing.s3servers import S3Server
 
 
@@ -85,4 +90,108 @@ def test_a_different_cause_is_still_reported_and_the_same_again_after_a_commit(
         ("DEBUG", str(missing)),
         ("WARNING", str(missing)),
         ("WARNING", str(same)),
+    ]
+
+
+def _retention_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.name == "tierckpt" and r.getMessage().startswith("retention on")
+    ]
+
+
+def test_a_retention_pass_failing_at_every_save_warns_once_until_a_pass_succeeds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deletes refused on a tier (a folder, a bucket policy without delete): the retention
+    pass after every commit fails the same way, and logged a WARNING at every save."""
+    deny = threading.Event()
+    deny.set()
+
+    class NoDelete(LocalBackend):
+        def delete(self, name: str) -> None:
+            if deny.is_set():
+                msg = f"{self.url}/{name}: delete failed: Permission denied"
+                raise BackendError(errno.EACCES, msg)
+            super().delete(name)
+
+    class NoDeleteTier(LocalTier):
+        def make_backend(self) -> LocalBackend:
+            return NoDelete(self.path)
+
+    caplog.set_level(logging.DEBUG, logger="tierckpt")
+    state = {"w": torch.ones(64)}
+    with Checkpointer([NoDeleteTier(tmp_path, keep_last=1)]) as ck:
+        for step in range(1, 6):  # passes 2..5 fail: one WARNING
+            ck.save(state, step=step).wait()
+            ck.wait(retention=True)
+        levels = [r.levelname for r in _retention_warnings(caplog)]
+        assert levels == ["WARNING", "DEBUG", "DEBUG", "DEBUG"], levels
+        assert ck.steps() == [1, 2, 3, 4, 5]  # nothing was deleted, nothing lost
+        deny.clear()  # deletes work again: the next pass succeeds
+        ck.save(state, step=6).wait()
+        ck.wait(retention=True)
+        assert ck.steps() == [6]
+        deny.set()  # and fail again: news again
+        for step in (7, 8):
+            ck.save(state, step=step).wait()
+            ck.wait(retention=True)
+        deny.clear()  # close gives the lease back
+    levels = [r.levelname for r in _retention_warnings(caplog)]
+    assert levels == ["WARNING", "DEBUG", "DEBUG", "DEBUG", "WARNING", "DEBUG"], levels
+    assert "Permission denied" in _retention_warnings(caplog)[-1].getMessage()
+
+
+def test_unreadable_metrics_warn_once_per_checkpoint_not_at_every_pass(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """keep_best reads every checkpoint's metrics at every pass: one whose manifest cannot
+    be read is kept, and said so with a WARNING at every save."""
+    state = {"w": torch.ones(64)}
+    with Checkpointer([LocalTier(tmp_path, keep_last=None)]) as ck:
+        ck.save(state, step=1, metrics={"loss": 1.0}).wait()
+    (tmp_path / manifest_name(1)).write_bytes(b"{not json")
+    caplog.set_level(logging.DEBUG, logger="tierckpt")
+    tier = LocalTier(tmp_path, keep_last=1, keep_best=1, best_metric="loss")
+    with Checkpointer([tier]) as ck:
+        for step in range(2, 6):
+            ck.save(state, step=step, metrics={"loss": float(step)}).wait()
+            ck.wait(retention=True)
+        assert ck.steps() == [1, 2, 5]  # kept: unreadable, best, newest
+    records = _retention_warnings(caplog)
+    assert [r.levelname for r in records] == ["WARNING", "DEBUG", "DEBUG", "DEBUG"], [
+        r.getMessage() for r in records
+    ]
+    assert "keeps step 1: its metrics cannot be read" in records[0].getMessage()
+
+
+def test_a_local_error_is_one_cause_whatever_the_file_and_topics_are_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A folder that refuses writes fails every file with the same errno: one cause (its
+    message names each file). A retention failure is not a save failure: a commit does not
+    make the retention pass's cause news again, a completed pass does."""
+    backend = MemoryBackend()
+    a = BackendError(errno.EACCES, "/run/manifests/step-1.json: delete failed: denied")
+    b = BackendError(errno.EACCES, "/run/de/steps/000000000001/rank-0.tck: delete failed")
+    full = BackendError(errno.ENOSPC, "/run/de/steps/000000000002/rank-0.tck: write failed")
+    caplog.set_level(logging.DEBUG, logger="tierckpt")
+    for exc in (a, b, full):
+        report_once(backend, exc, "save %s", exc)
+    report_once(backend, b, "retention %s", b, topic=RETENTION)  # its own topic: news
+    forget_causes(backend)  # a save committed
+    report_once(backend, a, "retention %s", a, topic=RETENTION)  # still reported
+    report_once(backend, a, "save %s", a)  # news again
+    forget_causes(backend, topic=RETENTION)  # a pass completed
+    report_once(backend, a, "retention %s", a, topic=RETENTION)
+    levels = [(r.levelname, r.getMessage().split()[0]) for r in caplog.records]
+    assert levels == [
+        ("WARNING", "save"),
+        ("DEBUG", "save"),
+        ("WARNING", "save"),
+        ("WARNING", "retention"),
+        ("DEBUG", "retention"),
+        ("WARNING", "save"),
+        ("WARNING", "retention"),
     ]

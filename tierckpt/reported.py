@@ -3,9 +3,13 @@ cause once: a missing bucket fails the timeline's listing, the lease and the sav
 logs a WARNING once, then each failed save's ERROR (the save's own outcome, always logged).
 
 A cause is the store's error code and HTTP status where the error has one (the same missing
-bucket, whatever the call and object), else the whole message: a different failure is never
-taken for one already reported. Remembered per backend object (each ``Checkpointer`` makes
-its own), until a save commits there: the same cause coming back later is reported again.
+bucket, whatever the call and object), else its ``errno`` where it has one (a folder not
+writable, whatever the file), else the whole message: a different failure is never taken for
+one already reported. Remembered per backend object (each ``Checkpointer`` makes its own) and
+per *topic*, until what the topic is about succeeds there: the same cause coming back later
+is reported again. Topics: ``""``, saves (forgotten when a save commits there);
+:data:`RETENTION`, the retention pass after each commit (forgotten when a pass completes
+there: a commit does not clear it, as every pass follows one).
 """
 
 from __future__ import annotations
@@ -16,27 +20,35 @@ import weakref
 
 from tierckpt.backends.base import Backend
 
-__all__ = ["cause_of", "forget_causes", "report_once", "reported"]
+__all__ = ["RETENTION", "cause_of", "forget_causes", "report_once", "reported"]
 
 log = logging.getLogger("tierckpt")
 
-_SEEN: weakref.WeakKeyDictionary[Backend, set[str]] = weakref.WeakKeyDictionary()
+#: the topic of the retention pass's warnings (skipped, failed)
+RETENTION = "retention"
+
+_SEEN: weakref.WeakKeyDictionary[Backend, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
 def cause_of(exc: BaseException) -> str:
     """What ``exc`` says is wrong, without where: its type with the store's error code and
-    status where it has a code (S3/object-store errors), else its type and message."""
+    status where it has a code (S3/object-store errors), else with its ``errno`` where it has
+    one (a local disk), else its type and message."""
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code:
         return f"{type(exc).__name__}:{code}:{getattr(exc, 'status', '')}"
+    num = getattr(exc, "errno", None)
+    if isinstance(num, int) and num:
+        return f"{type(exc).__name__}:errno {num}"
     return f"{type(exc).__name__}:{exc}"
 
 
-def reported(backend: Backend, exc: BaseException) -> bool:
-    """Mark ``exc``'s cause reported on ``backend``; whether it was reported before. A backend
-    that cannot be remembered (a test double without hash or weak reference) never was."""
-    cause = cause_of(exc)
+def reported(backend: Backend, exc: BaseException, *, topic: str = "") -> bool:
+    """Mark ``exc``'s cause reported on ``backend`` (under ``topic``); whether it was reported
+    before. A backend that cannot be remembered (a test double without hash or weak
+    reference) never was."""
+    cause = (topic, cause_of(exc))
     with _LOCK:
         try:
             seen = _SEEN.get(backend)
@@ -51,17 +63,26 @@ def reported(backend: Backend, exc: BaseException) -> bool:
 
 
 def report_once(
-    backend: Backend, exc: BaseException, msg: str, *args: object, level: int = logging.WARNING
+    backend: Backend,
+    exc: BaseException,
+    msg: str,
+    *args: object,
+    level: int = logging.WARNING,
+    topic: str = "",
 ) -> None:
-    """Log ``msg % args`` at ``level`` the first time ``exc``'s cause is met on ``backend``,
-    at DEBUG after that (until :func:`forget_causes`)."""
-    log.log(logging.DEBUG if reported(backend, exc) else level, msg, *args, stacklevel=2)
+    """Log ``msg % args`` at ``level`` the first time ``exc``'s cause is met on ``backend``
+    under ``topic``, at DEBUG after that (until :func:`forget_causes` of that topic)."""
+    repeat = reported(backend, exc, topic=topic)
+    log.log(logging.DEBUG if repeat else level, msg, *args, stacklevel=2)
 
 
-def forget_causes(backend: Backend) -> None:
-    """A save committed on ``backend``: whatever failed there before is over."""
+def forget_causes(backend: Backend, *, topic: str = "") -> None:
+    """What ``topic`` is about succeeded on ``backend`` (a save committed; a retention pass
+    completed): whatever failed there before under it is over."""
     with _LOCK:
         try:
-            _SEEN.pop(backend, None)
+            seen = _SEEN.get(backend)
         except TypeError:
-            pass
+            return
+        if seen is not None:
+            seen.difference_update([c for c in seen if c[0] == topic])

@@ -60,6 +60,7 @@ from tierckpt.format import (
     step_prefix,
 )
 from tierckpt.layout import data_folder_part
+from tierckpt.reported import RETENTION, report_once
 from tierckpt.sweep import SWEEP_LOCK, Listing, note_failed_save, sweep_state
 
 __all__ = [
@@ -268,8 +269,15 @@ def _best(
         except Exception as exc:  # unreadable: keep it, decide next time
             if not backend.exists(manifest_name(cid.step, timeline=cid.timeline)):
                 continue  # gone meanwhile (another process's retention)
-            log.warning(
-                "retention on %s keeps %s: its metrics cannot be read: %s", backend.url, cid, exc
+            # at every pass while it lasts: once per checkpoint (and backend object)
+            report_once(
+                backend,
+                exc,
+                "retention on %s keeps %s: its metrics cannot be read: %s",
+                backend.url,
+                cid,
+                exc,
+                topic=f"{RETENTION} metrics of {cid}",
             )
             unknown.add(cid)
             continue

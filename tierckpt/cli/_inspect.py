@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from tierckpt.cli._common import (
     fmt_bytes,
@@ -18,6 +20,8 @@ from tierckpt.cli._common import (
 )
 from tierckpt.errors import CorruptChunk, TierCkptError
 from tierckpt.redact import redact
+
+log = logging.getLogger("tierckpt")
 
 
 def _lease_doc(info: Any) -> dict[str, Any]:
@@ -42,8 +46,24 @@ def _status(c: Any, newest: Any, pinned: set[Any]) -> str:
     return ", ".join(w for w in [*words, "pinned" if c.id in pinned else ""] if w)
 
 
+def _near_hint(args: argparse.Namespace, backend: Any) -> str:
+    """The tier folder or prefix meant, where ``ls`` found no checkpoint at ``args.url``."""
+    from tierckpt.cli._hints import tier_folders_near, tier_prefixes_near
+
+    url = args.url
+    if "://" not in url or url.startswith("file://"):
+        return tier_folders_near(url)
+    parts = urlsplit(url)
+    try:
+        with opened(args, f"{parts.scheme}://{parts.netloc}") as root:
+            return tier_prefixes_near(backend, url, root.list)
+    except Exception as exc:  # e.g. no right to list above the prefix: ls lists what it can
+        log.debug("ls: no hint for %s: %s", redact(url), exc)
+        return ""
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tierckpt.cli._hints import stored_codecs, tier_folders_near
+    from tierckpt.cli._hints import stored_codecs
     from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
     from tierckpt.retention import pinned_ids
 
@@ -56,6 +76,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         codecs = {
             c.id: stored_codecs(backend, c.manifest) for c in listed if c.manifest is not None
         }
+        # nothing here: a prefix or folder a level off is the usual reason (inside a tier,
+        # whose data then lists as uncommitted saves, or above tiers)
+        hint = _near_hint(args, backend) if not listed and not args.json else ""
     newest = listed[-1].id if listed else None
     if args.json:
         doc = [
@@ -99,10 +122,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return _unreadable(listed)
     if not listed:
         print(f"{backend.url}: no committed checkpoint")
-        if not pending:
-            hint = tier_folders_near(args.url)
-            if hint:
-                print(hint)
+        if hint:
+            print(hint)
     else:
         rows = []
         for c in listed:

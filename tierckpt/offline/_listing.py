@@ -19,7 +19,9 @@ from tierckpt.errors import (
 from tierckpt.format import (
     CheckpointId,
     Manifest,
+    parse_data_folder,
 )
+from tierckpt.offline._leases import leases
 from tierckpt.policy import refuse_mistyped_url
 from tierckpt.redact import redact
 from tierckpt.restore import read_manifest
@@ -121,15 +123,93 @@ def resolve_id(
     of = "" if timeline is None else f" of timeline {timeline}"
     if step is None:
         if not pool:
-            raise CheckpointNotFound(f"{backend.url}: no committed checkpoint{of} here")
+            raise CheckpointNotFound(
+                f"{backend.url}: no committed checkpoint{of} here"
+                + _uncommitted_note(backend, ids, None, timeline)
+            )
         return pool[-1]
     holding = [c for c in pool if c.step == step]
     if not holding:
-        shown = ", ".join(id_text(c) for c in ids[-10:]) or "none"
         raise CheckpointNotFound(
-            f"{backend.url}: step {step}{of} is not committed here (committed: {shown})"
+            f"{backend.url}: step {step}{of} is not committed here"
+            + _uncommitted_note(backend, ids, step, timeline)
         )
     return holding[-1]
+
+
+#: how many of the newest committed checkpoints a "not committed here" message names
+SHOWN_COMMITTED = 10
+
+
+def _committed_text(ids: list[CheckpointId]) -> str:
+    """``"Committed here: 8, 9, 10 (newest 10)"``: the newest few, a sentence of a message."""
+    if not ids:
+        return "No checkpoint is committed here"
+    shown = ", ".join(id_text(c) for c in ids[-SHOWN_COMMITTED:])
+    if len(ids) > SHOWN_COMMITTED:
+        return f"{len(ids)} checkpoints are committed here, the newest {shown}"
+    return f"Committed here: {shown} (newest {id_text(ids[-1])})"
+
+
+def _uncommitted_note(
+    backend: Backend, ids: list[CheckpointId], step: int | None, timeline: int | None
+) -> str:
+    """What a "not committed here" message goes on with: whether ``step`` (any step if None)
+    has a save here without a manifest — in flight, or abandoned by a killed writer — what is
+    committed, and what ``tierckpt gc`` does about such a save (never removing a committed
+    checkpoint: its ``--keep-last`` is the number committed)."""
+
+    committed = set(ids)
+
+    def saves_in(names: list[str]) -> set[CheckpointId]:
+        found = {parse_data_folder(n) for n in names}
+        return {
+            c
+            for c in found
+            if c is not None
+            and c not in committed
+            and (step is None or c.step == step)
+            and (timeline is None or c.timeline == timeline)
+        }
+
+    try:
+        complete = saves_in(backend.list(""))
+        partial = saves_in(backend.incomplete(""))
+        live = [w for w in leases(backend) if w.alive] if complete | partial else []
+    except Exception:  # the first listing worked: say what it told, not a second error
+        return f". {_committed_text(ids)}"
+    if not complete | partial:
+        nor = " and no save of it is either" if step is not None else ""
+        return f"{nor}. {_committed_text(ids)}"
+    save = max(complete | partial)
+    which = f"Step {id_text(save)} has" if step is None else "It has"
+    files = "shard files" if save in complete else "unfinished writes only"
+    gc = f"tierckpt gc {backend.url} --keep-last {max(len(ids), 1)}"
+    if ids and save < ids[-1]:
+        what = "one that failed or was killed, older than the newest checkpoint"
+        fix = f"`{gc}` removes it as a leftover, keeping every committed checkpoint"
+    else:
+        if live:
+            w = live[0]
+            what = f"probably in flight, as a live writer holds this location (rank {w.rank}: "
+            what += f"{w.describe()}); wait for it to commit"
+        else:
+            what = "abandoned, as no live writer holds this location (a killed writer left it)"
+        fix = f"Once no job writes here, `{gc} --abort-incomplete` "
+        if save in complete:
+            fix += (
+                "discards its unfinished writes, keeping every committed checkpoint; the "
+                "shard files it completed stay until a newer checkpoint commits, then gc "
+                "removes them as a leftover"
+            )
+        else:
+            fix += (
+                "removes it (its temporary files or open uploads), keeping every committed "
+                "checkpoint"
+            )
+    return f". {which} an uncommitted save here ({files}, no manifest): {what}. " + (
+        f"{_committed_text(ids)}. {fix}"
+    )
 
 
 def resolve_step(backend: Backend, step: int | None) -> int:

@@ -16,7 +16,7 @@ from concurrent.futures import wait as wait_futures
 from tierckpt.errors import WriterConflict
 from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
 from tierckpt.pipeline._values import SaveJob, Tier
-from tierckpt.reported import report_once
+from tierckpt.reported import RETENTION, report_once
 
 log = logging.getLogger("tierckpt")
 
@@ -111,8 +111,15 @@ class Leases:
             return False
         try:
             lease.verify()
-        except Exception as exc:
-            log.warning("retention on tier %s skipped: %s", tier.name, exc)
+        except Exception as exc:  # at every commit while it lasts: reported once
+            report_once(
+                tier.backend,
+                exc,
+                "retention on tier %s skipped: %s",
+                tier.name,
+                exc,
+                topic=RETENTION,
+            )
             return False
         return True
 

@@ -24,6 +24,7 @@ from tierckpt.format import CheckpointId
 from tierckpt.handle import TierResult
 from tierckpt.pipeline._base import _PipelineBase
 from tierckpt.pipeline._values import SaveJob, Tier
+from tierckpt.reported import RETENTION, forget_causes, report_once
 from tierckpt.retention import gc_tier
 
 log = logging.getLogger("tierckpt")
@@ -71,8 +72,17 @@ class _RetainMixin(_PipelineBase):
                 protect_steps=self.protect_steps(),
                 sweep=None,  # leftovers: at this writer's first pass and after a failed save
             )
-        except (BackendError, OSError) as exc:
-            log.warning("retention on tier %s failed (will retry next save): %s", tier.name, exc)
+        except (BackendError, OSError) as exc:  # at every commit while it lasts: once
+            report_once(
+                tier.backend,
+                exc,
+                "retention on tier %s failed (will retry next save): %s",
+                tier.name,
+                exc,
+                topic=RETENTION,
+            )
+        else:
+            forget_causes(tier.backend, topic=RETENTION)  # a failure coming back is news
 
     def _finish_then_retain(
         self,
@@ -105,7 +115,8 @@ class _RetainMixin(_PipelineBase):
         try:
             self._retain(tier, job)
         except Exception as exc:
-            log.warning("retention on tier %s failed: %s", tier.name, exc)
+            msg = "retention on tier %s failed: %s"
+            report_once(tier.backend, exc, msg, tier.name, exc, topic=RETENTION)
         finally:
             _own_passes()[id(self)] -= 1
             with self._lock:
