@@ -336,9 +336,8 @@ class ObjectStoreBackend(RemoteBackend):
 
     def _fetch(self, key: str, pieces: builtins.list[Range]) -> None:
         """Fetch ranges concurrently (one Rust call, GIL released) and copy each into its
-        piece; a single range (each part of a load's scatter read) is streamed into its
-        piece as it arrives instead (``stream_into``). A failed batch is fetched again, up to
-        ``max_attempts`` times."""
+        piece; a single range is streamed into its piece (``stream_into``). A failed batch is
+        fetched again, up to ``max_attempts`` times."""
         import obstore
 
         where = self._where(key)
