@@ -33,14 +33,7 @@ def fill(view: Any, body: memoryview) -> None:
     pos = 0
     for v in pieces:
         n = len(v)
-        if n >= NOGIL_COPY_BYTES and v.contiguous and body.contiguous:
-            import numpy as np
-
-            dst = np.frombuffer(v, dtype=np.uint8)  # writable: the caller's memory
-            src = np.frombuffer(body[pos : pos + n], dtype=np.uint8)
-            ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
-        else:
-            v[:] = body[pos : pos + n]
+        _copy(v, body[pos : pos + n], NOGIL_COPY_BYTES)
         pos += n
 
 
@@ -124,7 +117,7 @@ def stream_into(obstore: Any, store: Any, key: str, start: int, view: Any, where
         while off < n:
             assert cur is not None  # got <= want: a piece is left
             take = min(n - off, len(cur) - pos)
-            _copy(cur[pos : pos + take], body[off : off + take])
+            _copy(cur[pos : pos + take], body[off : off + take], NOGIL_STREAM_BYTES)
             off += take
             pos += take
             if pos == len(cur):
@@ -135,10 +128,11 @@ def stream_into(obstore: Any, store: Any, key: str, start: int, view: Any, where
         )
 
 
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src``; a large copy through ``ctypes.memmove`` (GIL released)."""
+def _copy(dst: memoryview, src: memoryview, nogil_from: int) -> None:
+    """``dst[:] = src``; a copy of ``nogil_from`` bytes or more through ``ctypes.memmove``,
+    which releases the GIL."""
     n = len(dst)
-    if n >= NOGIL_STREAM_BYTES and dst.contiguous:
+    if n >= nogil_from and dst.contiguous and src.contiguous:
         import numpy as np
 
         to = np.frombuffer(dst, dtype=np.uint8)  # writable: the caller's memory
