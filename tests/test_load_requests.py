@@ -7,6 +7,8 @@ replicator's ``prepare_load`` listed it first."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -47,9 +49,9 @@ def bucket_url(s3_server: S3Server, s3_bucket: Callable[[S3Server], str]) -> tup
 def test_s3_load_sends_three_requests_before_its_data(
     bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fresh job's load: LIST, GET manifest, GET tail, then the one data GET (a single
-    chunk); no HEAD. Before: LIST, HEAD + GET of the manifest, HEAD + GETs of the footer and
-    the index (7 requests in all)."""
+    """A fresh job's load: LIST, GET manifest and GET tail (sent together), then the one data
+    GET (a single chunk); no HEAD. Before: LIST, HEAD + GET of the manifest, HEAD + GETs of
+    the footer and the index (7 requests in all)."""
     bucket, endpoint = bucket_url
     state = _state()
     url = f"s3://{bucket}/run"
@@ -65,10 +67,71 @@ def test_s3_load_sends_three_requests_before_its_data(
     assert kinds["HEAD"] == 0, seen
     assert kinds["LIST"] == 1, seen
     gets = [rel for k, rel in seen if k == "GET"]
-    # the manifest, the file's tail, its one chunk
+    # the manifest and the file's tail (either first), then its one chunk
     assert len(gets) == 3, seen
-    assert gets[0] == manifest_name(1)
+    assert manifest_name(1) in gets[:2], seen
+    assert gets[0] != gets[1] and all(g.endswith(".tck") for g in gets if "manifest" not in g)
     assert len(seen) == 4, seen
+
+
+def test_s3_load_reads_the_tail_while_the_manifest_is_read(
+    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard file's tail GET is sent before the manifest's answer is in: the manifest read
+    here waits (up to 20 s) for the tail read to have started, which happens only if the two
+    overlap. Before, the tail was read after the manifest named the file."""
+    bucket, endpoint = bucket_url
+    state = _state()
+    url = f"s3://{bucket}/run"
+    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")]) as ck:
+        ck.save(state, step=1).result()
+    tail_started = threading.Event()
+    overlapped: list[bool] = []
+    real_tail, real_manifest = ObjectStoreBackend.read_tail, ObjectStoreBackend.get_bounded
+
+    def read_tail(self: ObjectStoreBackend, name: str, length: int) -> Any:
+        tail_started.set()
+        return real_tail(self, name, length)
+
+    def get_bounded(self: ObjectStoreBackend, name: str, limit: int) -> Any:
+        if name == manifest_name(1):
+            overlapped.append(tail_started.wait(20))
+        return real_manifest(self, name, limit)
+
+    monkeypatch.setattr(ObjectStoreBackend, "read_tail", read_tail)
+    monkeypatch.setattr(ObjectStoreBackend, "get_bounded", get_bounded)
+    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")]) as ck:
+        got = ck.load()
+    assert_same(got, state)
+    assert overlapped == [True]
+
+
+def test_s3_load_whose_guessed_file_name_misses_reads_the_named_one(
+    bucket_url: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Files saved under the v1 names (``prefixes=0``) and loaded by a tier of the default
+    layout: the early tail read guesses a v2 name, misses (one GET answered 404), and the
+    load reads the file the manifest names, with nothing logged about the miss."""
+    bucket, endpoint = bucket_url
+    state = _state()
+    url = f"s3://{bucket}/run"
+    with FaultProxy(endpoint) as proxy:
+        with Checkpointer([S3Tier(url, endpoint_url=proxy.endpoint_url, prefixes=0)]) as ck:
+            ck.save(state, step=1).result()
+        with Checkpointer([S3Tier(url, endpoint_url=proxy.endpoint_url)]) as ck:
+            proxy.requests.clear()
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="tierckpt"):
+                got = ck.load()
+            seen = _kinds(proxy, bucket)
+    assert_same(got, state)
+    gets = [rel for k, rel in seen if k == "GET"]
+    shard = [g for g in gets if g.endswith(".tck")]
+    # the guess (v2: under a hashed prefix), the named file's tail, its data
+    assert len(shard) == 3, seen
+    assert shard[0] != shard[1] and shard[1] == shard[2], seen
+    assert shard[1].startswith("steps/"), seen  # the v1 name the manifest gives
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
 
 
 def test_large_index_is_read_in_pieces_once_then_whole(
@@ -243,7 +306,7 @@ def test_data_requests_go_out_before_the_tensors_are_built(
     state = _state(40)
     with Checkpointer([LocalTier(tmp_path, codec="raw")], chunk_bytes=64 << 10) as ck:
         ck.save(state, step=1).result()
-    real_read, real_rebuild = chunks_mod.ChunkReader.read, shard_mod.rebuild_tensor
+    real_read, real_rebuild = chunks_mod.ChunkReader.read, shard_mod.rebuild_tensors
 
     def slow_read(self: Any, ci: int) -> int:
         time.sleep(0.1)  # a reader thread that starts late
@@ -254,7 +317,7 @@ def test_data_requests_go_out_before_the_tensors_are_built(
         return real_rebuild(*args)
 
     monkeypatch.setattr(chunks_mod.ChunkReader, "read", slow_read)
-    monkeypatch.setattr(shard_mod, "rebuild_tensor", rebuild)
+    monkeypatch.setattr(shard_mod, "rebuild_tensors", rebuild)
     backend = Remote(tmp_path)
     with ThreadPoolExecutor(2) as pool:
         loaded = read_shard(backend, "t", read_manifest(backend, 1, "t"), 0, pool)

@@ -48,7 +48,7 @@ from tierckpt.codecs import codec_from_config
 from tierckpt.errors import CorruptCheckpoint, FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, checksum, tree_args
 from tierckpt.restore import LoadedShard, as_parameters, read_index
-from tierckpt.restore._index import rebuild_tensor
+from tierckpt.restore._index import rebuild_tensors
 from tierckpt.tree import decode_tree
 from tierckpt.verify import corrupt_chunk
 
@@ -210,9 +210,7 @@ def read_shard_mapped(
                 raise FormatError(f"{where}: storage {off}..+{n} outside the data")
             spans.append(_span(mm, chunks, starts, off, n, where))
         sizes = [sp.numel() for sp in spans]
-        tensors = [
-            rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
-        ]
+        tensors = rebuild_tensors(index["tensors"], spans, sizes, where)
         as_parameters(tensors, index.get("parameters"), where)
         state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         for f in futures:

@@ -25,7 +25,8 @@ from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
-from tierckpt.format import CheckpointId, manifest_name
+from tierckpt.format import CheckpointId, manifest_name, step_prefix
+from tierckpt.layout import prefixes_for, shard_file
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
 from tierckpt.restore import (
@@ -33,6 +34,7 @@ from tierckpt.restore import (
     is_recoverable,
     read_shard,
     restore_into,
+    start_tail,
 )
 from tierckpt.restore_gpu import DeviceTarget, read_shard_to_device, target_for
 
@@ -258,6 +260,14 @@ def _load_from(
     ctx: LoadContext, tier: Tier, cid: CheckpointId, target: DeviceTarget | None = None
 ) -> LoadedShard:
     step = cid.step
+    # from a remote store the shard file's tail is read while the manifest is: its name is
+    # the one this tier's layout gives (checked against the manifest's before it is used)
+    early = None
+    if tier.backend.is_remote and target is None:
+        guess = shard_file(
+            step_prefix(step, timeline=cid.timeline), ctx.rank, prefixes_for(tier.spec.prefixes)
+        )
+        early = start_tail(tier.backend, guess, ctx.read_pool())
     manifest = ctx.strategy.read_manifest(tier, cid)  # multi-rank: once per node
     if manifest.world_size != ctx.world_size:
         raise TierCkptError(
@@ -303,6 +313,7 @@ def _load_from(
         ctx.read_pool(),
         repopulate=repop,
         publish=False,  # the strategy's publish_repopulated commits the copies
+        early=early,
     )
     if isinstance(tier.codec, SupportsObserveRead):  # the auto policy learns the restore's speed
         # (and, where the load was compressed, what a raw one would take: _auto_feedback)

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tierckpt import limits
 from tierckpt._types import JSON, BytesLike
 from tierckpt.errors import FormatError
@@ -301,8 +303,37 @@ def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, An
         logical_end = rec.logical_offset + rec.raw_size
         chunks.append(rec)
     index["chunks"] = chunks
+    if not _storages_ok(index["storages"], data_bytes):
+        _check_storages(index["storages"], data_bytes, where)  # raises, naming the record
+    return index
+
+
+def _storages_ok(storages: list[Any], data_bytes: int) -> bool:
+    """Whether the storage table is sound (``[offset, size]`` ints, in order, apart, within
+    the data, the last ending at its end), checked a column at a time: a table of thousands
+    of storages in well under a ms. False: :func:`_check_storages` says what is wrong."""
+    if not storages:
+        return data_bytes == 0
+    try:
+        if set(map(type, storages)) != {list} or set(map(len, storages)) != {2}:
+            return False
+        offs = [s[0] for s in storages]
+        sizes = [s[1] for s in storages]
+        if set(map(type, offs)) != {int} or set(map(type, sizes)) != {int}:
+            return False
+        if min(offs) < 0 or min(sizes) < 0 or max(offs) >= 1 << 62 or max(sizes) >= 1 << 62:
+            return False
+    except TypeError:
+        return False
+    o = np.array(offs, dtype=np.int64)
+    ends = o + np.array(sizes, dtype=np.int64)  # < 2**63: both are below 2**62
+    return bool((o[1:] >= ends[:-1]).all() and ends.max() <= data_bytes and ends[-1] == data_bytes)
+
+
+def _check_storages(storages: list[Any], data_bytes: int, where: str) -> None:
+    """The storage table checked record by record: ``FormatError`` naming the first bad one."""
     span_end = 0
-    for i, s in enumerate(index["storages"]):
+    for i, s in enumerate(storages):
         if not isinstance(s, list) or len(s) != 2:
             raise FormatError(f"{where}: storage {i} record malformed")
         off = _int(s[0], f"storage {i} offset")
@@ -312,4 +343,3 @@ def decode_index(data: BytesLike, *, file_size: int, where: str) -> dict[str, An
         span_end = off + n
     if span_end != data_bytes:
         raise FormatError(f"{where}: storages cover {span_end} of {data_bytes} data bytes")
-    return index

@@ -18,12 +18,14 @@ from __future__ import annotations
 import torch  # noqa: F401  (tests patch tierckpt.restore.torch)
 
 from tierckpt.restore._index import (
+    EarlyTail,
     TensorRecord,
     as_parameters,
     parse_tensor_entry,
     read_index,
     read_manifest,
     rebuild_tensor,
+    start_tail,
 )
 from tierckpt.restore._into import RECOVERABLE, is_recoverable, restore_into
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers
@@ -38,6 +40,7 @@ _rebuild_tensor = rebuild_tensor
 
 __all__ = [
     "RECOVERABLE",
+    "EarlyTail",
     "LoadedShard",
     "TensorRecord",
     "as_parameters",
@@ -48,4 +51,5 @@ __all__ = [
     "read_manifest",
     "read_shard",
     "restore_into",
+    "start_tail",
 ]

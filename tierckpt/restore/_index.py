@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,15 +30,18 @@ from tierckpt.format import (
     manifest_name,
 )
 from tierckpt.limits import MAX_DIMS
-from tierckpt.tree import dtype_from_name
+from tierckpt.tree import DTYPES, dtype_from_name
 
 __all__ = [
+    "EarlyTail",
     "TensorRecord",
     "as_parameters",
     "parse_tensor_entry",
     "read_index",
     "read_manifest",
     "rebuild_tensor",
+    "rebuild_tensors",
+    "start_tail",
 ]
 
 
@@ -69,8 +73,33 @@ MAX_TAIL_READ_BYTES = 8 << 20
 _tail_guess = TAIL_READ_BYTES
 
 
+@dataclass(frozen=True, slots=True)
+class EarlyTail:
+    """A read of a shard file's tail started before the manifest that names the file was read
+    (the name guessed from the step, the rank and the tier's layout), so that the two GETs
+    overlap; :func:`read_index` uses it where the manifest names that file and the size it
+    saw is the manifest's, else drops it and reads the tail itself."""
+
+    name: str
+    future: Future[tuple[int, Any]]
+
+    def take(self, ref: ShardRef) -> tuple[int, Any] | None:
+        if self.name != ref.file:
+            return None
+        try:
+            size, tail = self.future.result()
+        except Exception:  # only a guess: the read that replaces it reports what is wrong
+            return None
+        return (size, tail) if size == ref.size and len(tail) <= size else None
+
+
+def start_tail(backend: Backend, name: str, pool: ThreadPoolExecutor) -> EarlyTail:
+    """Start reading the tail of shard file ``name`` on ``pool`` (see :class:`EarlyTail`)."""
+    return EarlyTail(name, pool.submit(backend.read_tail, name, _tail_guess + FOOTER_SIZE))
+
+
 def read_index(
-    backend: Backend, ref: ShardRef, tier: str
+    backend: Backend, ref: ShardRef, tier: str, *, early: EarlyTail | None = None
 ) -> tuple[dict[str, Any], bytes | bytearray, bytes]:
     """The shard file's index, checked against its footer and the manifest's record (its
     size and index checksum); also the index and footer bytes (repopulated copies get them).
@@ -86,7 +115,10 @@ def read_index(
     guess = min(_tail_guess, max(TAIL_READ_BYTES, ref.size >> 4)) if remote else 0
     # never more than the manifest says the file holds (a suffix past the start of the
     # object is answered differently by different stores)
-    size, tail = backend.read_tail(ref.file, max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE)))
+    got = early.take(ref) if early is not None and remote else None
+    if got is None:
+        got = backend.read_tail(ref.file, max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE)))
+    size, tail = got
     if size != ref.size:
         raise CorruptCheckpoint(
             f"{where}: file is {size} bytes, the manifest says {ref.size} (truncated or replaced)"
@@ -132,32 +164,47 @@ def parse_tensor_entry(
     entry: Any, i: int, where: str, storage_sizes: Sequence[int]
 ) -> TensorRecord:
     """Validate tensor ``i``'s record against the storage table; ``FormatError`` if hostile."""
-    if not isinstance(entry, list) or len(entry) != 6:
+    if type(entry) is not list or len(entry) != 6:
         raise FormatError(f"{where}: tensor {i} record malformed")
     sid, off, dtype_s, shape, stride, _device = entry
-    dtype = dtype_from_name(dtype_s)
+    dtype = _DTYPES.get(dtype_s) if type(dtype_s) is str else None
+    if dtype is None:
+        dtype = dtype_from_name(dtype_s)  # raises, naming it
     if (
-        not isinstance(shape, list)
-        or not isinstance(stride, list)
+        type(shape) is not list
+        or type(stride) is not list
         or len(shape) != len(stride)
         or len(shape) > MAX_DIMS
-        or not all(type(v) is int and 0 <= v < 1 << 48 for v in shape + stride)
     ):
+        raise FormatError(f"{where}: tensor {i} has a malformed shape/stride")
+    dims = shape + stride
+    # a JSON int is exactly an int (never a bool: ``type`` is checked, not isinstance); one
+    # set of types, min and max cost a few calls where a test per element costs one each
+    if dims and (set(map(type, dims)) != _INT_ONLY or min(dims) < 0 or max(dims) >= 1 << 48):
         raise FormatError(f"{where}: tensor {i} has a malformed shape/stride")
     numel = math.prod(shape)
     if numel >= 1 << 62:  # zero strides can declare more elements than torch can count
         raise FormatError(f"{where}: tensor {i} declares {numel} elements")
-    if sid == -1:
+    if sid == -1 and type(sid) is int:
         if numel != 0:
             raise FormatError(f"{where}: tensor {i} has elements but no storage")
         return TensorRecord(-1, 0, dtype, shape, stride, 0)
     if type(sid) is not int or not 0 <= sid < len(storage_sizes) or type(off) is not int or off < 0:
         raise FormatError(f"{where}: tensor {i} points outside the storage table")
     item = dtype.itemsize
-    extent = (sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1) * item
+    extent = (sum(map(_last, shape, stride)) + 1) * item
     if numel == 0 or off % item or off + extent > storage_sizes[sid]:
         raise FormatError(f"{where}: tensor {i} does not fit its storage")
     return TensorRecord(sid, off, dtype, shape, stride, extent)
+
+
+_INT_ONLY = {int}
+_DTYPES = DTYPES
+
+
+def _last(size: int, stride: int) -> int:
+    """Elements from the first to the last along one dimension (``stride * (size - 1)``)."""
+    return (size - 1) * stride
 
 
 def as_parameters(tensors: list[torch.Tensor], table: object, where: str) -> None:
@@ -186,10 +233,34 @@ def as_parameters(tensors: list[torch.Tensor], table: object, where: str) -> Non
 def rebuild_tensor(
     entry: Any, spans: list[torch.Tensor], sizes: Sequence[int], i: int, where: str
 ) -> torch.Tensor:
-    rec = parse_tensor_entry(entry, i, where, sizes)
-    if rec.storage == -1:
-        return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype)
-    item = rec.dtype.itemsize
-    t = torch.empty(0, dtype=rec.dtype)
-    t.set_(spans[rec.storage].untyped_storage(), rec.offset // item, rec.shape, rec.stride)
-    return t
+    """Tensor ``i`` of the index (its ``entry``) as a view of its storage span."""
+    return rebuild_tensors([entry], spans, sizes, where, first=i)[0]
+
+
+def rebuild_tensors(
+    entries: Sequence[Any],
+    spans: list[torch.Tensor],
+    sizes: Sequence[int],
+    where: str,
+    *,
+    first: int = 0,
+) -> list[torch.Tensor]:
+    """The index's tensor table (``entries``, numbered from ``first``), each validated and
+    made a view of its storage span (``set_`` on a fresh empty tensor of its dtype: a
+    thousand tensors in a few ms; each span's storage is looked up once)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    empty: dict[torch.dtype, torch.Tensor] = {}
+    out: list[torch.Tensor] = []
+    for i, entry in enumerate(entries, first):
+        rec = parse_tensor_entry(entry, i, where, sizes)
+        if rec.storage == -1:
+            out.append(torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype))
+            continue
+        st = storages.get(rec.storage)
+        if st is None:
+            st = storages[rec.storage] = spans[rec.storage].untyped_storage()
+        e = empty.get(rec.dtype)
+        if e is None:
+            e = empty[rec.dtype] = torch.empty(0, dtype=rec.dtype)
+        out.append(e.new_empty(0).set_(st, rec.offset // rec.dtype.itemsize, rec.shape, rec.stride))
+    return out

@@ -17,7 +17,7 @@ from tierckpt.errors import FormatError
 from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
 from tierckpt.restore._chunks import ChunkReader
 from tierckpt.restore._fetch import PIECE_BYTES, FetchStarts, warm
-from tierckpt.restore._index import as_parameters, read_index, rebuild_tensor
+from tierckpt.restore._index import EarlyTail, as_parameters, read_index, rebuild_tensors
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
 
@@ -50,12 +50,14 @@ def read_shard(
     *,
     repopulate: Sequence[Backend] = (),
     publish: bool = True,
+    early: EarlyTail | None = None,
 ) -> LoadedShard:
     """Read, verify and decode one rank's shard from one tier.
 
     ``repopulate``: also copy the shard file to these tiers; ``publish``: and write the
     manifest there (False where the caller commits the copies: a Checkpointer's commit
-    strategy, which with several ranks waits for every rank's file)."""
+    strategy, which with several ranks waits for every rank's file); ``early``: a read of the
+    file's tail already started (:func:`~tierckpt.restore.start_tail`)."""
     t0 = time.perf_counter()
     ref = manifest.shard_for(rank)
     where = f"tier {tier!r} {backend.url}/{ref.file}"
@@ -68,7 +70,7 @@ def read_shard(
     if fetch_pool is not None:
         warm(fetch_pool, 2 * _workers(pool))
     try:
-        index, index_blob, footer_blob = read_index(backend, ref, tier)
+        index, index_blob, footer_blob = read_index(backend, ref, tier, early=early)
         codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
         data_bytes, chunks = _check_sizes(index, codecs, where)
         if fetch_pool is None and any(isinstance(c, SupportsProgressiveDecode) for c in codecs):
@@ -119,15 +121,13 @@ def read_shard(
         covered = sum(c.raw_size for c in chunks)
         if covered != data_bytes:
             raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
-        tensors = [
-            rebuild_tensor(e, spans, sizes, i, where) for i, e in enumerate(index["tensors"])
-        ]
+        tensors = rebuild_tensors(index["tensors"], spans, sizes, where)
         as_parameters(tensors, index.get("parameters"), where)
-        early = not _may_hold_quantized(index_blob)
-        if early:  # nothing in it reads the bytes: decoded while they download
+        tree_first = not _may_hold_quantized(index_blob)
+        if tree_first:  # nothing in it reads the bytes: decoded while they download
             state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         stored_total = sum(f.result() for f in futures)
-        if not early:
+        if not tree_first:
             state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         read_seconds = time.perf_counter() - t0
     except BaseException:
