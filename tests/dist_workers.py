@@ -749,6 +749,43 @@ def w_dcp_load(
     return out
 
 
+def w_dcp_private_tier(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Three DCP saves with a private tier (this process's RAM) before a shared folder, through
+    one writer, then three through a new writer per save (DCP's idiom, whose dropped writers
+    hand their pipeline and tiers on): the levels of the "skips tier" records of each."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "DCP save skips tier" in record.getMessage():
+                said.append(record.levelname)
+
+    logger = logging.getLogger("tierckpt")
+    logger.addHandler(Catch(logging.DEBUG))
+    logger.setLevel(logging.DEBUG)
+
+    def tiers(run: str) -> list[Any]:
+        return [
+            MemoryTier(namespace=f"{run}-{os.getpid()}"),
+            LocalTier(os.path.join(root, run), keep_last=None),
+        ]
+
+    state = {f"w{rank}": torch.full((256,), float(rank))}
+    out: dict[str, Any] = {}
+    with TierWriter(tiers("reused"), chunk_bytes=16 << 10) as writer:
+        for step in (1, 2, 3):
+            dcp.save(state, storage_writer=writer, checkpoint_id=step)
+    out["reused"], said[:] = list(said), []
+    for step in (4, 5, 6):
+        dcp.save(state, storage_writer=TierWriter(tiers("idiom")), checkpoint_id=step)
+    out["new_per_save"] = list(said)
+    return out
+
+
 # -- timelines: a rollback on several ranks --------------------------------------------------
 
 

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -103,4 +106,47 @@ def w_save_raises(rank: int, world: int, shm: str, disk: str, victim: int) -> di
         )
         dist.barrier()
         ck.close()
+    return out
+
+
+def w_kept_unknown(rank: int, world: int, shm: str) -> dict[str, Any]:
+    """Steps 1-5 of :func:`pin_tiers`; this rank's node RAM cannot list its pins (EIO, the
+    backend's method replaced) during the rounds of steps 2, 3 and 5. Reports the levels of
+    the records saying whether node RAM can tell what it keeps, in order."""
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if "checkpoints node RAM keeps" in msg or "which checkpoints it keeps" in msg:
+                said.append(record.levelname)
+
+    logger = logging.getLogger("tierckpt")
+    logger.addHandler(Catch(logging.DEBUG))
+    logger.setLevel(logging.DEBUG)
+    ck = Checkpointer(pin_tiers(rank, shm), chunk_bytes=64 << 10)
+    peer = ck._peer
+    assert peer is not None
+    ram = peer._ram_backend
+    real = ram.list
+    broken = threading.Event()
+
+    def list_(prefix: str = "") -> list[str]:
+        if broken.is_set() and prefix.startswith("pins"):
+            raise OSError(errno.EIO, f"{ram.url}/{prefix}: Input/output error")
+        return real(prefix)
+
+    ram.list = list_  # type: ignore[method-assign]
+    for step in (1, 2, 3, 4, 5):
+        if step in (2, 3, 5):
+            broken.set()
+        _save(ck, rank, step)
+        deadline = time.monotonic() + 60
+        while peer.rounds < step:  # this step's round is done
+            assert time.monotonic() < deadline, f"no round for step {step}"
+            time.sleep(0.01)
+        broken.clear()
+    out = {"said": said, "broken": peer._broken, "rounds": peer.rounds}
+    dist.barrier()
+    ck.close()
     return out

@@ -137,6 +137,22 @@ def test_ls(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert c["created"] > 0 and doc["uncommitted"] == []
 
 
+def test_ls_json_names_the_shard_files_count_and_bytes(
+    ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``files`` held the shard files' total size in bytes (a count, by its name): now
+    ``file_count`` and ``file_bytes`` say which is which, and ``files`` stays as it was."""
+    rc, out, _ = run(["ls", str(ckpt_dir), "--json"], capsys)
+    assert rc == 0
+    for c in json.loads(out)["checkpoints"]:
+        on_disk = sorted(ckpt_dir.glob(f"*/steps/{c['step']:012d}/rank-*.tck"))
+        assert c["file_count"] == len(on_disk) == c["world_size"] == 1, c
+        assert c["file_bytes"] == sum(f.stat().st_size for f in on_disk), c
+        assert c["files"] == c["file_bytes"] > c["stored_bytes"], c  # headers and index too
+    rc, out, _ = run(["ls", "--help"], capsys)
+    assert "file_count" in out and "file_bytes" in out
+
+
 def test_ls_shows_uncommitted_leftovers(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     os.remove(ckpt_dir / manifest_name(20))
     rc, out, _ = run(["ls", str(ckpt_dir)], capsys)

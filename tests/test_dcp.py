@@ -271,6 +271,20 @@ def test_fsdp_saved_by_2_ranks_loads_into_4(tmp_path: Path) -> None:
         assert (tmp_path / "dcp-local" / shard_name(30, r)).is_file()
 
 
+@pytest.mark.distributed
+def test_a_private_tier_that_dcp_saves_skip_is_said_once_per_tier(tmp_path: Path) -> None:
+    """A RAM tier before a shared one: every multi-rank DCP save skips it, and said so with a
+    WARNING at every save. Now once per tier, also with a new writer per save (DCP's idiom:
+    the next writer takes the dropped one's pipeline and tiers over)."""
+    res = dist_workers.run("w_dcp_private_tier", 2, root=str(tmp_path), timeout=120)
+    for r in res:
+        assert r["reused"] == ["WARNING", "DEBUG", "DEBUG"], r
+        assert r["new_per_save"] == ["WARNING", "DEBUG", "DEBUG"], r
+    assert sorted(os.listdir(tmp_path / "idiom" / "manifests")) == [
+        manifest_name(s).split("/")[1] for s in (4, 5, 6)
+    ]
+
+
 def test_a_tier_copying_from_another_works_under_dcp(tmp_path: Path) -> None:
     """``source=`` through the DCP writer: tier b copies tier a's file, and reads back alone."""
     tiers = [LocalTier(tmp_path / "a", name="a"), LocalTier(tmp_path / "b", name="b", source="a")]

@@ -72,3 +72,14 @@ def test_a_save_that_raises_on_one_rank_keeps_the_rounds_paired(shm: Path, tmp_p
         assert r["step"] == 3 and r["diff"] == [], (rank, r)
         assert r["sources"] == ["noderam", f"peer:{VICTIM + 1}", "noderam", "noderam"]
         assert r["calls"]["local"] == 0, (rank, r)
+
+
+@pytest.mark.distributed
+def test_node_ram_that_cannot_tell_what_it_keeps_is_said_once_per_outage(shm: Path) -> None:
+    """2 ranks; each rank's node RAM cannot list its pins during the rounds of steps 2, 3
+    and 5. Each such round said so with a WARNING; now the first of each outage does (the
+    next at DEBUG), and the round after it says at INFO that node RAM tells again."""
+    res = peer_workers.run("peer_round_workers:w_kept_unknown", 2, timeout=240, shm=shm)
+    for rank, r in enumerate(res):
+        assert r["broken"] is None and r["rounds"] == 5, (rank, r)
+        assert r["said"] == ["WARNING", "DEBUG", "INFO", "WARNING"], (rank, r)

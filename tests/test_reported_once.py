@@ -8,7 +8,9 @@ import errno
 import logging
 import secrets
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -195,3 +197,68 @@ def test_a_local_error_is_one_cause_whatever_the_file_and_topics_are_apart(
         ("WARNING", "save"),
         ("WARNING", "retention"),
     ]
+
+
+def test_lease_renewals_failing_while_the_store_is_down_warn_once_per_outage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tier thread renews its lease every ttl / 4 and retries a failed renewal every
+    ttl / 16: while the store is down, that logged a WARNING at every try. Now one WARNING
+    per outage, and an INFO when a renewal works again; a later outage is news again."""
+    monkeypatch.setenv("TIERCKPT_LEASE_TTL", "0.8")  # renewed every 0.2 s, retried every 0.05
+    down = threading.Event()
+    failed = [0]  # lease requests refused while the store is down
+
+    class Flaky(LocalBackend):
+        def _refuse(self, name: str) -> None:
+            if down.is_set() and name.startswith("leases/"):
+                failed[0] += 1
+                raise BackendError(errno.EIO, f"{self.url}/{name}: I/O error (store down)")
+
+        def get(self, name: str) -> bytes:
+            self._refuse(name)
+            return super().get(name)
+
+        def put_atomic(self, name: str, data: Any, *, overwrite: bool = False) -> None:
+            self._refuse(name)
+            super().put_atomic(name, data, overwrite=overwrite)
+
+    class FlakyTier(LocalTier):
+        def make_backend(self) -> LocalBackend:
+            return Flaky(self.path)
+
+    def renewals() -> list[str]:
+        return [
+            r.levelname
+            for r in caplog.records
+            if r.name == "tierckpt"
+            and "renew" in r.getMessage()
+            and "writer's lease" in r.getMessage()
+        ]
+
+    def until(what: Any) -> None:
+        deadline = time.monotonic() + 20
+        while not what():
+            assert time.monotonic() < deadline, (failed, renewals())
+            time.sleep(0.02)
+
+    caplog.set_level(logging.DEBUG, logger="tierckpt")
+    state = {"w": torch.ones(64)}
+    with Checkpointer([FlakyTier(tmp_path)]) as ck:
+        ck.save(state, step=1).wait()  # takes the lease; the tier thread renews it from now
+        for outage in range(2):
+            failed[0] = 0
+            down.set()
+            until(lambda: failed[0] >= 5)  # several renewals failed
+            down.clear()
+            until(lambda: renewals()[-1:] == ["INFO"])  # one worked again
+            ck.save(state, step=2 + outage).wait()
+    levels = renewals()
+    first = levels.index("INFO")
+    assert levels[0] == "WARNING" and set(levels[1:first]) == {"DEBUG"}, levels
+    assert len(levels[:first]) >= 3, levels  # it failed several times: said once
+    again = levels[first + 1 :]
+    assert again[0] == "WARNING" and set(again[1:-1]) == {"DEBUG"}, levels
+    assert again[-1] == "INFO" and len(again) >= 3, levels
+    back = [r.getMessage() for r in caplog.records if "lease again" in r.getMessage()]
+    assert "tries failed over" in back[0], back

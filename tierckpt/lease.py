@@ -55,6 +55,7 @@ from typing import Any
 from tierckpt import config
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
+from tierckpt.reported import Outage
 
 __all__ = [
     "LEASE_DIR",
@@ -175,19 +176,10 @@ class LeaseRecord:
 
     @staticmethod
     def mine(owner: str, ttl: float, started: float | None = None) -> LeaseRecord:
-        me = HostIdentity.current()
-        now = time.time()
-        pid = os.getpid()
+        me, now, pid = HostIdentity.current(), time.time(), os.getpid()
+        start = now if started is None else started
         return LeaseRecord(
-            owner,
-            me.host,
-            me.boot_id,
-            me.pid_ns,
-            pid,
-            process_start(pid),
-            now if started is None else started,
-            now,
-            ttl,
+            owner, me.host, me.boot_id, me.pid_ns, pid, process_start(pid), start, now, ttl
         )
 
     def encode(self) -> bytes:
@@ -325,6 +317,8 @@ class WriterLease:
         self.last_error: BaseException | None = None
         self._started = 0.0
         self._next_renewal = math.inf  # time.monotonic() of the next renewal
+        #: renewals failing while the store is down: said once, and when one works again
+        self._renewals = Outage()
         self._lock = threading.Lock()
 
     @property
@@ -462,7 +456,8 @@ class WriterLease:
 
     def renew_if_due(self) -> None:
         """Renew when ``ttl / 4`` has passed: check it is still ours, then overwrite it with
-        a fresh renewal time. A store that cannot be reached is logged and retried soon."""
+        a fresh renewal time. A store that cannot be reached is retried every ``ttl / 16``:
+        logged at the first failure of each outage (then at DEBUG), and when it works again."""
         with self._lock:
             if not self.held or self.lost is not None:
                 return
@@ -477,10 +472,15 @@ class WriterLease:
                 return
             except Exception as exc:
                 self._next_renewal = now + self.ttl / 16
-                log.warning(
-                    "%s: could not renew this writer's lease (will retry): %s", self.where, exc
+                self._renewals.failed(
+                    "%s: could not renew this writer's lease (retried every %.2g s; said again "
+                    "when it works): %s",
+                    self.where,
+                    self.ttl / 16,
+                    exc,
                 )
                 return
+            self._renewals.worked("%s: renewed this writer's lease again", self.where)
             self._next_renewal = now + self.ttl / 4
 
     def release(self) -> None:

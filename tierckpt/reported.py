@@ -9,32 +9,51 @@ one already reported. Remembered per backend object (each ``Checkpointer`` makes
 per *topic*, until what the topic is about succeeds there: the same cause coming back later
 is reported again. Topics: ``""``, saves (forgotten when a save commits there);
 :data:`RETENTION`, the retention pass after each commit (forgotten when a pass completes
-there: a commit does not clear it, as every pass follows one).
+there: a commit does not clear it, as every pass follows one); :data:`DCP_PRIVATE`, a tier
+that DCP saves skip (a lasting condition, named by a word instead of an error: never
+forgotten, so said once per tier object — which a ``TierWriter`` hands on to the next).
+
+:class:`Outage` is for one attempt repeated on its own (a lease renewal on a timer, a PeerTier
+round's read of node RAM): its first failure is logged, the next ones at DEBUG, and the first
+success after them at INFO, saying how long it failed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 
 from tierckpt.backends.base import Backend
 
-__all__ = ["RETENTION", "cause_of", "forget_causes", "report_once", "reported"]
+__all__ = [
+    "DCP_PRIVATE",
+    "RETENTION",
+    "Outage",
+    "cause_of",
+    "forget_causes",
+    "report_once",
+    "reported",
+]
 
 log = logging.getLogger("tierckpt")
 
 #: the topic of the retention pass's warnings (skipped, failed)
 RETENTION = "retention"
+#: the topic of "DCP save skips tier ...: it is private to each process"
+DCP_PRIVATE = "dcp-private"
 
 _SEEN: weakref.WeakKeyDictionary[Backend, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def cause_of(exc: BaseException) -> str:
+def cause_of(exc: BaseException | str) -> str:
     """What ``exc`` says is wrong, without where: its type with the store's error code and
     status where it has a code (S3/object-store errors), else with its ``errno`` where it has
-    one (a local disk), else its type and message."""
+    one (a local disk), else its type and message. A str names a condition: itself."""
+    if isinstance(exc, str):
+        return exc
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code:
         return f"{type(exc).__name__}:{code}:{getattr(exc, 'status', '')}"
@@ -44,7 +63,7 @@ def cause_of(exc: BaseException) -> str:
     return f"{type(exc).__name__}:{exc}"
 
 
-def reported(backend: Backend, exc: BaseException, *, topic: str = "") -> bool:
+def reported(backend: Backend, exc: BaseException | str, *, topic: str = "") -> bool:
     """Mark ``exc``'s cause reported on ``backend`` (under ``topic``); whether it was reported
     before. A backend that cannot be remembered (a test double without hash or weak
     reference) never was."""
@@ -64,7 +83,7 @@ def reported(backend: Backend, exc: BaseException, *, topic: str = "") -> bool:
 
 def report_once(
     backend: Backend,
-    exc: BaseException,
+    exc: BaseException | str,
     msg: str,
     *args: object,
     level: int = logging.WARNING,
@@ -86,3 +105,33 @@ def forget_causes(backend: Backend, *, topic: str = "") -> None:
             return
         if seen is not None:
             seen.difference_update([c for c in seen if c[0] == topic])
+
+
+class Outage:
+    """Reports one attempt that is repeated on its own — a lease renewal on a timer, a
+    PeerTier round's read of node RAM — and fails at every try while its cause lasts: the
+    first failure of each outage at ``level``, the next ones at DEBUG, and the first success
+    after them at INFO. Its caller serializes the calls (one thread, or under its lock)."""
+
+    def __init__(self) -> None:
+        #: ``time.monotonic()`` of the outage's first failure; None: the last try worked
+        self.since: float | None = None
+        #: failed tries of the outage in progress
+        self.failures = 0
+
+    def failed(self, msg: str, *args: object, level: int = logging.WARNING) -> None:
+        """A try failed: log ``msg % args`` at ``level`` if it is the outage's first."""
+        first = self.since is None
+        if first:
+            self.since = time.monotonic()
+        self.failures += 1
+        log.log(level if first else logging.DEBUG, msg, *args, stacklevel=2)
+
+    def worked(self, msg: str, *args: object) -> None:
+        """A try worked: ends the outage, if any, logging ``msg % args`` at INFO with how
+        many tries failed over how long."""
+        if self.since is None:
+            return
+        n, took = self.failures, time.monotonic() - self.since
+        self.since, self.failures = None, 0
+        log.info(msg + " (%d tries failed over %.1f s)", *args, n, took, stacklevel=2)

@@ -101,6 +101,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "raw_bytes": c.manifest.raw_bytes,
                 "stored_bytes": c.manifest.stored_bytes,
                 "codecs": codecs[c.id],
+                "file_count": len(c.manifest.shards),
+                "file_bytes": sum(s.size for s in c.manifest.shards),
+                # file_bytes under the name it always had: scripts read it as bytes
                 "files": sum(s.size for s in c.manifest.shards),
             }
             for c in listed

@@ -117,7 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         "timeline's checkpoints are marked abandoned until retention removes them.",
     )
     sp.add_argument("url", help="tier URL")
-    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output; per checkpoint: step, timeline, created, raw_bytes and "
+        "stored_bytes (of the chunks), file_count and file_bytes (its shard files: how many, "
+        "their total size in bytes; files is file_bytes under its earlier name), codecs, "
+        "world_size, tier, pinned, abandoned",
+    )
 
     sp = add(
         "inspect",

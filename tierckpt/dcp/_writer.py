@@ -41,6 +41,7 @@ from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import build_plan
 from tierckpt.policy import TierPolicy
+from tierckpt.reported import DCP_PRIVATE, report_once
 
 log = logging.getLogger("tierckpt")
 
@@ -342,8 +343,15 @@ class TierWriter(PipelineOwner, StorageWriter):
             if t.spec.receives(step) and not (info.world_size > 1 and is_private_tier(t))
         ]
         for t in self._tiers:
-            if t not in tiers and t.spec.receives(step):
-                log.warning("DCP save skips tier %s: it is private to each process", t.name)
+            if t not in tiers and t.spec.receives(step):  # once per tier (handed on, parked)
+                report_once(
+                    t.backend,
+                    "private",
+                    "DCP save skips tier %s: it is private to each process (every DCP save "
+                    "skips it; said once)",
+                    t.name,
+                    topic=DCP_PRIVATE,
+                )
         if not tiers:
             return _RankShards(info.rank, {}, {})
         pipeline = self._get_pipeline()

@@ -26,6 +26,7 @@ from tierckpt.peer._placement import Placement, node_key, ring_placement
 from tierckpt.peer._spare import SpareSegment, prepare_spare
 from tierckpt.peer._spec import PeerTier
 from tierckpt.peer._wire import Offer, Received, exchange
+from tierckpt.reported import Outage
 from tierckpt.restore import read_manifest
 from tierckpt.retention import Retention, gc_tier, kept_ids, pinned_ids
 from tierckpt.stats import CheckpointEvent
@@ -148,6 +149,8 @@ class PeerReplicator:
         #: per source rank, what its node RAM keeps beyond its newest (its last round's
         #: word); None: it could not tell, so its replicas are left as they are
         self._source_kept: dict[int, set[CheckpointId] | None] = {}
+        #: this rank's node RAM could not tell what it keeps (background thread only)
+        self._kept_outage = Outage()
         #: (checkpoint, committed on this node's RAM): one round each, in the order reported
         self._queue: queue.Queue[tuple[CheckpointId, bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -297,9 +300,14 @@ class PeerReplicator:
                     best_mode=rule.best_mode,
                 )
                 keep |= kept_ids(b, committed_ids(b), beyond)
-        except (OSError, TierCkptError) as exc:
-            log.warning("PeerTier: cannot tell which checkpoints node RAM keeps: %s", exc)
+        except (OSError, TierCkptError) as exc:  # at every round while it lasts: said once
+            self._kept_outage.failed(
+                "PeerTier: cannot tell which checkpoints node RAM keeps (the partners keep "
+                "every replica of this rank meanwhile; said again when it works): %s",
+                exc,
+            )
             return [_UNKNOWN]
+        self._kept_outage.worked("PeerTier: node RAM tells again which checkpoints it keeps")
         return sorted(checkpoint_key(c) for c in keep)
 
     def _retain(self, src: int) -> None:
