@@ -521,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             counted = dict(counted)
             tl = counted.pop("timeline")
             print(f"  requests of one {kind}, {name}: {counted}")
+            if not tl["parts"]:
+                continue  # a restore: its GETs are listed above
             others = ", ".join(
                 f"{k} +{s:.0f}..{'-' if a is None else f'+{a:.0f}'}" for k, s, a in tl["others"]
             )
