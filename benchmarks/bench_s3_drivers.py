@@ -36,7 +36,11 @@ than the bare put loses its time to its capture's CPU, not to its requests.
 
 ``--count-requests``: afterwards each save case runs once more through a counting proxy
 (:class:`tierckpt.testing.faultproxy.FaultProxy`, after a warm-up save so that a tier's first
-save's one-off requests are not counted) and the requests it sent are listed by kind.
+save's one-off requests are not counted) and the requests it sent are listed by kind, with its
+timeline (:func:`timeline`): when the first part was sent and the last answered, and every
+other request of the timed span with when it was sent and answered (milliseconds from the
+call), so that what waits for what is seen: which requests overlap the parts and which run in
+sequence after them (the proxy's relaying slows every case alike; compare within a run).
 
     python benchmarks/bench_s3_drivers.py --size 256MiB --runs 5 --json out.json
 
@@ -68,7 +72,7 @@ import torch
 
 from tierckpt import Checkpointer, S3Tier
 from tierckpt.format import checksum
-from tierckpt.testing.faultproxy import FaultProxy
+from tierckpt.testing.faultproxy import FaultProxy, RequestRecord
 from tierckpt.testing.s3servers import REGION, S3Server, start_seaweedfs
 
 MiB = 2**20
@@ -358,10 +362,11 @@ def count_requests(
     kinds: list[str],
     only: str,
     unsigned: bool,
-) -> dict[str, dict[str, dict[str, int]]]:
-    """``{kind: {name: {request kind: count}}}`` of one run of each case through a counting
-    proxy, after one warm-up run (a tier's first save probes the store, takes its lease...)."""
-    out: dict[str, dict[str, dict[str, int]]] = {}
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{kind: {name: {request kind: count, ..., "timeline": timeline(...)}}}`` of one run of
+    each case through a counting proxy, after one warm-up run (a tier's first save probes the
+    store, takes its lease...)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     with FaultProxy(server.endpoint_url) as proxy:
         c = cases(server, bucket, state, endpoint=proxy.endpoint_url, unsigned=unsigned)
         try:
@@ -373,18 +378,54 @@ def count_requests(
                     try:
                         fn()
                         proxy.requests.clear()
-                        fn()
+                        t0 = time.perf_counter()
+                        span = fn()
                     except Exception as exc:
                         print(f"  counting {kind} {name}: FAILED: {type(exc).__name__}: {exc}")
                         continue
                     counts = collections.Counter(
                         request_kind(r.method, r.target) for r in proxy.requests
                     )
-                    out[kind][name] = {"total": sum(counts.values()), **sorted_counts(counts)}
+                    out[kind][name] = {
+                        "total": sum(counts.values()),
+                        **sorted_counts(counts),
+                        "timeline": timeline(list(proxy.requests), t0, span),
+                    }
         finally:
             for ck in c["close"]:
                 ck.close()
     return out
+
+
+def timeline(records: list[RequestRecord], t0: float, span: float) -> dict[str, Any]:
+    """Where the requests of one timed call fall (``t0``: its start, ``perf_counter()``;
+    ``span``: its timed seconds): the parts' first send and last answer, and the other
+    requests sent within the span as ``[kind, sent, answered]`` (ms from ``t0``; answered None
+    where no answer came), in the order sent; ``after_parts``: those sent once the last part
+    had been answered (the span's serial tail)."""
+
+    def ms(t: float | None) -> float | None:
+        return None if t is None else round((t - t0) * 1e3, 1)
+
+    inside = sorted((r for r in records if r.sent - t0 <= span), key=lambda r: r.sent)
+    parts, others = [], []
+    for r in inside:
+        kind = request_kind(r.method, r.target)
+        (parts if kind.endswith(" part") else others).append((kind, r))
+    answers = [r.answered for _, r in parts if r.answered is not None]
+    last_part = max(answers) if answers else None
+    return {
+        "span_ms": round(span * 1e3, 1),
+        "parts": len(parts),
+        "first_part_sent_ms": ms(parts[0][1].sent) if parts else None,
+        "last_part_answered_ms": ms(last_part),
+        "others": [[kind, ms(r.sent), ms(r.answered)] for kind, r in others],
+        "after_parts": [
+            [kind, ms(r.sent), ms(r.answered)]
+            for kind, r in others
+            if last_part is not None and r.sent >= last_part
+        ],
+    }
 
 
 def sorted_counts(counts: collections.Counter[str]) -> dict[str, int]:
@@ -423,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     kinds = [k for k in ("save", "restore") if k in args.kinds.split(",")]
-    requests: dict[str, dict[str, dict[str, int]]] = {}
+    requests: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
         server = start_seaweedfs(Path(tmp) / "weed")
         try:
@@ -477,7 +518,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['server_cpu_s']:8.2f}"
             )
         for name, counted in requests.get(kind, {}).items():
+            counted = dict(counted)
+            tl = counted.pop("timeline")
             print(f"  requests of one {kind}, {name}: {counted}")
+            if not tl["parts"]:
+                continue  # a restore: its GETs are listed above
+            others = ", ".join(
+                f"{k} +{s:.0f}..{'-' if a is None else f'+{a:.0f}'}" for k, s, a in tl["others"]
+            )
+            print(
+                f"    timeline (ms from the call; timed span {tl['span_ms']:.0f}): "
+                f"{tl['parts']} parts, first sent +{tl['first_part_sent_ms']}, last answered "
+                f"+{tl['last_part_answered_ms']}; others: {others or 'none'}; sent after the "
+                f"last part's answer: {len(tl['after_parts'])}"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

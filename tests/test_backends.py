@@ -440,6 +440,31 @@ def test_proxy_forwards_chunked_bodies(moto_server: S3Server, s3_bucket: BucketF
 
 
 @pytest.mark.s3
+def test_proxy_records_when_each_request_was_sent_and_answered(
+    moto_server: S3Server, s3_bucket: BucketFactory
+) -> None:
+    """Each record carries when the request arrived and when the upstream's answer began
+    (``time.perf_counter()``); a request the proxy answered itself (a fault) has no answer
+    time."""
+    bucket = s3_bucket(moto_server)
+    faults = [Fault("error500", method="GET", nth={1})]
+    with FaultProxy(moto_server.endpoint_url, faults) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        before = time.perf_counter()
+        for method, body in (("PUT", b"x" * 1000), ("GET", None), ("GET", None)):
+            conn.request(method, f"/{bucket}/timed", body=body)
+            resp = conn.getresponse()
+            resp.read()
+        after = time.perf_counter()
+        conn.close()
+        put, failed, got = list(proxy.requests)
+    assert (put.method, failed.fault, got.fault) == ("PUT", "error500", None)
+    assert failed.answered is None
+    assert put.answered is not None and got.answered is not None
+    assert before <= put.sent <= put.answered <= failed.sent <= got.sent <= got.answered <= after
+
+
+@pytest.mark.s3
 def test_round_trip_with_transient_faults(s3_server: S3Server, s3_bucket: BucketFactory) -> None:
     bucket = s3_bucket(s3_server)
     faults = [

@@ -30,3 +30,42 @@ def test_a_failing_contender_is_reported_and_the_others_finish() -> None:
     assert samples["wall"]["save"]["raw ok"] == [1.0, 1.0, 1.0]
     assert "TimeoutError: S3 request timed out" in failed["save"]["raw flaky"]
     assert len(samples["cpu"]["save"]["raw ok"]) == len(samples["server"]["save"]["raw ok"]) == 3
+
+
+def test_timeline_says_what_overlaps_the_parts_and_what_follows_them() -> None:
+    """``--count-requests``' timeline: the parts' first send and last answer, every other
+    request of the timed span with its times (ms from the call), and which of them were sent
+    only once the last part was answered; a request sent after the span is left out."""
+    from tierckpt.testing.faultproxy import RequestRecord
+
+    bench = load_benchmark("bench_s3_drivers")
+    t0 = 100.0
+    key = "/b/k"
+
+    def rec(method: str, query: str, sent_ms: float, answered_ms: float | None) -> RequestRecord:
+        answered = None if answered_ms is None else t0 + answered_ms / 1e3
+        return RequestRecord(method, f"{key}{query}", None, t0 + sent_ms / 1e3, answered)
+
+    records = [
+        rec("POST", "?uploads", 17, 19),
+        rec("HEAD", "", 5, 8),
+        rec("PUT", "?partNumber=2&uploadId=u", 40, 900),
+        rec("PUT", "?partNumber=1&uploadId=u", 36, 2000),
+        rec("GET", "", 1500, 1560),  # overlaps the parts
+        rec("POST", "?uploadId=u", 2005, 2012),
+        rec("PUT", "", 2013, None),  # no answer came
+        rec("POST", "?delete", 2300, 2310),  # after the timed span: retention
+    ]
+    tl = bench.timeline(records, t0, span=2.1)
+    assert tl["span_ms"] == 2100.0
+    assert tl["parts"] == 2
+    assert tl["first_part_sent_ms"] == 36.0
+    assert tl["last_part_answered_ms"] == 2000.0
+    assert tl["others"] == [
+        ["HEAD object", 5.0, 8.0],
+        ["POST create-upload", 17.0, 19.0],
+        ["GET object", 1500.0, 1560.0],
+        ["POST complete", 2005.0, 2012.0],
+        ["PUT object", 2013.0, None],
+    ]
+    assert tl["after_parts"] == [["POST complete", 2005.0, 2012.0], ["PUT object", 2013.0, None]]

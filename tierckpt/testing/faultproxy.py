@@ -22,6 +22,12 @@ the n-th match, a seeded probability, at most ``times``) and, instead of forward
     read the request and answer nothing for ``seconds`` (longer than the client's read
     timeout), then close.
 
+Every request is recorded (``requests``: method, target, the fault it met) with when it
+arrived and when the upstream's answer began (``time.perf_counter()``), so that a test or a
+bench can see which requests overlap and which wait for one another. The proxy's sockets set
+``TCP_NODELAY``: a response's head and body are sent apart, which with Nagle's algorithm and
+the client's delayed ACK would hold a small body back some 40 ms.
+
 Everything is bounded: sockets have timeouts, waits end when the proxy closes, and
 ``close()`` stops every thread.
 """
@@ -33,6 +39,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -71,11 +78,16 @@ class Fault:
             raise ValueError(f"unknown fault action {self.action!r}; one of {sorted(ACTIONS)}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestRecord:
     method: str
     target: str
     fault: str | None
+    #: ``time.perf_counter()`` when the request's head arrived at the proxy
+    sent: float = 0.0
+    #: when the upstream's answer (its status line and headers) arrived; None: no answer came
+    #: from upstream (a fault answered it, or the connection failed)
+    answered: float | None = None
 
 
 @dataclass(slots=True)
@@ -178,8 +190,9 @@ class FaultProxy:
         self.close()
 
     # -- plumbing --------------------------------------------------------------------------
-    def _pick(self, method: str, target: str) -> Fault | None:
+    def _pick(self, method: str, target: str) -> tuple[Fault | None, RequestRecord]:
         chosen: Fault | None = None
+        sent = time.perf_counter()
         with self._lock:
             for i, f in enumerate(self._faults):
                 if f.method is not None and f.method.upper() != method:
@@ -197,10 +210,11 @@ class FaultProxy:
                     continue
                 self._fired[i] += 1
                 chosen = f
-            self.requests.append(RequestRecord(method, target, chosen.action if chosen else None))
+            record = RequestRecord(method, target, chosen.action if chosen else None, sent)
+            self.requests.append(record)
             if chosen is not None:
                 self.fired[chosen.action] += 1
-        return chosen
+        return chosen, record
 
     def _busy(self, delta: int) -> None:
         with self._lock:
@@ -234,6 +248,7 @@ class FaultProxy:
             except OSError:
                 return
             conn.settimeout(self._timeout)
+            _no_delay(conn)
             self._track(conn)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()]
@@ -262,7 +277,12 @@ class FaultProxy:
                         self._busy(-1)
 
                 try:
-                    fault = self._pick(req.method, req.target)
+                    fault, record = self._pick(req.method, req.target)
+
+                    def answered(record: RequestRecord = record) -> None:
+                        record.answered = time.perf_counter()
+                        done()
+
                     action = fault.action if fault else None
                     if fault is not None and action in _ERRORS:
                         if not req.expect_continue:
@@ -285,6 +305,7 @@ class FaultProxy:
                         self._closed.wait(fault.seconds)
                     if upstream is None:
                         upstream = socket.create_connection(self.upstream, timeout=self._timeout)
+                        _no_delay(upstream)
                         self._track(upstream)
                         ufile = upstream.makefile("rb")
                     assert ufile is not None
@@ -297,7 +318,7 @@ class FaultProxy:
                         client,
                         req,
                         cut=action in ("reset_response", "stall_response") and fault is not None,
-                        on_head=done,
+                        on_head=answered,
                     )
                     if keep is None:  # cut mid-body
                         if fault is not None and action == "stall_response":
@@ -407,6 +428,13 @@ class FaultProxy:
                 client.sendall(piece)
             return False
         return None if cut else conn != "close"
+
+
+def _no_delay(s: socket.socket) -> None:
+    try:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:  # not TCP: nothing to do
+        pass
 
 
 def _copy_exact(src: BinaryIO, send: Callable[[bytes], object] | None, n: int) -> None:
