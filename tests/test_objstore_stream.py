@@ -154,3 +154,45 @@ def test_a_body_that_stalls_midway_is_read_again_after_the_read_timeout(
         backend.close()
     assert b"".join(bufs) == data[7 : 7 + sum(ONE_PART)]
     assert waited < 25  # the read timeout ended the stall (it would last 30 s)
+
+
+class _FakeResult:
+    def __init__(self, body: bytes, cuts: list[int], kind: type) -> None:
+        self._pieces = [kind(body[a:b]) for a, b in zip([0, *cuts], [*cuts, len(body)])]
+
+    def stream(self, min_chunk_size: int = 1) -> object:
+        return iter(self._pieces)
+
+
+class _FakeObstore:
+    def __init__(self, result: _FakeResult) -> None:
+        self.result = result
+
+    def get(self, store: object, key: str, options: object = None) -> _FakeResult:
+        return self.result
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_stream_pieces_land_across_every_boundary(kind: type) -> None:
+    """Body pieces of every size (tiny, empty, crossing several destination pieces, as
+    ``bytes`` or another buffer type a later obstore may yield) land in order in pieces that
+    include empty ones; nothing outside them is written."""
+    from tierckpt.backends.objstore._reads import stream_into
+    from tierckpt.backends.objstore._spread import _Spread
+
+    body = payload(3 * MiB + 333)
+    sizes = [0, 5, 0, MiB + 1, 1, 0, 77_777, MiB, 0]
+    sizes.append(len(body) - sum(sizes))
+    cuts = [1, 2, 9000, 9000, 2 * MiB + 3, 2 * MiB + 4, 3 * MiB]  # one empty body piece
+    whole = bytearray(b"\xee" * (len(body) + 64))
+    dest = memoryview(whole)[32 : 32 + len(body)]
+    views, at = [], 0
+    for n in sizes:
+        views.append(dest[at : at + n])
+        at += n
+    stream_into(_FakeObstore(_FakeResult(body, cuts, kind)), None, "k", 0, _Spread(views), "w")
+    assert bytes(whole[32 : 32 + len(body)]) == body
+    assert whole[:32] == b"\xee" * 32 and whole[32 + len(body) :] == b"\xee" * 32
+    with pytest.raises(FormatError, match="got more than asked"):
+        short = [memoryview(bytearray(len(body) - 1))]
+        stream_into(_FakeObstore(_FakeResult(body, cuts, kind)), None, "k", 0, _Spread(short), "w")
