@@ -23,10 +23,10 @@ from tierckpt import Checkpointer, CorruptCheckpoint, S3Tier
 from tierckpt.backends.base import Backend
 from tierckpt.backends.objstore import ObjectStoreBackend
 from tierckpt.bench.scale import classify
-from tierckpt.errors import FormatError
+from tierckpt.errors import FormatError, TierCkptError
 from tierckpt.format import manifest_name
 from tierckpt.limits import MAX_MANIFEST_BYTES
-from tierckpt.testing.faultproxy import FaultProxy
+from tierckpt.testing.faultproxy import Fault, FaultProxy
 from tierckpt.testing.s3servers import S3Server
 
 pytestmark = pytest.mark.s3
@@ -158,6 +158,36 @@ def test_large_index_is_read_in_pieces_once_then_whole(
     # tail, head of the index, rest of the index, data; the next load: tail, data
     assert len(shard) - len(again) == 2, (gets[0], gets[1])
     assert index_mod._tail_guess > 80_000
+
+
+def test_a_shard_file_that_keeps_failing_is_tried_once_as_long(
+    bucket_url: tuple[str, str],
+) -> None:
+    """The tail read started beside the manifest's is the named file's read: where the store
+    keeps failing it (500 on every GET of the file), the load gives up after the tries of one
+    read of it, not of two (the early read's, then another's), and says what failed."""
+    bucket, endpoint = bucket_url
+    state = _state()
+    url = f"s3://{bucket}/run"
+    opts = {"max_attempts": 2}
+    with Checkpointer([S3Tier(url, endpoint_url=endpoint, codec="raw")]) as ck:
+        ck.save(state, step=1).result()
+    with FaultProxy(endpoint) as proxy:
+        proxy.set_faults([Fault("error500", method="GET", path_contains=".tck")])
+        backend = ObjectStoreBackend(url, endpoint_url=proxy.endpoint_url, **opts)
+        name = next(n for n in backend.list("") if n.endswith(".tck"))
+        proxy.requests.clear()
+        with pytest.raises(TierCkptError):
+            backend.read_tail(name, 4096)
+        one_read = sum(1 for r in proxy.requests if ".tck" in r.target)
+        backend.close()
+        assert one_read >= 2  # the tries of one read
+        proxy.requests.clear()
+        tier = S3Tier(url, endpoint_url=proxy.endpoint_url, codec="raw", **opts)
+        with Checkpointer([tier]) as ck, pytest.raises(TierCkptError):
+            ck.load()
+        tried = sum(1 for r in proxy.requests if ".tck" in r.target)
+    assert tried == one_read, (tried, one_read)
 
 
 def test_replaced_or_truncated_shard_file_is_refused_by_its_size(

@@ -84,12 +84,13 @@ class EarlyTail:
     future: Future[tuple[int, Any]]
 
     def take(self, ref: ShardRef) -> tuple[int, Any] | None:
+        """The read's ``(size, tail)`` where it is of the file ``ref`` names, with its size;
+        None where it is another file's (the caller reads the tail itself). Where it failed,
+        its error is raised: it is the named file's, as a second read of it would raise after
+        as many tries (a store that fails or stalls is not waited for twice)."""
         if self.name != ref.file:
             return None
-        try:
-            size, tail = self.future.result()
-        except Exception:  # only a guess: the read that replaces it reports what is wrong
-            return None
+        size, tail = self.future.result()
         return (size, tail) if size == ref.size and len(tail) <= size else None
 
 
