@@ -77,26 +77,34 @@ _tail_guess = TAIL_READ_BYTES
 class EarlyTail:
     """A read of a shard file's tail started before the manifest that names the file was read
     (the name guessed from the step, the rank and the tier's layout), so that the two GETs
-    overlap; :func:`read_index` uses it where the manifest names that file and the size it
-    saw is the manifest's, else drops it and reads the tail itself."""
+    overlap; :func:`read_index` uses it where the manifest names that file, the size it saw
+    is the manifest's and it asked for as much as the manifest's size makes worth reading;
+    else it drops it and reads the tail itself."""
 
     name: str
+    length: int  # bytes of the file's end asked for
     future: Future[tuple[int, Any]]
 
-    def take(self, ref: ShardRef) -> tuple[int, Any] | None:
-        """The read's ``(size, tail)`` where it is of the file ``ref`` names, with its size;
-        None where it is another file's (the caller reads the tail itself). Where it failed,
-        its error is raised: it is the named file's, as a second read of it would raise after
-        as many tries (a store that fails or stalls is not waited for twice)."""
-        if self.name != ref.file:
+    def take(self, ref: ShardRef, want: int) -> tuple[int, Any] | None:
+        """The read's ``(size, tail)`` where it is of the file ``ref`` names, with its size,
+        and brought ``want`` bytes or all of the file; None where not (the caller reads the
+        tail itself). Where it failed, its error is raised: it is the named file's, as a
+        second read of it would raise after as many tries (a store that fails or stalls is
+        not waited for twice)."""
+        if self.name != ref.file or self.length < min(want, ref.size):
             return None
         size, tail = self.future.result()
         return (size, tail) if size == ref.size and len(tail) <= size else None
 
 
 def start_tail(backend: Backend, name: str, pool: ThreadPoolExecutor) -> EarlyTail:
-    """Start reading the tail of shard file ``name`` on ``pool`` (see :class:`EarlyTail`)."""
-    return EarlyTail(name, pool.submit(backend.read_tail, name, _tail_guess + FOOTER_SIZE))
+    """Start reading the tail of shard file ``name`` on ``pool`` (see :class:`EarlyTail`).
+    Its size unknown, it asks for the first guess only (footer and an index of a few thousand
+    tensors): a larger guess learned from a large index earlier would read a small file whole
+    (``read_index`` bounds its guess by the file's size); where the learned guess is larger
+    and the file large enough, the early read is dropped and the tail read as before."""
+    length = min(_tail_guess, TAIL_READ_BYTES) + FOOTER_SIZE
+    return EarlyTail(name, length, pool.submit(backend.read_tail, name, length))
 
 
 def read_index(
@@ -116,9 +124,10 @@ def read_index(
     guess = min(_tail_guess, max(TAIL_READ_BYTES, ref.size >> 4)) if remote else 0
     # never more than the manifest says the file holds (a suffix past the start of the
     # object is answered differently by different stores)
-    got = early.take(ref) if early is not None and remote else None
+    want = max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE))
+    got = early.take(ref, want) if early is not None and remote else None
     if got is None:
-        got = backend.read_tail(ref.file, max(FOOTER_SIZE, min(ref.size, guess + FOOTER_SIZE)))
+        got = backend.read_tail(ref.file, want)
     size, tail = got
     if size != ref.size:
         raise CorruptCheckpoint(
