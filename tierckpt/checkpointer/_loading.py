@@ -25,8 +25,7 @@ from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
-from tierckpt.format import CheckpointId, manifest_name, step_prefix
-from tierckpt.layout import prefixes_for, shard_file
+from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
 from tierckpt.restore import (
@@ -264,10 +263,7 @@ def _load_from(
     # the one this tier's layout gives (checked against the manifest's before it is used)
     early = None
     if tier.backend.is_remote and target is None:
-        guess = shard_file(
-            step_prefix(step, timeline=cid.timeline), ctx.rank, prefixes_for(tier.spec.prefixes)
-        )
-        early = start_tail(tier.backend, guess, ctx.read_pool())
+        early = start_tail(tier.backend, tier.shard_file(cid, ctx.rank), ctx.read_pool())
     manifest = ctx.strategy.read_manifest(tier, cid)  # multi-rank: once per node
     if manifest.world_size != ctx.world_size:
         raise TierCkptError(

@@ -85,6 +85,12 @@ class Tier:
     def name(self) -> str:
         return self.spec.name
 
+    def shard_file(self, cid: CheckpointId, rank: int) -> str:
+        """Rank ``rank``'s shard file of ``cid`` on this tier: format v2 (hashed prefixes)
+        unless its ``prefixes`` knob is 0 (see tierckpt.layout)."""
+        prefixes = prefixes_for(self.spec.prefixes)
+        return shard_file(step_prefix(cid.step, timeline=cid.timeline), rank, prefixes)
+
 
 def open_tiers(specs: Iterable[TierSpec]) -> list[Tier]:
     """Each tier's backend opened and its codec resolved, in order (``Checkpointer`` and the
@@ -174,10 +180,8 @@ class SaveJob:
         return shard_name(self.step, self.rank, timeline=self.timeline)
 
     def shard_on(self, tier: Tier) -> str:
-        """This rank's shard file name on ``tier``: format v2 (hashed prefixes) unless the
-        tier's ``prefixes`` knob is 0 (see tierckpt.layout)."""
-        prefixes = prefixes_for(tier.spec.prefixes)
-        return shard_file(step_prefix(self.step, timeline=self.timeline), self.rank, prefixes)
+        """This rank's shard file name on ``tier`` (:meth:`Tier.shard_file`)."""
+        return tier.shard_file(self.id, self.rank)
 
 
 @dataclass

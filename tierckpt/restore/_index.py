@@ -30,7 +30,7 @@ from tierckpt.format import (
     manifest_name,
 )
 from tierckpt.limits import MAX_DIMS
-from tierckpt.tree import DTYPES, dtype_from_name
+from tierckpt.tree import dtype_from_name
 
 __all__ = [
     "EarlyTail",
@@ -177,9 +177,7 @@ def parse_tensor_entry(
     if type(entry) is not list or len(entry) != 6:
         raise FormatError(f"{where}: tensor {i} record malformed")
     sid, off, dtype_s, shape, stride, _device = entry
-    dtype = _DTYPES.get(dtype_s) if type(dtype_s) is str else None
-    if dtype is None:
-        dtype = dtype_from_name(dtype_s)  # raises, naming it
+    dtype = dtype_from_name(dtype_s)
     if (
         type(shape) is not list
         or type(stride) is not list
@@ -209,7 +207,6 @@ def parse_tensor_entry(
 
 
 _INT_ONLY = {int}
-_DTYPES = DTYPES
 
 
 def _last(size: int, stride: int) -> int:
