@@ -196,6 +196,15 @@ KNOBS: tuple[Knob, ...] = (
         "faster; boto3 if obstore is absent or a tier is given a boto3 client=",
     ),
     Knob(
+        "",
+        "TIERCKPT_S3_DIRECT_READS",
+        "on",
+        "bool (1/true/yes/on, 0/false/no/off)",
+        "obstore driver: a load's ranged GETs of s3:// data are read off the socket straight "
+        "into the tensors' storages (signed http.client requests; obstore for everything "
+        "else and wherever these would differ from its own)",
+    ),
+    Knob(
         "GCSTier(endpoint_url=)",
         "STORAGE_EMULATOR_HOST",
         "Google",

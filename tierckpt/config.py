@@ -51,6 +51,7 @@ __all__ = [
     "resolve_writer_config",
     "S3_DRIVERS",
     "gcs_emulator_host",
+    "s3_direct_reads",
     "s3_driver",
     "s3_endpoint_url",
     "s3_read_concurrency",
@@ -236,6 +237,13 @@ def direct_io(arg: bool | None = None) -> bool:
     if arg is not None:
         return arg
     env = _env_bool("TIERCKPT_DIRECT_IO")
+    return True if env is None else env
+
+
+def s3_direct_reads() -> bool:
+    """The object-store driver reads a load's ``s3://`` data off the socket into place:
+    ``TIERCKPT_S3_DIRECT_READS``, else on."""
+    env = _env_bool("TIERCKPT_S3_DIRECT_READS")
     return True if env is None else env
 
 

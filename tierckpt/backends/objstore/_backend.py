@@ -28,7 +28,7 @@ from tierckpt.backends.objstore._errors import (
     transient,
     translate,
 )
-from tierckpt.backends.objstore._reads import fill, get_bounded, read_tail, stream_into
+from tierckpt.backends.objstore._reads import fetch, get_bounded, read_tail
 from tierckpt.backends.objstore._slots import Slots
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.backends.objstore._store import StoreSettings, make_stores, parse_url
@@ -137,10 +137,12 @@ class ObjectStoreBackend(RemoteBackend):
                 read_timeout=read_timeout,
                 request_timeout=request_timeout,
                 profile=profile,
+                pool_size=self.read_concurrency,
             )
-            self._store, self._once = make_stores(settings, dict(config or {}))
+            self._store, self._once, self._direct = make_stores(settings, dict(config or {}))
         else:
             self._store = self._once = store
+            self._direct = None
 
     def __repr__(self) -> str:
         return f"ObjectStoreBackend({self.url!r}, part_size={self.part_size})"
@@ -335,55 +337,9 @@ class ObjectStoreBackend(RemoteBackend):
             self._fetch_in_share(key, ranges[i : i + batch])
 
     def _fetch(self, key: str, pieces: builtins.list[Range]) -> None:
-        """Fetch ranges concurrently (one Rust call, GIL released) and copy each into its
-        piece; a single range is streamed into its piece (``stream_into``). A failed batch is
-        fetched again, up to ``max_attempts`` times."""
-        import obstore
-
-        where = self._where(key)
-        starts = [start for start, _ in pieces]
-        lengths = [len(view) for _, view in pieces]
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                if len(pieces) == 1:  # streamed into place (a load's scatter reads)
-                    stream_into(obstore, self._store, key, starts[0], pieces[0][1], where)
-                    return
-                got = obstore.get_ranges(
-                    self._store, key, starts=starts, lengths=lengths, coalesce=0
-                )
-            except Exception as exc:
-                err = self._translate(exc, "read", where)
-                if (
-                    isinstance(err, (CheckpointNotFound, FormatError))
-                    or attempt == self.max_attempts
-                ):
-                    raise err from exc
-                if attempt == 1:
-                    self._check_end(obstore, key, starts[-1] + lengths[-1], err)
-                log.debug("%s: ranged read failed (%s); again", where, short(exc))
-                continue
-            for (start, view), part in zip(pieces, got, strict=True):
-                n = len(part)
-                if n != len(view):
-                    # object_store returns the rest of the object when a range runs past it
-                    raise FormatError(
-                        f"{where}: read of bytes {start}-{start + len(view) - 1} past its end "
-                        f"({start + n})"
-                    )
-                fill(view, memoryview(part))
-            return
-
-    def _check_end(self, obstore: Any, key: str, end: int, err: BaseException) -> None:
-        """Stores answer a range past the end in their own ways (Azurite: a malformed
-        Content-Range): a read that failed is checked against the object's size once."""
-        try:
-            size = int(obstore.head(self._store, key)["size"])
-        except Exception:
-            return  # the read's own error says more
-        if end > size:
-            raise FormatError(
-                f"{self._where(key)}: read up to byte {end} past its end ({size})"
-            ) from err
+        """Fetch ranges concurrently and copy each into its piece; a single range (a load's
+        scatter reads) is read straight into its piece (``_reads.fetch``)."""
+        fetch(self, key, pieces)
 
     def get(self, name: str) -> bytes:
         """The whole object in one GET."""
@@ -494,6 +450,8 @@ class ObjectStoreBackend(RemoteBackend):
 
     def close(self) -> None:
         self._closed = True
+        if self._direct is not None:
+            self._direct.close()
         with self._admin_lock:
             admin, self._s3_admin = self._s3_admin, None
         if admin is not None:

@@ -9,11 +9,13 @@ import ctypes
 import logging
 from typing import Any, cast
 
-from tierckpt.backends.base import Backend
+from tierckpt.backends.base import Backend, Range
+from tierckpt.backends.objstore._direct import Unusable
+from tierckpt.backends.objstore._errors import short
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
-__all__ = ["NOGIL_COPY_BYTES", "fill", "get_bounded", "read_tail", "stream_into"]
+__all__ = ["NOGIL_COPY_BYTES", "fetch", "fill", "get_bounded", "read_tail", "stream_into"]
 
 log = logging.getLogger("tierckpt.backends.objstore")
 
@@ -35,6 +37,87 @@ def fill(view: Any, body: memoryview) -> None:
         n = len(v)
         _copy(v, body[pos : pos + n], NOGIL_COPY_BYTES)
         pos += n
+
+
+def fetch(backend: Any, key: str, pieces: list[Range]) -> None:
+    """``backend``'s ranged reads (an ``ObjectStoreBackend``): ``pieces`` fetched
+    concurrently (one Rust call, GIL released) and each copied into its view; a single range
+    (a load's scatter reads) read straight into its view: on the first attempt by the direct
+    reads where the backend has them (:mod:`._direct`), else streamed (:func:`stream_into`). A
+    failed read is made again, up to ``max_attempts`` times."""
+    import obstore
+
+    where = backend._where(key)
+    starts = [start for start, _ in pieces]
+    lengths = [len(view) for _, view in pieces]
+    for attempt in range(1, backend.max_attempts + 1):
+        try:
+            if len(pieces) == 1:
+                view = pieces[0][1]
+                if attempt == 1 and _direct(backend, key, starts[0], view, where):
+                    return
+                stream_into(obstore, backend._store, key, starts[0], view, where)
+                return
+            got = obstore.get_ranges(
+                backend._store, key, starts=starts, lengths=lengths, coalesce=0
+            )
+        except Exception as exc:
+            err = backend._translate(exc, "read", where)
+            if (
+                isinstance(err, (CheckpointNotFound, FormatError))
+                or attempt == backend.max_attempts
+            ):
+                raise err from exc
+            if attempt == 1:
+                _check_end(backend, obstore, key, starts[-1] + lengths[-1], err)
+            log.debug("%s: ranged read failed (%s); again", where, short(exc))
+            continue
+        for (start, view), part in zip(pieces, got, strict=True):
+            n = len(part)
+            if n != len(view):
+                # object_store returns the rest of the object when a range runs past it
+                raise FormatError(
+                    f"{where}: read of bytes {start}-{start + len(view) - 1} past its end "
+                    f"({start + n})"
+                )
+            fill(view, memoryview(part))
+        return
+
+
+def _direct(backend: Any, key: str, start: int, view: Any, where: str) -> bool:
+    """Read ``view`` through the backend's direct reads: True when done, False where they do
+    not apply or got no usable answer (the caller reads through obstore instead; a store that
+    refuses them turns them off, said once). Errors while the body is read are raised."""
+    direct = backend._direct
+    if direct is None:
+        return False
+    views = view._views if isinstance(view, _Spread) else [view]
+    try:
+        direct.read(key, start, [v.cast("B") if v.format != "B" else v for v in views], where)
+    except Unusable as exc:
+        if exc.disable and backend._direct is direct:
+            backend._direct = None
+            direct.close()
+            log.info(
+                "%s: direct ranged reads off (%s); reading through object_store", backend.url, exc
+            )
+        else:
+            log.debug("%s: direct read got no usable answer (%s); through object_store", where, exc)
+        return False
+    return True
+
+
+def _check_end(backend: Any, obstore: Any, key: str, end: int, err: BaseException) -> None:
+    """Stores answer a range past the end in their own ways (Azurite: a malformed
+    Content-Range): a read that failed is checked against the object's size once."""
+    try:
+        size = int(obstore.head(backend._store, key)["size"])
+    except Exception:
+        return  # the read's own error says more
+    if end > size:
+        raise FormatError(
+            f"{backend._where(key)}: read up to byte {end} past its end ({size})"
+        ) from err
 
 
 def get_bounded(backend: Any, name: str, limit: int) -> tuple[int, bytes | None]:

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tierckpt import config as knobs
+from tierckpt.backends.objstore._direct import DirectReads, make_direct
 from tierckpt.backends.objstore._errors import ObjectStoreError, short
 from tierckpt.errors import FormatError
 from tierckpt.redact import redact, refuse_credentials, scrub_exception
@@ -61,14 +62,18 @@ class StoreSettings:
     request_timeout: float = 600.0
     #: a named profile of the AWS config / credentials files (S3); None: the default chain
     profile: str | None = None
+    #: connections the direct reads keep open (the backend's ranged GETs in flight)
+    pool_size: int = 8
 
 
-def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any]:
+def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, DirectReads | None]:
     """The obstore stores for ``s`` (``extra``: further obstore store settings), sharing one
     configuration and credential provider: the first retries failed requests itself
     (object_store's retries: the data path, multipart parts and ranged reads); the second
     never does, for the single requests the backend retries in Python, where each attempt is
-    seen (the CLI's wait line shows it) and a create-only put knows it was sent twice."""
+    seen (the CLI's wait line shows it) and a create-only put knows it was sent twice. The
+    third: the direct ranged reads of an ``s3://`` store with the same endpoint and
+    credentials (:mod:`._direct`; None where they do not apply)."""
     # typed as Any: obstore's TypedDict configs are checked by obstore at run time
     stores: Any = importlib.import_module("obstore.store")
     client: dict[str, Any] = {
@@ -100,8 +105,18 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any]:
             cfg["conditional_put"] = "etag"
             if not (endpoint or "https://").startswith("http://") and not UNSIGNED & extra.keys():
                 cfg["unsigned_payload"] = True  # over TLS (see UNSIGNED)
+            direct = make_direct(
+                s.bucket,
+                endpoint,
+                cfg["region"],
+                provider,
+                extra,
+                connect_timeout=s.connect_timeout,
+                read_timeout=s.read_timeout,
+                pool_size=s.pool_size,
+            )
             cfg.update(extra)
-            return tuple(  # type: ignore[return-value]
+            store, once_store = (
                 stores.S3Store(
                     s.bucket,
                     config=cfg,
@@ -111,6 +126,7 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any]:
                 )
                 for r in (retry, once)
             )
+            return store, once_store, direct
         if s.scheme == "gs":
             cfg = {}
             endpoint = knobs.gcs_emulator_host(s.endpoint_url)
@@ -131,20 +147,22 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any]:
                 )
                 client["allow_http"] = endpoint.startswith("http://")
             cfg.update(extra)
-            return tuple(  # type: ignore[return-value]
+            gcs, gcs_once = (
                 stores.GCSStore(s.bucket, config=cfg, client_options=client, retry_config=r)
                 for r in (retry, once)
             )
+            return gcs, gcs_once, None
         cfg = {}
         if s.endpoint_url:
             refuse_credentials(s.endpoint_url)
             cfg["endpoint"] = s.endpoint_url.rstrip("/")
             client["allow_http"] = s.endpoint_url.startswith("http://")
         cfg.update(extra)
-        return tuple(  # type: ignore[return-value]
+        az, az_once = (
             stores.AzureStore(s.bucket, config=cfg, client_options=client, retry_config=r)
             for r in (retry, once)
         )
+        return az, az_once, None
     except (ValueError, TypeError) as exc:
         raise FormatError(f"{s.url}: cannot configure the store: {short(exc)}") from None
     except (ObjectStoreError, FormatError):
