@@ -272,3 +272,44 @@ def test_off_where_obstore_would_send_other_requests(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TIERCKPT_S3_DIRECT_READS", "1")
     gs = ObjectStoreBackend("gs://bkt/p", endpoint_url="http://127.0.0.1:9")
     assert gs._direct is None
+
+
+@pytest.mark.s3
+def test_failing_credentials_or_a_slow_drip_leave_the_read_to_obstore(
+    moto_server: S3Server, s3_bucket: BucketFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct reads' credential provider failing (a role's refresh, say) is not the read's
+    error: obstore makes that attempt with its own and the direct reads stay on. A body that
+    keeps coming but too slowly for ``request_timeout`` is one failed attempt, then obstore's."""
+    backend = _backend(moto_server, s3_bucket(moto_server))
+    data = payload(PART, seed=87)
+    write_object(backend, "obj", data, [PART])
+    direct = backend._direct
+    assert direct is not None
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("the metadata service is down")
+
+    real = direct._signer._provider
+    direct._signer._provider = broken
+    direct._signer._creds = None
+    bufs, views = _pieces([100, 4000])
+    backend.read_into_pieces("obj", 50, views)
+    assert b"".join(bufs) == data[50:4150]
+    assert backend._direct is direct
+    direct._signer._provider = real
+    direct._request_timeout = 0.0  # every body is too slow
+    streamed: list[int] = []
+    real_stream = reads.stream_into
+
+    def counted(*args: Any) -> None:
+        streamed.append(1)
+        real_stream(*args)
+
+    monkeypatch.setattr(reads, "stream_into", counted)
+    bufs, views = _pieces([100, 3 * MiB])
+    backend.read_into_pieces("obj", 60, views)
+    assert b"".join(bufs) == data[60 : 60 + 100 + 3 * MiB]
+    assert streamed == [1]  # the second attempt, obstore's
+    assert backend._direct is direct
+    backend.close()

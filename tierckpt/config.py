@@ -51,6 +51,7 @@ __all__ = [
     "resolve_writer_config",
     "S3_DRIVERS",
     "gcs_emulator_host",
+    "proxy_in_environment",
     "s3_direct_reads",
     "s3_driver",
     "s3_endpoint_url",
@@ -238,6 +239,23 @@ def direct_io(arg: bool | None = None) -> bool:
         return arg
     env = _env_bool("TIERCKPT_DIRECT_IO")
     return True if env is None else env
+
+
+#: proxy variables obstore's HTTP client honours (lower case too)
+PROXY_VARIABLES = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+)
+
+
+def proxy_in_environment() -> str | None:
+    """The first of :data:`PROXY_VARIABLES` set in the environment, else None (with a proxy,
+    the object-store driver's direct reads stay off: obstore's requests go through it)."""
+    return next((n for n in PROXY_VARIABLES if os.environ.get(n, "").strip()), None)
 
 
 def s3_direct_reads() -> bool:

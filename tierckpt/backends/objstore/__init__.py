@@ -45,7 +45,10 @@ Reading
     caller's buffer; a failed or short batch is fetched again, up to ``max_attempts`` times.
     The ranges in flight across every read of a backend stay within ``read_concurrency``: the
     rank's share of its node's connections (``TIERCKPT_NODE_S3_CONNECTIONS`` //
-    ``LOCAL_WORLD_SIZE``), as on the boto3 backend.
+    ``LOCAL_WORLD_SIZE``), as on the boto3 backend. A read of one part (a load's data reads)
+    from ``s3://`` is received off the socket straight into the caller's memory by signed
+    ``http.client`` GETs (``_direct``; ``TIERCKPT_S3_DIRECT_READS=0``: through obstore), with
+    obstore making any attempt they cannot use.
 
 Retries, timeouts, errors
     The boto3 backend's defaults: 4 attempts (the first included), 5 s to connect, 15 s without
@@ -68,8 +71,10 @@ Leftovers
 
 Behind this package: ``_errors`` (:class:`ObjectStoreError`, the translation of obstore's
 exceptions), ``_store`` (URLs, the obstore store with its credentials, endpoint, timeouts and
-retries), ``_writer`` (the streamed upload), ``_backend`` (:class:`ObjectStoreBackend`). The
-ranged-read loop is shared with the boto3 backend (:func:`tierckpt.backends.base.read_in_ranges`).
+retries), ``_writer`` (the streamed upload), ``_reads`` (reads that save round trips and
+copies), ``_direct`` (ranged GETs received straight into place), ``_backend``
+(:class:`ObjectStoreBackend`). The ranged-read loop is shared with the boto3 backend
+(:func:`tierckpt.backends.base.read_in_ranges`).
 """
 
 from __future__ import annotations

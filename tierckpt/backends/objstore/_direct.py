@@ -2,25 +2,27 @@
 
 obstore hands a ranged GET's body to Python as new buffers (joined into one, or streamed as
 ``bytes`` pieces), which are then copied into the storages: two copies of every byte after the
-kernel's, one of them under the GIL. Here a load's data reads (:meth:`DirectReads.read`, one
-part-sized range spread over the storages it covers) are signed requests on plain
-``http.client`` connections kept per backend, and the body is received with ``recv_into`` into
-the storages themselves, the GIL released while the kernel copies. Bare GETs of a 256 MiB object
-from SeaweedFS on 127.0.0.1, 8 MiB x 8 in flight: 0.26 s of client CPU and 0.37 s against 0.42
-and 0.47 s through obstore (docs/benchmarks.md, sixteenth session).
+kernel's, one of them under the GIL. Here a single-range read (a load's data reads: one part of
+the file spread over the storages it covers; any ``read_into`` of at most one part) is a signed
+request on a plain ``http.client`` connection kept by the backend, and the body is received
+with ``recv_into`` into the caller's memory itself, the GIL released while the kernel copies.
+Bare GETs of a 256 MiB object from SeaweedFS on 127.0.0.1, 8 MiB x 8 in flight: 0.26 s of
+client CPU and 0.37 s against 0.42 and 0.47 s through obstore (docs/benchmarks.md, sixteenth
+session). Reads of several parts at once stay one ``get_ranges`` call.
 
-Only a load's data reads go this way, only for ``s3://`` stores that obstore would reach the
-same way: the endpoint's path style (object_store's default), the credentials the backend
-found (its provider, refreshed as obstore's would be), no store settings beyond the backend's
-own (``config=`` keys such as SSE-C or virtual-hosted style leave every read to obstore), and
-no proxy in the environment. ``TIERCKPT_S3_DIRECT_READS=0`` turns it off.
+Only for ``s3://`` stores that obstore would reach with the same requests: the endpoint in path
+style (object_store's default), the credentials the backend found (its provider, asked again
+before they expire), no store settings beyond the backend's own (``config=`` keys such as SSE-C
+or virtual-hosted style leave every read to obstore), and no proxy in the environment.
+``TIERCKPT_S3_DIRECT_READS=0`` turns it off.
 
 It never decides an error. A request that gets no answer it can use before the body (no
 connection, a TLS failure, a status other than 206) raises :class:`Unusable`, and the same
-attempt is made through obstore, whose answer and error are the load's. A store that refuses
+attempt is made through obstore, whose answer and error are the read's. A store that refuses
 what obstore is allowed (a 4xx but 404 and 416, a 200 without a range, a TLS failure) turns the
 direct reads off for the backend with one log line. A failure in the body (a timeout, a reset
-connection) is an attempt of the read's ``max_attempts`` like obstore's."""
+connection) is the first of the read's ``max_attempts``; the others are obstore's. A wrong
+length (past the object's end) is the ``FormatError`` obstore's reads raise."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -50,8 +53,6 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 REFRESH_MARGIN = timedelta(seconds=60)
 #: store settings (``config=``) under which the reads are still obstore's own requests
 SAME_REQUESTS = frozenset({"unsigned_payload", "aws_unsigned_payload", "conditional_put"})
-#: proxy variables obstore's HTTP client honours; with any set, reads stay on obstore
-PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -145,6 +146,7 @@ class DirectReads:
         connect_timeout: float,
         read_timeout: float,
         pool_size: int,
+        request_timeout: float = 600.0,
     ) -> None:
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -160,6 +162,7 @@ class DirectReads:
         self._signer = signer
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
+        self._request_timeout = request_timeout
         self._pool_size = max(1, pool_size)
         self._pool: list[http.client.HTTPConnection] = []
         self._pid = os.getpid()
@@ -209,9 +212,12 @@ class DirectReads:
                 if conn.sock is None:
                     conn.connect()
                     cast(socket.socket, conn.sock).settimeout(self._read_timeout)
-                headers = self._signer.headers(
-                    "GET", self._host, path, {"range": f"bytes={start}-{start + want - 1}"}
-                )
+                try:
+                    headers = self._signer.headers(
+                        "GET", self._host, path, {"range": f"bytes={start}-{start + want - 1}"}
+                    )
+                except Exception as exc:  # the provider failed: obstore's asks and says why
+                    raise Unusable(f"credentials: {type(exc).__name__}", disable=False) from exc
                 conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
                 for k, v in headers.items():
                     conn.putheader(k, v)
@@ -260,6 +266,7 @@ class DirectReads:
                     f"{where}: read of bytes {start}-{start + want - 1} got more than asked "
                     f"({span} bytes)"
                 )
+            deadline = time.monotonic() + self._request_timeout
             for v in views:
                 pos = 0
                 while pos < len(v):
@@ -267,6 +274,10 @@ class DirectReads:
                     if not n:
                         raise http.client.IncompleteRead(b"", want)
                     pos += n
+                    if time.monotonic() > deadline:  # bytes keep coming, too slowly
+                        raise TimeoutError(
+                            f"{where}: not read within {self._request_timeout:.0f} s"
+                        )
             if resp.chunked and resp.read(1):
                 raise FormatError(f"{where}: read of {want} bytes at {start} got more than asked")
         except BaseException:
@@ -297,6 +308,7 @@ def make_direct(
     *,
     connect_timeout: float,
     read_timeout: float,
+    request_timeout: float,
     pool_size: int,
 ) -> DirectReads | None:
     """The direct reads of an ``s3://`` store (None where they would not be the requests
@@ -308,8 +320,8 @@ def make_direct(
     why = ""
     if set(extra) - SAME_REQUESTS:
         why = f"store settings {sorted(set(extra) - SAME_REQUESTS)}"
-    elif any(os.environ.get(v) for v in PROXY_VARS):
-        why = "a proxy is set in the environment"
+    elif knobs.proxy_in_environment():
+        why = f"{knobs.proxy_in_environment()} is set (a proxy)"
     if why:
         log.debug(
             "s3://%s: direct ranged reads off (%s); reading through object_store", bucket, why
@@ -323,6 +335,7 @@ def make_direct(
             SigV4(region, provider),
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
+            request_timeout=request_timeout,
             pool_size=pool_size,
         )
     except ValueError as exc:

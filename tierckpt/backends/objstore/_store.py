@@ -113,6 +113,7 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, Dire
                 extra,
                 connect_timeout=s.connect_timeout,
                 read_timeout=s.read_timeout,
+                request_timeout=s.request_timeout,
                 pool_size=s.pool_size,
             )
             cfg.update(extra)
