@@ -257,8 +257,9 @@ def test_a_store_that_keeps_failing_gets_max_attempts_reads(
 
 
 def test_off_where_obstore_would_send_other_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No direct reads where they would not be obstore's requests: other store settings,
-    a proxy in the environment, or ``TIERCKPT_S3_DIRECT_READS=0``; GCS and Azure never."""
+    """No direct reads where they would not be obstore's requests: other store settings (in
+    ``config=`` or the environment), a proxy in the environment, or
+    ``TIERCKPT_S3_DIRECT_READS=0``; GCS and Azure never."""
     url, ep = "s3://bkt/p", "http://127.0.0.1:9"
     assert ObjectStoreBackend(url, endpoint_url=ep)._direct is not None
     assert ObjectStoreBackend(url, endpoint_url=ep, config={"unsigned_payload": True})._direct
@@ -267,6 +268,9 @@ def test_off_where_obstore_would_send_other_requests(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
     assert ObjectStoreBackend(url, endpoint_url=ep)._direct is None
     monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setenv("AWS_REQUEST_PAYER", "true")
+    assert ObjectStoreBackend(url, endpoint_url=ep)._direct is None
+    monkeypatch.delenv("AWS_REQUEST_PAYER")
     monkeypatch.setenv("TIERCKPT_S3_DIRECT_READS", "0")
     assert ObjectStoreBackend(url, endpoint_url=ep)._direct is None
     monkeypatch.setenv("TIERCKPT_S3_DIRECT_READS", "1")

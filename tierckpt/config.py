@@ -51,6 +51,7 @@ __all__ = [
     "resolve_writer_config",
     "S3_DRIVERS",
     "gcs_emulator_host",
+    "obstore_get_settings",
     "proxy_in_environment",
     "s3_direct_reads",
     "s3_driver",
@@ -256,6 +257,21 @@ def proxy_in_environment() -> str | None:
     """The first of :data:`PROXY_VARIABLES` set in the environment, else None (with a proxy,
     the object-store driver's direct reads stay off: obstore's requests go through it)."""
     return next((n for n in PROXY_VARIABLES if os.environ.get(n, "").strip()), None)
+
+
+#: variables obstore's S3 store reads that change how it sends a GET (a customer key, requester
+#: pays, no signature, S3 Express): with any set, the direct reads leave every read to it
+OBSTORE_GET_VARIABLES = (
+    "AWS_SSE_CUSTOMER_KEY_BASE64",
+    "AWS_REQUEST_PAYER",
+    "AWS_SKIP_SIGNATURE",
+    "AWS_S3_EXPRESS",
+)
+
+
+def obstore_get_settings() -> list[str]:
+    """The :data:`OBSTORE_GET_VARIABLES` set in the environment."""
+    return [n for n in OBSTORE_GET_VARIABLES if os.environ.get(n, "").strip()]
 
 
 def s3_direct_reads() -> bool:

@@ -13,7 +13,9 @@ session). Reads of several parts at once stay one ``get_ranges`` call.
 Only for ``s3://`` stores that obstore would reach with the same requests: the endpoint in path
 style (object_store's default), the credentials the backend found (its provider, asked again
 before they expire), no store settings beyond the backend's own (``config=`` keys such as SSE-C
-or virtual-hosted style leave every read to obstore), and no proxy in the environment.
+or virtual-hosted style leave every read to obstore, as do the environment's ``AWS_*``
+variables that change obstore's GETs: ``config.OBSTORE_GET_VARIABLES``), and no proxy in the
+environment.
 ``TIERCKPT_S3_DIRECT_READS=0`` turns it off.
 
 It never decides an error. A request that gets no answer it can use before the body (no
@@ -322,6 +324,8 @@ def make_direct(
         why = f"store settings {sorted(set(extra) - SAME_REQUESTS)}"
     elif knobs.proxy_in_environment():
         why = f"{knobs.proxy_in_environment()} is set (a proxy)"
+    elif knobs.obstore_get_settings():
+        why = f"{', '.join(knobs.obstore_get_settings())} set"
     if why:
         log.debug(
             "s3://%s: direct ranged reads off (%s); reading through object_store", bucket, why
