@@ -26,6 +26,7 @@ __all__ = [
     "SaveDeadlineExceeded",
     "StateMismatch",
     "TierCkptError",
+    "TiersUnreadable",
     "UnknownCodec",
     "UnsupportedObject",
     "WriterConflict",
@@ -72,6 +73,22 @@ class StateMismatch(TierCkptError, ValueError):
 
 class BackendError(TierCkptError, OSError):
     """A storage backend failed (disk full, permission, S3 error after retries)."""
+
+
+class TiersUnreadable(BackendError):
+    """What was asked for is on no tier that could be listed, and one or more tiers could not
+    be listed: whether it exists is unknown. ``errors`` maps each such tier's name to why.
+
+    Deliberately not a :class:`CheckpointNotFound`: code that starts a run over when there is
+    no checkpoint (``except CheckpointNotFound``, ``if not ck.steps()``) must not start over
+    while the store that holds the checkpoints is unreachable or misnamed."""
+
+    def __init__(self, message: str, errors: dict[str, str] | None = None):
+        super().__init__(message)
+        self.errors = dict(errors or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.errors))
 
 
 class CheckpointExists(TierCkptError, FileExistsError, RuntimeError):

@@ -266,7 +266,10 @@ class Checkpointer(SavePath):
         timeline's checkpoints that retention has not removed yet (older than every
         checkpoint of the newer timeline, whatever their step numbers). The retention passes
         of commits already reported done are waited for first, so a checkpoint they delete
-        is not listed."""
+        is not listed. A tier that cannot be listed is logged and left out; where none of
+        the others holds a checkpoint this raises :class:`~tierckpt.errors.TiersUnreadable`
+        (not an empty list: whether one exists is unknown), as do :meth:`steps`,
+        :meth:`latest_step` and :meth:`load` (not ``CheckpointNotFound``)."""
         self._settle_retention()
         return list_checkpoints(self._load_context(), tier)
 

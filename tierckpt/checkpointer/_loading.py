@@ -24,7 +24,12 @@ from tierckpt.checkpointer._auto_feedback import feed_policy
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
-from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
+from tierckpt.errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    TierCkptError,
+    TiersUnreadable,
+)
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
@@ -73,12 +78,32 @@ def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
     if tier is not None:
         return committed_ids(ctx.tier_named(tier).backend)
     out: set[CheckpointId] = set()
+    unlisted: dict[str, str] = {}
     for t in ctx.tiers:
         try:
             out.update(committed_ids(t.backend))
         except TierCkptError as exc:
             log.warning("cannot list tier %s: %s", t.name, exc)
+            unlisted[t.name] = str(exc)
+    if unlisted and not out:
+        listed = [t.name for t in ctx.tiers if t.name not in unlisted]
+        raise unreadable(unlisted, listed, "no checkpoint is committed")
     return sorted(out)
+
+
+def unreadable(unlisted: dict[str, str], listed: Sequence[str], what: str) -> TiersUnreadable:
+    """The error of a listing or load that found nothing where tiers could not be listed
+    (``unlisted``: name -> why; ``listed``: the others; ``what``: what they lack): whether a
+    checkpoint exists is unknown, so it is not a ``CheckpointNotFound``."""
+    names = ", ".join(repr(n) for n in unlisted)
+    why = "; ".join(f"{n}: {e}" for n, e in unlisted.items())
+    others = f"on the other tiers ({', '.join(listed)}) {what}" if listed else "no other tier"
+    return TiersUnreadable(
+        f"cannot tell whether a checkpoint exists: tier {names} could not be listed ({why}); "
+        f"{others}. This is not 'no checkpoint': restore access to the store (endpoint, "
+        "bucket, credentials) and load again, or name a tier you can read with tier=",
+        unlisted,
+    )
 
 
 def load(
@@ -153,12 +178,14 @@ def _load_once(
             if chosen is not None and step is None:
                 step, timeline = chosen.step, chosen.timeline
         listing: dict[str, list[CheckpointId]] = {}
+        unlisted: dict[str, str] = {}  # the tiers that could not be listed, and why
         for t in tiers:
             try:
                 listing[t.name] = committed_ids(t.backend)
             except TierCkptError as exc:
                 log.warning("cannot list tier %s: %s", t.name, exc)
                 listing[t.name] = []
+                unlisted[t.name] = str(exc)
     all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
     if timeline is not None:
         all_ids = [c for c in all_ids if c.timeline == timeline]
@@ -182,19 +209,26 @@ def _load_once(
             f" of timeline {timeline}" if timeline is not None else ""
         )
         candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
-    # every rank must load the same checkpoint: the newest all ranks can read
-    candidates = ctx.strategy.agree_on_step(candidates)
-    target = target_for(into, map_location)
-    if target is None and device is not None and map_location is None:
-        target = DeviceTarget(device, optional=True)
     got: LoadedShard | None = None
     try:
-        got = _load_candidates(ctx, tiers, listing, candidates, missing, target)
-    finally:
-        # the copies to faster tiers become a checkpoint there; with several ranks only
-        # once every rank's file is in: a collective, reached by every rank whether its
-        # load worked or not
-        ctx.strategy.publish_repopulated(got)
+        # every rank must load the same checkpoint: the newest all ranks can read
+        candidates = ctx.strategy.agree_on_step(candidates)
+        target = target_for(into, map_location)
+        if target is None and device is not None and map_location is None:
+            target = DeviceTarget(device, optional=True)
+        try:
+            got = _load_candidates(ctx, tiers, listing, candidates, missing, target)
+        finally:
+            # the copies to faster tiers become a checkpoint there; with several ranks only
+            # once every rank's file is in: a collective, reached by every rank whether its
+            # load worked or not
+            ctx.strategy.publish_repopulated(got)
+    except CheckpointNotFound as exc:
+        if unlisted:  # it may be on a tier that could not be listed
+            what = "no checkpoint is committed" if step is None else f"step {step} is not committed"
+            listed = [t.name for t in tiers if t.name not in unlisted]
+            raise unreadable(unlisted, listed, what) from exc
+        raise
     on_target = target is not None and not target.optional  # read onto map_location itself
     return _deliver(got, into, None if on_target else map_location, strict)
 
