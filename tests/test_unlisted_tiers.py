@@ -96,3 +96,17 @@ def test_what_the_readable_tiers_hold_is_still_loaded(
         assert ck.steps() == [] and ck.latest_step() is None
         with pytest.raises(CheckpointNotFound):
             ck.load()
+
+
+@pytest.mark.s3
+def test_dcp_reader_says_the_same(tmp_path: Path) -> None:
+    """DCP's ``TierReader`` over an empty local tier and an unreachable S3: reading the
+    metadata of the newest checkpoint raises ``TiersUnreadable``, not ``CheckpointNotFound``
+    (``dcp.load`` reports it inside its ``CheckpointException``)."""
+    from tierckpt.dcp import TierReader
+
+    dead = S3Tier("s3://bkt/run", endpoint_url=_closed_port(), max_attempts=1, connect_timeout=1)
+    with pytest.raises(TiersUnreadable, match="'s3' could not be listed"):
+        TierReader([LocalTier(tmp_path), dead]).read_metadata()
+    with pytest.raises(CheckpointNotFound):  # every tier listed, none holds one
+        TierReader([LocalTier(tmp_path)]).read_metadata()

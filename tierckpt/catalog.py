@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from tierckpt.backends.base import Backend
-from tierckpt.errors import TierCkptError
+from tierckpt.errors import TierCkptError, TiersUnreadable
 from tierckpt.format import (
     MANIFEST_DIR,
     MAX_TIMELINE,
@@ -37,6 +37,7 @@ __all__ = [
     "newest_per_step",
     "steps_of",
     "timeline_for",
+    "unreadable",
 ]
 
 log = logging.getLogger("tierckpt")
@@ -191,3 +192,18 @@ def timeline_for(step: int, newest: CheckpointId | None) -> int:
         newest.timeline,
     )
     return newest.timeline + 1
+
+
+def unreadable(unlisted: dict[str, str], listed: Sequence[str], what: str) -> TiersUnreadable:
+    """The error of a listing or load that found nothing where tiers could not be listed
+    (``unlisted``: name -> why; ``listed``: the others; ``what``: what they lack): whether a
+    checkpoint exists is unknown, so it is not a ``CheckpointNotFound``."""
+    names = ", ".join(repr(n) for n in unlisted)
+    why = "; ".join(f"{n}: {e}" for n, e in unlisted.items())
+    others = f"on the other tiers ({', '.join(listed)}) {what}" if listed else "no other tier"
+    return TiersUnreadable(
+        f"cannot tell whether a checkpoint exists: tier {names} could not be listed ({why}); "
+        f"{others}. This is not 'no checkpoint': restore access to the store (endpoint, "
+        "bucket, credentials) and load again, or name a tier you can read with tier=",
+        unlisted,
+    )

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from tierckpt.arena import HostArena
-from tierckpt.catalog import committed_ids, lineage, listed_once, steps_of
+from tierckpt.catalog import committed_ids, lineage, listed_once, steps_of, unreadable
 from tierckpt.checkpointer._auto_feedback import feed_policy
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
@@ -28,7 +28,6 @@ from tierckpt.errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
     TierCkptError,
-    TiersUnreadable,
 )
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.noderam_map import read_shard_mapped
@@ -89,21 +88,6 @@ def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
         listed = [t.name for t in ctx.tiers if t.name not in unlisted]
         raise unreadable(unlisted, listed, "no checkpoint is committed")
     return sorted(out)
-
-
-def unreadable(unlisted: dict[str, str], listed: Sequence[str], what: str) -> TiersUnreadable:
-    """The error of a listing or load that found nothing where tiers could not be listed
-    (``unlisted``: name -> why; ``listed``: the others; ``what``: what they lack): whether a
-    checkpoint exists is unknown, so it is not a ``CheckpointNotFound``."""
-    names = ", ".join(repr(n) for n in unlisted)
-    why = "; ".join(f"{n}: {e}" for n, e in unlisted.items())
-    others = f"on the other tiers ({', '.join(listed)}) {what}" if listed else "no other tier"
-    return TiersUnreadable(
-        f"cannot tell whether a checkpoint exists: tier {names} could not be listed ({why}); "
-        f"{others}. This is not 'no checkpoint': restore access to the store (endpoint, "
-        "bucket, credentials) and load again, or name a tier you can read with tier=",
-        unlisted,
-    )
 
 
 def load(

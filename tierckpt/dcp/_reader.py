@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt.catalog import committed_ids
+from tierckpt.catalog import committed_ids, unreadable
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
     TiersArg,
@@ -158,11 +158,13 @@ class TierReader(StorageReader):
 
     def _listing(self) -> list[CheckpointId]:
         mine: set[CheckpointId] = set()
+        self._unlisted: dict[str, str] = {}  # tiers that could not be listed, and why
         for t in self._tiers:
             try:
                 mine.update(committed_ids(t.backend))
             except TierCkptError as exc:
                 log.warning("cannot list tier %s: %s", t.name, exc)
+                self._unlisted[t.name] = str(exc)
         return sorted(mine, reverse=True)
 
     def _id_of_step(self, step: int) -> CheckpointId:
@@ -185,6 +187,9 @@ class TierReader(StorageReader):
             dist.all_gather(gathered, vec)
             common = set.intersection(*({int(v) for v in g.tolist() if v >= 0} for g in gathered))
             newest = sorted((checkpoint_of_key(v) for v in common), reverse=True)
+        if not newest and self._unlisted:  # it may be on a tier that could not be listed
+            listed = [t.name for t in self._tiers if t.name not in self._unlisted]
+            raise unreadable(self._unlisted, listed, "no checkpoint is committed")
         if not newest:
             raise CheckpointNotFound(
                 f"no committed checkpoint on any tier ({', '.join(t.name for t in self._tiers)})"
