@@ -317,3 +317,24 @@ def test_failing_credentials_or_a_slow_drip_leave_the_read_to_obstore(
     assert streamed == [1]  # the second attempt, obstore's
     assert backend._direct is direct
     backend.close()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("action", ["slowdown", "error500"])
+def test_a_busy_store_keeps_the_direct_reads_on(
+    moto_server: S3Server, s3_bucket: BucketFactory, action: str
+) -> None:
+    """A 503 SlowDown or a 500 on the direct request is the server's moment, not a refusal:
+    that attempt is made through obstore and the next read is direct again."""
+    bucket = s3_bucket(moto_server)
+    data = payload(PART, seed=88)
+    write_object(_backend(moto_server, bucket), "obj", data, [PART])
+    faults = [Fault(action, method="GET", path_contains="/obj", times=1)]
+    with FaultProxy(moto_server.endpoint_url, faults) as proxy:
+        backend = _backend(moto_server, bucket, proxy.endpoint_url)
+        for offset in (0, 777):
+            bufs, views = _pieces([10, 70_000])
+            backend.read_into_pieces("obj", offset, views)
+            assert b"".join(bufs) == data[offset : offset + 70_010]
+        assert proxy.fired[action] == 1 and backend._direct is not None
+        backend.close()

@@ -21,10 +21,11 @@ environment.
 It never decides an error. A request that gets no answer it can use before the body (no
 connection, a TLS failure, a status other than 206) raises :class:`Unusable`, and the same
 attempt is made through obstore, whose answer and error are the read's. A store that refuses
-what obstore is allowed (a 4xx but 404 and 416, a 200 without a range, a TLS failure) turns the
-direct reads off for the backend with one log line. A failure in the body (a timeout, a reset
-connection) is the first of the read's ``max_attempts``; the others are obstore's. A wrong
-length (past the object's end) is the ``FormatError`` obstore's reads raise."""
+what obstore is allowed (a 4xx but 404, 408, 416 and 429, a 200 without a range, a TLS
+failure, headers that disagree) turns the direct reads off for the backend with one log line.
+A failure in the body (a timeout, a reset connection) is the first of the read's
+``max_attempts``; the others are obstore's. A wrong length (past the object's end) is the
+``FormatError`` obstore's reads raise."""
 
 from __future__ import annotations
 
@@ -256,8 +257,8 @@ class DirectReads:
             if shown is None or int(shown.group(1)) != start:
                 raise Unusable(f"206 without the range asked for ({shown})", disable=True)
             span = int(shown.group(2)) - start + 1
-            if got is not None and got != span:
-                raise FormatError(f"{where}: Content-Length {got} but Content-Range {span}")
+            if got is not None and got != span:  # a server or proxy of its own kind
+                raise Unusable(f"Content-Length {got} but Content-Range {span}", disable=True)
             if span < want:  # a range past the end: S3 sends what there is
                 raise FormatError(
                     f"{where}: read of bytes {start}-{start + want - 1} past its end "
@@ -297,7 +298,7 @@ class DirectReads:
         why = f"HTTP {status} {resp.reason}" + (f" ({code.group(1)})" if code else "")
         # the object's or the range's fault (obstore answers it as the load's error), or the
         # server's moment (obstore retries it): not a reason to stop reading this way
-        disable = status not in (404, 416) and not 500 <= status < 600
+        disable = status not in (404, 408, 416, 429) and not 500 <= status < 600
         raise Unusable(why, disable=disable)
 
 
