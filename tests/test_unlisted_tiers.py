@@ -106,7 +106,8 @@ def test_dcp_reader_says_the_same(tmp_path: Path) -> None:
     from tierckpt.dcp import TierReader
 
     dead = S3Tier("s3://bkt/run", endpoint_url=_closed_port(), max_attempts=1, connect_timeout=1)
-    with pytest.raises(TiersUnreadable, match="'s3' could not be listed"):
-        TierReader([LocalTier(tmp_path), dead]).read_metadata()
+    for step in (None, 3):
+        with pytest.raises(TiersUnreadable, match="'s3' could not be listed"):
+            TierReader([LocalTier(tmp_path), dead], step).read_metadata()
     with pytest.raises(CheckpointNotFound):  # every tier listed, none holds one
         TierReader([LocalTier(tmp_path)]).read_metadata()

@@ -168,8 +168,13 @@ class TierReader(StorageReader):
         return sorted(mine, reverse=True)
 
     def _id_of_step(self, step: int) -> CheckpointId:
-        """``step`` of the newest timeline holding it (timeline 0 if none: not found later)."""
-        return next((c for c in self._listing() if c.step == step), CheckpointId(step))
+        """``step`` of the newest timeline holding it (timeline 0 if none: not found later;
+        ``TiersUnreadable`` where a tier that could not be listed may hold it)."""
+        found = next((c for c in self._listing() if c.step == step), None)
+        if found is None and self._unlisted:
+            listed = [t.name for t in self._tiers if t.name not in self._unlisted]
+            raise unreadable(self._unlisted, listed, f"step {step} is not committed")
+        return found or CheckpointId(step)
 
     def _newest_id(self) -> CheckpointId:
         newest = self._listing()
