@@ -111,3 +111,22 @@ def test_dcp_reader_says_the_same(tmp_path: Path) -> None:
             TierReader([LocalTier(tmp_path), dead], step).read_metadata()
     with pytest.raises(CheckpointNotFound):  # every tier listed, none holds one
         TierReader([LocalTier(tmp_path)]).read_metadata()
+
+
+@pytest.mark.s3
+def test_a_listed_copy_that_cannot_be_read_beside_an_unlisted_tier(tmp_path: Path) -> None:
+    """The local tier lists step 4 but its shard file is gone, and S3 cannot be listed: the
+    load does not say "no checkpoint" (S3 may hold a good copy) but ``TiersUnreadable``,
+    saying the copy it found could not be read."""
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save(_state(4), 4).wait()
+    shards = list(tmp_path.rglob("*.tck"))
+    assert len(shards) == 1
+    for p in shards:
+        p.unlink()
+    dead = S3Tier("s3://bkt/run", endpoint_url=_closed_port(), max_attempts=1, connect_timeout=1)
+    with Checkpointer([LocalTier(tmp_path), dead]) as ck:
+        assert ck.steps() == [4]
+        for ask in (ck.load, lambda: ck.load(step=4)):
+            with pytest.raises(TiersUnreadable, match="could not be read"):
+                ask()

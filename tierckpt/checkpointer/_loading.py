@@ -208,8 +208,13 @@ def _load_once(
             # load worked or not
             ctx.strategy.publish_repopulated(got)
     except CheckpointNotFound as exc:
-        if unlisted:  # it may be on a tier that could not be listed
-            what = "no checkpoint is committed" if step is None else f"step {step} is not committed"
+        if unlisted:  # a readable copy may be on a tier that could not be listed
+            if any(step is None or c.step == step for c in all_ids):
+                what = f"it could not be read ({exc})"
+            elif step is None:
+                what = "no checkpoint is committed"
+            else:
+                what = f"step {step} is not committed"
             listed = [t.name for t in tiers if t.name not in unlisted]
             raise unreadable(unlisted, listed, what) from exc
         raise
