@@ -1,6 +1,6 @@
 """A scatter read through obstore streams each ranged GET's body into place as it arrives
 (``tierckpt.backends.objstore._reads.stream_into``), never joining a part into a buffer of
-its own first. On a real S3 server (moto on 127.0.0.1), through the fault proxy where a
+its own first (the direct reads of ``s3://``, tests/test_objstore_direct.py, are off here). On a real S3 server (moto on 127.0.0.1), through the fault proxy where a
 response must be cut."""
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ BucketFactory = Callable[[S3Server], str]
 SIZES = [1, 7, 4096, 3 * MiB + 5, 100_003, 2 * MiB - 1, 1, 4 * MiB + 17, 12_345]
 #: the same within one part: what a load's segment reads with one ranged GET
 ONE_PART = [1, 7, 4096, 3 * MiB + 5, 100_003, MiB - 1, 1, 12_345]
+
+
+@pytest.fixture(autouse=True)
+def _through_obstore(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are of obstore's streamed read (``gs://``, ``az://``, and every attempt the
+    direct reads leave to obstore): on ``s3://`` the direct reads would serve them instead."""
+    monkeypatch.setenv("TIERCKPT_S3_DIRECT_READS", "0")
 
 
 def _backend(server: S3Server, bucket: str, endpoint: str | None = None) -> ObjectStoreBackend:
