@@ -41,6 +41,13 @@ def _backend(server: S3Server, bucket: str, endpoint: str | None = None, **kw: A
     )
 
 
+def _stored(server: S3Server, bucket: str, parts: int, seed: int) -> bytes:
+    """An object ``obj`` of ``parts`` parts written to a fresh ``bucket``; its bytes."""
+    data = payload(parts * PART, seed=seed)
+    write_object(_backend(server, bucket), "obj", data, [PART] * parts)
+    return data
+
+
 def _pieces(sizes: list[int]) -> tuple[list[bytearray], list[memoryview]]:
     bufs = [bytearray(n) for n in sizes]
     return bufs, [memoryview(b) for b in bufs]
@@ -222,8 +229,7 @@ def test_a_body_cut_or_stalled_is_one_attempt_then_obstore(
     counts as the read's first attempt; the next is obstore's, and the pieces hold exactly the
     object's bytes."""
     bucket = s3_bucket(moto_server)
-    data = payload(2 * PART, seed=85)
-    write_object(_backend(moto_server, bucket), "obj", data, [PART, PART])
+    data = _stored(moto_server, bucket, 2, seed=85)
     faults = [Fault(action, method="GET", path_contains="/obj", times=1, seconds=30)]
     with FaultProxy(moto_server.endpoint_url, faults) as proxy:
         backend = _backend(moto_server, bucket, proxy.endpoint_url, read_timeout=2)
@@ -242,8 +248,7 @@ def test_a_store_that_keeps_failing_gets_max_attempts_reads(
     """Every answer cut: the direct read is the first of ``max_attempts`` attempts (not one
     more), and the error names the object."""
     bucket = s3_bucket(moto_server)
-    data = payload(PART, seed=86)
-    write_object(_backend(moto_server, bucket), "obj", data, [PART])
+    _stored(moto_server, bucket, 1, seed=86)
     faults = [Fault("reset_response", method="GET", path_contains="/obj")]
     with FaultProxy(moto_server.endpoint_url, faults) as proxy:
         backend = _backend(moto_server, bucket, proxy.endpoint_url, max_attempts=2)
@@ -327,8 +332,7 @@ def test_a_busy_store_keeps_the_direct_reads_on(
     """A 503 SlowDown or a 500 on the direct request is the server's moment, not a refusal:
     that attempt is made through obstore and the next read is direct again."""
     bucket = s3_bucket(moto_server)
-    data = payload(PART, seed=88)
-    write_object(_backend(moto_server, bucket), "obj", data, [PART])
+    data = _stored(moto_server, bucket, 1, seed=88)
     faults = [Fault(action, method="GET", path_contains="/obj", times=1)]
     with FaultProxy(moto_server.endpoint_url, faults) as proxy:
         backend = _backend(moto_server, bucket, proxy.endpoint_url)

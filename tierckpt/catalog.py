@@ -36,6 +36,7 @@ __all__ = [
     "newest_committed",
     "newest_per_step",
     "steps_of",
+    "list_tiers",
     "timeline_for",
     "unreadable",
 ]
@@ -194,16 +195,34 @@ def timeline_for(step: int, newest: CheckpointId | None) -> int:
     return newest.timeline + 1
 
 
-def unreadable(unlisted: dict[str, str], listed: Sequence[str], what: str) -> TiersUnreadable:
+def list_tiers(
+    tiers: Iterable[tuple[str, Backend]],
+) -> tuple[dict[str, list[CheckpointId]], dict[str, str]]:
+    """Each tier's committed checkpoints (:func:`committed_ids`) by name, and the tiers that
+    could not be listed with why (logged; their list is empty). A reader that finds nothing
+    while the second is not empty raises :func:`unreadable`, not ``CheckpointNotFound``."""
+    listing: dict[str, list[CheckpointId]] = {}
+    unlisted: dict[str, str] = {}
+    for name, backend in tiers:
+        try:
+            listing[name] = committed_ids(backend)
+        except TierCkptError as exc:
+            log.warning("cannot list tier %s: %s", name, exc)
+            listing[name], unlisted[name] = [], str(exc)
+    return listing, unlisted
+
+
+def unreadable(unlisted: dict[str, str], names: Iterable[str], what: str) -> TiersUnreadable:
     """The error of a listing or load that found nothing where tiers could not be listed
-    (``unlisted``: name -> why; ``listed``: the others; ``what``: what they lack): whether a
-    checkpoint exists is unknown, so it is not a ``CheckpointNotFound``."""
-    names = ", ".join(repr(n) for n in unlisted)
+    (``unlisted``: name -> why; ``names``: every tier asked; ``what``: what the others lack):
+    whether a checkpoint exists is unknown, so it is not a ``CheckpointNotFound``."""
+    listed = [n for n in names if n not in unlisted]
     why = "; ".join(f"{n}: {e}" for n, e in unlisted.items())
     others = f"on the other tiers ({', '.join(listed)}) {what}" if listed else "no other tier"
     return TiersUnreadable(
-        f"cannot tell whether a checkpoint exists: tier {names} could not be listed ({why}); "
-        f"{others}. This is not 'no checkpoint': restore access to the store (endpoint, "
-        "bucket, credentials) and load again, or name a tier you can read with tier=",
+        f"cannot tell whether a checkpoint exists: tier {', '.join(map(repr, unlisted))} could "
+        f"not be listed ({why}); {others}. This is not 'no checkpoint': restore access to the "
+        "store (endpoint, bucket, credentials) and load again, or name a tier you can read "
+        "with tier=",
         unlisted,
     )

@@ -19,16 +19,19 @@ from typing import Any, Literal
 import torch
 
 from tierckpt.arena import HostArena
-from tierckpt.catalog import committed_ids, lineage, listed_once, steps_of, unreadable
+from tierckpt.catalog import (
+    committed_ids,
+    lineage,
+    list_tiers,
+    listed_once,
+    steps_of,
+    unreadable,
+)
 from tierckpt.checkpointer._auto_feedback import feed_policy
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
-from tierckpt.errors import (
-    CheckpointNotFound,
-    CorruptCheckpoint,
-    TierCkptError,
-)
+from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
@@ -76,17 +79,10 @@ def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
     :meth:`~tierckpt.Checkpointer.checkpoints`)."""
     if tier is not None:
         return committed_ids(ctx.tier_named(tier).backend)
-    out: set[CheckpointId] = set()
-    unlisted: dict[str, str] = {}
-    for t in ctx.tiers:
-        try:
-            out.update(committed_ids(t.backend))
-        except TierCkptError as exc:
-            log.warning("cannot list tier %s: %s", t.name, exc)
-            unlisted[t.name] = str(exc)
+    listing, unlisted = list_tiers((t.name, t.backend) for t in ctx.tiers)
+    out = {c for ids in listing.values() for c in ids}
     if unlisted and not out:
-        listed = [t.name for t in ctx.tiers if t.name not in unlisted]
-        raise unreadable(unlisted, listed, "no checkpoint is committed")
+        raise unreadable(unlisted, listing, "no checkpoint is committed")
     return sorted(out)
 
 
@@ -161,15 +157,7 @@ def _load_once(
             chosen = ctx.prepare_load(step, timeline)
             if chosen is not None and step is None:
                 step, timeline = chosen.step, chosen.timeline
-        listing: dict[str, list[CheckpointId]] = {}
-        unlisted: dict[str, str] = {}  # the tiers that could not be listed, and why
-        for t in tiers:
-            try:
-                listing[t.name] = committed_ids(t.backend)
-            except TierCkptError as exc:
-                log.warning("cannot list tier %s: %s", t.name, exc)
-                listing[t.name] = []
-                unlisted[t.name] = str(exc)
+        listing, unlisted = list_tiers((t.name, t.backend) for t in tiers)
     all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
     if timeline is not None:
         all_ids = [c for c in all_ids if c.timeline == timeline]
@@ -215,8 +203,7 @@ def _load_once(
                 what = "no checkpoint is committed"
             else:
                 what = f"step {step} is not committed"
-            listed = [t.name for t in tiers if t.name not in unlisted]
-            raise unreadable(unlisted, listed, what) from exc
+            raise unreadable(unlisted, listing, what) from exc
         raise
     on_target = target is not None and not target.optional  # read onto map_location itself
     return _deliver(got, into, None if on_target else map_location, strict)

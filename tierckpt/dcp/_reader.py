@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt.catalog import committed_ids, unreadable
+from tierckpt.catalog import list_tiers, unreadable
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
     TiersArg,
@@ -38,7 +38,6 @@ from tierckpt.errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
     FormatError,
-    TierCkptError,
 )
 from tierckpt.format import CheckpointId, Manifest, checksum
 from tierckpt.pipeline import Tier
@@ -157,23 +156,16 @@ class TierReader(StorageReader):
         return decode_metadata(blob, where=f"{where}/{name}")
 
     def _listing(self) -> list[CheckpointId]:
-        mine: set[CheckpointId] = set()
-        self._unlisted: dict[str, str] = {}  # tiers that could not be listed, and why
-        for t in self._tiers:
-            try:
-                mine.update(committed_ids(t.backend))
-            except TierCkptError as exc:
-                log.warning("cannot list tier %s: %s", t.name, exc)
-                self._unlisted[t.name] = str(exc)
-        return sorted(mine, reverse=True)
+        listing, self._unlisted = list_tiers((t.name, t.backend) for t in self._tiers)
+        return sorted({c for ids in listing.values() for c in ids}, reverse=True)
 
     def _id_of_step(self, step: int) -> CheckpointId:
         """``step`` of the newest timeline holding it (timeline 0 if none: not found later;
         ``TiersUnreadable`` where a tier that could not be listed may hold it)."""
         found = next((c for c in self._listing() if c.step == step), None)
         if found is None and self._unlisted:
-            listed = [t.name for t in self._tiers if t.name not in self._unlisted]
-            raise unreadable(self._unlisted, listed, f"step {step} is not committed")
+            names = [t.name for t in self._tiers]
+            raise unreadable(self._unlisted, names, f"step {step} is not committed")
         return found or CheckpointId(step)
 
     def _newest_id(self) -> CheckpointId:
@@ -193,8 +185,8 @@ class TierReader(StorageReader):
             common = set.intersection(*({int(v) for v in g.tolist() if v >= 0} for g in gathered))
             newest = sorted((checkpoint_of_key(v) for v in common), reverse=True)
         if not newest and self._unlisted:  # it may be on a tier that could not be listed
-            listed = [t.name for t in self._tiers if t.name not in self._unlisted]
-            raise unreadable(self._unlisted, listed, "no checkpoint is committed")
+            names = [t.name for t in self._tiers]
+            raise unreadable(self._unlisted, names, "no checkpoint is committed")
         if not newest:
             raise CheckpointNotFound(
                 f"no committed checkpoint on any tier ({', '.join(t.name for t in self._tiers)})"

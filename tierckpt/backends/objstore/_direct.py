@@ -323,10 +323,10 @@ def make_direct(
     why = ""
     if set(extra) - SAME_REQUESTS:
         why = f"store settings {sorted(set(extra) - SAME_REQUESTS)}"
-    elif knobs.proxy_in_environment():
-        why = f"{knobs.proxy_in_environment()} is set (a proxy)"
-    elif knobs.obstore_get_settings():
-        why = f"{', '.join(knobs.obstore_get_settings())} set"
+    elif proxy := knobs.proxy_in_environment():
+        why = f"{proxy} is set (a proxy)"
+    elif changed := knobs.obstore_get_settings():
+        why = f"{', '.join(changed)} set"
     if why:
         log.debug(
             "s3://%s: direct ranged reads off (%s); reading through object_store", bucket, why
