@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierckpt import Checkpointer, LocalTier
-from tierckpt.checkpointer import _loading
+from tierckpt import Checkpointer, LocalTier, catalog
 from tierckpt.checkpointer._readpool import warm
 
 
@@ -38,14 +37,15 @@ def test_reader_threads_start_while_the_tiers_are_listed(
     with Checkpointer([LocalTier(tmp_path / "t")]) as ck:
         ck.save(state, 1).wait()
     gate, listing = threading.Event(), threading.Event()
-    real = _loading.committed_ids
+    real = catalog.committed_ids
 
     def held_listing(backend: Any) -> Any:
         listing.set()
         assert gate.wait(60)
         return real(backend)
 
-    monkeypatch.setattr(_loading, "committed_ids", held_listing)
+    # the load lists its tiers through catalog.list_tiers
+    monkeypatch.setattr(catalog, "committed_ids", held_listing)
     ck = Checkpointer([LocalTier(tmp_path / "t")], io_threads=2)
     got: dict[str, Any] = {}
     loader = threading.Thread(target=lambda: got.update(ck.load()))
