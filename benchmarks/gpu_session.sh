@@ -27,7 +27,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 else
   "$PY" -m pip install -q --target /tmp/site $PKGS > "$OUT/install.txt" 2>&1
 fi
-echo "install exit $?" >> "$OUT/install.txt"
+echo "exit $?" >> "$OUT/install.txt"
 export PYTHONPATH="/tmp/site:$PWD"
 {
   date -u
