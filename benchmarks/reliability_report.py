@@ -203,6 +203,14 @@ FIXED += [
             "test_manifest_of_tiny_nodes_is_refused_early",
         ],
     ),
+    (
+        "Two tiers of one job on the same folder (LocalTier(d, name='a', codec='raw') beside "
+        "LocalTier(d, name='b', codec='zstd')) lost every committed checkpoint: b's shard file "
+        "replaced a's under the same name and load() raised CorruptCheckpoint; an archive tier "
+        "on the run's own S3 prefix had its steps deleted by the run tier's keep_last",
+        "tierckpt/locations.py, policy.py",
+        ["test_two_local_tiers_on_one_folder_are_refused_and_the_committed_run_is_untouched"],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested
@@ -230,6 +238,7 @@ EVERYDAY_TESTS = [
     "tests/test_eager_buffers.py",
     "tests/test_save_validation.py",
     "tests/test_small_fixes.py",
+    "tests/test_tier_locations.py",
 ]
 
 #: the rules operators rely on, written by hand; the report puts them first

@@ -249,6 +249,7 @@ LAYERS: dict[str, int] = {
             "lease",
             "retention",
             "policy",
+            "locations",
             "urls",
             "pipeline",
             "restore",

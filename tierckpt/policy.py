@@ -53,7 +53,7 @@ unpinned, whatever the rules above say. Every rule is decided from what the tier
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypedDict, cast
 
@@ -63,6 +63,7 @@ from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.config import S3_DRIVERS, s3_driver
 from tierckpt.layout import check_prefixes
+from tierckpt.locations import folder_location, refuse_shared_locations, store_location
 from tierckpt.redact import redact, refuse_credentials
 from tierckpt.retention import Retention
 
@@ -176,6 +177,11 @@ class TierSpec:
     def make_backend(self) -> Backend:
         raise NotImplementedError
 
+    def location(self) -> tuple[str, Hashable] | None:
+        """``(where, key)``: tiers with equal keys write to one place (:mod:`tierckpt.locations`);
+        None: not known."""
+        return None
+
     def receives(self, step: int) -> bool:
         """Whether a save of ``step`` goes to this tier: ``step`` is a multiple of ``every``.
 
@@ -214,6 +220,9 @@ class MemoryTier(TierSpec):
     def make_backend(self) -> Backend:
         return MemoryBackend(self.namespace)
 
+    def location(self) -> tuple[str, Hashable] | None:
+        return f"host RAM namespace {self.namespace!r}", ("memory", self.namespace)
+
 
 @dataclass(frozen=True, slots=True, init=False)
 class LocalTier(TierSpec):
@@ -236,6 +245,9 @@ class LocalTier(TierSpec):
 
     def make_backend(self) -> Backend:
         return LocalBackend(self.path)
+
+    def location(self) -> tuple[str, Hashable] | None:
+        return folder_location(self.path)
 
 
 #: schemes a location may start with: ``s3:/bucket/run`` (a slash short) or ``s3:bucket`` is a
@@ -348,6 +360,9 @@ class S3Tier(TierSpec):
             raise ImportError(f"the S3 tier needs boto3: pip install boto3 ({exc})") from exc
         return S3Backend(self.url, **self.options)
 
+    def location(self) -> tuple[str, Hashable] | None:
+        return store_location(self.url, self.options)
+
 
 @dataclass(frozen=True, slots=True)
 class TierPolicy:
@@ -367,6 +382,7 @@ class TierPolicy:
             raise ValueError(
                 f"tier names must be unique, got {names}; pass name=... to tell tiers apart"
             )
+        refuse_shared_locations(tiers)
         for i, t in enumerate(tiers):
             if t.source is None:
                 continue
@@ -451,6 +467,9 @@ class _CloudTier(TierSpec):
         from tierckpt.backends.objstore import ObjectStoreBackend
 
         return ObjectStoreBackend(self.url, **self.options)
+
+    def location(self) -> tuple[str, Hashable] | None:
+        return store_location(self.url, self.options)
 
 
 @dataclass(frozen=True, slots=True, init=False, repr=False, eq=False)

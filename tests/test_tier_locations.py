@@ -1,0 +1,88 @@
+"""Two tiers of one job on the same folder or prefix are refused before anything is written.
+
+Found by trying it: ``[LocalTier(d, name="a", codec="raw"), LocalTier(d, name="b",
+codec="zstd")]`` committed step N on tier "a", then tier "b" wrote its shard file under the same
+name, so every committed checkpoint failed its size check and ``load()`` raised
+``CorruptCheckpoint``: nothing loadable was left. An S3 "archive" tier (``keep_last=None,
+every=100``) on the run's own prefix has its steps deleted by the run tier's ``keep_last``. The
+writer lease cannot see it: both tiers belong to one writer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer, GCSTier, LocalTier, MemoryTier, S3Tier
+from tierckpt.policy import TierPolicy
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"w": torch.arange(50_000, dtype=torch.float32) + step, "step": step}
+
+
+def _refused(tiers: list[object]) -> str:
+    with pytest.raises(ValueError, match="both write to") as info:
+        Checkpointer(tiers)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+def test_two_local_tiers_on_one_folder_are_refused_and_the_committed_run_is_untouched(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    with Checkpointer([LocalTier(run)]) as ck:
+        ck.save(_state(7), 7).wait()
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    (tmp_path / "link").symlink_to(run)
+    spellings = [f"{run}/", str(tmp_path / "x" / ".." / "run"), str(tmp_path / "link")]
+    for other in spellings:
+        message = _refused(
+            [LocalTier(run, name="fast", codec="raw"), LocalTier(other, name="b", codec="zstd")]
+        )
+        assert "'fast' and 'b'" in message and os.path.realpath(run) in message
+        assert "own folder or prefix" in message  # says what to do
+    # nothing was written: no lease, no temporary file, the committed step loads bit-exact
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    with Checkpointer([LocalTier(run)]) as ck:
+        assert torch.equal(ck.load()["w"], _state(7)["w"])
+
+
+def test_an_archive_on_the_runs_own_prefix_is_refused_and_a_side_by_side_one_is_not() -> None:
+    refused = [
+        (S3Tier("s3://b/run"), S3Tier("s3://b/run/", name="archive", keep_last=None, every=100)),
+        (S3Tier("s3://b/run"), S3Tier("s3://b", prefix="run", name="archive")),
+        (
+            S3Tier("s3://b/run", endpoint_url="http://127.0.0.1:9000/"),
+            S3Tier("s3://b/run", name="archive", endpoint_url="HTTP://127.0.0.1:9000"),
+        ),
+        (GCSTier("gs://b/run"), GCSTier("gs://b//run/", name="archive")),
+        (MemoryTier(), MemoryTier(name="other")),
+    ]
+    for tiers in refused:
+        with pytest.raises(ValueError, match="both write to"):
+            TierPolicy(list(tiers))
+    # different places, or possibly different stores: accepted
+    accepted = [
+        (S3Tier("s3://b/run"), S3Tier("s3://b/run-archive", name="archive")),
+        (S3Tier("s3://b/run"), S3Tier("s3://other/run", name="archive")),
+        (
+            S3Tier("s3://b/run", endpoint_url="http://127.0.0.1:9000"),
+            S3Tier("s3://b/run", name="archive", endpoint_url="http://127.0.0.1:9001"),
+        ),
+        (S3Tier("s3://b/run"), S3Tier("s3://b/run", name="archive", profile="backup")),
+        (S3Tier("s3://b/run"), GCSTier("gs://b/run", name="archive")),
+        (MemoryTier(), MemoryTier(name="other", namespace="eval")),
+    ]
+    for tiers in accepted:
+        assert len(TierPolicy(list(tiers))) == 2
+
+
+def test_a_dcp_writer_refuses_them_too(tmp_path: Path) -> None:
+    from tierckpt.dcp import TierWriter
+
+    with pytest.raises(ValueError, match="'local' and 'copy' both write to"):
+        TierWriter([LocalTier(tmp_path), LocalTier(tmp_path, name="copy")], step=1)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,84 @@
+"""Where a tier writes, as a key two tiers can be compared by, and the refusal of two tiers of
+one policy on the same location.
+
+Two tiers on one folder or prefix write the same names: the shard files of one step (the
+second tier's replaces the first's committed one, which then fails its checksum or its size;
+with two codecs every save's committed copy is lost this way), the same manifests (the second
+tier's save fails), and each tier's retention deletes checkpoints the other was told to keep
+(an archive tier with ``keep_last=None`` beside ``keep_last=3`` on the same prefix). So a
+policy that lists two tiers on one location is refused when it is made, before anything is
+written. A second *job* on a location is the writer lease's work (:mod:`tierckpt.lease`); this
+is the same mistake inside one job, whose tiers share one lease owner.
+
+A key errs on the side of "different": object-store tiers are the same location only when
+scheme, bucket, key prefix, endpoint, profile, client and ``config`` all agree, so no two
+tiers that may be different stores are refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from tierckpt.redact import redact
+
+__all__ = ["Located", "folder_location", "refuse_shared_locations", "store_location"]
+
+
+class Located(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def location(self) -> tuple[str, Hashable] | None: ...
+
+
+def folder_location(path: str) -> tuple[str, Hashable]:
+    """A local folder's key: the folder with links and ``..`` resolved (``/a/run/`` and
+    ``/a/x/../run`` are one folder)."""
+    real = os.path.realpath(path)
+    return real, ("folder", real)
+
+
+def store_location(url: str, options: Mapping[str, Any]) -> tuple[str, Hashable]:
+    """An object-store tier's key: ``(what to call it, key)``."""
+    parts = urlsplit(url)
+    # the backends join the URL's path and a prefix= option, slashes stripped
+    segments = f"{parts.path}/{options.get('prefix') or ''}".split("/")
+    prefix = "/".join(s for s in segments if s)
+    endpoint = options.get("endpoint_url")
+    endpoint = str(endpoint).rstrip("/").lower() if endpoint else None
+    client = options.get("client")
+    config = options.get("config") or {}
+    key = (
+        parts.scheme.lower(),
+        parts.netloc,
+        prefix,
+        endpoint,
+        options.get("profile"),
+        None if client is None else id(client),
+        repr(sorted((str(k), repr(v)) for k, v in dict(config).items())),
+    )
+    where = f"{parts.scheme}://{parts.netloc}/{prefix}"
+    return (f"{where} at {redact(endpoint)}" if endpoint else where), key
+
+
+def refuse_shared_locations(tiers: Sequence[Located]) -> None:
+    """Raise ValueError when two of ``tiers`` write to one location (module docstring)."""
+    seen: dict[Hashable, Located] = {}
+    for t in tiers:
+        found = t.location()
+        if found is None:
+            continue
+        where, key = found
+        other = seen.setdefault(key, t)
+        if other is not t:
+            raise ValueError(
+                f"tiers {other.name!r} and {t.name!r} both write to {where}: two tiers on one "
+                "location replace each other's shard files and manifests (a committed "
+                "checkpoint is then lost), and each one's retention deletes what the other "
+                "keeps. Give each tier its own folder or prefix, side by side (e.g. .../run "
+                "and .../run-archive), or keep more checkpoints on one tier with "
+                "keep_every_n_steps or keep_best"
+            )
