@@ -5,7 +5,12 @@ codec="zstd")]`` committed step N on tier "a", then tier "b" wrote its shard fil
 name, so every committed checkpoint failed its size check and ``load()`` raised
 ``CorruptCheckpoint``: nothing loadable was left. An S3 "archive" tier (``keep_last=None,
 every=100``) on the run's own prefix has its steps deleted by the run tier's ``keep_last``. The
-writer lease cannot see it: both tiers belong to one writer."""
+writer lease cannot see it: both tiers belong to one writer.
+
+The same mistake across jobs, one after the other: a new run pointed at a finished run's folder
+saves from step 0 on a new timeline (as a rollback does), and retention then removes the old
+run's checkpoints. That cannot be refused (a rollback loaded some other way looks the same), so
+rank 0 warns at that save, naming the newest checkpoint there and how to keep it."""
 
 from __future__ import annotations
 
@@ -86,3 +91,35 @@ def test_a_dcp_writer_refuses_them_too(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'local' and 'copy' both write to"):
         TierWriter([LocalTier(tmp_path), LocalTier(tmp_path, name="copy")], step=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_run_saving_over_another_runs_newer_steps_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job pointed at another run's folder saves from step 0 on a new timeline (as a rollback
+    does) and retention then removes the other run's checkpoints: rank 0 warns at that save,
+    naming the newest checkpoint there and how to keep it. A run that loaded first (a rollback
+    on purpose) or goes on after the newest step is not warned about."""
+    run = tmp_path / "run"
+    with Checkpointer([LocalTier(run, keep_last=2)]) as ck:
+        for step in (1000, 2000, 3000):
+            ck.save(_state(step), step).wait()
+
+    def warnings_of(saves: list[int], load: int | None = None) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tierckpt"), Checkpointer([LocalTier(run)]) as ck:
+            if load is not None:
+                ck.load(step=load)
+            for step in saves:
+                ck.save(_state(step), step).wait()
+        return [r.getMessage() for r in caplog.records if "loaded none" in r.getMessage()]
+
+    assert warnings_of([3001]) == []  # the run goes on
+    assert warnings_of([2001], load=2000) == []  # went back on purpose, through load()
+    # a new run in the old run's folder: warned once, at step 0 (the newest there is the
+    # rollback's step 2001 on timeline 1)
+    (message,) = warnings_of([0, 1])
+    assert "step 0 is not after the newest checkpoint on these tiers (step 2001, timeline 1)" in (
+        message
+    )
+    assert "ck.pin(2001, timeline=1)" in message and "own folder or prefix" in message

@@ -58,6 +58,8 @@ class SavePath(PipelineOwner):
     _timeline: int | None
     #: the newest checkpoint this object started saving
     _last_saved: CheckpointId | None
+    #: whether a load() ran through this object (a save that goes back without one warns)
+    _has_loaded: bool
     #: what guard() named: its tensors are captured lazily, the rest copied at save()
     _guarded: GuardedSources
 
@@ -82,6 +84,7 @@ class SavePath(PipelineOwner):
         self._stats = StatsRecorder(stats_history)
         self._counts = {t.name: Counter() for t in self._tiers}
         self._timeline = None
+        self._has_loaded = False
         self._last_saved = None
         self._guarded = GuardedSources()
 
@@ -122,6 +125,7 @@ class SavePath(PipelineOwner):
     def _forget_timeline(self) -> None:
         """After a load: the next save chooses its timeline from the tiers again."""
         self._timeline = None
+        self._has_loaded = True
 
     # -- starting a save ---------------------------------------------------------------
     def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
@@ -255,7 +259,32 @@ class SavePath(PipelineOwner):
         newest = newest_committed((t.name, t.backend) for t in self._tiers)
         if last is not None and (newest is None or last > newest):
             newest = last
-        return timeline_for(step, newest), True
+        timeline = timeline_for(step, newest)
+        if newest is not None and timeline > newest.timeline and not self._has_loaded:
+            self._warn_going_back(step, newest, timeline)
+        return timeline, True
+
+    def _warn_going_back(self, step: int, newest: CheckpointId, timeline: int) -> None:
+        """A save below the newest stored checkpoint, by an object that loaded none: a run
+        resumed some other way, or a new run pointed at another run's folder or prefix, whose
+        checkpoints retention then removes as older (rank 0 says it, once per such save)."""
+        if self.rank != 0:
+            return
+        log.warning(
+            "step %d is not after the newest checkpoint on these tiers (step %d, timeline %d) "
+            "and this Checkpointer loaded none: it saves on timeline %d, as a run resumed from "
+            "an older step does, and each tier's retention removes timeline %d's checkpoints "
+            "as this run's commit. If they are another run's, stop this job and give it its "
+            "own folder or prefix, or keep that run's newest with ck.pin(%d, timeline=%d); if "
+            "this run went back on purpose, ignore this",
+            step,
+            newest.step,
+            newest.timeline,
+            timeline,
+            newest.timeline,
+            newest.step,
+            newest.timeline,
+        )
 
     # -- waiting for captures ----------------------------------------------------------
     def _wait_captures(self, timeout: float | None, *, on_device: bool) -> None:
