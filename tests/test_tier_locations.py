@@ -123,3 +123,24 @@ def test_a_new_run_saving_over_another_runs_newer_steps_is_warned_about(
         message
     )
     assert "ck.pin(2001, timeline=1)" in message and "own folder or prefix" in message
+
+
+def test_a_folder_under_the_home_folder_is_not_a_folder_named_tilde(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LocalTier("~/ckpt")`` wrote to ``./~/ckpt`` in the working directory: the checkpoints
+    were not where the operator looked (a restore on the next node found none), and the
+    ``rm -rf ~`` that cleans the stray folder up deletes the home folder."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    with Checkpointer([LocalTier("~/ckpt")]) as ck:
+        ck.save(_state(3), 3).wait()
+    assert list(work.iterdir()) == []  # no folder named "~" here
+    with Checkpointer([LocalTier(home / "ckpt")]) as ck:
+        assert ck.steps() == [3]
+    assert LocalTier("./~/x").path == "./~/x"  # a folder really named so, written as such
+    with pytest.raises(ValueError, match="absolute path"):
+        LocalTier("~no-such-user-here/ckpt")

@@ -1,5 +1,6 @@
-"""Where a tier writes, as a key two tiers can be compared by, and the refusal of two tiers of
-one policy on the same location.
+"""Where a tier writes: a local tier's folder as given (``~`` is the home folder; a mistyped URL
+is refused), a key two tiers can be compared by, and the refusal of two tiers of one policy on
+the same location.
 
 Two tiers on one folder or prefix write the same names: the shard files of one step (the
 second tier's replaces the first's committed one, which then fails its checksum or its size;
@@ -24,7 +25,14 @@ from urllib.parse import urlsplit
 
 from tierckpt.redact import redact
 
-__all__ = ["Located", "folder_location", "refuse_shared_locations", "store_location"]
+__all__ = [
+    "Located",
+    "folder_location",
+    "local_folder",
+    "refuse_mistyped_url",
+    "refuse_shared_locations",
+    "store_location",
+]
 
 
 class Located(Protocol):
@@ -82,3 +90,60 @@ def refuse_shared_locations(tiers: Sequence[Located]) -> None:
                 "and .../run-archive), or keep more checkpoints on one tier with "
                 "keep_every_n_steps or keep_best"
             )
+
+
+#: schemes a location may start with: ``s3:/bucket/run`` (a slash short) or ``s3:bucket`` is a
+#: mistyped URL, never a folder ``s3:`` to create in the working directory
+_URL_SCHEMES = frozenset({"s3", "gs", "gcs", "az", "file", "memory", "http", "https"})
+
+
+def refuse_mistyped_url(path: str, who: str) -> None:
+    """Raise ValueError when the local path ``path`` is a mistyped URL (``s3:/bucket/run``):
+    saved there, the checkpoints would go to ``./s3:/bucket/run`` on this machine's disk."""
+    head, colon, rest = path.partition(":")
+    if colon and "://" not in path and head.lower() in _URL_SCHEMES:
+        meant = f"{head}://{'/' if head.lower() == 'file' else ''}{rest.lstrip('/')}"
+        raise ValueError(
+            f"{who} {redact(path)!r}: a URL starts with {head}:// (did you mean "
+            f"{redact(meant)!r}?); as a path it would be a folder {head + ':'!r} in the working "
+            f"directory (write ./{redact(path)} for a folder really named so)"
+        )
+
+
+def _home_expanded(path: str) -> str:
+    """``~/ckpt`` is the home folder's ``ckpt`` (as in a shell), never a folder named ``~`` in
+    the working directory (which a later ``rm -rf ~`` would take the home folder for);
+    ``./~`` is a folder really named so."""
+    if not isinstance(path, str) or not path.startswith("~"):
+        return path
+    home = os.path.expanduser(path)
+    if home.startswith("~"):
+        raise ValueError(
+            f"LocalTier({path!r}): cannot tell which home folder {path.split('/')[0]!r} is (no "
+            "HOME, or no such user); give the folder as an absolute path"
+        )
+    return home
+
+
+def local_folder(path: str) -> str:
+    """The folder a LocalTier writes to: a plain path, or ``file:///abs/path``. Any other
+    ``scheme://`` is refused: written as a relative path it would create ``./s3:/bucket``;
+    so is a URL a slash short (``s3:/bucket``)."""
+    if isinstance(path, str):
+        refuse_mistyped_url(path, "LocalTier")
+    if not isinstance(path, str) or "://" not in path:
+        return _home_expanded(path)
+    scheme, _, rest = path.partition("://")
+    if scheme.lower() == "file":
+        host, slash, folder = rest.partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise ValueError(
+                f"LocalTier({path!r}): a file URL names a folder on this machine: "
+                "file:///absolute/path"
+            )
+        return "/" + folder
+    raise ValueError(
+        f"LocalTier({redact(path)!r}) takes a folder on this machine, not a {scheme}:// URL; "
+        f"use tierckpt.tier({redact(path)!r}) (or the tier class of that store, e.g. S3Tier) "
+        "to write there"
+    )

@@ -63,7 +63,12 @@ from tierckpt.backends.memory import MemoryBackend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.config import S3_DRIVERS, s3_driver
 from tierckpt.layout import check_prefixes
-from tierckpt.locations import folder_location, refuse_shared_locations, store_location
+from tierckpt.locations import (
+    folder_location,
+    local_folder,
+    refuse_shared_locations,
+    store_location,
+)
 from tierckpt.redact import redact, refuse_credentials
 from tierckpt.retention import Retention
 
@@ -226,8 +231,9 @@ class MemoryTier(TierSpec):
 
 @dataclass(frozen=True, slots=True, init=False)
 class LocalTier(TierSpec):
-    """A local folder (NVMe, or any POSIX filesystem); ``options``: the shared tier options
-    (:class:`TierOptions`, listed in :class:`TierSpec`)."""
+    """A local folder (NVMe, or any POSIX filesystem; ``~/ckpt`` is in the home folder, as in a
+    shell); ``options``: the shared tier options (:class:`TierOptions`, listed in
+    :class:`TierSpec`)."""
 
     path: str = ""
 
@@ -239,7 +245,9 @@ class LocalTier(TierSpec):
         name: str = "local",
         **options: Unpack[TierOptions],
     ) -> None:
-        self._init_fields(options, path=_folder_of(os.fspath(path)), name=name, keep_last=keep_last)
+        self._init_fields(
+            options, path=local_folder(os.fspath(path)), name=name, keep_last=keep_last
+        )
         if not self.path:
             raise ValueError("LocalTier needs a folder path")
 
@@ -248,48 +256,6 @@ class LocalTier(TierSpec):
 
     def location(self) -> tuple[str, Hashable] | None:
         return folder_location(self.path)
-
-
-#: schemes a location may start with: ``s3:/bucket/run`` (a slash short) or ``s3:bucket`` is a
-#: mistyped URL, never a folder ``s3:`` to create in the working directory
-_URL_SCHEMES = frozenset({"s3", "gs", "gcs", "az", "file", "memory", "http", "https"})
-
-
-def refuse_mistyped_url(path: str, who: str) -> None:
-    """Raise ValueError when the local path ``path`` is a mistyped URL (``s3:/bucket/run``):
-    saved there, the checkpoints would go to ``./s3:/bucket/run`` on this machine's disk."""
-    head, colon, rest = path.partition(":")
-    if colon and "://" not in path and head.lower() in _URL_SCHEMES:
-        meant = f"{head}://{'/' if head.lower() == 'file' else ''}{rest.lstrip('/')}"
-        raise ValueError(
-            f"{who} {redact(path)!r}: a URL starts with {head}:// (did you mean "
-            f"{redact(meant)!r}?); as a path it would be a folder {head + ':'!r} in the working "
-            f"directory (write ./{redact(path)} for a folder really named so)"
-        )
-
-
-def _folder_of(path: str) -> str:
-    """The folder a LocalTier writes to: a plain path, or ``file:///abs/path``. Any other
-    ``scheme://`` is refused: written as a relative path it would create ``./s3:/bucket``;
-    so is a URL a slash short (``s3:/bucket``)."""
-    if isinstance(path, str):
-        refuse_mistyped_url(path, "LocalTier")
-    if not isinstance(path, str) or "://" not in path:
-        return path
-    scheme, _, rest = path.partition("://")
-    if scheme.lower() == "file":
-        host, slash, folder = rest.partition("/")
-        if host not in ("", "localhost") or not slash:
-            raise ValueError(
-                f"LocalTier({path!r}): a file URL names a folder on this machine: "
-                "file:///absolute/path"
-            )
-        return "/" + folder
-    raise ValueError(
-        f"LocalTier({redact(path)!r}) takes a folder on this machine, not a {scheme}:// URL; "
-        f"use tierckpt.tier({redact(path)!r}) (or the tier class of that store, e.g. S3Tier) "
-        "to write there"
-    )
 
 
 #: how many checkpoints an :class:`S3Tier` keeps unless told (``keep_last=None`` keeps all)

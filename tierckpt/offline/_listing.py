@@ -21,8 +21,8 @@ from tierckpt.format import (
     Manifest,
     parse_data_folder,
 )
+from tierckpt.locations import refuse_mistyped_url
 from tierckpt.offline._leases import leases
-from tierckpt.policy import refuse_mistyped_url
 from tierckpt.redact import redact
 from tierckpt.restore import read_manifest
 
