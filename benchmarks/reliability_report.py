@@ -211,6 +211,13 @@ FIXED += [
         "tierckpt/locations.py, policy.py",
         ["test_two_local_tiers_on_one_folder_are_refused_and_the_committed_run_is_untouched"],
     ),
+    (
+        "S3Tier(..., endpoint_url='127.0.0.1:9000') (no scheme) was accepted and the first save() "
+        "died in obstore's client with a Rust panic (PanicException, not caught by except "
+        "Exception); the same through AWS_ENDPOINT_URL",
+        "tierckpt/redact.py refuse_bad_endpoint, policy.py, backends/objstore/_store.py",
+        ["test_an_endpoint_without_its_scheme_is_refused_when_the_tier_is_made[obstore]"],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested
@@ -239,6 +246,7 @@ EVERYDAY_TESTS = [
     "tests/test_save_validation.py",
     "tests/test_small_fixes.py",
     "tests/test_tier_locations.py",
+    "tests/test_endpoint_urls.py",
 ]
 
 #: the rules operators rely on, written by hand; the report puts them first

@@ -69,7 +69,7 @@ from tierckpt.locations import (
     refuse_shared_locations,
     store_location,
 )
-from tierckpt.redact import redact, refuse_credentials
+from tierckpt.redact import redact, refuse_bad_endpoint, refuse_credentials
 from tierckpt.retention import Retention
 
 if TYPE_CHECKING:
@@ -306,6 +306,8 @@ class S3Tier(TierSpec):
         if not url.startswith("s3://"):
             raise ValueError(f"S3Tier needs an s3://bucket/prefix URL, got {redact(url)!r}")
         refuse_credentials(url)
+        if store.get("endpoint_url") is not None:
+            refuse_bad_endpoint(store["endpoint_url"])
 
     def __hash__(self) -> int:
         return hash((self.name, self.url))
@@ -417,6 +419,8 @@ class _CloudTier(TierSpec):
                 f"{type(self).__name__} needs a {scheme}://bucket/prefix URL, got {redact(url)!r}"
             )
         refuse_credentials(url)
+        if scheme == "az" and store.get("endpoint_url") is not None:  # gs: host:port is taken
+            refuse_bad_endpoint(store["endpoint_url"])
 
     @classmethod
     def _scheme(cls) -> tuple[str, str]:

@@ -14,10 +14,11 @@ that points at the environment or a profile.
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 from tierckpt.errors import FormatError
 
-__all__ = ["redact", "refuse_credentials", "scrub_exception"]
+__all__ = ["redact", "refuse_bad_endpoint", "refuse_credentials", "scrub_exception"]
 
 #: ``scheme://userinfo@``: everything between ``://`` and the last ``@`` of the URL token (a
 #: secret may itself hold ``/`` or ``+``); over-redacting a rare ``@`` in a path is harmless
@@ -80,3 +81,27 @@ def refuse_credentials(url: str) -> None:
             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), a profile (AWS_PROFILE, "
             "~/.aws/credentials) or an instance role, and use s3://bucket/prefix"
         )
+
+
+def refuse_bad_endpoint(endpoint: str, who: str = "endpoint_url") -> None:
+    """Raise :class:`FormatError` unless ``endpoint`` is an ``http://`` or ``https://`` URL with
+    a host: ``minio:9000`` (no scheme) made obstore's client panic at the first request (a
+    ``PanicException``, which ``except Exception`` does not catch) and boto3 fail at its first;
+    both are refused here, with the URL that was meant."""
+    refuse_credentials(endpoint)
+    try:
+        parts = urlsplit(endpoint)
+        host = parts.hostname
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError:
+        host = None
+    if parts.scheme.lower() in ("http", "https") and host:
+        return
+    if endpoint and "://" not in endpoint and not re.match(r"[A-Za-z][\w+.-]*:/", endpoint):
+        fix = f"{redact('https://' + endpoint)!r} (or {redact('http://' + endpoint)!r}"
+    else:  # a scheme there, but not http(s) or not followed by a host
+        fix = "https://host[:port] (or http://host[:port]"
+    raise FormatError(
+        f"{who} {redact(endpoint)!r} is not an http:// or https:// URL with a host; write "
+        f"{fix} for a server without TLS)"
+    )

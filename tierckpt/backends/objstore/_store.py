@@ -14,7 +14,7 @@ from tierckpt import config as knobs
 from tierckpt.backends.objstore._direct import DirectReads, make_direct
 from tierckpt.backends.objstore._errors import ObjectStoreError, short
 from tierckpt.errors import FormatError
-from tierckpt.redact import redact, refuse_credentials, scrub_exception
+from tierckpt.redact import redact, refuse_bad_endpoint, refuse_credentials, scrub_exception
 
 #: the URL schemes this backend serves
 SCHEMES = ("s3", "gs", "az")
@@ -99,7 +99,10 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, Dire
             endpoint = knobs.s3_endpoint_url(s.endpoint_url)
             cfg, provider = _s3_credentials(s)
             if endpoint:
-                refuse_credentials(endpoint)
+                # AWS_ENDPOINT_URL(_S3) where no endpoint_url was given
+                refuse_bad_endpoint(
+                    endpoint, "endpoint_url" if s.endpoint_url else "AWS_ENDPOINT_URL"
+                )
                 cfg["endpoint"] = endpoint
                 client["allow_http"] = endpoint.startswith("http://")
             cfg["conditional_put"] = "etag"
@@ -155,7 +158,7 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, Dire
             return gcs, gcs_once, None
         cfg = {}
         if s.endpoint_url:
-            refuse_credentials(s.endpoint_url)
+            refuse_bad_endpoint(s.endpoint_url)
             cfg["endpoint"] = s.endpoint_url.rstrip("/")
             client["allow_http"] = s.endpoint_url.startswith("http://")
         cfg.update(extra)

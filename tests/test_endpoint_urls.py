@@ -1,0 +1,63 @@
+"""An endpoint written without its scheme is refused with the URL that was meant.
+
+Found by trying it: ``S3Tier("s3://bucket/run", endpoint_url="127.0.0.1:9000")`` (how MinIO's
+own tools write an endpoint) was accepted, and the first ``save()`` died in obstore's client
+with a Rust panic (``PanicException: request valid: InvalidUri``, and a backtrace): a
+``BaseException``, which the training loop's ``except Exception`` does not catch. The same
+through ``AWS_ENDPOINT_URL``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tierckpt import AzureTier, Checkpointer, S3Tier
+from tierckpt.errors import FormatError
+from tierckpt.testing.s3servers import S3Server
+
+
+def _state() -> dict[str, object]:
+    return {"w": torch.arange(10_000, dtype=torch.float32), "step": 1}
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("driver", ["obstore", "boto3"])
+def test_an_endpoint_without_its_scheme_is_refused_when_the_tier_is_made(
+    driver: str, moto_server: S3Server, s3_bucket: Callable[[S3Server], str]
+) -> None:
+    bucket = s3_bucket(moto_server)
+    hostport = moto_server.endpoint_url.removeprefix("http://")
+    with pytest.raises(FormatError, match="not an http:// or https:// URL") as info:
+        S3Tier(f"s3://{bucket}/run", endpoint_url=hostport, driver=driver)
+    assert f"'http://{hostport}'" in str(info.value)  # the URL that was meant
+    for bad in ("ftp://127.0.0.1:1", "http://", "http://127.0.0.1:port"):
+        with pytest.raises(FormatError, match="https://host"):
+            S3Tier(f"s3://{bucket}/run", endpoint_url=bad, driver=driver)
+    # the URL it suggests works
+    tier = S3Tier(f"s3://{bucket}/run", endpoint_url=f"http://{hostport}", driver=driver)
+    with Checkpointer([tier]) as ck:
+        ck.save(_state(), 1).wait()
+        assert torch.equal(ck.load()["w"], _state()["w"])
+
+
+@pytest.mark.s3
+def test_an_environment_endpoint_without_its_scheme_is_refused_before_any_save(
+    moto_server: S3Server, s3_bucket: Callable[[S3Server], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket = s3_bucket(moto_server)
+    hostport = moto_server.endpoint_url.removeprefix("http://")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", hostport)
+    with pytest.raises(FormatError, match="AWS_ENDPOINT_URL") as info:
+        Checkpointer([S3Tier(f"s3://{bucket}/run", driver="obstore")])
+    assert f"'http://{hostport}'" in str(info.value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{hostport}")
+    with Checkpointer([S3Tier(f"s3://{bucket}/run", driver="obstore")]) as ck:
+        ck.save(_state(), 1).wait()
+        assert ck.steps() == [1]
+
+
+def test_an_azure_endpoint_without_its_scheme_is_refused() -> None:
+    with pytest.raises(FormatError, match="'http://127.0.0.1:10000/devstoreaccount1'"):
+        AzureTier("az://container/run", endpoint_url="127.0.0.1:10000/devstoreaccount1")
