@@ -35,6 +35,19 @@ def test_an_endpoint_without_its_scheme_is_refused_when_the_tier_is_made(
     for bad in ("ftp://127.0.0.1:1", "http://", "http://127.0.0.1:port"):
         with pytest.raises(FormatError, match="https://host"):
             S3Tier(f"s3://{bucket}/run", endpoint_url=bad, driver=driver)
+    # a space in its path also made obstore panic; a query sent requests no server answers
+    for bad, says in (
+        (f"http://{hostport}/a b", "does not belong in a URL"),
+        (f"http://{hostport}?x=1", "no query or fragment"),
+        (f"http://{hostport}#part", "no query or fragment"),
+    ):
+        with pytest.raises(FormatError, match=says):
+            S3Tier(f"s3://{bucket}/run", endpoint_url=bad, driver=driver)
+    # control characters in the bucket URL: a newline was dropped without a word by Python's
+    # URL parsing (s3://b/run<newline>2 wrote to run2), others failed at the first request
+    for url in (f"s3://{bucket}/run\n2", f"s3://{bucket}/run\x01"):
+        with pytest.raises(FormatError, match="control character"):
+            S3Tier(url, endpoint_url=moto_server.endpoint_url, driver=driver)
     # the URL it suggests works
     tier = S3Tier(f"s3://{bucket}/run", endpoint_url=f"http://{hostport}", driver=driver)
     with Checkpointer([tier]) as ck:

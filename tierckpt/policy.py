@@ -69,7 +69,12 @@ from tierckpt.locations import (
     refuse_shared_locations,
     store_location,
 )
-from tierckpt.redact import redact, refuse_bad_endpoint, refuse_credentials
+from tierckpt.redact import (
+    redact,
+    refuse_bad_endpoint,
+    refuse_control_characters,
+    refuse_credentials,
+)
 from tierckpt.retention import Retention
 
 if TYPE_CHECKING:
@@ -306,6 +311,7 @@ class S3Tier(TierSpec):
         if not url.startswith("s3://"):
             raise ValueError(f"S3Tier needs an s3://bucket/prefix URL, got {redact(url)!r}")
         refuse_credentials(url)
+        refuse_control_characters(url, "S3Tier")
         if store.get("endpoint_url") is not None:
             refuse_bad_endpoint(store["endpoint_url"])
 
@@ -419,6 +425,7 @@ class _CloudTier(TierSpec):
                 f"{type(self).__name__} needs a {scheme}://bucket/prefix URL, got {redact(url)!r}"
             )
         refuse_credentials(url)
+        refuse_control_characters(url, type(self).__name__)
         if scheme == "az" and store.get("endpoint_url") is not None:  # gs: host:port is taken
             refuse_bad_endpoint(store["endpoint_url"])
 

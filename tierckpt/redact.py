@@ -18,7 +18,13 @@ from urllib.parse import urlsplit
 
 from tierckpt.errors import FormatError
 
-__all__ = ["redact", "refuse_bad_endpoint", "refuse_credentials", "scrub_exception"]
+__all__ = [
+    "redact",
+    "refuse_bad_endpoint",
+    "refuse_control_characters",
+    "refuse_credentials",
+    "scrub_exception",
+]
 
 #: ``scheme://userinfo@``: everything between ``://`` and the last ``@`` of the URL token (a
 #: secret may itself hold ``/`` or ``+``); over-redacting a rare ``@`` in a path is harmless
@@ -89,12 +95,23 @@ def refuse_bad_endpoint(endpoint: str, who: str = "endpoint_url") -> None:
     ``PanicException``, which ``except Exception`` does not catch) and boto3 fail at its first;
     both are refused here, with the URL that was meant."""
     refuse_credentials(endpoint)
+    odd = [c for c in endpoint if not 32 < ord(c) < 127]
+    if odd:  # obstore's client panicked on a space in the path too
+        raise FormatError(
+            f"{who} {redact(endpoint)!r}: {odd[0]!r} does not belong in a URL (percent-encode it, "
+            "or check what was pasted)"
+        )
     try:
         parts = urlsplit(endpoint)
         host = parts.hostname
         parts.port  # noqa: B018 - a port that is not a number raises here
     except ValueError:
         host = None
+    if parts.query or parts.fragment:
+        raise FormatError(
+            f"{who} {redact(endpoint)!r}: an endpoint takes no query or fragment; give the "
+            "server's URL alone (https://host[:port][/path])"
+        )
     if parts.scheme.lower() in ("http", "https") and host:
         return
     if endpoint and "://" not in endpoint and not re.match(r"[A-Za-z][\w+.-]*:/", endpoint):
@@ -105,3 +122,13 @@ def refuse_bad_endpoint(endpoint: str, who: str = "endpoint_url") -> None:
         f"{who} {redact(endpoint)!r} is not an http:// or https:// URL with a host; write "
         f"{fix} for a server without TLS)"
     )
+
+
+def refuse_control_characters(url: str, who: str) -> None:
+    """Raise :class:`FormatError` if ``url`` (a bucket URL) holds a control character: Python's
+    URL parsing drops a newline or tab without a word (``s3://b/run\n2`` would write to
+    ``run2``), and obstore refuses the others only at the first request, as an unreachable
+    endpoint."""
+    odd = [c for c in url if ord(c) < 32 or ord(c) == 127]
+    if odd:
+        raise FormatError(f"{who} {redact(url)!r}: control character {odd[0]!r} in the URL")

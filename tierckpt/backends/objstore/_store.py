@@ -14,7 +14,13 @@ from tierckpt import config as knobs
 from tierckpt.backends.objstore._direct import DirectReads, make_direct
 from tierckpt.backends.objstore._errors import ObjectStoreError, short
 from tierckpt.errors import FormatError
-from tierckpt.redact import redact, refuse_bad_endpoint, refuse_credentials, scrub_exception
+from tierckpt.redact import (
+    redact,
+    refuse_bad_endpoint,
+    refuse_control_characters,
+    refuse_credentials,
+    scrub_exception,
+)
 
 #: the URL schemes this backend serves
 SCHEMES = ("s3", "gs", "az")
@@ -30,6 +36,7 @@ UNSIGNED = frozenset({"unsigned_payload", "aws_unsigned_payload"})
 def parse_url(url: str, prefix: str = "") -> tuple[str, str, str]:
     """``(scheme, bucket, key prefix)`` of ``s3://``, ``gs://`` or ``az://bucket/prefix``."""
     refuse_credentials(url)
+    refuse_control_characters(f"{url}/{prefix}", "object-store URL")
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES or "://" not in url:
         raise FormatError(

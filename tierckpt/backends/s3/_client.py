@@ -26,7 +26,7 @@ from tierckpt.backends.base import validate_name
 from tierckpt.backends.s3._errors import _AUTH_CODES, _NOT_FOUND_CODES, S3Error, _error_info
 from tierckpt.backends.sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
-from tierckpt.redact import redact, refuse_credentials, scrub_exception
+from tierckpt.redact import redact, refuse_control_characters, refuse_credentials, scrub_exception
 
 log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole backend
 
@@ -41,6 +41,7 @@ PROBE_PREFIX = ".tierckpt-probe-"
 
 def _parse_location(url_or_bucket: str, prefix: str) -> tuple[str, str]:
     refuse_credentials(url_or_bucket if "://" in url_or_bucket else f"s3://{url_or_bucket}")
+    refuse_control_characters(f"{url_or_bucket}/{prefix}", "S3 URL")
     if url_or_bucket.startswith("s3://"):
         parts = urlsplit(url_or_bucket)
         if parts.query or parts.fragment:
