@@ -72,6 +72,7 @@ from tierckpt.locations import (
 from tierckpt.redact import (
     redact,
     refuse_bad_endpoint,
+    refuse_bad_region,
     refuse_control_characters,
     refuse_credentials,
 )
@@ -314,6 +315,8 @@ class S3Tier(TierSpec):
         refuse_control_characters(url, "S3Tier")
         if store.get("endpoint_url") is not None:
             refuse_bad_endpoint(store["endpoint_url"])
+        if store.get("region") is not None:
+            refuse_bad_region(store["region"])
 
     def __hash__(self) -> int:
         return hash((self.name, self.url))

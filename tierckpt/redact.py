@@ -21,6 +21,7 @@ from tierckpt.errors import FormatError
 __all__ = [
     "redact",
     "refuse_bad_endpoint",
+    "refuse_bad_region",
     "refuse_control_characters",
     "refuse_credentials",
     "scrub_exception",
@@ -132,3 +133,17 @@ def refuse_control_characters(url: str, who: str) -> None:
     odd = [c for c in url if ord(c) < 32 or ord(c) == 127]
     if odd:
         raise FormatError(f"{who} {redact(url)!r}: control character {odd[0]!r} in the URL")
+
+
+#: what botocore takes as a region name (obstore takes more, and signs with it)
+_REGION = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?")
+
+
+def refuse_bad_region(region: object) -> None:
+    """Raise :class:`FormatError` unless ``region`` is a region name (``us-east-1``): obstore
+    signed with ``"us east 1"`` and saved, while the boto3 client retention uses for open
+    uploads refused it, so every retention pass failed and the bucket kept every checkpoint."""
+    if not isinstance(region, str) or not _REGION.fullmatch(region):
+        raise FormatError(
+            f"region {region!r} is not a region name (letters, digits and '-', like us-east-1)"
+        )
