@@ -359,7 +359,6 @@ class TierPolicy:
             raise ValueError(
                 f"tier names must be unique, got {names}; pass name=... to tell tiers apart"
             )
-        refuse_shared_locations(tiers)
         for i, t in enumerate(tiers):
             if t.source is None:
                 continue
@@ -375,6 +374,7 @@ class TierPolicy:
                     f"tier {t.name!r}: its source {src.name!r} copies from {src.source!r} "
                     "itself; name a tier that takes chunks from the host arena"
                 )
+        refuse_shared_locations(tiers)
         object.__setattr__(self, "tiers", tiers)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
