@@ -144,3 +144,18 @@ def test_a_folder_under_the_home_folder_is_not_a_folder_named_tilde(
     assert LocalTier("./~/x").path == "./~/x"  # a folder really named so, written as such
     with pytest.raises(ValueError, match="absolute path"):
         LocalTier("~no-such-user-here/ckpt")
+
+
+def test_node_ram_tiers_on_one_run_folder_are_refused(tmp_path: Path) -> None:
+    """A node-RAM tier's run folder is ``path/namespace``: two such tiers on one run, or a local
+    tier pointed at it, write the same files."""
+    from tierckpt import NodeRamTier
+
+    ram = NodeRamTier(path=tmp_path, namespace="run1")
+    for other in (
+        NodeRamTier(path=tmp_path, namespace="run1", name="copy"),
+        LocalTier(tmp_path / "run1"),
+    ):
+        with pytest.raises(ValueError, match=f"'noderam' and '{other.name}' both write to"):
+            TierPolicy([ram, other])
+    assert len(TierPolicy([ram, NodeRamTier(path=tmp_path, namespace="run2", name="b")])) == 2

@@ -52,6 +52,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +62,7 @@ from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import BackendError, FormatError
 from tierckpt.lease import LEASE_DIR, LeaseRecord, owner_status, parse_lease_name
+from tierckpt.locations import folder_location
 from tierckpt.noderam_map import unlinked_mapped_bytes
 from tierckpt.policy import CodecSpec, TierSpec
 
@@ -263,6 +265,10 @@ class NodeRamTier(TierSpec):
     def root(self) -> str:
         """This run's folder."""
         return os.path.join(self.path, self.namespace)
+
+    def location(self) -> tuple[str, Hashable] | None:
+        """This run's folder in node RAM, comparable with a local tier's folder."""
+        return folder_location(self.root)
 
     def make_backend(self) -> Backend:
         if self.stale_after_s is not None:
