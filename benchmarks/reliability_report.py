@@ -207,7 +207,7 @@ FIXED += [
         "Two tiers of one job on the same folder (LocalTier(d, name='a', codec='raw') beside "
         "LocalTier(d, name='b', codec='zstd')) lost every committed checkpoint: b's shard file "
         "replaced a's under the same name and load() raised CorruptCheckpoint; an archive tier "
-        "on the run's own S3 prefix had its steps deleted by the run tier's keep_last",
+        "on the run's own folder had its steps deleted by the run tier's keep_last",
         "tierckpt/locations.py, policy.py",
         ["test_two_local_tiers_on_one_folder_are_refused_and_the_committed_run_is_untouched"],
     ),

@@ -3,8 +3,8 @@
 Found by trying it: ``[LocalTier(d, name="a", codec="raw"), LocalTier(d, name="b",
 codec="zstd")]`` committed step N on tier "a", then tier "b" wrote its shard file under the same
 name, so every committed checkpoint failed its size check and ``load()`` raised
-``CorruptCheckpoint``: nothing loadable was left. An S3 "archive" tier (``keep_last=None,
-every=100``) on the run's own prefix has its steps deleted by the run tier's ``keep_last``. The
+``CorruptCheckpoint``: nothing loadable was left. An "archive" tier (``keep_last=None,
+every=2``) on the run's own folder had its steps deleted by the run tier's ``keep_last=2``. The
 writer lease cannot see it: both tiers belong to one writer.
 
 The same mistake across jobs, one after the other: a new run pointed at a finished run's folder
