@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from tierckpt.redact import redact
 
@@ -51,24 +50,23 @@ def folder_location(path: str) -> tuple[str, Hashable]:
 
 def store_location(url: str, options: Mapping[str, Any]) -> tuple[str, Hashable]:
     """An object-store tier's key: ``(what to call it, key)``."""
-    parts = urlsplit(url)
-    # the backends join the URL's path and a prefix= option, slashes stripped
-    segments = f"{parts.path}/{options.get('prefix') or ''}".split("/")
-    prefix = "/".join(s for s in segments if s)
+    from tierckpt.backends.objstore import parse_url  # the prefix as the backends build it
+
+    scheme, bucket, prefix = parse_url(url, str(options.get("prefix") or ""))
     endpoint = options.get("endpoint_url")
     endpoint = str(endpoint).rstrip("/").lower() if endpoint else None
     client = options.get("client")
     config = options.get("config") or {}
     key = (
-        parts.scheme.lower(),
-        parts.netloc,
+        scheme,
+        bucket,
         prefix,
         endpoint,
         options.get("profile"),
         None if client is None else id(client),
         repr(sorted((str(k), repr(v)) for k, v in dict(config).items())),
     )
-    where = f"{parts.scheme}://{parts.netloc}/{prefix}"
+    where = f"{scheme}://{bucket}/{prefix}"
     return (f"{where} at {redact(endpoint)}" if endpoint else where), key
 
 
