@@ -10,9 +10,12 @@ writing a byte. Readers never take a lease.
 Whether the owner is alive
     On the same machine (same host name, boot id and PID namespace): iff its process still
     runs — ``/proc/<pid>`` exists with the same start time. So a job killed with SIGKILL and
-    restarted on the same node takes over at once. Elsewhere: iff the lease was renewed less
-    than its ``ttl`` ago; the holder renews it every ``ttl / 4``. This assumes the clocks of
-    the machines sharing a location agree to well within the ttl (NTP does).
+    restarted on the same node takes over at once. On the same kernel in another PID
+    namespace (a restarted container), when the lease names the holder's lock file and it is
+    the same file here: iff a process holds its ``flock`` (:mod:`tierckpt.liveness`).
+    Elsewhere: iff the lease was renewed less than its ``ttl`` ago; the holder renews it every
+    ``ttl / 4``. This assumes the clocks of the machines sharing a location agree to well
+    within the ttl (NTP does).
 
 Takeover
     A dead owner's lease is overwritten after re-reading that it is unchanged, then read back
@@ -38,29 +41,24 @@ save waits for the first acquisition before going on without an answer, default 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import logging
 import math
-import os
 import re
-import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
 
 from tierckpt import config
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
+from tierckpt.liveness import HostIdentity, LeaseRecord, LiveLock, owner_status, process_start
 from tierckpt.reported import Outage
 
 __all__ = [
     "LEASE_DIR",
     "HostIdentity",
     "LeaseRecord",
+    "LiveLock",
     "WriterLease",
     "acquire_wait",
     "lease_name",
@@ -68,6 +66,7 @@ __all__ = [
     "list_leases",
     "new_owner_id",
     "owner_status",
+    "live_lock_name",
     "parse_lease_name",
     "process_start",
 ]
@@ -75,12 +74,8 @@ __all__ = [
 log = logging.getLogger("tierckpt")
 
 LEASE_DIR = "leases"
-LEASE_FORMAT = "tierckpt-lease"
-LEASE_VERSION = 1
-MAX_LEASE_BYTES = 64 << 10
 DEFAULT_TTL = config.DEFAULT_LEASE_TTL_S
 DEFAULT_ACQUIRE_WAIT = config.DEFAULT_LEASE_WAIT_S
-MAX_TTL = config.LEASE_MAX_S
 _LEASE_RE = re.compile(r"^leases/rank-(\d{6})\.json$")
 
 
@@ -88,6 +83,11 @@ def lease_name(rank: int) -> str:
     if type(rank) is not int or not 0 <= rank < 10**6:
         raise FormatError(f"rank must be an int in [0, 999999], got {rank!r}")
     return f"{LEASE_DIR}/rank-{rank:06d}.json"
+
+
+def live_lock_name(rank: int) -> str:
+    """The lock file beside rank ``rank``'s lease (:class:`tierckpt.liveness.LiveLock`)."""
+    return lease_name(rank).removesuffix(".json") + ".live"
 
 
 def parse_lease_name(name: str) -> int | None:
@@ -108,151 +108,6 @@ def acquire_wait() -> float:
 def new_owner_id() -> str:
     """A fresh owner id: one per writer object (``Checkpointer``, ``TierWriter``)."""
     return uuid.uuid4().hex
-
-
-# -- this machine and its processes ----------------------------------------------------------
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-@dataclass(frozen=True, slots=True)
-class HostIdentity:
-    """What tells one machine (and PID namespace) from another: two containers on one kernel
-    share the boot id but not the PID namespace, so a PID means the same process only when
-    all three agree."""
-
-    host: str
-    boot_id: str
-    pid_ns: str
-
-    @staticmethod
-    @functools.cache
-    def current() -> HostIdentity:
-        try:
-            pid_ns = os.readlink("/proc/self/ns/pid")
-        except OSError:
-            pid_ns = ""
-        return HostIdentity(socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), pid_ns)
-
-
-def process_start(pid: int) -> int | None:
-    """Start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22),
-    or None when no such process runs (a zombie counts as gone)."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: split after its last ")"
-    fields = stat[stat.rfind(")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in ("Z", "X"):
-        return None
-    try:
-        return int(fields[19])
-    except ValueError:
-        return None
-
-
-# -- the lease object --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseRecord:
-    """The content of ``leases/rank-<r>.json`` (see ``docs/format.md``)."""
-
-    owner: str
-    host: str
-    boot_id: str
-    pid_ns: str
-    pid: int
-    pid_start: int | None
-    started: float
-    renewed: float
-    ttl: float
-
-    @staticmethod
-    def mine(owner: str, ttl: float, started: float | None = None) -> LeaseRecord:
-        me, now, pid = HostIdentity.current(), time.time(), os.getpid()
-        start = now if started is None else started
-        return LeaseRecord(
-            owner, me.host, me.boot_id, me.pid_ns, pid, process_start(pid), start, now, ttl
-        )
-
-    def encode(self) -> bytes:
-        body: dict[str, Any] = {"format": LEASE_FORMAT, "version": LEASE_VERSION}
-        body.update(dataclasses.asdict(self))
-        return json.dumps(body, sort_keys=True, indent=1).encode("utf-8")
-
-    @staticmethod
-    def decode(data: bytes, *, where: str) -> LeaseRecord:
-        if len(data) > MAX_LEASE_BYTES:
-            raise FormatError(f"{where}: lease object of {len(data)} bytes is not a lease")
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{where}: not a tierckpt lease (invalid JSON: {exc})") from None
-        if not isinstance(body, dict) or body.get("format") != LEASE_FORMAT:
-            raise FormatError(f"{where}: not a tierckpt lease (format is not {LEASE_FORMAT!r})")
-        if body.get("version") != LEASE_VERSION:
-            raise FormatError(
-                f"{where}: lease version {body.get('version')!r} is not {LEASE_VERSION}; it was "
-                "written by another tierckpt version — upgrade tierckpt"
-            )
-
-        def get(key: str, typ: type | tuple[type, ...]) -> Any:
-            v = body.get(key)
-            if not isinstance(v, typ) or isinstance(v, bool):
-                raise FormatError(f"{where}: lease field {key!r} is missing or of the wrong type")
-            return v
-
-        start = body.get("pid_start")
-        if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
-            raise FormatError(f"{where}: lease field 'pid_start' is of the wrong type")
-        ttl = float(get("ttl", (int, float)))
-        if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL):
-            raise FormatError(f"{where}: lease ttl {ttl!r} outside (0, {MAX_TTL:.0f}]")
-        return LeaseRecord(
-            get("owner", str),
-            get("host", str),
-            get("boot_id", str),
-            get("pid_ns", str),
-            get("pid", int),
-            start,
-            float(get("started", (int, float))),
-            float(get("renewed", (int, float))),
-            ttl,
-        )
-
-    def describe(self, now: float | None = None) -> str:
-        now = time.time() if now is None else now
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return (
-            f"host {self.host or '?'}, pid {self.pid}, started {started}, last renewed "
-            f"{max(0.0, now - self.renewed):.0f} s ago (ttl {self.ttl:.0f} s)"
-        )
-
-
-def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]:
-    """(alive, why) for the owner of ``rec``, judged from this process (module docstring)."""
-    now = time.time() if now is None else now
-    me = HostIdentity.current()
-    if rec.host == me.host and rec.boot_id and (rec.boot_id, rec.pid_ns) == (me.boot_id, me.pid_ns):
-        start = process_start(rec.pid)
-        if start is None:
-            return False, f"its process {rec.pid} no longer runs on this host"
-        if rec.pid_start is not None and start != rec.pid_start:
-            return False, f"its process {rec.pid} ended (the pid now belongs to another process)"
-        if rec.pid == os.getpid():
-            return True, "it is another writer in this process"
-        return True, "its process runs on this host"
-    age = now - rec.renewed
-    if age < rec.ttl:
-        return True, f"it was renewed {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s"
-    return False, f"it was not renewed for {age:.0f} s (ttl {rec.ttl:.0f} s)"
 
 
 def read_lease(backend: Backend, rank: int) -> tuple[bytes, LeaseRecord] | None:
@@ -302,8 +157,18 @@ class WriterLease:
     ``verify()`` before publishing a shard and before retention, ``release()`` at close.
     """
 
-    def __init__(self, backend: Backend, tier: str, rank: int, owner: str, ttl: float) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tier: str,
+        rank: int,
+        owner: str,
+        ttl: float,
+        live: LiveLock | None = None,
+    ) -> None:
         self.backend = backend
+        #: this writer's lock file for ``rank``, named in the lease (tierckpt.liveness)
+        self.live = live
         self.tier = tier
         self.rank = rank
         self.owner = owner
@@ -351,8 +216,9 @@ class WriterLease:
 
     def _acquire(self) -> None:
         b, name = self.backend, self.name
+        live = self.live.take() if self.live is not None else None
         for _ in range(5):
-            mine = LeaseRecord.mine(self.owner, self.ttl)
+            mine = LeaseRecord.mine(self.owner, self.ttl, live=live)
             self._started = mine.started
             try:
                 b.put_atomic(name, mine.encode())
@@ -466,7 +332,8 @@ class WriterLease:
                 return
             try:
                 self._check_ours()
-                rec = LeaseRecord.mine(self.owner, self.ttl, started=self._started)
+                live = self.live.take() if self.live is not None else None
+                rec = LeaseRecord.mine(self.owner, self.ttl, started=self._started, live=live)
                 self.backend.put_atomic(self.name, rec.encode(), overwrite=True)
             except LeaseLost:
                 return

@@ -160,6 +160,12 @@ class Backend(ABC):
         job each node has its own copy, as with a private tier."""
         return False
 
+    @property
+    def local_folder(self) -> str | None:
+        """The folder of this machine's file system that holds its objects (None: not a
+        folder): where a writer keeps its lock file (tierckpt.liveness)."""
+        return None
+
     # -- writing -------------------------------------------------------------------
     @abstractmethod
     def open_writer(self, name: str) -> ObjectWriter: ...

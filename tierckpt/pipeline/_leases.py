@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from tierckpt.errors import WriterConflict
-from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, new_owner_id
+from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, live_lock_name, new_owner_id
+from tierckpt.liveness import LiveLock
 from tierckpt.pipeline._values import SaveJob, Tier
 from tierckpt.reported import RETENTION, report_once
 
@@ -24,22 +26,38 @@ log = logging.getLogger("tierckpt")
 LeaseRequest = Callable[[Tier, SaveJob, "Future[BaseException | None]"], None]
 
 
+def lock_folder(tiers: Sequence[Tier]) -> str | None:
+    """Where this writer keeps its lock files (tierckpt.liveness): the first local folder among
+    its tiers, node RAM only when it has no other (None: no local folder, leases are judged
+    by their age alone)."""
+    folders = [t.backend for t in tiers if t.backend.local_folder is not None]
+    folders.sort(key=lambda b: b.is_node_local)  # stable: policy order within each kind
+    return folders[0].local_folder if folders else None
+
+
 class Leases:
     """The lease table of one writer: (tier name, rank) -> :class:`WriterLease`."""
 
-    def __init__(self) -> None:
+    def __init__(self, tiers: Sequence[Tier] = ()) -> None:
         #: one owner id per writer object (a pipeline lives as long as its owner's writing)
         self.owner = new_owner_id()
         self.ttl = lease_ttl()
         self._lock = threading.Lock()
         self._table: dict[tuple[str, int], WriterLease] = {}
+        self._folder = lock_folder(tiers)
+        #: rank -> this writer's lock file for it, shared by its leases on every tier
+        self._live: dict[int, LiveLock] = {}
 
     def get(self, tier: Tier, rank: int) -> WriterLease:
         """This writer's lease on ``tier`` for ``rank`` (made, not taken, on first use)."""
         with self._lock:
             lease = self._table.get((tier.name, rank))
             if lease is None:
-                lease = WriterLease(tier.backend, tier.name, rank, self.owner, self.ttl)
+                live = self._live.get(rank)
+                if live is None and self._folder is not None:
+                    path = os.path.join(self._folder, *live_lock_name(rank).split("/"))
+                    live = self._live[rank] = LiveLock(path)
+                lease = WriterLease(tier.backend, tier.name, rank, self.owner, self.ttl, live)
                 self._table[(tier.name, rank)] = lease
             return lease
 
@@ -68,6 +86,11 @@ class Leases:
             got = waits.get(t.name)
             if got is not None and got in done and got.result() is None:
                 self.get(t, job.rank).release()
+        with self._lock:
+            live = self._live.get(job.rank)
+            idle = not any(x.held for (_, r), x in self._table.items() if r == job.rank)
+        if live is not None and idle:
+            live.release()  # taken again at the next attempt
         raise conflicts[0]  # type: ignore[misc]
 
     def take(self, tier: Tier, job: SaveJob, fut: Future[BaseException | None]) -> None:
@@ -124,8 +147,12 @@ class Leases:
         return True
 
     def release_all(self) -> None:
-        """Delete this writer's leases that are still its own (close, exit)."""
+        """Delete this writer's leases that are still its own (close, exit), then let its
+        lock files go: from then on it writes nothing, whatever a lease left behind says."""
         with self._lock:
             leases = list(self._table.values())
+            locks = list(self._live.values())
         for lease in leases:
             lease.release()
+        for live in locks:
+            live.release()

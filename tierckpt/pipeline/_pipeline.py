@@ -109,7 +109,7 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
         self._abandoned = False
         #: (step, tier) copies inside their commit (a commit is atomic: whole or not at all)
         self._committing = set()
-        self._leases = Leases()
+        self._leases = Leases(tiers)
         #: one owner id per writer object (a pipeline lives as long as its owner's writing)
         self.owner = self._leases.owner
         self.lease_ttl = self._leases.ttl
