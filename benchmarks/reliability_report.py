@@ -218,6 +218,18 @@ FIXED += [
         "tierckpt/redact.py refuse_bad_endpoint, policy.py, backends/objstore/_store.py",
         ["test_an_endpoint_without_its_scheme_is_refused_when_the_tier_is_made[obstore]"],
     ),
+    (
+        "A container restarted on its node (a new PID namespace) could not save for the "
+        "lease's ttl (60 s) after its crash: the crashed writer's lease counted as another "
+        "machine's, so every save raised WriterConflict (in Kubernetes, a crash loop until the "
+        "ttl)",
+        "tierckpt/liveness.py, lease.py, pipeline/_leases.py",
+        [
+            "test_restarted_container_takes_over_a_local_tier_at_once",
+            "test_restarted_container_takes_over_s3_behind_local_at_once",
+            "test_restart_in_a_real_pid_namespace",
+        ],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested

@@ -247,6 +247,7 @@ LAYERS: dict[str, int] = {
             "handle",
             "stats",
             "lease",
+            "liveness",
             "retention",
             "policy",
             "locations",
