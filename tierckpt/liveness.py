@@ -9,11 +9,11 @@ restarted job's first saves failed with ``WriterConflict`` until the ttl had pas
 
 So a writer with a local folder among its tiers also holds an ``flock`` on a lock file there
 (:class:`LiveLock`: ``leases/rank-<r>.live``, removed at ``close()``) for as long as it holds
-leases, and names that file (path, device, inode) in every lease it writes. The kernel drops the lock
-when the process ends, however it ends, and it answers every PID namespace alike. A checker on
-the same kernel (same boot id) that opens the same file (same device and inode) asks the
-kernel with :func:`probe`: locked means a process there still runs, unlocked means the writer
-is gone. Anything else (another machine, another file at that path, a file system without
+leases, and names that file (path, device, inode) in every lease it writes. The kernel drops
+the lock when the process ends, however it ends, and it answers every PID namespace alike. A
+checker on the same kernel (same boot id) that opens the same file (same device and inode)
+asks the kernel with :func:`probe`: locked means a process there still runs, unlocked means
+the writer is gone. Anything else (another machine, another file at that path, a file system without
 ``flock``) cannot tell, and the lease's age decides as before.
 
 A process forked from the holder (a data loader's workers) closes its copy of the lock's file

@@ -23,6 +23,7 @@ from tierckpt.backends.base import (
 from tierckpt.backends.objstore._errors import (
     EXISTS_KINDS,
     backoff,
+    guard_panics,
     short,
     statuses,
     transient,
@@ -52,6 +53,29 @@ PROBE_PREFIX = ".tierckpt-probe-"
 REQUEST_TIMEOUT_S = 600.0
 
 
+#: every call that reaches obstore: a panic of its client is an error of the family there
+_PUBLIC = (
+    "open_writer",
+    "put_atomic",
+    "read",
+    "read_into",
+    "read_into_pieces",
+    "get",
+    "get_bounded",
+    "read_tail",
+    "size",
+    "exists",
+    "list",
+    "list_after",
+    "delete",
+    "incomplete",
+    "remove_dead_incomplete",
+    "cleanup_incomplete",
+    "supports_conditional_put",
+)
+
+
+@guard_panics(_PUBLIC)
 class ObjectStoreBackend(RemoteBackend):
     """Objects under ``s3://``, ``gs://`` or ``az://bucket/prefix``; see the module docstring.
 

@@ -3,10 +3,12 @@ obstore's exceptions onto the error family (a missing object, a read past the en
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact, scrub_exception
@@ -107,6 +109,8 @@ def translate(
     no credentials in it."""
     if isinstance(exc, (BackendError, FormatError, CheckpointNotFound)):
         return exc
+    if is_panic(exc):
+        return panic_error(exc, what, where, url)
     if not isinstance(exc, Exception):
         return exc  # KeyboardInterrupt and friends pass through
     scrub_exception(exc)
@@ -144,3 +148,52 @@ def translate(
         code=code or kind,
         status=status,
     )
+
+
+def is_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a panic of obstore's Rust code: pyo3's ``PanicException``, a
+    ``BaseException`` that ``except Exception`` (a training loop's, a tier thread's) misses."""
+    return type(exc).__name__ == "PanicException" and not isinstance(exc, Exception)
+
+
+def panic_error(exc: BaseException, what: str, where: str, url: str) -> ObjectStoreError:
+    """The error family's exception for a panic of obstore's client (no retry can help)."""
+    return ObjectStoreError(
+        f"{where}: {what} failed: obstore's client panicked ({short(exc)}): it cannot use this "
+        "store's settings (check endpoint_url, region and config=, or the store= given) or it "
+        "met a bug; TIERCKPT_S3_DRIVER=boto3 uses the other S3 client",
+        url=url,
+        code="PanicException",
+    )
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def guard_panics(methods: Iterable[str]) -> Callable[[_C], _C]:
+    """Class decorator: ``methods`` (the public calls of a backend, which has ``url``) raise
+    :class:`ObjectStoreError` where obstore's client panicked inside them."""
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except BaseException as exc:
+                if not is_panic(exc):
+                    raise
+                raise panic_error(exc, name, self.url, self.url) from None
+
+        return guarded
+
+    def decorate(cls: _C) -> _C:
+        for name in methods:
+            attr = getattr(cls, name)
+            if isinstance(attr, property):  # a capability that asks the store
+                assert attr.fget is not None and attr.fset is None
+                setattr(cls, name, property(wrap(name, attr.fget), doc=attr.__doc__))
+            else:
+                setattr(cls, name, wrap(name, attr))
+        return cls
+
+    return decorate

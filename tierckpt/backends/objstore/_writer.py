@@ -34,7 +34,13 @@ from typing import Any, Protocol
 from tierckpt._types import BytesLike
 from tierckpt.backends import sizing
 from tierckpt.backends.base import ObjectWriter
-from tierckpt.backends.objstore._errors import ObjectStoreError, backoff, body_lost, short
+from tierckpt.backends.objstore._errors import (
+    ObjectStoreError,
+    backoff,
+    body_lost,
+    is_panic,
+    short,
+)
 from tierckpt.backends.sizing import UploadSizing, choose_upload, shard_size_bound
 from tierckpt.errors import BackendError
 
@@ -316,6 +322,8 @@ class _Writer(ObjectWriter):
             # obstore aborts the multipart upload when its context exits with an exception
             err = BackendError("aborted")
             file.__exit__(BackendError, err, None)
-        except Exception as exc:
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not is_panic(exc):
+                raise
             if "already closed" not in str(exc):
                 log.warning("%s: abort failed: %s", self._where, short(exc))
