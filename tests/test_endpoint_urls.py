@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tierckpt import AzureTier, Checkpointer, S3Tier
+from tierckpt import AzureTier, Checkpointer, GCSTier, S3Tier
 from tierckpt.errors import FormatError
 from tierckpt.testing.s3servers import S3Server
 
@@ -79,3 +79,29 @@ def test_an_environment_endpoint_without_its_scheme_is_refused_before_any_save(
 def test_an_azure_endpoint_without_its_scheme_is_refused() -> None:
     with pytest.raises(FormatError, match="'http://127.0.0.1:10000/devstoreaccount1'"):
         AzureTier("az://container/run", endpoint_url="127.0.0.1:10000/devstoreaccount1")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "why"),
+    [
+        ("127.0.0.1 :4443", "does not belong in a URL"),
+        ("ftp://127.0.0.1:4443", "is not an http:// or https:// URL"),
+        ("http://127.0.0.1:4443/?x=1", "no query or fragment"),
+    ],
+)
+def test_a_gcs_emulator_endpoint_is_checked_like_the_others(endpoint: str, why: str) -> None:
+    """``GCSTier`` takes ``host:port`` (as ``STORAGE_EMULATOR_HOST`` has it) but was not
+    checked at all; the same checks as S3's and Azure's now, where the tier is made and where
+    the emulator's address comes from the environment."""
+    from tierckpt.backends.objstore import ObjectStoreBackend
+
+    assert GCSTier("gs://bucket/run", endpoint_url="127.0.0.1:4443").url == "gs://bucket/run"
+    with pytest.raises(FormatError, match=why):
+        GCSTier("gs://bucket/run", endpoint_url=endpoint)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    try:
+        with pytest.raises(FormatError, match=f"STORAGE_EMULATOR_HOST.*{why}"):
+            ObjectStoreBackend("gs://bucket/run")
+    finally:
+        mp.undo()

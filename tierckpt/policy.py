@@ -429,8 +429,11 @@ class _CloudTier(TierSpec):
             )
         refuse_credentials(url)
         refuse_control_characters(url, type(self).__name__)
-        if scheme == "az" and store.get("endpoint_url") is not None:  # gs: host:port is taken
-            refuse_bad_endpoint(store["endpoint_url"])
+        endpoint = store.get("endpoint_url")
+        if endpoint is not None:  # gs: host:port is taken, as STORAGE_EMULATOR_HOST has it
+            if scheme == "gs" and "://" not in endpoint:
+                endpoint = f"http://{endpoint}"
+            refuse_bad_endpoint(endpoint)
 
     @classmethod
     def _scheme(cls) -> tuple[str, str]:

@@ -144,7 +144,9 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, Dire
             if endpoint:
                 if "://" not in endpoint:
                     endpoint = f"http://{endpoint}"
-                refuse_credentials(endpoint)
+                refuse_bad_endpoint(
+                    endpoint, "endpoint_url" if s.endpoint_url else "STORAGE_EMULATOR_HOST"
+                )
                 # object_store's documented way to an emulator: a key naming the base URL,
                 # with OAuth off
                 cfg["service_account_key"] = json.dumps(
