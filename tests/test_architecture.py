@@ -260,7 +260,7 @@ LAYERS: dict[str, int] = {
         ],
         3,
     ),
-    **dict.fromkeys(["commit", "distributed", "peer", "checkpointer"], 4),
+    **dict.fromkeys(["commit", "distributed", "peer", "checkpointer", "preemption"], 4),
     **dict.fromkeys(
         ["dcp", "integrations", "export", "offline", "tierckpt", "observe", "tools", "objects"], 5
     ),

@@ -38,6 +38,7 @@ from tierckpt.policy import (
     TierPolicy,
     TierSpec,
 )
+from tierckpt.preemption import Preemption
 from tierckpt.stats import CheckpointEvent, CommitStats
 from tierckpt.urls import tier
 
@@ -63,6 +64,7 @@ __all__ = [
     "MemoryTier",
     "NodeRamTier",
     "PeerTier",
+    "Preemption",
     "RankFailed",
     "S3Tier",
     "SaveDeadlineExceeded",
