@@ -1,5 +1,7 @@
 """A plain PyTorch training loop with tierckpt: one line to guard the optimizer, one to save.
 
+SIGTERM (a preemption) makes it save the step it is at and leave (``tierckpt.Preemption``).
+
     python examples/plain_loop.py --dir /tmp/run1 --steps 200          # trains, checkpoints
     python examples/plain_loop.py --dir /tmp/run1 --steps 400          # resumes at step 200
     python examples/plain_loop.py --dir /tmp/run1 --s3 s3://bucket/run1 --endpoint-url URL
@@ -49,20 +51,30 @@ def main(argv: list[str] | None = None) -> int:
             start = state["step"]
             print(f"resumed at step {start}")
 
-        for step in range(start + 1, args.steps + 1):
-            g = torch.Generator().manual_seed(step)  # data order derived from the step
-            x = torch.randn(64, 32, generator=g)
-            y = x.sum(dim=1, keepdim=True).sin()
-            loss = F.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if step % args.every == 0:
-                ck.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "rng": torch.get_rng_state(), "step": step}, step)
-                print(f"step {step}: loss {loss.item():.5f}, checkpoint started")
+        def state(step: int) -> dict[str, object]:
+            return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "rng": torch.get_rng_state(), "step": step}
+
+        last = start
+        with tierckpt.Preemption() as stop:  # SIGTERM: save the step we are at, then leave
+            for step in range(start + 1, args.steps + 1):
+                g = torch.Generator().manual_seed(step)  # data order derived from the step
+                x = torch.randn(64, 32, generator=g)
+                y = x.sum(dim=1, keepdim=True).sin()
+                loss = F.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                last = step
+                if stop.check():
+                    ck.save(state(step), step).wait("local")  # the fast tier, in the grace
+                    print(f"step {step}: asked to stop; checkpoint committed locally")
+                    break
+                if step % args.every == 0:
+                    ck.save(state(step), step)
+                    print(f"step {step}: loss {loss.item():.5f}, checkpoint started")
         # leaving the `with` block waits for every tier to commit
-    print(f"done at step {args.steps}; committed: {ck.tier_steps()}")
+    print(f"done at step {last}; committed: {ck.tier_steps()}")
     return 0
 
 
