@@ -16,7 +16,7 @@ so every rank gets the same answer as soon as any rank got a signal::
             if stop.check():                       # the same answer on every rank
                 ck.save(state, step).wait(tier="local")   # within the grace period
                 break
-    ck.close()   # the copies to slower tiers get the exit drain's time, then leases go
+    ck.close()   # waits for the slower tiers' copies, then releases the writer leases
 
 A second signal of the same kind while the first is being handled ends the process as it would
 have without :class:`Preemption` (the previous handler runs, or the default action): an
