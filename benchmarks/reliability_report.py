@@ -259,6 +259,8 @@ EVERYDAY_TESTS = [
     "tests/test_small_fixes.py",
     "tests/test_tier_locations.py",
     "tests/test_endpoint_urls.py",
+    "tests/test_objstore_panics.py",
+    "tests/test_preemption.py",
 ]
 
 #: the rules operators rely on, written by hand; the report puts them first
