@@ -115,8 +115,8 @@ class LockId:
     ino: int
 
 
-#: (device, inode) of every lock this process holds, so that :func:`probe` knows its own
-_held: set[tuple[int, int]] = set()
+#: (device, inode) -> path of every lock this process holds, so that :func:`probe` knows its own
+_held: dict[tuple[int, int], str] = {}
 _held_guard = threading.Lock()
 _locks: weakref.WeakSet[LiveLock] = weakref.WeakSet()
 
@@ -153,6 +153,12 @@ class LiveLock:
 
     def _try_take(self) -> LockId | bool:
         """The id (taken), False (locked by another process) or True (cannot be used)."""
+        with _held_guard:
+            if self.path in _held.values():
+                # another writer of this process holds it: not even opened, since where flock
+                # is emulated with POSIX locks (NFS) closing any descriptor of the file in a
+                # process drops every lock the process holds on it
+                return True
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -178,7 +184,7 @@ class LiveLock:
             return False
         self._fd, self._id = fd, LockId(self.path, st.st_dev, st.st_ino)
         with _held_guard:
-            _held.add((st.st_dev, st.st_ino))
+            _held[(st.st_dev, st.st_ino)] = self.path
         return self._id
 
     def release(self) -> None:
@@ -189,7 +195,7 @@ class LiveLock:
             if self._fd is None or self._id is None:
                 return
             with _held_guard:
-                _held.discard((self._id.dev, self._id.ino))
+                _held.pop((self._id.dev, self._id.ino), None)
             fd, mine, self._fd, self._id = self._fd, self._id, None, None
             try:
                 now = os.stat(self.path)

@@ -348,3 +348,27 @@ def test_restart_in_a_real_pid_namespace(tmp_path: Path, record: Recorder) -> No
     )
     assert "error" not in res, res["message"]
     assert _loads(spec, [1, 2]) == [1, 2]
+
+
+def test_a_second_writer_in_this_process_leaves_the_first_ones_lock_alone(tmp_path: Path) -> None:
+    """Refused as before; the first writer's lock file and its lease stay as they were (the
+    second does not even open the file: on NFS, closing any descriptor of a file drops every
+    lock the process holds on it)."""
+    run = tmp_path / "run"
+    first = Checkpointer([LocalTier(run, codec="raw")])
+    second = Checkpointer([LocalTier(run, codec="raw")])
+    try:
+        first.save(_state(1), 1).wait(timeout=60)
+        lock = run / "leases" / "rank-000000.live"
+        before = lock.stat().st_ino
+        with pytest.raises(tierckpt.WriterConflict):
+            second.save(_state(2), 2)
+        assert lock.stat().st_ino == before
+        assert json.loads((run / LEASE).read_text())["live_ino"] == before
+        first.close()
+        second.save(_state(2), 2).wait(timeout=60)  # the first is gone: the second takes over
+        assert json.loads((run / LEASE).read_text())["live_path"] == str(lock)
+    finally:
+        first.close()
+        second.close()
+    assert _loads({"local": str(run)}, [1, 2]) == [1, 2]
