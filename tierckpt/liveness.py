@@ -377,5 +377,8 @@ def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]
             return True, f"a process on this machine holds its lock file {rec.live_path}"
     age = now - rec.renewed
     if age < rec.ttl:
-        return True, f"it was renewed {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s"
+        return True, (
+            f"it was renewed {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s (dead "
+            f"or not, it counts as live for {rec.ttl - max(age, 0.0):.0f} s more unless renewed)"
+        )
     return False, f"it was not renewed for {age:.0f} s (ttl {rec.ttl:.0f} s)"
