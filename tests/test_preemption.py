@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -241,3 +242,19 @@ def _settle(cond: Any) -> None:
     while not cond():
         assert time.monotonic() < deadline
         time.sleep(0.001)
+
+
+def test_the_check_benchmark_runs_and_reports_both_costs() -> None:
+    """benchmarks/bench_preemption.py (docs/benchmarks.md), at a size that only shows it runs."""
+    bench = str(ROOT / "benchmarks" / "bench_preemption.py")
+    run = subprocess.run(
+        [sys.executable, bench, "--calls", "20", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = run.stdout.strip().splitlines()[-1]
+    check_us, bare_us = (float(x) for x in re.findall(r"([\d.]+) us", line))
+    assert check_us > 0 and bare_us > 0, line

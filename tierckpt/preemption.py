@@ -73,6 +73,7 @@ class Preemption:
         self.received_at: float | None = None
         self._said = False
         self._agreed = False
+        self._flag: Any = None  # the all-reduce's one-element tensor, made at the first check
         self._previous: dict[signal.Signals, _Handler] = {}
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -104,11 +105,30 @@ class Preemption:
             return True
         asked = self.signal is not None
         if self.world_size > 1:
-            asked = _any_rank(asked)
+            asked = self._any_rank(asked)
         if asked:
             self._agreed = True
             self._say()
         return asked
+
+    def _any_rank(self, mine: bool) -> bool:
+        """One all-reduce (MAX) of ``mine`` over the default process group."""
+        import torch.distributed as dist
+
+        if self._flag is None:
+            import torch
+
+            from tierckpt.distributed._collectives import collective_device
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(
+                    "Preemption.check() with world_size > 1 needs an initialized "
+                    "torch.distributed process group (every rank calls it at the same step)"
+                )
+            self._flag = torch.zeros(1, dtype=torch.int32, device=collective_device())
+        self._flag.fill_(int(mine))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        return bool(self._flag.item())
 
     def _say(self) -> None:
         if self._said:
@@ -140,20 +160,3 @@ class Preemption:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _any_rank(mine: bool) -> bool:
-    """One all-reduce (MAX) of ``mine`` over the default process group."""
-    import torch
-    import torch.distributed as dist
-
-    from tierckpt.distributed._collectives import collective_device
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "Preemption.check() with world_size > 1 needs an initialized torch.distributed "
-            "process group (every rank calls it at the same step)"
-        )
-    flag = torch.tensor([int(mine)], dtype=torch.int32, device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
