@@ -77,6 +77,32 @@ def _ignorer(argv: str) -> None:
         time.sleep(0.01)
 
 
+def _hf_trainer(argv: str) -> None:
+    """A Hugging Face Trainer (tiny GPT-2, ``examples/hf_trainer.py``'s) with the callback's
+    ``preemption=True``, saving every 50 steps of 10,000; writes each step to ``progress``."""
+    from transformers import TrainerCallback
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_trainer as ex
+
+    from tierckpt.integrations.hf import TierCkptCallback
+
+    a = json.loads(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+
+    class Progress(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            Path(a["progress"]).write_text(str(state.global_step))
+
+    cb = TierCkptCallback([LocalTier(a["dir"], codec="raw")], preemption=True)
+    trainer = ex.trainer(a["out"], cb, 10_000)
+    trainer.args.save_steps = 50
+    trainer.add_callback(Progress())
+    trainer.train()
+    cb.close()
+    Path(a["result"]).write_text(json.dumps({"global_step": trainer.state.global_step}))
+
+
 def _spawn(fn: str, args: dict[str, Any], log: Path, **env: str) -> subprocess.Popen[bytes]:
     code = (
         f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_preemption as t; "
@@ -258,3 +284,29 @@ def test_the_check_benchmark_runs_and_reports_both_costs() -> None:
     line = run.stdout.strip().splitlines()[-1]
     check_us, bare_us = (float(x) for x in re.findall(r"([\d.]+) us", line))
     assert check_us > 0 and bare_us > 0, line
+
+
+def test_hf_trainer_callback_saves_the_step_sigterm_found_it_at(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    run, log = tmp_path / "run", tmp_path / "hf.log"
+    args = {
+        "dir": str(run),
+        "out": str(tmp_path / "out"),
+        "progress": str(tmp_path / "progress"),
+        "result": str(tmp_path / "result.json"),
+    }
+    proc = _spawn("_hf_trainer", args, log)
+    _wait(lambda: _progress(tmp_path / "progress") >= 3, [proc], [log], "step 3")
+    proc.send_signal(signal.SIGTERM)
+    _finish(proc, log)
+    stopped = json.loads((tmp_path / "result.json").read_text())["global_step"]
+    assert 3 <= stopped < 10_000
+    ck = Checkpointer([LocalTier(run)])
+    try:
+        assert ck.steps()[-1] == stopped  # not a save step (every 50): saved because asked
+        got = ck.load()
+        assert got["global_step"] == stopped
+        assert json.loads(got["trainer_state"])["global_step"] == stopped
+    finally:
+        ck.close()

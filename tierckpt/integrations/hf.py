@@ -33,6 +33,9 @@ whatever ``keep_last`` says; the previous best is unpinned. At the end of traini
 before the ``Trainer`` loads the best model, the best checkpoint is materialized into that
 folder, so the ``Trainer`` loads it as usual.
 
+``preemption=True`` (or the signals to take instead of SIGTERM): from ``train()`` on, a
+SIGTERM makes the ``Trainer`` save the step it is at and stop (:class:`tierckpt.Preemption`).
+
 ``materialize(dir, step=None)`` writes the newest (or ``step``) checkpoint as the folder
 ``dir/checkpoint-<step>`` that ``Trainer.train(resume_from_checkpoint=...)`` expects
 (``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
@@ -47,6 +50,7 @@ import json
 import logging
 import os
 import random
+import signal
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -58,6 +62,7 @@ from tierckpt.checkpointer import Checkpointer
 from tierckpt.integrations._common import sanitize_state
 from tierckpt.integrations.sinks import OutcomeCounts, event_metrics
 from tierckpt.policy import TierPolicy, TierSpec
+from tierckpt.preemption import Preemption
 from tierckpt.stats import CheckpointEvent
 
 try:
@@ -119,6 +124,10 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         replace_hf_save: skip the ``Trainer``'s own blocking save on those steps (default True).
         unsupported: values that cannot be stored without pickle: ``"repr"`` stores their
             text, ``"error"`` fails the save.
+        preemption: ``True`` (SIGTERM) or the signals that ask the job to stop: from
+            ``train()`` on, such a signal makes the ``Trainer`` save the step it is at and stop
+            training (:class:`tierckpt.Preemption`; every rank stops after the same step). Off
+            by default: it replaces the signals' handlers while training.
         **checkpointer_kwargs: passed to :class:`Checkpointer`.
     """
 
@@ -129,6 +138,7 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         checkpointer: Checkpointer | None = None,
         replace_hf_save: bool = True,
         unsupported: Literal["error", "repr"] = "repr",
+        preemption: bool | Sequence[int] = False,
         **checkpointer_kwargs: Any,
     ) -> None:
         if (tiers is None) == (checkpointer is None):
@@ -148,6 +158,10 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self._best_ready = False
         #: the best step before the newest best (unpinned once the new one is pinned)
         self._previous_best: int | None = None
+        self._stop_signals: tuple[int, ...] = (
+            (signal.SIGTERM,) if preemption is True else tuple(preemption or ())
+        )
+        self._stop: Preemption | None = None
 
     # -- TrainerCallback -----------------------------------------------------------------------
     def on_train_begin(
@@ -165,10 +179,17 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
                 inner, model if isinstance(model, torch.nn.Module) else None
             )
             self._guarded = inner
+        if self._stop_signals and self._stop is None:
+            self._stop = Preemption(self._stop_signals)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
+        if self._stop is not None and self._stop.check():
+            # asked to stop: this step is saved now (no evaluation first) and training ends
+            control.should_save = True
+            control.should_evaluate = False
+            control.should_training_stop = True
         return self._maybe_save(state, control, kwargs)
 
     def on_epoch_end(
@@ -227,6 +248,9 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if self._stop is not None:
+            self._stop.close()
+            self._stop = None
         self.checkpointer.wait()  # every checkpoint committed on every tier before returning
         if args.load_best_model_at_end and not self._best_ready:
             # the Trainer's end-of-training log was not seen (another transformers version):
