@@ -175,6 +175,18 @@ def _loads(spec: dict[str, Any], steps: list[int]) -> list[int]:
     return good
 
 
+def _saved_both(record: Recorder, case: str, res: dict[str, Any], spec: dict[str, Any]) -> None:
+    """The restarted job's save ``res`` went through, and steps 1 and 2 load bit-exact."""
+    record(
+        "one_writer",
+        case,
+        f"{res.get('error') or 'saved'} after {res['seconds']:.1f} s",
+        "error" not in res,
+    )
+    assert "error" not in res, res["message"]
+    assert _loads(spec, [1, 2]) == [1, 2]
+
+
 def _restart_case(tmp_path: Path, spec: dict[str, Any], record: Recorder, what: str) -> None:
     proc, _ = _hold(tmp_path, spec, 1)
     lease = json.loads((Path(spec["local"]) / LEASE).read_text())
@@ -231,14 +243,9 @@ def test_a_forked_worker_does_not_keep_a_dead_writer_alive(
         res = _save(tmp_path, spec, 2, "b")
     finally:
         _kill(proc)  # the worker is in the writer's session
-    record(
-        "one_writer",
-        "a dead writer's forked worker still runs; a restarted job saves",
-        f"{res.get('error') or 'saved'} after {res['seconds']:.1f} s",
-        "error" not in res,
+    _saved_both(
+        record, "a dead writer's forked worker still runs; a restarted job saves", res, spec
     )
-    assert "error" not in res, res["message"]
-    assert _loads(spec, [1, 2]) == [1, 2]
 
 
 def test_a_stopped_writer_in_another_container_is_not_taken_over(
@@ -340,14 +347,8 @@ def test_restart_in_a_real_pid_namespace(tmp_path: Path, record: Recorder) -> No
     )
     b.wait(timeout=180)
     res = json.loads(result.read_text())
-    record(
-        "one_writer",
-        "a writer restarted in a new PID namespace (unshare --pid): its first save",
-        f"{res.get('error') or 'saved'} after {res['seconds']:.1f} s",
-        "error" not in res,
-    )
-    assert "error" not in res, res["message"]
-    assert _loads(spec, [1, 2]) == [1, 2]
+    case = "a writer restarted in a new PID namespace (unshare --pid): its first save"
+    _saved_both(record, case, res, spec)
 
 
 def test_a_second_writer_in_this_process_leaves_the_first_ones_lock_alone(tmp_path: Path) -> None:
