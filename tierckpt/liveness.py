@@ -377,8 +377,16 @@ def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]
             return True, f"a process on this machine holds its lock file {rec.live_path}"
     age = now - rec.renewed
     if age < rec.ttl:
+        where = ""
+        if rec.boot_id and rec.boot_id == me.boot_id:  # no lock file to ask
+            where = (
+                " it runs or ran on this machine under another PID namespace or host name "
+                "(another container, or this one before a restart) and names no lock file this "
+                "process can check;"
+            )
         return True, (
-            f"it was renewed {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s (dead "
-            f"or not, it counts as live for {rec.ttl - max(age, 0.0):.0f} s more unless renewed)"
+            f"it was renewed {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s;{where} "
+            f"dead or not, it counts as live for {rec.ttl - max(age, 0.0):.0f} s more unless "
+            "renewed"
         )
     return False, f"it was not renewed for {age:.0f} s (ttl {rec.ttl:.0f} s)"

@@ -291,7 +291,9 @@ def test_a_lease_without_a_lock_file_is_judged_by_its_age(tmp_path: Path) -> Non
     me = HostIdentity.current()
     now = time.time()
     other_ns = LeaseRecord("o", me.host, me.boot_id, "pid:[9]", 1, 1, now, now, 60.0)
-    assert owner_status(other_ns, now)[0] is True  # within its ttl
+    alive, why = owner_status(other_ns, now)
+    assert alive is True, why  # within its ttl, and the message says whose it may be
+    assert "this one before a restart" in why and "s more unless renewed" in why, why
     assert owner_status(other_ns, now + 61)[0] is False  # past it
     path = tmp_path / "leases" / "rank-000000.live"
     lock = LiveLock(str(path))
