@@ -115,10 +115,13 @@ class LockId:
     ino: int
 
 
-#: (device, inode) -> path of every lock this process holds, so that :func:`probe` knows its own
-_held: dict[tuple[int, int], str] = {}
-_held_guard = threading.Lock()
+#: every lock file object of this process: what it holds tells :func:`probe` its own locks
 _locks: weakref.WeakSet[LiveLock] = weakref.WeakSet()
+
+
+def _held() -> list[LockId]:
+    """The locks this process holds."""
+    return [lock for live in list(_locks) if (lock := live.held) is not None]
 
 
 class LiveLock:
@@ -153,12 +156,11 @@ class LiveLock:
 
     def _try_take(self) -> LockId | bool:
         """The id (taken), False (locked by another process) or True (cannot be used)."""
-        with _held_guard:
-            if self.path in _held.values():
-                # another writer of this process holds it: not even opened, since where flock
-                # is emulated with POSIX locks (NFS) closing any descriptor of the file in a
-                # process drops every lock the process holds on it
-                return True
+        if any(lock.path == self.path for lock in _held()):
+            # another writer of this process holds it: not even opened, since where flock is
+            # emulated with POSIX locks (NFS) closing any descriptor of the file in a process
+            # drops every lock the process holds on it
+            return True
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -183,8 +185,6 @@ class LiveLock:
             os.close(fd)  # the file was replaced under this path meanwhile: try again
             return False
         self._fd, self._id = fd, LockId(self.path, st.st_dev, st.st_ino)
-        with _held_guard:
-            _held[(st.st_dev, st.st_ino)] = self.path
         return self._id
 
     def release(self) -> None:
@@ -194,8 +194,6 @@ class LiveLock:
         with self._guard:
             if self._fd is None or self._id is None:
                 return
-            with _held_guard:
-                _held.pop((self._id.dev, self._id.ino), None)
             fd, mine, self._fd, self._id = self._fd, self._id, None, None
             try:
                 now = os.stat(self.path)
@@ -218,9 +216,6 @@ class LiveLock:
 
 
 def _after_fork_in_child() -> None:
-    global _held_guard
-    _held_guard = threading.Lock()
-    _held.clear()
     for lock in list(_locks):
         lock._forget_in_child()
 
@@ -232,9 +227,8 @@ def probe(lock: LockId) -> bool | None:
     """Whether a process on this kernel holds ``lock``: True (it does), False (none does),
     None (cannot tell: no such file here, another file at that path, or no ``flock``). A lock
     this process holds itself is held by no other process, so it answers False."""
-    with _held_guard:
-        if (lock.dev, lock.ino) in _held:
-            return False
+    if any((mine.dev, mine.ino) == (lock.dev, lock.ino) for mine in _held()):
+        return False
     try:
         fd = os.open(lock.path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:

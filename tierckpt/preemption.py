@@ -71,7 +71,6 @@ class Preemption:
         #: the first signal received (None: none yet) and when (time.time())
         self.signal: signal.Signals | None = None
         self.received_at: float | None = None
-        self._said = False
         self._agreed = False
         self._flag: Any = None  # the all-reduce's one-element tensor, made at the first check
         self._previous: dict[signal.Signals, _Handler] = {}
@@ -131,9 +130,6 @@ class Preemption:
         return bool(self._flag.item())
 
     def _say(self) -> None:
-        if self._said:
-            return
-        self._said = True
         if self.signal is not None:
             log.warning(
                 "rank %d: %s received %.1f s ago: stopping at this step (%s again ends the "

@@ -160,10 +160,9 @@ class Backend(ABC):
         job each node has its own copy, as with a private tier."""
         return False
 
-    @property
-    def local_folder(self) -> str | None:
-        """The folder of this machine's file system that holds its objects (None: not a
-        folder): where a writer keeps its lock file (tierckpt.liveness)."""
+    def local_path(self, name: str) -> str | None:
+        """The path on this machine's file system of object ``name`` (None: not a folder):
+        where a writer keeps its lock file (tierckpt.liveness)."""
         return None
 
     # -- writing -------------------------------------------------------------------

@@ -234,9 +234,8 @@ class LocalBackend(Backend):
     def is_durable(self) -> bool:
         return True
 
-    @property
-    def local_folder(self) -> str | None:
-        return self.root
+    def local_path(self, name: str) -> str | None:
+        return self._path(name)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, *validate_name(name).split("/"))

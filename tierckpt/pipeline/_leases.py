@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
+from tierckpt.backends.base import Backend
 from tierckpt.errors import WriterConflict
-from tierckpt.lease import WriterLease, acquire_wait, lease_ttl, live_lock_name, new_owner_id
+from tierckpt.lease import (
+    LEASE_DIR,
+    WriterLease,
+    acquire_wait,
+    lease_ttl,
+    live_lock_name,
+    new_owner_id,
+)
 from tierckpt.liveness import LiveLock
 from tierckpt.pipeline._values import SaveJob, Tier
 from tierckpt.reported import RETENTION, report_once
@@ -26,13 +33,13 @@ log = logging.getLogger("tierckpt")
 LeaseRequest = Callable[[Tier, SaveJob, "Future[BaseException | None]"], None]
 
 
-def lock_folder(tiers: Sequence[Tier]) -> str | None:
+def lock_backend(tiers: Sequence[Tier]) -> Backend | None:
     """Where this writer keeps its lock files (tierckpt.liveness): the first local folder among
     its tiers, node RAM only when it has no other (None: no local folder, leases are judged
     by their age alone)."""
-    folders = [t.backend for t in tiers if t.backend.local_folder is not None]
+    folders = [t.backend for t in tiers if t.backend.local_path(LEASE_DIR) is not None]
     folders.sort(key=lambda b: b.is_node_local)  # stable: policy order within each kind
-    return folders[0].local_folder if folders else None
+    return folders[0] if folders else None
 
 
 class Leases:
@@ -44,7 +51,7 @@ class Leases:
         self.ttl = lease_ttl()
         self._lock = threading.Lock()
         self._table: dict[tuple[str, int], WriterLease] = {}
-        self._folder = lock_folder(tiers)
+        self._locks_on = lock_backend(tiers)
         #: rank -> this writer's lock file for it, shared by its leases on every tier
         self._live: dict[int, LiveLock] = {}
 
@@ -54,12 +61,15 @@ class Leases:
             lease = self._table.get((tier.name, rank))
             if lease is None:
                 live = self._live.get(rank)
-                if live is None and self._folder is not None:
-                    path = os.path.join(self._folder, *live_lock_name(rank).split("/"))
+                path = None if live else self._local_path(live_lock_name(rank))
+                if path is not None:
                     live = self._live[rank] = LiveLock(path)
                 lease = WriterLease(tier.backend, tier.name, rank, self.owner, self.ttl, live)
                 self._table[(tier.name, rank)] = lease
             return lease
+
+    def _local_path(self, name: str) -> str | None:
+        return None if self._locks_on is None else self._locks_on.local_path(name)
 
     def of_tier(self, tier: str) -> list[WriterLease]:
         with self._lock:
