@@ -14,8 +14,12 @@ Whether the owner is alive
     namespace (a restarted container), when the lease names the holder's lock file and it is
     the same file here: iff a process holds its ``flock`` (:mod:`tierckpt.liveness`).
     Elsewhere: iff the lease was renewed less than its ``ttl`` ago; the holder renews it every
-    ``ttl / 4``. This assumes the clocks of the machines sharing a location agree to well
-    within the ttl (NTP does).
+    ``ttl / 4``. That age is the holder's clock against this machine's, so before a lease is
+    taken over for its age, the store's clock is asked too (:func:`store_age`: the lease's
+    modification time against an empty probe object's, both the store's): where the store
+    wrote it within the ttl, its holder lives, and the refusal says by how much the two
+    machines' clocks disagree. A clock ahead of the holder's never takes a live writer's
+    location; one behind it only delays a takeover (the lease looks younger than it is).
 
 Takeover
     A dead owner's lease is overwritten after re-reading that it is unchanged, then read back
@@ -51,7 +55,14 @@ import uuid
 from tierckpt import config
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
-from tierckpt.liveness import HostIdentity, LeaseRecord, LiveLock, owner_status, process_start
+from tierckpt.liveness import (
+    HostIdentity,
+    LeaseRecord,
+    LiveLock,
+    owner_status,
+    owner_verdict,
+    process_start,
+)
 from tierckpt.reported import Outage
 
 __all__ = [
@@ -61,6 +72,7 @@ __all__ = [
     "LiveLock",
     "WriterLease",
     "acquire_wait",
+    "clock_probe_name",
     "lease_name",
     "lease_ttl",
     "list_leases",
@@ -69,6 +81,7 @@ __all__ = [
     "live_lock_name",
     "parse_lease_name",
     "process_start",
+    "store_age",
 ]
 
 log = logging.getLogger("tierckpt")
@@ -119,6 +132,26 @@ def read_lease(backend: Backend, rank: int) -> tuple[bytes, LeaseRecord] | None:
     except CheckpointNotFound:
         return None
     return raw, LeaseRecord.decode(raw, where=f"{backend.url}/{name}")
+
+
+def clock_probe_name(owner: str) -> str:
+    """The empty object a writer puts for a moment to read the store's clock (store_age)."""
+    return f"{LEASE_DIR}/clock-{owner}.probe"
+
+
+def store_age(backend: Backend, name: str, probe: str) -> float | None:
+    """Seconds since the store last wrote ``name``, by the store's own clock: ``name``'s
+    modification time against that of ``probe``, an empty object written now and deleted
+    again. None where the store keeps no modification times (:meth:`Backend.modified`)."""
+    then = backend.modified(name)
+    if then is None:
+        return None
+    backend.put_atomic(probe, b"", overwrite=True)
+    try:
+        now = backend.modified(probe)
+    finally:
+        backend.delete(probe)
+    return None if now is None else now - then
 
 
 def list_leases(backend: Backend) -> list[tuple[int, LeaseRecord | None, str]]:
@@ -242,7 +275,9 @@ class WriterLease:
             raw, rec = got
             if rec.owner == self.owner:
                 return
-            alive, why = owner_status(rec)
+            alive, why, by_age = owner_verdict(rec)
+            if not alive and by_age:
+                alive, why = self._by_store_clock(rec, why)
             if alive:
                 raise WriterConflict(
                     f"{self.where} already has a writer: rank {self.rank}'s lease {name} is "
@@ -271,6 +306,30 @@ class WriterLease:
             f"tried to take it: another writer is starting here. {_unlock_hint(b)}",
             tier=self.tier,
             url=b.url,
+        )
+
+    def _by_store_clock(self, rec: LeaseRecord, why: str) -> tuple[bool, str]:
+        """Judge again, by the store's clock, a lease that its age says is dead.
+
+        Its age is its holder's clock (the renewal time it wrote) against this machine's, so
+        a clock running ahead of the holder's by more than the ttl would make a live writer
+        look dead and this one take its location over. The store's clock is the same for
+        both: where the store wrote the lease within its ttl (:func:`store_age`), its holder
+        renews it and lives, whatever the clocks say. Where the store keeps no times or the
+        probe fails, the age stands."""
+        try:
+            age = store_age(self.backend, self.name, clock_probe_name(self.owner))
+        except Exception as exc:
+            log.debug("%s: the store's clock could not be read (%s)", self.where, exc)
+            return False, why
+        if age is None or age >= rec.ttl:
+            return False, why
+        wall = time.time() - rec.renewed
+        return True, (
+            f"the store wrote it {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s, "
+            f"though the renewal time it holds is {wall:.0f} s old by this machine's clock: "
+            f"this machine's clock and the writer's disagree by about {wall - age:.0f} s, so "
+            "its age says nothing (set both clocks right: NTP)"
         )
 
     def _owner_now(self) -> str | None:

@@ -45,6 +45,7 @@ __all__ = [
     "LiveLock",
     "LockId",
     "owner_status",
+    "owner_verdict",
     "probe",
     "process_start",
 ]
@@ -352,23 +353,32 @@ class LeaseRecord:
 
 def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]:
     """(alive, why) for the owner of ``rec``, judged from this process (module docstring)."""
+    alive, why, _by_age = owner_verdict(rec, now)
+    return alive, why
+
+
+def owner_verdict(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str, bool]:
+    """:func:`owner_status` and whether the lease's age decided it (its holder's clock
+    against this machine's: no process or lock file here could answer)."""
     now = time.time() if now is None else now
     me = HostIdentity.current()
     if rec.host == me.host and rec.boot_id and (rec.boot_id, rec.pid_ns) == (me.boot_id, me.pid_ns):
         start = process_start(rec.pid)
         if start is None:
-            return False, f"its process {rec.pid} no longer runs on this host"
+            return False, f"its process {rec.pid} no longer runs on this host", False
         if rec.pid_start is not None and start != rec.pid_start:
-            return False, f"its process {rec.pid} ended (the pid now belongs to another process)"
+            why = f"its process {rec.pid} ended (the pid now belongs to another process)"
+            return False, why, False
         if rec.pid == os.getpid():
-            return True, "it is another writer in this process"
-        return True, "its process runs on this host"
+            return True, "it is another writer in this process", False
+        return True, "its process runs on this host", False
     if rec.boot_id and rec.boot_id == me.boot_id and rec.live is not None:
         held = probe(rec.live)  # another PID namespace on this kernel: a restarted container
         if held is False:
-            return False, f"no process on this machine holds its lock file {rec.live_path} now"
+            why = f"no process on this machine holds its lock file {rec.live_path} now"
+            return False, why, False
         if held:
-            return True, f"a process on this machine holds its lock file {rec.live_path}"
+            return True, f"a process on this machine holds its lock file {rec.live_path}", False
     age = now - rec.renewed
     if age < rec.ttl:
         where = ""
@@ -378,9 +388,10 @@ def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]
                 "(another container, or this one before a restart) and names no lock file this "
                 "process can check;"
             )
-        return True, (
+        why = (
             f"it was renewed {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s;{where} "
             f"dead or not, it counts as live for {rec.ttl - max(age, 0.0):.0f} s more unless "
             "renewed"
         )
-    return False, f"it was not renewed for {age:.0f} s (ttl {rec.ttl:.0f} s)"
+        return True, why, True
+    return False, f"it was not renewed for {age:.0f} s (ttl {rec.ttl:.0f} s)", True

@@ -458,8 +458,11 @@ def test_lease_of_another_host_taken_over_only_once_stale(
         assert backend.list("manifests/") == []
         assert [n for n in backend.list("") if data_folder_part(n).startswith("steps/")] == []
         assert bytes(backend.get(LEASE)) == fresh  # the other writer's lease is untouched
-        # the other host stopped renewing 10 minutes ago (ttl 60 s): it is dead
-        _put_lease(backend, _lease_json(host="node-b", pid=4242, renewed=time.time() - 600))
+        # the other host stopped renewing: its lease is past its ttl by its clock and by the
+        # store's (a lease the store wrote within the ttl would mean a live writer whose
+        # clock is behind: test_clock_skew.py)
+        _put_lease(backend, _lease_json(host="node-b", pid=4242, renewed=time.time() - 600, ttl=1))
+        time.sleep(2.2)  # Last-Modified counts whole seconds
         with caplog.at_level(logging.WARNING, logger="tierckpt"):
             ck.save(_state(2, "A"), 2).wait(timeout=120)
         mine = _read_lease(backend)

@@ -212,6 +212,15 @@ class Backend(ABC):
     @abstractmethod
     def size(self, name: str) -> int: ...
 
+    def modified(self, name: str) -> float | None:
+        """When the store last wrote object ``name``, in seconds since the epoch by the
+        *store's* clock (a file's mtime, an object's ``Last-Modified``); None where the store
+        keeps no such time. Two of these compare without any machine's clock: how writer
+        leases are judged when clocks disagree (tierckpt.lease). ``CheckpointNotFound`` when
+        ``name`` does not exist."""
+        self.size(name)  # raises CheckpointNotFound
+        return None
+
     def exists(self, name: str) -> bool:
         try:
             self.size(name)

@@ -356,6 +356,12 @@ class LocalBackend(Backend):
         except FileNotFoundError:
             raise CheckpointNotFound(f"{self.url}/{name} does not exist") from None
 
+    def modified(self, name: str) -> float | None:
+        try:
+            return os.stat(self._path(name)).st_mtime
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{self.url}/{name} does not exist") from None
+
     def list(self, prefix: str = "") -> list[str]:
         out: list[str] = []
         # walk only the deepest folder named by the prefix

@@ -255,6 +255,7 @@ class BackendTests:
             lambda: backend.read("missing", 0, 1),
             lambda: backend.read_into("missing", 0, memoryview(bytearray(4))),
             lambda: backend.size("missing"),
+            lambda: backend.modified("missing"),
             lambda: backend.get("d/missing"),
         ):
             with pytest.raises(CheckpointNotFound):
@@ -262,6 +263,21 @@ class BackendTests:
             with pytest.raises(FileNotFoundError):
                 call()
         assert not backend.exists("missing")
+
+    def test_modified_is_the_stores_clock(self, backend: Backend) -> None:
+        """Modification times, where the store keeps them, are of its writes and move
+        forward: a lease is judged by two of them (tierckpt.lease.store_age)."""
+        import time
+
+        backend.put_atomic("leases/a", b"x")
+        first = backend.modified("leases/a")
+        if first is None:  # a store without times: the age of leases alone decides
+            return
+        assert abs(first - time.time()) < 120  # this machine's clock is the store's, roughly
+        time.sleep(1.1)  # Last-Modified counts whole seconds
+        backend.put_atomic("leases/a", b"y", overwrite=True)
+        second = backend.modified("leases/a")
+        assert second is not None and second > first
 
     # -- listing and deleting --------------------------------------------------------
     def test_list_with_prefixes(self, backend: Backend) -> None:

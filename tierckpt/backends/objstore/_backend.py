@@ -390,6 +390,12 @@ class ObjectStoreBackend(RemoteBackend):
         key = self._key(name)
         return int(self._call("head", key, obstore.head, key)["size"])
 
+    def modified(self, name: str) -> float | None:
+        import obstore
+
+        key = self._key(name)
+        return float(self._call("head", key, obstore.head, key)["last_modified"].timestamp())
+
     def list(self, prefix: str = "") -> builtins.list[str]:
         return self.list_after(prefix)
 

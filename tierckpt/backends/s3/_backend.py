@@ -332,6 +332,9 @@ class S3Backend(S3Connection, RemoteBackend):
     def size(self, name: str) -> int:
         return int(self._call("head_object", self._key(name))["ContentLength"])
 
+    def modified(self, name: str) -> float | None:
+        return float(self._call("head_object", self._key(name))["LastModified"].timestamp())
+
     def list(self, prefix: str = "") -> list[str]:
         cut = len(self._root)
         names = []
