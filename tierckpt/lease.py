@@ -78,10 +78,12 @@ __all__ = [
     "list_leases",
     "new_owner_id",
     "owner_status",
+    "owner_verdict",
     "live_lock_name",
     "parse_lease_name",
     "process_start",
     "store_age",
+    "store_clock_verdict",
 ]
 
 log = logging.getLogger("tierckpt")
@@ -152,6 +154,36 @@ def store_age(backend: Backend, name: str, probe: str) -> float | None:
     finally:
         backend.delete(probe)
     return None if now is None else now - then
+
+
+def store_clock_verdict(
+    backend: Backend, name: str, rec: LeaseRecord, why: str, *, owner: str | None = None
+) -> tuple[bool, str]:
+    """(alive, why) for lease ``name`` (``rec``), which its age (``why``) says is dead,
+    judged again by the store's clock.
+
+    Its age is its holder's clock (the renewal time it wrote) against this machine's, so a
+    clock running ahead of the holder's by more than the ttl makes a live writer look dead:
+    a second job would take its location, ``tierckpt gc`` would clean beside it. The store's
+    clock is the same for both: where the store wrote the lease within its ttl
+    (:func:`store_age`), its holder renews it and lives, whatever the clocks say. Where the
+    store keeps no times or the probe fails (read-only credentials), the age stands.
+    ``owner``: names the probe object (a fresh id where None)."""
+    probe = clock_probe_name(owner or new_owner_id())
+    try:
+        age = store_age(backend, name, probe)
+    except Exception as exc:
+        log.debug("%s/%s: the store's clock could not be read (%s)", backend.url, name, exc)
+        return False, why
+    if age is None or age >= rec.ttl:
+        return False, why
+    wall = time.time() - rec.renewed
+    return True, (
+        f"the store wrote it {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s, "
+        f"though the renewal time it holds is {wall:.0f} s old by this machine's clock: this "
+        f"machine's clock and the writer's disagree by about {wall - age:.0f} s, so its age "
+        "says nothing (set both clocks right: NTP)"
+    )
 
 
 def list_leases(backend: Backend) -> list[tuple[int, LeaseRecord | None, str]]:
@@ -309,28 +341,7 @@ class WriterLease:
         )
 
     def _by_store_clock(self, rec: LeaseRecord, why: str) -> tuple[bool, str]:
-        """Judge again, by the store's clock, a lease that its age says is dead.
-
-        Its age is its holder's clock (the renewal time it wrote) against this machine's, so
-        a clock running ahead of the holder's by more than the ttl would make a live writer
-        look dead and this one take its location over. The store's clock is the same for
-        both: where the store wrote the lease within its ttl (:func:`store_age`), its holder
-        renews it and lives, whatever the clocks say. Where the store keeps no times or the
-        probe fails, the age stands."""
-        try:
-            age = store_age(self.backend, self.name, clock_probe_name(self.owner))
-        except Exception as exc:
-            log.debug("%s: the store's clock could not be read (%s)", self.where, exc)
-            return False, why
-        if age is None or age >= rec.ttl:
-            return False, why
-        wall = time.time() - rec.renewed
-        return True, (
-            f"the store wrote it {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s, "
-            f"though the renewal time it holds is {wall:.0f} s old by this machine's clock: "
-            f"this machine's clock and the writer's disagree by about {wall - age:.0f} s, so "
-            "its age says nothing (set both clocks right: NTP)"
-        )
+        return store_clock_verdict(self.backend, self.name, rec, why, owner=self.owner)
 
     def _owner_now(self) -> str | None:
         """The owner named by the stored lease now (None: no lease; '?': unreadable)."""

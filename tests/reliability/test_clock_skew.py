@@ -229,3 +229,40 @@ def test_a_lease_old_by_the_store_clock_too_is_taken_over(tmp_path: Path) -> Non
     assert json.loads(bytes(backend.get(lease_name(0))))["owner"] == "c" * 32
     lease.release()
     backend.close()
+
+
+def test_gc_and_ls_see_a_live_writer_whose_clock_is_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], record: Recorder
+) -> None:
+    """``tierckpt gc`` refuses a location with a live writer (it would remove that writer's
+    saves in progress); judged by age alone, a live writer whose clock is behind looked dead."""
+    from tierckpt.cli import main
+
+    root = tmp_path / "run"
+    with Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=256 << 10) as ck:
+        for s in (1, 2, 3):
+            ck.save(_state(s), s).wait(timeout=60)
+    backend = LocalBackend(root)
+    _skewed_lease(backend, time.time() - SKEW_S)  # the store wrote it just now
+    capsys.readouterr()
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "node-b" in out and "live" in out and "disagree by about" in out, out
+    assert main(["gc", str(root), "--keep-last", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "live writer" in err and "--force" in err, err
+    assert len(backend.list("manifests/")) == 3  # refused: nothing deleted
+    assert not [n for n in backend.list(f"{LEASE_DIR}/") if n.endswith(".probe")]
+    path = backend.local_path(lease_name(0))
+    assert path is not None
+    old = time.time() - SKEW_S
+    os.utime(path, (old, old))  # not written for 10 minutes by the store's clock either
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0  # dead: gc goes ahead
+    assert len(backend.list("manifests/")) == 1
+    backend.close()
+    record(
+        "one_writer",
+        f"tierckpt ls / gc with a live writer whose clock runs {SKEW_S:.0f} s behind",
+        "ls says live (and by how much the clocks disagree), gc refuses without --force; "
+        "once the store has not seen it for the ttl, gc goes ahead",
+    )

@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierckpt.backends.base import Backend
-from tierckpt.lease import LeaseRecord, lease_name, list_leases, owner_status
+from tierckpt.lease import (
+    LeaseRecord,
+    lease_name,
+    list_leases,
+    owner_verdict,
+    store_clock_verdict,
+)
 
 
 # -- writer leases -------------------------------------------------------------------------------
@@ -33,7 +39,9 @@ def leases(backend: Backend) -> list[LeaseInfo]:
         if rec is None:
             out.append(LeaseInfo(rank, None, True, error))
         else:
-            alive, why = owner_status(rec)
+            alive, why, by_age = owner_verdict(rec)
+            if not alive and by_age:  # a clock ahead of the writer's: ask the store's
+                alive, why = store_clock_verdict(backend, lease_name(rank), rec, why)
             out.append(LeaseInfo(rank, rec, alive, why))
     return out
 
