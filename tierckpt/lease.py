@@ -73,17 +73,16 @@ __all__ = [
     "WriterLease",
     "acquire_wait",
     "clock_probe_name",
+    "judge_owner",
     "lease_name",
     "lease_ttl",
     "list_leases",
     "new_owner_id",
     "owner_status",
-    "owner_verdict",
     "live_lock_name",
     "parse_lease_name",
     "process_start",
     "store_age",
-    "store_clock_verdict",
 ]
 
 log = logging.getLogger("tierckpt")
@@ -156,19 +155,23 @@ def store_age(backend: Backend, name: str, probe: str) -> float | None:
     return None if now is None else now - then
 
 
-def store_clock_verdict(
-    backend: Backend, name: str, rec: LeaseRecord, why: str, *, owner: str | None = None
+def judge_owner(
+    backend: Backend, name: str, rec: LeaseRecord, *, owner: str | None = None
 ) -> tuple[bool, str]:
-    """(alive, why) for lease ``name`` (``rec``), which its age (``why``) says is dead,
-    judged again by the store's clock.
+    """(alive, why) for the holder of lease ``name`` (``rec``), as a writer about to take it
+    over and ``tierckpt ls`` / ``gc`` / ``unlock`` judge it: by its process or lock file where
+    this machine can ask (:func:`~tierckpt.liveness.owner_verdict`), else by its age.
 
     Its age is its holder's clock (the renewal time it wrote) against this machine's, so a
     clock running ahead of the holder's by more than the ttl makes a live writer look dead:
-    a second job would take its location, ``tierckpt gc`` would clean beside it. The store's
-    clock is the same for both: where the store wrote the lease within its ttl
-    (:func:`store_age`), its holder renews it and lives, whatever the clocks say. Where the
-    store keeps no times or the probe fails (read-only credentials), the age stands.
-    ``owner``: names the probe object (a fresh id where None)."""
+    a second job would take its location, ``tierckpt gc`` would clean beside it. So a lease
+    its age says is dead is judged again by the store's clock, the same for both: where the
+    store wrote it within its ttl (:func:`store_age`), its holder renews it and lives, whatever
+    the clocks say. Where the store keeps no times or the probe fails (read-only
+    credentials), the age stands. ``owner``: names the probe object (a fresh id where None)."""
+    alive, why, by_age = owner_verdict(rec)
+    if alive or not by_age:
+        return alive, why
     probe = clock_probe_name(owner or new_owner_id())
     try:
         age = store_age(backend, name, probe)
@@ -307,9 +310,7 @@ class WriterLease:
             raw, rec = got
             if rec.owner == self.owner:
                 return
-            alive, why, by_age = owner_verdict(rec)
-            if not alive and by_age:
-                alive, why = self._by_store_clock(rec, why)
+            alive, why = judge_owner(b, name, rec, owner=self.owner)
             if alive:
                 raise WriterConflict(
                     f"{self.where} already has a writer: rank {self.rank}'s lease {name} is "
@@ -339,9 +340,6 @@ class WriterLease:
             tier=self.tier,
             url=b.url,
         )
-
-    def _by_store_clock(self, rec: LeaseRecord, why: str) -> tuple[bool, str]:
-        return store_clock_verdict(self.backend, self.name, rec, why, owner=self.owner)
 
     def _owner_now(self) -> str | None:
         """The owner named by the stored lease now (None: no lease; '?': unreadable)."""

@@ -65,18 +65,14 @@ def _child(argv: str) -> None:
     ck.save(_state(1), 1).wait(timeout=120)
     Path(a["held"]).write_text("1")
     while not Path(a["go"]).exists():
-        real_sleep(0.05)
+        time.sleep(0.05)
     out: dict[str, Any] = {}
     try:
         ck.save(_state(3), 3).wait(timeout=120)
     except Exception as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
     Path(a["result"]).write_text(json.dumps(out))
-    real_sleep(3600)
-
-
-def real_sleep(seconds: float) -> None:
-    time.sleep(seconds)
+    time.sleep(3600)
 
 
 def _wait(path: Path, proc: Any, log: Path, timeout: float = 120) -> None:

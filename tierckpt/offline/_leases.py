@@ -6,13 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierckpt.backends.base import Backend
-from tierckpt.lease import (
-    LeaseRecord,
-    lease_name,
-    list_leases,
-    owner_verdict,
-    store_clock_verdict,
-)
+from tierckpt.lease import LeaseRecord, judge_owner, lease_name, list_leases
 
 
 # -- writer leases -------------------------------------------------------------------------------
@@ -39,9 +33,7 @@ def leases(backend: Backend) -> list[LeaseInfo]:
         if rec is None:
             out.append(LeaseInfo(rank, None, True, error))
         else:
-            alive, why, by_age = owner_verdict(rec)
-            if not alive and by_age:  # a clock ahead of the writer's: ask the store's
-                alive, why = store_clock_verdict(backend, lease_name(rank), rec, why)
+            alive, why = judge_owner(backend, lease_name(rank), rec)
             out.append(LeaseInfo(rank, rec, alive, why))
     return out
 
