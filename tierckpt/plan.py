@@ -10,6 +10,7 @@ logical byte stream, grouped by dtype, and the stream is cut into chunks of abou
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from tierckpt._types import JSON
 from tierckpt.errors import UnsupportedObject
+from tierckpt.format import EncodedTable
 from tierckpt.tree import dtype_name, encode_tree
 
 __all__ = [
@@ -93,18 +95,61 @@ class ShardLayout:
     devices: set[str]
     #: ``2 * tensor + requires_grad`` for each tensor that is an ``nn.Parameter``
     parameters: list[int] = field(default_factory=list)
+    #: the tensor and storage tables as index text, made at the first index of this layout
+    #: (a layout reused by the next save keeps them: ``LayoutCache``)
+    tables: tuple[EncodedTable, EncodedTable] | None = None
 
-    def index_skeleton(self) -> dict[str, JSON]:
-        out: dict[str, JSON] = {
+    def index_tables(self) -> tuple[EncodedTable, EncodedTable]:
+        """The tensor and storage tables as compact JSON text, the same text as
+        ``json.dumps`` of their records gives, made once per layout: a save of thousands of
+        tensors builds no list per tensor for its index (each tier's index would otherwise
+        hold thousands at once, and the garbage collector run on them)."""
+        if self.tables is None:
+            self.tables = (_tensor_table(self.tensors), _storage_table(self.spans))
+        return self.tables
+
+    def index_skeleton(self) -> dict[str, Any]:
+        tensors, storages = self.index_tables()
+        out: dict[str, Any] = {
             "tree": self.tree,
-            "tensors": [t.to_json() for t in self.tensors],
-            "storages": [[s.logical_offset, s.nbytes] for s in self.spans],
+            "tensors": tensors,
+            "storages": storages,
             "data_bytes": self.data_bytes,
         }
         if self.parameters:
             # a field readers before it ignore (they load plain tensors), unlike a tree tag
             out["parameters"] = list(self.parameters)
         return out
+
+
+def _ints(xs: tuple[int, ...]) -> str:
+    return ",".join(map(str, xs))
+
+
+def _tensor_table(entries: list[TensorEntry]) -> EncodedTable:
+    """``[t.to_json() for t in entries]`` as compact JSON text (strings through ``json``,
+    once per distinct dtype and device name)."""
+    quoted: dict[str, str] = {}
+
+    def q(name: str) -> str:
+        text = quoted.get(name)
+        if text is None:
+            text = quoted[name] = json.dumps(name)
+        return text
+
+    records = [
+        f"[{e.storage},{e.offset},{q(e.dtype)},[{_ints(e.shape)}],[{_ints(e.stride)}],"
+        f"{q(e.device)}]"
+        for e in entries
+    ]
+    text = "[" + ",".join(records) + "]"
+    return EncodedTable(text, len(entries), sum(len(e.shape) for e in entries))
+
+
+def _storage_table(spans: list[SpanPlan]) -> EncodedTable:
+    """``[[s.logical_offset, s.nbytes] for s in spans]`` as compact JSON text."""
+    text = "[" + ",".join(f"[{s.logical_offset},{s.nbytes}]" for s in spans) + "]"
+    return EncodedTable(text, len(spans))
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

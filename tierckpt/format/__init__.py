@@ -33,6 +33,7 @@ from tierckpt.format._footer import (
 from tierckpt.format._index import (
     HEAD_PROBE_BYTES,
     ChunkRecord,
+    EncodedTable,
     check_index_head,
     decode_index,
     encode_index,
@@ -89,6 +90,7 @@ __all__ = [
     "MAX_TIMELINE",
     "CheckpointId",
     "ChunkRecord",
+    "EncodedTable",
     "Footer",
     "Manifest",
     "ShardRef",

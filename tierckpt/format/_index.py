@@ -61,14 +61,37 @@ HEAD_PROBE_BYTES = 64 << 10
 _HEAD_BYTES = 512
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedTable:
+    """A table of an index given as its compact JSON text, with the counts a reader is told
+    (:func:`index_counts`): its records and, for the tensor table, its shapes' dimensions.
+
+    A save's tensor and storage tables are the same at every save of the same layout; made
+    once as text, they cost a save no Python objects (thousands of small lists alive at once,
+    for a state of thousands of tensors, would run the garbage collector; see
+    ``ShardLayout.index_tables``)."""
+
+    text: str
+    length: int
+    dims: int = 0
+
+
 def _list(v: object) -> list[Any]:
     return v if isinstance(v, list) else []
 
 
-def _dims(tensors: list[Any]) -> int:
+def _length(v: object) -> int:
+    return v.length if isinstance(v, EncodedTable) else len(_list(v))
+
+
+def _dims(tensors: object) -> int:
     """Shape elements of a tensor table (records that are not 6-lists count none)."""
+    if isinstance(tensors, EncodedTable):
+        return tensors.dims
     return sum(
-        len(e[3]) for e in tensors if isinstance(e, list) and len(e) == 6 and isinstance(e[3], list)
+        len(e[3])
+        for e in _list(tensors)
+        if isinstance(e, list) and len(e) == 6 and isinstance(e[3], list)
     )
 
 
@@ -89,11 +112,11 @@ def index_counts(index: dict[str, Any], tree_text: str | None = None) -> dict[st
         more = scan(_compact(side).encode("utf-8"))
         tree = JsonShape(tree.items + more.items, 0, tree.text + more.text)
     return {
-        "codecs": len(_list(index.get("codecs"))),
-        "chunks": len(_list(index.get("chunks"))),
-        "storages": len(_list(index.get("storages"))),
-        "tensors": len(_list(index.get("tensors"))),
-        "dims": _dims(_list(index.get("tensors"))),
+        "codecs": _length(index.get("codecs")),
+        "chunks": _length(index.get("chunks")),
+        "storages": _length(index.get("storages")),
+        "tensors": _length(index.get("tensors")),
+        "dims": _dims(index.get("tensors")),
         "tree": tree.items,
         "text": tree.text,
     }
@@ -123,12 +146,19 @@ def with_counts(index: dict[str, Any], tree_text: str | None = None) -> dict[str
     }
 
 
-def encode_index(index: dict[str, JSON]) -> bytes:
+def _member_text(value: object) -> str:
+    if isinstance(value, EncodedTable):
+        return value.text
+    return _compact(value, allow_nan=False)  # type: ignore[arg-type]
+
+
+def encode_index(index: dict[str, Any]) -> bytes:
     """The index as compact JSON, its declared counts first (the object tree, which may be
-    large, is serialized once: for the counts and for the file)."""
+    large, is serialized once: for the counts and for the file). A table may be given as an
+    :class:`EncodedTable`, whose text goes in as it is."""
     tree_text = _compact(index.get("tree"), allow_nan=False)
     members = [
-        f"{_compact(k)}:{tree_text if k == 'tree' else _compact(v, allow_nan=False)}"
+        f"{_compact(k)}:{tree_text if k == 'tree' else _member_text(v)}"
         for k, v in with_counts(index, tree_text).items()
     ]
     return ("{" + ",".join(members) + "}").encode("utf-8")

@@ -51,7 +51,12 @@ def _key(tensors: list[torch.Tensor], chunk_bytes: int) -> tuple[_Key, tuple[int
         ptr = st.data_ptr()
         addrs.append(ptr)
         owner = first.setdefault((st.device, ptr), i)
-        key.append((owner, st.device, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device))
+        # one flat list of numbers and names, not a tuple per tensor: a save of thousands of
+        # tensors keeps no thousands of small containers alive for the collector to see (the
+        # number of dimensions first, so records of different ranks cannot run together)
+        key.extend((owner, st.device, t.storage_offset(), t.dtype, t.device, t.dim()))
+        key.extend(t.shape)
+        key.extend(t.stride())
     return tuple(key), tuple(addrs)
 
 
@@ -107,6 +112,7 @@ def _remember(key: _Key, plan: ShardLayout) -> _Cached:
         chunks=list(plan.chunks),
         data_bytes=plan.data_bytes,
         devices=set(plan.devices),
+        tables=plan.tables,
     )
     return _Cached(key, bare, tuple(lead for lead in leads if lead is not None))
 
@@ -129,4 +135,7 @@ def _with_sources(cached: _Cached, collected: CollectedState) -> ShardLayout:
         data_bytes=bare.data_bytes,
         devices=set(bare.devices) | collected.devices,
         parameters=collected.parameters,
+        # the index's tables, made once for the remembered layout and shared by every save
+        # that reuses it (only numbers and text: no reference to a tensor)
+        tables=bare.index_tables(),
     )
