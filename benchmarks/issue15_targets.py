@@ -15,8 +15,10 @@ Each campaign runs, one after another (never two at once: they share two cores):
 
 The table gives each target's ratio per campaign and whether it was met. Every benchmark
 already interleaves its contenders and takes medians; the S3 save is also judged round by
-round (this machine's SeaweedFS moves by 2x from one round to the next), as the median of
-tierckpt's time over the fastest raw upload of the same round.
+round (this machine's SeaweedFS moves by 2x from one round to the next), as the median over the
+rounds of the best raw upload's time (the one with the best median) over tierckpt's in the same
+round. (Until the twentieth session it took the fastest of the raw uploads in each round: the
+least of four noisy times, against one, which favours the raw side by the noise alone.)
 """
 
 from __future__ import annotations
@@ -125,11 +127,13 @@ def judge(out: Path) -> dict[str, float]:
     save = json.loads((out / "s3save.json").read_text())["save"]
     ours = save["tierckpt driver=obstore"]
     got[TARGETS[4][0]] = float(ours["speed_vs_best_raw"])
-    raws = [
-        row["seconds"] for name, row in save.items() if name.startswith("raw") and "seconds" in row
-    ]
-    rounds = zip(ours["seconds"], *raws, strict=True)
-    got[TARGETS[5][0]] = statistics.median(min(r[1:]) / r[0] for r in rounds)
+    # paired with the raw upload whose median is best (the issue's "best of"), round by round;
+    # not with the fastest raw upload of each round: the least of four noisy times against
+    # one is biased towards the raw side by the noise alone
+    raws = {n: r for n, r in save.items() if n.startswith("raw") and "seconds" in r}
+    best = min(raws.values(), key=lambda r: float(r["median_s"]))
+    pairs = zip(ours["seconds"], best["seconds"], strict=True)
+    got[TARGETS[5][0]] = statistics.median(theirs / mine for mine, theirs in pairs)
     res = json.loads((out / "save.json").read_text())
     for size in res["sizes"]:
         cs = size["contenders"]
