@@ -21,9 +21,7 @@ requests kept out of the next case's time); a raw upload from the call to its re
 bytes already in memory). Each case's wall time, this process's CPU time (the
 client's) and SeaweedFS's CPU time over the case (the server's: on a machine with few cores
 each client CPU second slows the server too). Rounds are interleaved (each round runs every
-case once, the order alternating, each after a ``sync`` of the disk and a pause of 0.3 s, so that
-the writeback of one case's bytes does not land in the next one's time: ``--no-settle`` leaves
-them out), one warm-up round, then the median of ``--runs``. A case
+case once, the order alternating), one warm-up round, then the median of ``--runs``. A case
 that fails (s3torchconnector timing out under load, say) is reported as failed, with its error,
 and the others go on.
 
@@ -331,33 +329,18 @@ def cases(
 Samples = dict[str, dict[str, list[float]]]
 
 
-def settle(pause: float = 0.3) -> None:
-    """Before a case: what the previous one left to the disk (SeaweedFS's dirty pages, written
-    back by the kernel seconds later) is flushed now, outside every case's time, and the
-    server's background work after it has a moment to end."""
-    os.sync()
-    time.sleep(pause)
-
-
 def run_rounds(
-    c: dict[str, Any],
-    kinds: list[str],
-    warmup: int,
-    runs: int,
-    before_case: Callable[[], None] | None = None,
+    c: dict[str, Any], kinds: list[str], warmup: int, runs: int
 ) -> tuple[dict[str, Samples], dict[str, dict[str, str]]]:
     """Every case of ``kinds`` once a round, interleaved: ``({"wall"|"cpu"|"server": {kind:
     {name: samples}}}, {kind: {name: error}})``. A case that raises is not run again and
-    reported with its error (the other cases finish). ``before_case``: called before each
-    case, outside its time (:func:`settle`)."""
+    reported with its error (the other cases finish)."""
     samples: dict[str, Samples] = {m: {k: {} for k in kinds} for m in ("wall", "cpu", "server")}
     failed: dict[str, dict[str, str]] = {k: {} for k in kinds}
     for i in range(warmup + runs):
         for kind in kinds:
             items = [(n, fn) for n, fn in c[kind].items() if n not in failed[kind]]
             for name, fn in items if i % 2 == 0 else items[::-1]:
-                if before_case is not None:
-                    before_case()
                 c0, s0 = time.process_time(), children_cpu()  # client's and server's CPU
                 try:
                     t = fn()
@@ -457,12 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tmpdir", default=None, help="SeaweedFS's volumes (default: system temp)")
     ap.add_argument("--json", type=Path)
     ap.add_argument(
-        "--no-settle",
-        action="store_true",
-        help="start each case at once (default: sync the disk and pause 0.3 s before each, "
-        "so that one case's writeback does not land in the next one's time)",
-    )
-    ap.add_argument(
         "--kinds", default="save,restore", help="what to run: save, restore or both (default)"
     )
     ap.add_argument(
@@ -500,9 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in kinds:
                     c[kind] = {n: f for n, f in c[kind].items() if any(w in n for w in words)}
             try:
-                samples, failed = run_rounds(
-                    c, kinds, args.warmup, args.runs, None if args.no_settle else settle
-                )
+                samples, failed = run_rounds(c, kinds, args.warmup, args.runs)
             finally:
                 for ck in c["close"]:
                     ck.close()

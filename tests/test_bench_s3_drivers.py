@@ -32,23 +32,6 @@ def test_a_failing_contender_is_reported_and_the_others_finish() -> None:
     assert len(samples["cpu"]["save"]["raw ok"]) == len(samples["server"]["save"]["raw ok"]) == 3
 
 
-def test_before_case_runs_before_every_case_outside_its_time() -> None:
-    order: list[str] = []
-
-    def case(name: str) -> float:
-        order.append(name)
-        return 1.0
-
-    cases = {"save": {"a": lambda: case("a"), "b": lambda: case("b")}}
-    samples, _ = load_benchmark("bench_s3_drivers").run_rounds(
-        cases, ["save"], warmup=1, runs=2, before_case=lambda: order.append("settle")
-    )
-    # every case follows a settle, rounds alternate their order
-    rounds = [["a", "b"], ["b", "a"], ["a", "b"]]  # a warm-up round, then two
-    assert order == [x for r in rounds for name in r for x in ("settle", name)]
-    assert samples["wall"]["save"] == {"a": [1.0, 1.0], "b": [1.0, 1.0]}
-
-
 def test_timeline_says_what_overlaps_the_parts_and_what_follows_them() -> None:
     """``--count-requests``' timeline: the parts' first send and last answer, every other
     request of the timed span with its times (ms from the call), and which of them were sent
