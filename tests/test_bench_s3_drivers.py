@@ -32,6 +32,29 @@ def test_a_failing_contender_is_reported_and_the_others_finish() -> None:
     assert len(samples["cpu"]["save"]["raw ok"]) == len(samples["server"]["save"]["raw ok"]) == 3
 
 
+def test_each_round_runs_every_case_once_in_its_own_order() -> None:
+    """No case always follows the same one (an upload's aftermath slows the next case)."""
+
+    def record(order: list[str], name: str) -> float:
+        order.append(name)
+        return 1.0
+
+    names = [f"raw {c}" for c in "abcdef"]
+
+    def rounds() -> list[list[str]]:
+        order: list[str] = []
+        cases = {"save": {n: (lambda n=n: record(order, n)) for n in names}}
+        load_benchmark("bench_s3_drivers").run_rounds(cases, ["save"], warmup=1, runs=7)
+        return [order[i : i + len(names)] for i in range(0, len(order), len(names))]
+
+    got = rounds()
+    assert len(got) == 8 and all(sorted(r) == names for r in got)
+    follows = {(r[i - 1], r[i]) for r in got for i in range(1, len(r))}
+    predecessors = {b: {a for a, c in follows if c == b} for b in names}
+    assert all(len(p) >= 2 for p in predecessors.values()), predecessors
+    assert rounds() == got  # seeded: the same orders in every run
+
+
 def test_timeline_says_what_overlaps_the_parts_and_what_follows_them() -> None:
     """``--count-requests``' timeline: the parts' first send and last answer, every other
     request of the timed span with its times (ms from the call), and which of them were sent
