@@ -241,6 +241,18 @@ FIXED += [
             "test_gc_and_ls_see_a_live_writer_whose_clock_is_behind",
         ],
     ),
+    (
+        "A restarted job whose S3 hung held its first save() about a minute (the listing that "
+        "chooses the timeline, its timeouts and retries) before the local copy could commit; "
+        "and where S3 could not be listed then, the save's timeline was chosen without it: on a "
+        "new node whose S3 held a newer run's step, the new checkpoints were published there "
+        "as the older ones and S3's retention deleted each one right after its commit",
+        "tierckpt/catalog.py (newest_committed_within), checkpointer/_saving.py",
+        [
+            "test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts",
+            "test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_there",
+        ],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested

@@ -178,7 +178,8 @@ KNOBS: tuple[Knob, ...] = (
         "TIERCKPT_LEASE_WAIT_S",
         "10",
         "float in (0, 604800] (seconds)",
-        "how long a save waits for the first lease acquisition (a slow store) before going on",
+        "how long a save waits for the first lease acquisition, and the first save for the "
+        "tiers' listings (a slow store), before going on",
     ),
     Knob(
         "tierckpt --debug-botocore",

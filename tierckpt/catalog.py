@@ -10,6 +10,8 @@ Retention and garbage collection (:mod:`tierckpt.retention`) act on what this mo
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -34,6 +36,7 @@ __all__ = [
     "data_steps",
     "lineage",
     "newest_committed",
+    "newest_committed_within",
     "newest_per_step",
     "steps_of",
     "list_tiers",
@@ -164,6 +167,66 @@ def newest_committed(tiers: Iterable[tuple[str, Backend]]) -> CheckpointId | Non
         if ids and (newest is None or ids[-1] > newest):
             newest = ids[-1]
     return newest
+
+
+def newest_committed_within(
+    tiers: Iterable[tuple[str, Backend]], wait: float
+) -> tuple[CheckpointId | None, frozenset[str]]:
+    """The newest checkpoint committed on any of ``(name, backend)``, each tier listed on a
+    thread of its own and waited for at most ``wait`` seconds in all, and the names of the
+    tiers that did not tell: they could not be listed, or did not answer in time (a store
+    that hangs; its listing goes on in the background and is not used). Their newest is
+    unknown, so a save on a timeline chosen without them must be checked against each of
+    them before it is published there (``SavePath._confirm_timeline``): a store that hangs
+    would otherwise hold ``save()`` for its listing's timeouts and retries (about a minute).
+    Errors other than a tier's (:class:`TierCkptError`, ``OSError``) are raised."""
+    pairs = list(tiers)
+    got: dict[str, list[CheckpointId] | BaseException] = {}
+
+    def list_one(name: str, backend: Backend) -> None:
+        try:
+            got[name] = committed_ids(backend)
+        except BaseException as exc:
+            got[name] = exc
+
+    threads = [
+        threading.Thread(target=list_one, args=pair, name=f"tierckpt-list-{pair[0]}", daemon=True)
+        for pair in pairs
+    ]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + wait
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    newest: CheckpointId | None = None
+    unknown: set[str] = set()
+    for name, backend in pairs:
+        result = got.get(name)  # read once: a late listing may still set it
+        if isinstance(result, list):
+            if result and (newest is None or result[-1] > newest):
+                newest = result[-1]
+            continue
+        unknown.add(name)
+        if result is None:
+            log.warning(
+                "tier %s did not answer its listing within %.0f s (TIERCKPT_LEASE_WAIT_S): "
+                "the next checkpoint's timeline is chosen without it, and checked against "
+                "it before it is published there",
+                name,
+                wait,
+            )
+        elif isinstance(result, (TierCkptError, OSError)):
+            report_once(
+                backend,
+                result,
+                "cannot list tier %s to choose the timeline of the next checkpoint (chosen "
+                "without it, and checked against it before it is published there): %s",
+                name,
+                result,
+            )
+        else:
+            raise result
+    return newest, frozenset(unknown)
 
 
 def timeline_for(step: int, newest: CheckpointId | None) -> int:

@@ -24,6 +24,7 @@ __all__ = [
     "LeaseLost",
     "RankFailed",
     "SaveDeadlineExceeded",
+    "StaleTimeline",
     "StateMismatch",
     "TierCkptError",
     "TiersUnreadable",
@@ -146,3 +147,11 @@ class SaveDeadlineExceeded(TierCkptError, TimeoutError):
 class CopySkipped(TierCkptError, RuntimeError):
     """A tier that copies from another (``source=``) fell more than ``max_behind`` steps
     behind it: its copy of an older step was skipped so the source's retention can go on."""
+
+
+class StaleTimeline(TierCkptError, RuntimeError):
+    """A save's timeline was chosen while a tier could not be listed (down, or not answering
+    in time), and that tier holds a newer checkpoint than the save: its copy is not published
+    there (that tier's retention would remove it as the older one, and a load from there
+    would give the other checkpoint). The save commits on the other tiers; the next save
+    chooses its timeline again, with that tier in view."""

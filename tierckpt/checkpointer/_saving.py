@@ -18,14 +18,14 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
-from tierckpt import devices
+from tierckpt import config, devices
 from tierckpt.capture import record_ready_events
-from tierckpt.catalog import newest_committed, timeline_for
+from tierckpt.catalog import committed_ids, newest_committed_within, timeline_for
 from tierckpt.checkpointer._guarded import GuardedSources
 from tierckpt.checkpointer._stateful import expand_stateful
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import CheckpointFailed
+from tierckpt.errors import CheckpointFailed, StaleTimeline
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import PipelineHooks, PipelineOwner, SaveJob, Tier
@@ -56,6 +56,9 @@ class SavePath(PipelineOwner):
     #: the timeline saves go to; None: chosen from the tiers at the next save (the first one,
     #: and the first after a load()), see _propose_timeline
     _timeline: int | None
+    #: the tiers that could not be listed when the timeline was chosen: a save is checked
+    #: against each before it is published there (_confirm_timeline), until one passes
+    _unconfirmed: frozenset[str]
     #: the newest checkpoint this object started saving
     _last_saved: CheckpointId | None
     #: whether a load() ran through this object (a save that goes back without one warns)
@@ -84,6 +87,7 @@ class SavePath(PipelineOwner):
         self._stats = StatsRecorder(stats_history)
         self._counts = {t.name: Counter() for t in self._tiers}
         self._timeline = None
+        self._unconfirmed = frozenset()
         self._has_loaded = False
         self._last_saved = None
         self._guarded = GuardedSources()
@@ -187,6 +191,8 @@ class SavePath(PipelineOwner):
                 metadata=metadata,
                 attempt=attempt,
                 timeline=timeline,
+                confirm_on=self._unconfirmed.intersection(t.name for t in tiers),
+                confirm=self._confirm_timeline,
             )
             # one writer per location: refused here, before anything is written, when another
             # live writer holds a tier (tierckpt.lease)
@@ -256,13 +262,44 @@ class SavePath(PipelineOwner):
         last = self._last_saved
         if self._timeline is not None and (last is None or step >= last.step):
             return self._timeline, False
-        newest = newest_committed((t.name, t.backend) for t in self._tiers)
+        # a tier that does not answer in time (a hung store) is left out here and checked
+        # before each save is published on it, until one passes (_confirm_timeline)
+        newest, unknown = newest_committed_within(
+            ((t.name, t.backend) for t in self._tiers), config.lease_wait_s()
+        )
+        with self._lock:
+            self._unconfirmed = unknown
         if last is not None and (newest is None or last > newest):
             newest = last
         timeline = timeline_for(step, newest)
         if newest is not None and timeline > newest.timeline and not self._has_loaded:
             self._warn_going_back(step, newest, timeline)
         return timeline, True
+
+    def _confirm_timeline(self, tier: Tier, job: SaveJob) -> None:
+        """Tier thread, before ``job``'s shard is published on ``tier``, a tier that could not
+        be listed when the timeline was chosen: where it holds a checkpoint newer than
+        ``job``'s (a run that went further, on a new node whose other tiers are empty),
+        this copy is refused (``StaleTimeline``) and the next save chooses its timeline again
+        with the tier in view; otherwise the tier is no longer checked. A listing that fails
+        fails this copy, as its upload would have."""
+        ids = committed_ids(tier.backend)
+        newer = [c for c in ids if c > job.id]
+        if not newer:
+            with self._lock:
+                self._unconfirmed = self._unconfirmed - {tier.name}
+            return
+        with self._lock:
+            if self._timeline == job.timeline:
+                self._timeline = None  # chosen again at the next save, seeing this tier
+        raise StaleTimeline(
+            f"step {job.step} (timeline {job.timeline}) is not published on tier "
+            f"{tier.name!r}: its timeline was chosen while that tier could not be listed, "
+            f"and it holds a newer checkpoint (step {newer[-1].step}, timeline "
+            f"{newer[-1].timeline}), which would make this copy the older one there (its "
+            "retention would remove it, a load would give the other). The other tiers keep "
+            "it; the next save chooses its timeline again with this tier in view"
+        )
 
     def _warn_going_back(self, step: int, newest: CheckpointId, timeline: int) -> None:
         """A save below the newest stored checkpoint, by an object that loaded none: a run

@@ -283,6 +283,8 @@ class _TiersMixin(_RetainMixin, _StallMixin):
         if tw.writer.size != size:
             raise FormatError(f"shard size {tw.writer.size} != expected {size}")
         self._check_abandoned(job)
+        if job.confirm is not None and tier.name in job.confirm_on:
+            job.confirm(tier, job)  # its timeline was chosen without this tier's listing
         # publishing replaces whatever has this name: only while the location is still ours
         self._leases.get(tier, job.rank).verify()
         t0 = time.perf_counter()

@@ -158,6 +158,11 @@ class SaveJob:
     follows: dict[str, _Follow] = field(default_factory=dict)
     #: the timeline this checkpoint is saved on (chosen by the owner, see CheckpointId)
     timeline: int = 0
+    #: the tiers that could not be listed when the timeline was chosen, and the owner's check
+    #: that none of them holds a newer checkpoint, called on a tier's thread before this
+    #: job's shard is published there (it raises where one does)
+    confirm_on: frozenset[str] = frozenset()
+    confirm: Callable[[Tier, SaveJob], None] | None = None
     #: tier name -> why this writer could not take its lease there for this job
     lease_errors: dict[str, BaseException] = field(default_factory=dict)
     #: tier name -> why its copy was given up (deadline, follower behind); set under the

@@ -1,0 +1,165 @@
+"""The first save of a job chooses its timeline from the tiers' listings; a tier that does not
+answer must neither hold training for its timeouts nor let the save land on it as the older
+checkpoint.
+
+A fresh ``Checkpointer`` (a restarted job) chooses the timeline of its first save from the
+newest checkpoint committed on any tier. Each tier is listed on a thread of its own and waited
+for at most ``TIERCKPT_LEASE_WAIT_S``; a tier that does not answer in time (or fails) is left
+out of the choice and checked before each save is published on it, until one passes:
+
+- S3 hangs (every request held) behind the local disk: ``save()`` returns after about the
+  wait, not after the listing's timeouts and retries (20 s and more here; about a minute with
+  the S3 defaults), and the local copy commits at once; once S3 answers, the next save
+  commits there too and loads back.
+- S3 holds a newer checkpoint than the one saved (another run went further; this job's local
+  disk is empty, a new node) and its listing at the first save hangs or fails (HTTP 500 on
+  each attempt; before, such a save went to S3 on the lower timeline and S3's retention
+  deleted it right after its commit): that save's S3 copy
+  is refused with ``StaleTimeline`` (published, it would be the older checkpoint there, and
+  S3's retention would delete it at once), the local copy commits, and the next save chooses
+  its timeline again, with S3 in view: it commits on both tiers and a load from S3 gives it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_same
+from rel_util import Recorder
+
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, S3Tier, StaleTimeline
+from tierckpt.testing.faultproxy import Fault, FaultProxy
+
+pytestmark = pytest.mark.s3
+
+#: every request held, never answered
+BLACKHOLE = [Fault("stall", seconds=600)]
+#: how the first listing of committed checkpoints (GET ?list-type=2&prefix=...) fails: held
+#: (once: the attempt after it answers) or answered with errors (each attempt of one listing)
+FIRST_LISTING = {
+    "hung": [Fault("stall", method="GET", path_contains="list-type", times=1, seconds=600)],
+    "failing": [Fault("error500", method="GET", path_contains="list-type", times=2)],
+}
+#: the wait for a tier's listing and for a lease (TIERCKPT_LEASE_WAIT_S)
+WAIT_S = 1.0
+#: slack for a loaded 2-core machine
+SLACK_S = 8.0
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 64, generator=g), "step": step}
+
+
+def _s3(bucket: str, endpoint: str, **kw: Any) -> S3Tier:
+    # one listing against a held store: 2 attempts x 10 s before it gives up
+    return S3Tier(
+        f"s3://{bucket}/run",
+        endpoint_url=endpoint,
+        codec="raw",
+        connect_timeout=1,
+        read_timeout=10,
+        max_attempts=2,
+        **kw,
+    )
+
+
+def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    record: Recorder,
+) -> None:
+    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
+    bucket = s3_bucket(moto_server)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        proxy.set_faults(BLACKHOLE)
+        with Checkpointer(
+            [LocalTier(tmp_path / "nvme", keep_last=2), _s3(bucket, proxy.endpoint_url)]
+        ) as ck:
+            t0 = time.monotonic()
+            h1 = ck.save(_state(1), 1)
+            returned = time.monotonic() - t0
+            h1.wait("local", timeout=60)
+            committed_local = time.monotonic() - t0
+            # the listing wait and the lease wait, not 2 x 10 s of a listing's timeouts
+            assert returned <= 2 * WAIT_S + SLACK_S, returned
+            assert_same(ck.load(1, tier="local"), _state(1))
+            proxy.set_faults([])
+            h2 = ck.save(_state(2), 2)
+            h2.wait(timeout=120)  # both tiers: S3 answers again
+            with pytest.raises(CheckpointFailed):
+                h1.wait("s3", timeout=120)  # its requests were held: that copy failed
+            assert 2 in ck.steps("s3")
+    with Checkpointer([_s3(bucket, moto_server.endpoint_url)]) as fresh:
+        assert_same(fresh.load(), _state(2))
+    record(
+        "outages",
+        "S3 hung (every request held) at a restarted job's first save, local + S3",
+        f"save() returned after {returned:.1f} s (listing and lease waits of {WAIT_S:.0f} s; "
+        f"a listing's timeouts are 2 x 10 s), the local copy committed at "
+        f"{committed_local:.1f} s; once S3 answered the next save committed on both and a "
+        "fresh process loaded it from S3",
+        returned_s=round(returned, 2),
+    )
+
+
+@pytest.mark.parametrize("listing", sorted(FIRST_LISTING))
+def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_there(
+    listing: str,
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    record: Recorder,
+) -> None:
+    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
+    bucket = s3_bucket(moto_server)
+    # another run (or this one, on another node) went as far as step 60 on S3
+    with Checkpointer([_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
+        other.save(_state(60), 60).wait(timeout=60)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        proxy.set_faults(FIRST_LISTING[listing])  # the first save's listing of S3 fails
+        with Checkpointer(
+            [
+                LocalTier(tmp_path / "nvme", keep_last=2),
+                _s3(bucket, proxy.endpoint_url, keep_last=1),
+            ]
+        ) as ck:
+            t0 = time.monotonic()
+            h10 = ck.save(_state(10), 10)  # chosen without S3: timeline 0, below step 60
+            returned = time.monotonic() - t0
+            assert returned <= 2 * WAIT_S + SLACK_S, returned
+            h10.wait("local", timeout=60)
+            with pytest.raises(CheckpointFailed) as ei:
+                h10.wait("s3", timeout=120)
+            err = ei.value.errors["s3"]
+            assert isinstance(err, StaleTimeline), repr(err)
+            assert "step 60, timeline 0" in str(err), str(err)
+            assert h10.timeline == 0
+            # S3 kept the newer checkpoint; nothing of step 10 was published there
+            assert ck.steps("s3") == [60]
+            h11 = ck.save(_state(11), 11)  # chosen again, with S3 in view
+            h11.wait(timeout=120)
+            assert h11.timeline == 1
+            assert_same(ck.load(11, tier="local"), _state(11))
+            assert_same(ck.load(10, tier="local"), _state(10))
+    with Checkpointer([_s3(bucket, moto_server.endpoint_url)]) as fresh:
+        newest = fresh.checkpoints()[-1]
+        assert (newest.step, newest.timeline) == (11, 1)
+        assert_same(fresh.load(), _state(11))
+    record(
+        "timelines",
+        "S3 holds step 60 of another run; a new node's first save (step 10, empty local disk) "
+        f"could not list S3 ({listing}: "
+        + ("held once" if listing == "hung" else "HTTP 500 on each attempt")
+        + ")",
+        "step 10's S3 copy refused (StaleTimeline: S3 holds step 60), its local copy "
+        "committed; step 11 chose timeline 1 with S3 in view and committed on both; a fresh "
+        "process loads step 11 from S3",
+    )
