@@ -844,6 +844,59 @@ def w_timeline_rollback(rank: int, world: int, root: str, phase: str) -> dict[st
     return out
 
 
+def w_stale_timeline(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
+    """``other``: a run saves step 60 on the shared folder. ``new``: a job whose private folders
+    are empty (new nodes) cannot list the shared folder at its first save (its first listing
+    fails on every rank), saves 10 and 11 (refused on the shared folder: it holds step 60),
+    then loads the newest and saves 61 (committed everywhere). Errors recorded per step."""
+    from tierckpt import catalog
+
+    out: dict[str, Any] = {"errors": {}}
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        ck = Checkpointer(_timeline_tiers(root, rank), chunk_bytes=64 << 10)
+        shared = ck.backend("shared")
+        if phase == "other":
+            ck.save(_run_state(rank, 60, 1), 60).wait(timeout=60)
+            tdist.wait_committed(shared, 60, timeout=60)
+            ck.close()
+            dist.barrier()
+            return out
+        listed = catalog.committed_ids
+        failed: list[int] = []
+
+        def first_listing_fails(backend: Any) -> Any:
+            if backend is shared and not failed:
+                failed.append(1)
+                raise OSError("the shared folder cannot be listed (test)")
+            return listed(backend)
+
+        catalog.committed_ids = first_listing_fails  # what the timeline's choice lists with
+        try:
+            for s in (10, 11):
+                h = ck.save(_run_state(rank, s, 2), s)
+                try:
+                    h.wait(timeout=60)
+                except CheckpointFailed as exc:
+                    err = exc.errors.get("shared")
+                    out["errors"][s] = f"{type(err).__name__}: {err}"[:600]
+                out[f"timeline_{s}"] = h.timeline
+        finally:
+            catalog.committed_ids = listed
+        dist.barrier()
+        out["shared_before_load"] = [[c.step, c.timeline] for c in ck.checkpoints("shared")]
+        got = ck.load()
+        out["loaded_diff"] = same(got, _run_state(rank, 60, 1))
+        h = ck.save(_run_state(rank, 61, 2), 61)
+        h.wait(timeout=60)
+        tdist.wait_committed(shared, 61, timeout=60)
+        out["timeline_61"] = h.timeline
+        out["shared"] = [[c.step, c.timeline] for c in ck.checkpoints("shared")]
+        out["nvme"] = [[c.step, c.timeline] for c in ck.checkpoints("nvme")]
+        ck.close()
+        dist.barrier()
+    return out
+
+
 def w_one_writer(rank: int, world: int, root: str, gate: str, role: str) -> dict[str, Any]:
     """One writer per location (tests/reliability/test_one_writer.py). ``first`` commits step
     1, touches ``gate/held-<rank>``, waits for ``gate/go`` and commits steps 2 and 3;

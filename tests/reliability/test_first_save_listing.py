@@ -22,10 +22,12 @@ out of the choice and checked before each save is published on it, until one pas
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import dist_workers
 import pytest
 import torch
 from helpers import assert_same
@@ -33,8 +35,6 @@ from rel_util import Recorder
 
 from tierckpt import Checkpointer, CheckpointFailed, LocalTier, S3Tier, StaleTimeline
 from tierckpt.testing.faultproxy import Fault, FaultProxy
-
-pytestmark = pytest.mark.s3
 
 #: every request held, never answered
 BLACKHOLE = [Fault("stall", seconds=600)]
@@ -68,6 +68,7 @@ def _s3(bucket: str, endpoint: str, **kw: Any) -> S3Tier:
     )
 
 
+@pytest.mark.s3
 def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
     tmp_path: Path,
     moto_server: Any,
@@ -109,6 +110,7 @@ def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
     )
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize("listing", sorted(FIRST_LISTING))
 def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_there(
     listing: str,
@@ -162,4 +164,38 @@ def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_the
         "step 10's S3 copy refused (StaleTimeline: S3 holds step 60), its local copy "
         "committed; step 11 chose timeline 1 with S3 in view and committed on both; a fresh "
         "process loads step 11 from S3",
+    )
+
+
+@pytest.mark.distributed
+def test_two_ranks_refuse_the_stale_copy_until_the_job_loads(
+    tmp_path: Path, record: Recorder
+) -> None:
+    """Two ranks (gloo) whose first listing of the shared folder fails, while it holds step 60
+    of an earlier run and their private folders are empty: both refuse steps 10 and 11 there
+    (a multi-rank job chooses its timeline in a collective, at its next load), the private
+    folders keep them; after load() (step 60) step 61 commits on both tiers."""
+    env = {"TIERCKPT_PRIVATE_TIERS": "nvme"}
+    dist_workers.run("w_stale_timeline", 2, root=str(tmp_path), phase="other", env=env)
+    for rank in range(2):  # new nodes: their private folders are empty
+        shutil.rmtree(tmp_path / f"nvme-{rank}")
+    res = dist_workers.run(
+        "w_stale_timeline", 2, root=str(tmp_path), phase="new", env=env, timeout=180
+    )
+    for rank, r in enumerate(res):
+        assert sorted(r["errors"]) == ["10", "11"], (rank, r["errors"])
+        assert all(e.startswith("StaleTimeline") for e in r["errors"].values()), r["errors"]
+        assert "step 60, timeline 0" in r["errors"]["10"], r["errors"]
+        assert r["timeline_10"] == r["timeline_11"] == 0
+        assert r["shared_before_load"] == [[60, 0]], (rank, r)
+        assert r["loaded_diff"] == [], (rank, r["loaded_diff"])
+        assert r["timeline_61"] == 0
+        assert r["shared"] == [[60, 0], [61, 0]], (rank, r["shared"])
+        assert r["nvme"] == [[10, 0], [11, 0], [61, 0]], (rank, r["nvme"])
+    record(
+        "timelines",
+        "2 ranks (gloo): the first listing of the shared folder fails while it holds a newer "
+        "run's step 60; private folders empty",
+        "steps 10 and 11 refused on the shared folder on both ranks (StaleTimeline), kept on "
+        "the private ones; after load() (step 60) step 61 committed on both tiers",
     )

@@ -280,25 +280,35 @@ class SavePath(PipelineOwner):
         """Tier thread, before ``job``'s shard is published on ``tier``, a tier that could not
         be listed when the timeline was chosen: where it holds a checkpoint newer than
         ``job``'s (a run that went further, on a new node whose other tiers are empty),
-        this copy is refused (``StaleTimeline``) and the next save chooses its timeline again
-        with the tier in view; otherwise the tier is no longer checked. A listing that fails
-        fails this copy, as its upload would have."""
+        this copy is refused (``StaleTimeline``) and, in a single-rank job, the next save
+        chooses its timeline again with the tier in view (a multi-rank job chooses again at its
+        next ``load()``: the choice is a collective); otherwise the tier is no longer checked.
+        A listing that fails fails this copy, as its upload would have."""
         ids = committed_ids(tier.backend)
         newer = [c for c in ids if c > job.id]
         if not newer:
             with self._lock:
                 self._unconfirmed = self._unconfirmed - {tier.name}
             return
-        with self._lock:
-            if self._timeline == job.timeline:
-                self._timeline = None  # chosen again at the next save, seeing this tier
+        if self.world_size == 1:
+            again = "the next save chooses its timeline again with this tier in view"
+            with self._lock:
+                if self._timeline == job.timeline:
+                    self._timeline = None  # chosen again at the next save, seeing this tier
+        else:
+            # the ranks choose a timeline together, in one collective at the same save on
+            # every rank; a rank whose copy failed before this check would not take part
+            again = (
+                "its later saves are refused there too until the job chooses its timeline "
+                "again: load() the checkpoint to resume from (on every rank), or restart it"
+            )
         raise StaleTimeline(
             f"step {job.step} (timeline {job.timeline}) is not published on tier "
             f"{tier.name!r}: its timeline was chosen while that tier could not be listed, "
             f"and it holds a newer checkpoint (step {newer[-1].step}, timeline "
             f"{newer[-1].timeline}), which would make this copy the older one there (its "
-            "retention would remove it, a load would give the other). The other tiers keep "
-            "it; the next save chooses its timeline again with this tier in view"
+            f"retention would remove it, a load would give the other). The other tiers keep "
+            f"it; {again}"
         )
 
     def _warn_going_back(self, step: int, newest: CheckpointId, timeline: int) -> None:
