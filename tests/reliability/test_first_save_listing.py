@@ -68,16 +68,17 @@ def _s3(bucket: str, endpoint: str, **kw: Any) -> S3Tier:
     )
 
 
+@pytest.fixture
+def bucket(moto_server: Any, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on moto, with the listing and lease waits at ``WAIT_S``."""
+    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
+    return str(s3_bucket(moto_server))
+
+
 @pytest.mark.s3
 def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
-    tmp_path: Path,
-    moto_server: Any,
-    s3_bucket: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    record: Recorder,
+    tmp_path: Path, moto_server: Any, bucket: str, record: Recorder
 ) -> None:
-    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
-    bucket = s3_bucket(moto_server)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(BLACKHOLE)
         with Checkpointer(
@@ -113,15 +114,8 @@ def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
 @pytest.mark.s3
 @pytest.mark.parametrize("listing", sorted(FIRST_LISTING))
 def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_there(
-    listing: str,
-    tmp_path: Path,
-    moto_server: Any,
-    s3_bucket: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    record: Recorder,
+    listing: str, tmp_path: Path, moto_server: Any, bucket: str, record: Recorder
 ) -> None:
-    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
-    bucket = s3_bucket(moto_server)
     # another run (or this one, on another node) went as far as step 60 on S3
     with Checkpointer([_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
         other.save(_state(60), 60).wait(timeout=60)
