@@ -112,7 +112,8 @@ def _remember(key: _Key, plan: ShardLayout) -> _Cached:
         chunks=list(plan.chunks),
         data_bytes=plan.data_bytes,
         devices=set(plan.devices),
-        tables=plan.tables,
+        # made here, on a miss that laid the whole state out anyway, never on a hit
+        tables=plan.index_tables(),
     )
     return _Cached(key, bare, tuple(lead for lead in leads if lead is not None))
 
@@ -137,5 +138,5 @@ def _with_sources(cached: _Cached, collected: CollectedState) -> ShardLayout:
         parameters=collected.parameters,
         # the index's tables, made once for the remembered layout and shared by every save
         # that reuses it (only numbers and text: no reference to a tensor)
-        tables=bare.index_tables(),
+        tables=bare.tables,
     )
