@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from tierckpt.backends.base import Backend
-from tierckpt.errors import TierCkptError, TiersUnreadable
+from tierckpt.errors import StaleTimeline, TierCkptError, TiersUnreadable
 from tierckpt.format import (
     MANIFEST_DIR,
     MAX_TIMELINE,
@@ -35,8 +35,9 @@ __all__ = [
     "data_ids",
     "data_steps",
     "lineage",
-    "newest_committed",
     "newest_committed_within",
+    "newer_than",
+    "stale_timeline",
     "newest_per_step",
     "steps_of",
     "list_tiers",
@@ -147,28 +148,6 @@ def lineage(ids: Sequence[CheckpointId], start: CheckpointId | None = None) -> l
     return out
 
 
-def newest_committed(tiers: Iterable[tuple[str, Backend]]) -> CheckpointId | None:
-    """The newest checkpoint committed on any of ``(name, backend)``; a tier that cannot be
-    listed is logged and left out (a save must not fail because a tier is down)."""
-    newest: CheckpointId | None = None
-    for name, backend in tiers:
-        try:
-            ids = committed_ids(backend)
-        except (TierCkptError, OSError) as exc:
-            report_once(
-                backend,
-                exc,
-                "cannot list tier %s to choose the timeline of the next checkpoint "
-                "(ignoring it): %s",
-                name,
-                exc,
-            )
-            continue
-        if ids and (newest is None or ids[-1] > newest):
-            newest = ids[-1]
-    return newest
-
-
 def newest_committed_within(
     tiers: Iterable[tuple[str, Backend]], wait: float
 ) -> tuple[CheckpointId | None, frozenset[str]]:
@@ -227,6 +206,26 @@ def newest_committed_within(
         else:
             raise result
     return newest, frozenset(unknown)
+
+
+def newer_than(backend: Backend, cid: CheckpointId) -> CheckpointId | None:
+    """The newest checkpoint committed on ``backend`` if it is newer than ``cid``, else None:
+    the check of a tier that could not be listed when ``cid``'s timeline was chosen, before
+    ``cid`` is published there (its listing's errors are raised)."""
+    ids = committed_ids(backend)
+    return ids[-1] if ids and ids[-1] > cid else None
+
+
+def stale_timeline(cid: CheckpointId, tier: str, newer: CheckpointId, again: str) -> StaleTimeline:
+    """The refusal to publish ``cid`` on ``tier``, which holds ``newer`` (:func:`newer_than`);
+    ``again``: when the writer chooses its timeline again."""
+    return StaleTimeline(
+        f"step {cid.step} (timeline {cid.timeline}) is not published on tier {tier!r}: its "
+        f"timeline was chosen while that tier could not be listed, and it holds a newer "
+        f"checkpoint (step {newer.step}, timeline {newer.timeline}), which would make this copy "
+        f"the older one there (its retention would remove it, a load would give the other). "
+        f"The other tiers keep it; {again}"
+    )
 
 
 def timeline_for(step: int, newest: CheckpointId | None) -> int:

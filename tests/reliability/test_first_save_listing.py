@@ -68,6 +68,12 @@ def _s3(bucket: str, endpoint: str, **kw: Any) -> S3Tier:
     )
 
 
+def _committed(tier: Any) -> list[tuple[int, int]]:
+    """The checkpoints committed on ``tier``, as (step, timeline)."""
+    with Checkpointer([tier]) as ck:
+        return [(c.step, c.timeline) for c in ck.checkpoints()]
+
+
 @pytest.fixture
 def bucket(moto_server: Any, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh bucket on moto, with the listing and lease waits at ``WAIT_S``."""
@@ -192,4 +198,54 @@ def test_two_ranks_refuse_the_stale_copy_until_the_job_loads(
         "run's step 60; private folders empty",
         "steps 10 and 11 refused on the shared folder on both ranks (StaleTimeline), kept on "
         "the private ones; after load() (step 60) step 61 committed on both tiers",
+    )
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("listing", sorted(FIRST_LISTING))
+def test_a_dcp_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_committed_there(
+    listing: str,
+    tmp_path: Path,
+    moto_server: Any,
+    bucket: str,
+    record: Recorder,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``tierckpt.dcp`` chooses its timeline at the coordinator's global plan, from the same
+    listings: a tier that does not tell is left out there and checked at the commit, where a
+    newer checkpoint keeps this one from being committed on it; the next save chooses again."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierReader, TierWriter
+
+    with Checkpointer([_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
+        other.save(_state(60), 60).wait(timeout=60)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        proxy.set_faults(FIRST_LISTING[listing])
+        tiers = [
+            LocalTier(tmp_path / "nvme", keep_last=2),
+            _s3(bucket, proxy.endpoint_url, keep_last=1),
+        ]
+        with TierWriter(tiers, 10) as w:
+            t0 = time.monotonic()
+            with caplog.at_level("ERROR", logger="tierckpt"):
+                dcp.save({"w": _state(10)["w"]}, storage_writer=w, no_dist=True)
+            returned = time.monotonic() - t0
+            assert returned <= 2 * WAIT_S + SLACK_S, returned
+            stale = [r.getMessage() for r in caplog.records if "StaleTimeline" in r.getMessage()]
+            assert stale and "step 60, timeline 0" in stale[0], caplog.text
+            assert _committed(_s3(bucket, moto_server.endpoint_url)) == [(60, 0)]
+            assert (10, 0) in _committed(LocalTier(tmp_path / "nvme"))
+            w.reset("11")
+            dcp.save({"w": _state(11)["w"]}, storage_writer=w, no_dist=True)
+            assert _committed(_s3(bucket, moto_server.endpoint_url))[-1] == (11, 1)
+    got = {"w": torch.empty(256, 64)}
+    dcp.load(got, storage_reader=TierReader([_s3(bucket, moto_server.endpoint_url)]), no_dist=True)
+    assert torch.equal(got["w"], _state(11)["w"])
+    record(
+        "timelines",
+        "tierckpt.dcp: S3 holds step 60 of another run; a new node's first DCP save (step 10) "
+        f"could not list S3 ({listing})",
+        "step 10 not committed on S3 (StaleTimeline: S3 holds step 60), committed locally; "
+        "step 11 chose timeline 1 and committed on both; DCP loads step 11 from S3",
     )

@@ -20,12 +20,12 @@ from typing import Any, Literal
 
 from tierckpt import config, devices
 from tierckpt.capture import record_ready_events
-from tierckpt.catalog import committed_ids, newest_committed_within, timeline_for
+from tierckpt.catalog import newer_than, newest_committed_within, stale_timeline, timeline_for
 from tierckpt.checkpointer._guarded import GuardedSources
 from tierckpt.checkpointer._stateful import expand_stateful
 from tierckpt.commit import CommitStrategy, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import CheckpointFailed, StaleTimeline
+from tierckpt.errors import CheckpointFailed
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import PipelineHooks, PipelineOwner, SaveJob, Tier
@@ -284,9 +284,8 @@ class SavePath(PipelineOwner):
         chooses its timeline again with the tier in view (a multi-rank job chooses again at its
         next ``load()``: the choice is a collective); otherwise the tier is no longer checked.
         A listing that fails fails this copy, as its upload would have."""
-        ids = committed_ids(tier.backend)
-        newer = [c for c in ids if c > job.id]
-        if not newer:
+        newer = newer_than(tier.backend, job.id)
+        if newer is None:
             with self._lock:
                 self._unconfirmed = self._unconfirmed - {tier.name}
             return
@@ -302,14 +301,7 @@ class SavePath(PipelineOwner):
                 "its later saves are refused there too until the job chooses its timeline "
                 "again: load() the checkpoint to resume from (on every rank), or restart it"
             )
-        raise StaleTimeline(
-            f"step {job.step} (timeline {job.timeline}) is not published on tier "
-            f"{tier.name!r}: its timeline was chosen while that tier could not be listed, "
-            f"and it holds a newer checkpoint (step {newer[-1].step}, timeline "
-            f"{newer[-1].timeline}), which would make this copy the older one there (its "
-            f"retention would remove it, a load would give the other). The other tiers keep "
-            f"it; {again}"
-        )
+        raise stale_timeline(job.id, tier.name, newer, again)
 
     def _warn_going_back(self, step: int, newest: CheckpointId, timeline: int) -> None:
         """A save below the newest stored checkpoint, by an object that loaded none: a run

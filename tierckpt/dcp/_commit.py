@@ -12,11 +12,18 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from tierckpt import config
 from tierckpt._version import __version__
-from tierckpt.catalog import newest_committed, timeline_for
+from tierckpt.catalog import newer_than, newest_committed_within, stale_timeline, timeline_for
 from tierckpt.dcp._common import METADATA_VERSION, dcp_metadata_name
 from tierckpt.dcp._metadata import _RankShards, _ShardOnTier
-from tierckpt.errors import BackendError, CheckpointExists, CheckpointFailed, FormatError
+from tierckpt.errors import (
+    BackendError,
+    CheckpointExists,
+    CheckpointFailed,
+    FormatError,
+    TierCkptError,
+)
 from tierckpt.format import CheckpointId, Manifest, checksum, encode_manifest, manifest_name
 from tierckpt.pipeline import Tier
 
@@ -33,20 +40,28 @@ def choose_timeline(
     last: CheckpointId | None,
     *,
     overwrite: bool,
-) -> int:
+    unconfirmed: frozenset[str] = frozenset(),
+) -> tuple[int, frozenset[str]]:
     """The timeline of a save of ``step`` by a writer on ``timeline`` (None: not chosen yet)
-    whose previous save was ``last`` (see ``TierWriter.prepare_global_plan``)."""
+    whose previous save was ``last`` (see ``TierWriter.prepare_global_plan``), and the tiers
+    whose newest checkpoint is unknown: each tier is listed on a thread of its own and waited
+    for at most ``TIERCKPT_LEASE_WAIT_S``, as ``Checkpointer`` does; a tier that did not tell
+    (or was ``unconfirmed`` already, where nothing was listed) is checked at the commit
+    (:func:`confirm_timeline`)."""
     newest: CheckpointId | None = None
+    pairs = [(t.name, t.backend) for t in tiers]
     if timeline is not None and (last is None or step >= last.step):
         there_on = timeline
     else:
-        newest = newest_committed((t.name, t.backend) for t in tiers)
+        newest, unconfirmed = newest_committed_within(pairs, config.lease_wait_s())
         if last is not None and (newest is None or last > newest):
             newest = last
         timeline = timeline_for(step, newest)
         there_on = newest.timeline if newest is not None else timeline
     name = manifest_name(step, timeline=there_on)
-    there = [t for t in tiers if t.backend.exists(name)]
+    # a tier that did not answer is not asked again here (it may hang): the check before the
+    # commit refuses a newer checkpoint there, and a manifest there is never overwritten
+    there = [t for t in tiers if t.name not in unconfirmed and t.backend.exists(name)]
     if there and not overwrite:
         t = there[0]
         raise CheckpointExists(
@@ -57,7 +72,8 @@ def choose_timeline(
         )
     if there:
         if newest is None:
-            newest = newest_committed((t.name, t.backend) for t in tiers)
+            newest, more = newest_committed_within(pairs, config.lease_wait_s())
+            unconfirmed |= more
         top = max(c for c in (newest, last, CheckpointId(step, there_on)) if c is not None)
         # as a rollback does: a new timeline above every one there; the old save stays
         timeline = timeline_for(step, CheckpointId(step, top.timeline))
@@ -68,7 +84,33 @@ def choose_timeline(
             there_on,
             timeline,
         )
-    return timeline
+    return timeline, unconfirmed
+
+
+def confirm_timeline(
+    tiers: list[Tier], cid: CheckpointId, names: frozenset[str]
+) -> tuple[frozenset[str], dict[str, BaseException]]:
+    """Before ``cid`` is committed: each of the tiers ``names`` (not listed when its timeline
+    was chosen) listed again. Returns those that hold nothing newer (no longer checked) and,
+    by name, why the others must not take the commit: a newer checkpoint there
+    (``StaleTimeline``; the writer chooses its timeline again at its next save), or a listing
+    that failed again."""
+    passed: set[str] = set()
+    refused: dict[str, BaseException] = {}
+    for t in tiers:
+        if t.name not in names:
+            continue
+        try:
+            newer = newer_than(t.backend, cid)
+        except (TierCkptError, OSError) as exc:
+            refused[t.name] = exc
+            continue
+        if newer is None:
+            passed.add(t.name)
+        else:
+            again = "the next save chooses its timeline again with this tier in view"
+            refused[t.name] = stale_timeline(cid, t.name, newer, again)
+    return frozenset(passed), refused
 
 
 def gather_reports(
@@ -96,16 +138,28 @@ def commit_all(
     shards: dict[int, _RankShards],
     blob: bytes,
     retain: RetainFn,
+    refused: dict[str, BaseException] | None = None,
 ) -> None:
-    """Commit ``cid`` on every tier where all ``world`` ranks' shards are durable; a tier
-    where some ranks failed is left uncommitted (logged). Raises :class:`CheckpointFailed`
-    when no tier took the checkpoint."""
+    """Commit ``cid`` on every tier where all ``world`` ranks' shards are durable, except the
+    tiers ``refused`` (name -> why, from :func:`confirm_timeline`); a tier where some ranks
+    failed is left uncommitted (logged). Raises :class:`CheckpointFailed` when no tier took
+    the checkpoint."""
     committed: list[str] = []
     failed: dict[str, BaseException] = {}
     for t in tiers:
         missing = [r for r in range(world) if t.name not in shards[r].tiers]
         if len(missing) == world:
             continue  # this tier did not take part in this save
+        if refused and t.name in refused:
+            failed[t.name] = refused[t.name]
+            log.error(
+                "step %d not committed on tier %s: %s: %s",
+                cid.step,
+                t.name,
+                type(refused[t.name]).__name__,
+                refused[t.name],
+            )
+            continue
         if missing:
             why = {r: shards[r].errors.get(t.name, "?") for r in missing[:3]}
             failed[t.name] = CheckpointFailed(f"ranks {missing[:10]} failed there: {why}")

@@ -19,7 +19,7 @@ from torch.futures import Future
 
 from tierckpt.capture import record_ready_events
 from tierckpt.config import resolve_writer_config
-from tierckpt.dcp._commit import choose_timeline, commit_all, gather_reports
+from tierckpt.dcp._commit import choose_timeline, commit_all, confirm_timeline, gather_reports
 from tierckpt.dcp._common import _DCP_VERSION, _SHARDS_FQN, TiersArg, _parse_step, _runtimes
 from tierckpt.dcp._metadata import (
     ItemLocation,
@@ -33,6 +33,7 @@ from tierckpt.distributed import is_private_tier
 from tierckpt.errors import (
     CheckpointFailed,
     FormatError,
+    StaleTimeline,
     TierCkptError,
     UnsupportedObject,
 )
@@ -137,6 +138,9 @@ class TierWriter(PipelineOwner, StorageWriter):
         #: newest checkpoint this writer saved; as for Checkpointer
         self._timeline: int | None = None
         self._last_saved: CheckpointId | None = None
+        #: the coordinator's tiers that could not be listed when its timeline was chosen:
+        #: checked before each commit there, until one passes (see confirm_timeline)
+        self._unconfirmed: frozenset[str] = frozenset()
         #: this rank's job of the save in progress (retention protects it, see _retain)
         self._job: SaveJob | None = None
 
@@ -217,8 +221,13 @@ class TierWriter(PipelineOwner, StorageWriter):
         checkpoint ``checkpoint_id`` names: refused with :class:`CheckpointExists`, or with
         ``overwrite=True`` saved again on a new timeline."""
         step = self._require_step()
-        timeline = choose_timeline(
-            self._tiers, step, self._timeline, self._last_saved, overwrite=self.overwrite
+        timeline, self._unconfirmed = choose_timeline(
+            self._tiers,
+            step,
+            self._timeline,
+            self._last_saved,
+            overwrite=self.overwrite,
+            unconfirmed=self._unconfirmed,
         )
         cid = CheckpointId(step, timeline)
         self._timeline = timeline
@@ -285,7 +294,12 @@ class TierWriter(PipelineOwner, StorageWriter):
             checkpoint_id=self._location(timeline), save_id=self.save_id
         )
         blob = encode_metadata(metadata)
-        commit_all(self._tiers, CheckpointId(step, timeline), world, shards, blob, self._retain)
+        cid = CheckpointId(step, timeline)
+        passed, refused = confirm_timeline(self._tiers, cid, self._unconfirmed)
+        self._unconfirmed -= passed
+        if any(isinstance(why, StaleTimeline) for why in refused.values()):
+            self._timeline = None  # chosen again at the next save, seeing those tiers
+        commit_all(self._tiers, cid, world, shards, blob, self._retain, refused)
 
     # -- internals -------------------------------------------------------------------
     def _require_step(self) -> int:
