@@ -6,7 +6,9 @@ once: the steps since the last checkpoint are lost (what was committed stays). W
   process exits 0 and its writer lease is gone (a job rescheduled on another node takes the
   location over at once, not after the lease's ttl);
 - two ranks (gloo), SIGTERM to rank 1 only: both stop after the same step and save it together;
-- a second SIGTERM ends the process as before; the previous handler is back after ``close()``.
+- a second SIGTERM ends the process as before; the previous handler is back after ``close()``;
+- the Hugging Face callback's ``preemption=True``, and Lightning's own ``OnExceptionCheckpoint``
+  through the ``TierCkptIO`` plugin: the step SIGTERM found the trainer at is committed.
 """
 
 from __future__ import annotations
@@ -101,6 +103,54 @@ def _hf_trainer(argv: str) -> None:
     trainer.train()
     cb.close()
     Path(a["result"]).write_text(json.dumps({"global_step": trainer.state.global_step}))
+
+
+def _lightning_trainer(argv: str) -> None:
+    """A Lightning ``fit`` (``examples/lightning_fit.py``'s model) with the ``TierCkptIO``
+    plugin, ``ModelCheckpoint`` every 50 steps (and ``last.ckpt``) and Lightning's own
+    ``OnExceptionCheckpoint``; writes each step to ``progress`` and, at the start of training,
+    the step it starts from to ``started``. ``resume``: the ``ckpt_path`` to fit from."""
+    import lightning as L
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lightning_fit as ex
+
+    from tierckpt.integrations.lightning import TierCkptIO
+
+    a = json.loads(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+
+    class Progress(L.pytorch.callbacks.Callback):  # type: ignore[misc]
+        def on_train_start(self, trainer: Any, *_: Any) -> None:
+            Path(a["started"]).write_text(str(trainer.global_step))
+
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            Path(a["progress"]).write_text(str(trainer.global_step))
+            time.sleep(0.01)
+
+    io = TierCkptIO([LocalTier(a["dir"], codec="raw")])
+    ckpts = a["ckpts"]
+    callbacks = [
+        L.pytorch.callbacks.ModelCheckpoint(ckpts, every_n_train_steps=50, save_last=True),
+        L.pytorch.callbacks.OnExceptionCheckpoint(ckpts),
+        Progress(),
+    ]
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        max_steps=a["max_steps"],
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[io],
+        callbacks=callbacks,
+        default_root_dir=a["root"],
+    )
+    try:
+        trainer.fit(ex.Regressor(), ex.data(), ckpt_path=a.get("resume"))
+    finally:
+        io.close()
+        Path(a["result"]).write_text(json.dumps({"global_step": trainer.global_step}))
 
 
 def _spawn(fn: str, args: dict[str, Any], log: Path, **env: str) -> subprocess.Popen[bytes]:
@@ -310,3 +360,46 @@ def test_hf_trainer_callback_saves_the_step_sigterm_found_it_at(tmp_path: Path) 
         assert json.loads(got["trainer_state"])["global_step"] == stopped
     finally:
         ck.close()
+
+
+def test_lightning_on_exception_checkpoint_saves_the_step_sigterm_found_it_at(
+    tmp_path: Path,
+) -> None:
+    """Lightning turns SIGTERM into ``SIGTERMException`` at the end of the step; its
+    ``OnExceptionCheckpoint`` saves that step through the ``TierCkptIO`` plugin, whose teardown
+    waits until it is committed; ``fit(ckpt_path="last")`` resumes from it."""
+    pytest.importorskip("lightning")
+    from tierckpt.integrations.lightning import read_pointer
+
+    log = tmp_path / "lit.log"
+    args = {
+        "dir": str(tmp_path / "tier"),
+        "ckpts": str(tmp_path / "ckpts"),
+        "root": str(tmp_path),
+        "max_steps": 100_000,
+        "progress": str(tmp_path / "progress"),
+        "started": str(tmp_path / "started"),
+        "result": str(tmp_path / "result.json"),
+    }
+    proc = _spawn("_lightning_trainer", args, log)
+    _wait(lambda: _progress(tmp_path / "progress") >= 60, [proc], [log], "step 60")
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=180)
+    # SIGTERMException is a SystemExit without a code: the process ends as Lightning's does
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    stopped = json.loads((tmp_path / "result.json").read_text())["global_step"]
+    assert stopped >= 60 and stopped % 50 != 0, stopped  # not a ModelCheckpoint step
+    pointer = read_pointer(tmp_path / "ckpts" / "on_exception.ckpt")
+    assert pointer is not None and pointer["step"] == stopped, pointer
+    ck = Checkpointer([LocalTier(tmp_path / "tier")])
+    try:
+        assert ck.steps()[-1] == stopped  # committed before the process ended
+        assert ck.load()["global_step"] == stopped
+    finally:
+        ck.close()
+
+    args.update(max_steps=stopped + 3, resume="last")
+    proc = _spawn("_lightning_trainer", args, log)
+    _finish(proc, log)
+    assert _progress(tmp_path / "started") == stopped  # "last" is the on-exception checkpoint
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == stopped + 3

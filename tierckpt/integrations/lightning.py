@@ -36,6 +36,10 @@ How it maps Lightning onto tierckpt:
   previous run's pointers too), and those steps are kept on every tier until Lightning
   removes their pointers. With ``save_top_k=-1`` Lightning keeps every pointer, and so
   tierckpt keeps every step: use ``save_top_k=k`` for retention.
+* Preemption: at SIGTERM Lightning ends the step with ``SIGTERMException``; Lightning's own
+  ``OnExceptionCheckpoint(dirpath)`` then saves that step through this plugin, and
+  :meth:`TierCkptIO.teardown` waits until it is committed on every tier before the process
+  ends (``fit(ckpt_path="last")`` resumes from it).
 * Values tierckpt cannot store without pickle (objects in ``hyper_parameters``) are stored as
   their ``repr()`` text (see :func:`~tierckpt.integrations.sanitize_state`).
   ``LightningModule.load_from_checkpoint`` reads files with ``torch.load`` and does not go
