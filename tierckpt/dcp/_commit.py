@@ -87,30 +87,19 @@ def choose_timeline(
     return timeline, unconfirmed
 
 
-def confirm_timeline(
-    tiers: list[Tier], cid: CheckpointId, names: frozenset[str]
-) -> tuple[frozenset[str], dict[str, BaseException]]:
-    """Before ``cid`` is committed: each of the tiers ``names`` (not listed when its timeline
-    was chosen) listed again. Returns those that hold nothing newer (no longer checked) and,
-    by name, why the others must not take the commit: a newer checkpoint there
-    (``StaleTimeline``; the writer chooses its timeline again at its next save), or a listing
-    that failed again."""
-    passed: set[str] = set()
-    refused: dict[str, BaseException] = {}
-    for t in tiers:
-        if t.name not in names:
-            continue
-        try:
-            newer = newer_than(t.backend, cid)
-        except (TierCkptError, OSError) as exc:
-            refused[t.name] = exc
-            continue
-        if newer is None:
-            passed.add(t.name)
-        else:
-            again = "the next save chooses its timeline again with this tier in view"
-            refused[t.name] = stale_timeline(cid, t.name, newer, again)
-    return frozenset(passed), refused
+def confirm_timeline(t: Tier, cid: CheckpointId) -> BaseException | None:
+    """Before ``cid`` is committed on ``t``, a tier not listed when its timeline was chosen:
+    listed now. None where it holds nothing newer; else why it must not take the commit: a
+    newer checkpoint there (``StaleTimeline``; the writer chooses its timeline again at its
+    next save), or a listing that failed again."""
+    try:
+        newer = newer_than(t.backend, cid)
+    except (TierCkptError, OSError) as exc:
+        return exc
+    if newer is None:
+        return None
+    again = "the next save chooses its timeline again with this tier in view"
+    return stale_timeline(cid, t.name, newer, again)
 
 
 def gather_reports(
@@ -131,6 +120,11 @@ def gather_reports(
     return shards, storage
 
 
+#: told, for each tier of ``unconfirmed`` that took part in a commit, what its check found
+#: (None: nothing newer there)
+ConfirmFn = Callable[[str, BaseException | None], None]
+
+
 def commit_all(
     tiers: list[Tier],
     cid: CheckpointId,
@@ -138,33 +132,39 @@ def commit_all(
     shards: dict[int, _RankShards],
     blob: bytes,
     retain: RetainFn,
-    refused: dict[str, BaseException] | None = None,
+    unconfirmed: frozenset[str] = frozenset(),
+    on_confirm: ConfirmFn | None = None,
 ) -> None:
-    """Commit ``cid`` on every tier where all ``world`` ranks' shards are durable, except the
-    tiers ``refused`` (name -> why, from :func:`confirm_timeline`); a tier where some ranks
-    failed is left uncommitted (logged). Raises :class:`CheckpointFailed` when no tier took
-    the checkpoint."""
+    """Commit ``cid`` on every tier where all ``world`` ranks' shards are durable; a tier
+    where some ranks failed is left uncommitted (logged), and so is a tier of
+    ``unconfirmed`` (not listed when the timeline was chosen) that :func:`confirm_timeline`
+    refuses, checked right before its commit (the tiers before it commit first). Raises
+    :class:`CheckpointFailed` when no tier took the checkpoint."""
     committed: list[str] = []
     failed: dict[str, BaseException] = {}
     for t in tiers:
         missing = [r for r in range(world) if t.name not in shards[r].tiers]
         if len(missing) == world:
             continue  # this tier did not take part in this save
-        if refused and t.name in refused:
-            failed[t.name] = refused[t.name]
-            log.error(
-                "step %d not committed on tier %s: %s: %s",
-                cid.step,
-                t.name,
-                type(refused[t.name]).__name__,
-                refused[t.name],
-            )
-            continue
         if missing:
             why = {r: shards[r].errors.get(t.name, "?") for r in missing[:3]}
             failed[t.name] = CheckpointFailed(f"ranks {missing[:10]} failed there: {why}")
             log.error("step %d not committed on tier %s: %s", cid.step, t.name, failed[t.name])
             continue
+        if t.name in unconfirmed:
+            refused = confirm_timeline(t, cid)
+            if on_confirm is not None:
+                on_confirm(t.name, refused)
+            if refused is not None:
+                failed[t.name] = refused
+                log.error(
+                    "step %d not committed on tier %s: %s: %s",
+                    cid.step,
+                    t.name,
+                    type(refused).__name__,
+                    refused,
+                )
+                continue
         try:
             commit_tier(t, cid, world, [shards[r].tiers[t.name] for r in range(world)], blob)
             committed.append(t.name)

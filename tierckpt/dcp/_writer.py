@@ -19,7 +19,7 @@ from torch.futures import Future
 
 from tierckpt.capture import record_ready_events
 from tierckpt.config import resolve_writer_config
-from tierckpt.dcp._commit import choose_timeline, commit_all, confirm_timeline, gather_reports
+from tierckpt.dcp._commit import choose_timeline, commit_all, gather_reports
 from tierckpt.dcp._common import _DCP_VERSION, _SHARDS_FQN, TiersArg, _parse_step, _runtimes
 from tierckpt.dcp._metadata import (
     ItemLocation,
@@ -295,11 +295,23 @@ class TierWriter(PipelineOwner, StorageWriter):
         )
         blob = encode_metadata(metadata)
         cid = CheckpointId(step, timeline)
-        passed, refused = confirm_timeline(self._tiers, cid, self._unconfirmed)
-        self._unconfirmed -= passed
-        if any(isinstance(why, StaleTimeline) for why in refused.values()):
-            self._timeline = None  # chosen again at the next save, seeing those tiers
-        commit_all(self._tiers, cid, world, shards, blob, self._retain, refused)
+        commit_all(
+            self._tiers,
+            cid,
+            world,
+            shards,
+            blob,
+            self._retain,
+            self._unconfirmed,
+            self._confirmed,
+        )
+
+    def _confirmed(self, tier: str, refused: BaseException | None) -> None:
+        """What the check of a tier not listed when the timeline was chosen found."""
+        if refused is None:
+            self._unconfirmed -= {tier}  # nothing newer there: no longer checked
+        elif isinstance(refused, StaleTimeline):
+            self._timeline = None  # chosen again at the next save, with that tier in view
 
     # -- internals -------------------------------------------------------------------
     def _require_step(self) -> int:
