@@ -67,7 +67,11 @@ def test_a_memory_tier_variant_splits_the_library_from_the_disk(tmp_path: Path) 
     train = train_worker(str(tmp_path), cfg)
     vs = train["variants"]
     assert vs["tierckpt_memory"]["saves"] == vs["tierckpt"]["saves"] == 4
-    assert vs["tierckpt_memory"]["library_cpu_s_per_save"] > 0
+    # reported as for the disk variant (None where a variant has no library): counted in
+    # clock ticks of 10 ms, four small saves into RAM may well count none
+    cpu = vs["tierckpt_memory"]["library_cpu_s_per_save"]
+    assert isinstance(cpu, float) and cpu >= 0, cpu
+    assert vs["none"]["library_cpu_s_per_save"] is None
     assert vs["tierckpt_memory"]["label"] == "tierckpt (guard, MemoryTier only)"
     summary = summarize_train(train)
     assert summary["paired_median_over_none_no_drain"]["tierckpt_memory"] > 0
