@@ -185,6 +185,15 @@ def _progress(path: Path) -> int:
         return -1
 
 
+def _sigterm_at(fn: str, args: dict[str, Any], log: Path, step: int) -> subprocess.Popen[bytes]:
+    """Spawn ``fn`` and send it SIGTERM once its ``progress`` file says ``step``."""
+    proc = _spawn(fn, args, log)
+    progress = Path(args["progress"])
+    _wait(lambda: _progress(progress) >= step, [proc], [log], f"step {step}")
+    proc.send_signal(signal.SIGTERM)
+    return proc
+
+
 def _finish(proc: subprocess.Popen[bytes], log: Path) -> None:
     try:
         proc.wait(timeout=180)
@@ -346,9 +355,7 @@ def test_hf_trainer_callback_saves_the_step_sigterm_found_it_at(tmp_path: Path) 
         "progress": str(tmp_path / "progress"),
         "result": str(tmp_path / "result.json"),
     }
-    proc = _spawn("_hf_trainer", args, log)
-    _wait(lambda: _progress(tmp_path / "progress") >= 3, [proc], [log], "step 3")
-    proc.send_signal(signal.SIGTERM)
+    proc = _sigterm_at("_hf_trainer", args, log, 3)
     _finish(proc, log)
     stopped = json.loads((tmp_path / "result.json").read_text())["global_step"]
     assert 3 <= stopped < 10_000
@@ -381,9 +388,7 @@ def test_lightning_on_exception_checkpoint_saves_the_step_sigterm_found_it_at(
         "started": str(tmp_path / "started"),
         "result": str(tmp_path / "result.json"),
     }
-    proc = _spawn("_lightning_trainer", args, log)
-    _wait(lambda: _progress(tmp_path / "progress") >= 60, [proc], [log], "step 60")
-    proc.send_signal(signal.SIGTERM)
+    proc = _sigterm_at("_lightning_trainer", args, log, 60)
     proc.wait(timeout=180)
     # SIGTERMException is a SystemExit without a code: the process ends as Lightning's does
     assert proc.returncode == 0, log.read_text()[-3000:]
