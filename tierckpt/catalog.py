@@ -216,7 +216,13 @@ def newer_than(backend: Backend, cid: CheckpointId) -> CheckpointId | None:
     return ids[-1] if ids and ids[-1] > cid else None
 
 
-def stale_timeline(cid: CheckpointId, tier: str, newer: CheckpointId, again: str) -> StaleTimeline:
+#: when a single writer chooses its timeline again after a ``StaleTimeline``
+CHOOSES_AGAIN = "the next save chooses its timeline again with this tier in view"
+
+
+def stale_timeline(
+    cid: CheckpointId, tier: str, newer: CheckpointId, again: str = CHOOSES_AGAIN
+) -> StaleTimeline:
     """The refusal to publish ``cid`` on ``tier``, which holds ``newer`` (:func:`newer_than`);
     ``again``: when the writer chooses its timeline again."""
     return StaleTimeline(

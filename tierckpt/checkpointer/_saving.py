@@ -20,7 +20,13 @@ from typing import Any, Literal
 
 from tierckpt import config, devices
 from tierckpt.capture import record_ready_events
-from tierckpt.catalog import newer_than, newest_committed_within, stale_timeline, timeline_for
+from tierckpt.catalog import (
+    CHOOSES_AGAIN,
+    newer_than,
+    newest_committed_within,
+    stale_timeline,
+    timeline_for,
+)
 from tierckpt.checkpointer._guarded import GuardedSources
 from tierckpt.checkpointer._stateful import expand_stateful
 from tierckpt.commit import CommitStrategy, SingleRankCommit
@@ -290,7 +296,7 @@ class SavePath(PipelineOwner):
                 self._unconfirmed = self._unconfirmed - {tier.name}
             return
         if self.world_size == 1:
-            again = "the next save chooses its timeline again with this tier in view"
+            again = CHOOSES_AGAIN
             with self._lock:
                 if self._timeline == job.timeline:
                     self._timeline = None  # chosen again at the next save, seeing this tier

@@ -98,8 +98,7 @@ def confirm_timeline(t: Tier, cid: CheckpointId) -> BaseException | None:
         return exc
     if newer is None:
         return None
-    again = "the next save chooses its timeline again with this tier in view"
-    return stale_timeline(cid, t.name, newer, again)
+    return stale_timeline(cid, t.name, newer)
 
 
 def gather_reports(
