@@ -45,14 +45,23 @@ def _many(n: int = N) -> dict[str, Any]:
 
 
 def _alive_after(fn: Any) -> tuple[Any, int]:
-    """What ``fn()`` returns, and how many GC-tracked objects more are alive while it is held
-    (the collector off, so that none is counted twice or freed on the way)."""
+    """What ``fn()`` returns, and how many GC-tracked objects it holds that were not alive
+    before (reachable from it; the collector off, so that ids stay unique): other threads'
+    objects made meanwhile are not counted."""
     gc.collect()
     gc.disable()
     try:
-        before = len(gc.get_objects())
+        before = {id(o) for o in gc.get_objects()}
         out = fn()
-        return out, len(gc.get_objects()) - before
+        seen: set[int] = set()
+        todo = [out]
+        while todo:
+            o = todo.pop()
+            if id(o) in seen or not gc.is_tracked(o):
+                continue
+            seen.add(id(o))
+            todo.extend(gc.get_referents(o))
+        return out, len(seen - before)
     finally:
         gc.enable()
 
