@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any, TypeVar
 
 from tierckpt.backends.base import Backend
 from tierckpt.errors import StaleTimeline, TierCkptError, TiersUnreadable
@@ -22,6 +23,7 @@ from tierckpt.format import (
     MANIFEST_DIR,
     MAX_TIMELINE,
     CheckpointId,
+    manifest_name,
     parse_data_folder,
     parse_manifest_id,
 )
@@ -35,6 +37,8 @@ __all__ = [
     "data_ids",
     "data_steps",
     "lineage",
+    "ask_within",
+    "committed_within",
     "newest_committed_within",
     "newer_than",
     "stale_timeline",
@@ -46,6 +50,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("tierckpt")
+
+T = TypeVar("T")
 
 
 #: backends (by id) whose listing is kept while a :func:`listed_once` block runs (None: not
@@ -148,28 +154,24 @@ def lineage(ids: Sequence[CheckpointId], start: CheckpointId | None = None) -> l
     return out
 
 
-def newest_committed_within(
-    tiers: Iterable[tuple[str, Backend]], wait: float
-) -> tuple[CheckpointId | None, frozenset[str]]:
-    """The newest checkpoint committed on any of ``(name, backend)``, each tier listed on a
-    thread of its own and waited for at most ``wait`` seconds in all, and the names of the
-    tiers that did not tell: they could not be listed, or did not answer in time (a store
-    that hangs; its listing goes on in the background and is not used). Their newest is
-    unknown, so a save on a timeline chosen without them must be checked against each of
-    them before it is published there (``SavePath._confirm_timeline``): a store that hangs
-    would otherwise hold ``save()`` for its listing's timeouts and retries (about a minute).
-    Errors other than a tier's (:class:`TierCkptError`, ``OSError``) are raised."""
+def ask_within(
+    tiers: Iterable[tuple[str, Backend]], ask: Callable[[Backend], T], wait: float
+) -> tuple[dict[str, T], dict[str, BaseException | None]]:
+    """``ask(backend)`` of each ``(name, backend)``, each on a thread of its own, waited for at
+    most ``wait`` seconds in all: the answers by tier name, and the tiers that did not tell,
+    with their error (None: no answer in time; a store that hangs, whose call goes on in the
+    background and is not used)."""
     pairs = list(tiers)
-    got: dict[str, list[CheckpointId] | BaseException] = {}
+    got: dict[str, tuple[bool, Any]] = {}
 
-    def list_one(name: str, backend: Backend) -> None:
+    def one(name: str, backend: Backend) -> None:
         try:
-            got[name] = committed_ids(backend)
+            got[name] = (True, ask(backend))
         except BaseException as exc:
-            got[name] = exc
+            got[name] = (False, exc)
 
     threads = [
-        threading.Thread(target=list_one, args=pair, name=f"tierckpt-list-{pair[0]}", daemon=True)
+        threading.Thread(target=one, args=pair, name=f"tierckpt-ask-{pair[0]}", daemon=True)
         for pair in pairs
     ]
     for t in threads:
@@ -177,35 +179,78 @@ def newest_committed_within(
     end = time.monotonic() + wait
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
-    newest: CheckpointId | None = None
-    unknown: set[str] = set()
-    for name, backend in pairs:
-        result = got.get(name)  # read once: a late listing may still set it
-        if isinstance(result, list):
-            if result and (newest is None or result[-1] > newest):
-                newest = result[-1]
-            continue
-        unknown.add(name)
-        if result is None:
+    answers: dict[str, T] = {}
+    silent: dict[str, BaseException | None] = {}
+    for name, _backend in pairs:
+        result = got.get(name)  # read once: a late answer may still set it
+        if result is not None and result[0]:
+            answers[name] = result[1]
+        else:
+            silent[name] = None if result is None else result[1]
+    return answers, silent
+
+
+def _left_out(
+    backends: dict[str, Backend], silent: dict[str, BaseException | None], wait: float, what: str
+) -> frozenset[str]:
+    """Log each tier of ``silent`` (see :func:`ask_within`) that could not tell ``what``
+    (one line per tier and error); their names. Errors other than a tier's
+    (:class:`TierCkptError`, ``OSError``) are raised."""
+    for name, exc in silent.items():
+        if exc is None:
             log.warning(
-                "tier %s did not answer its listing within %.0f s (TIERCKPT_LEASE_WAIT_S): "
-                "the next checkpoint's timeline is chosen without it, and checked against "
-                "it before it is published there",
+                "tier %s did not answer %s within %.0f s (TIERCKPT_LEASE_WAIT_S): the next "
+                "checkpoint goes on without it, and is checked against it before it is "
+                "committed there",
                 name,
+                what,
                 wait,
             )
-        elif isinstance(result, (TierCkptError, OSError)):
+        elif isinstance(exc, (TierCkptError, OSError)):
             report_once(
-                backend,
-                result,
-                "cannot list tier %s to choose the timeline of the next checkpoint (chosen "
-                "without it, and checked against it before it is published there): %s",
+                backends[name],
+                exc,
+                "cannot ask tier %s %s (the next checkpoint goes on without it, and is checked "
+                "against it before it is committed there): %s",
                 name,
-                result,
+                what,
+                exc,
             )
         else:
-            raise result
-    return newest, frozenset(unknown)
+            raise exc
+    return frozenset(silent)
+
+
+def newest_committed_within(
+    tiers: Iterable[tuple[str, Backend]], wait: float
+) -> tuple[CheckpointId | None, frozenset[str]]:
+    """The newest checkpoint committed on any of ``(name, backend)``, each tier listed on a
+    thread of its own and waited for at most ``wait`` seconds in all (:func:`ask_within`),
+    and the names of the tiers that did not tell: they could not be listed, or did not answer
+    in time. Their newest is unknown, so a save on a timeline chosen without them must be
+    checked against each of them before it is published there
+    (``SavePath._confirm_timeline``): a store that hangs would otherwise hold ``save()`` for
+    its listing's timeouts and retries (about a minute). Errors other than a tier's
+    (:class:`TierCkptError`, ``OSError``) are raised."""
+    pairs = list(tiers)
+    listed, silent = ask_within(pairs, committed_ids, wait)
+    unknown = _left_out(dict(pairs), silent, wait, "its listing of checkpoints")
+    newest = max((ids[-1] for ids in listed.values() if ids), default=None)
+    return newest, unknown
+
+
+def committed_within(
+    tiers: Iterable[tuple[str, Backend]], cid: CheckpointId, wait: float
+) -> tuple[list[str], frozenset[str]]:
+    """The tiers of ``(name, backend)`` where ``cid`` is committed (in the given order), each
+    asked on a thread of its own for at most ``wait`` seconds in all, and those that did not
+    tell (logged; as for :func:`newest_committed_within`)."""
+    pairs = list(tiers)
+    found, silent = ask_within(
+        pairs, lambda b: b.exists(manifest_name(cid.step, timeline=cid.timeline)), wait
+    )
+    unknown = _left_out(dict(pairs), silent, wait, f"whether {cid} is committed there")
+    return [name for name, _b in pairs if found.get(name)], unknown
 
 
 def newer_than(backend: Backend, cid: CheckpointId) -> CheckpointId | None:

@@ -14,7 +14,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from tierckpt import config
 from tierckpt._version import __version__
-from tierckpt.catalog import newer_than, newest_committed_within, stale_timeline, timeline_for
+from tierckpt.catalog import (
+    committed_within,
+    newer_than,
+    newest_committed_within,
+    stale_timeline,
+    timeline_for,
+)
 from tierckpt.dcp._common import METADATA_VERSION, dcp_metadata_name
 from tierckpt.dcp._metadata import _RankShards, _ShardOnTier
 from tierckpt.errors import (
@@ -58,10 +64,17 @@ def choose_timeline(
             newest = last
         timeline = timeline_for(step, newest)
         there_on = newest.timeline if newest is not None else timeline
-    name = manifest_name(step, timeline=there_on)
-    # a tier that did not answer is not asked again here (it may hang): the check before the
-    # commit refuses a newer checkpoint there, and a manifest there is never overwritten
-    there = [t for t in tiers if t.name not in unconfirmed and t.backend.exists(name)]
+    # a tier that did not answer is not asked again here (it may hang), nor is one waited
+    # for longer than the listing: each copy's start refuses a step committed there, and the
+    # check before the commit a newer checkpoint (an outage must not cost the other tiers
+    # their copy: before, a hung store failed the whole save after its timeouts)
+    there_names, silent = committed_within(
+        [(t.name, t.backend) for t in tiers if t.name not in unconfirmed],
+        CheckpointId(step, there_on),
+        config.lease_wait_s(),
+    )
+    unconfirmed |= silent
+    there = [t for t in tiers if t.name in there_names]
     if there and not overwrite:
         t = there[0]
         raise CheckpointExists(

@@ -398,6 +398,10 @@ class TierWriter(PipelineOwner, StorageWriter):
         self._job = job
         pipeline.acquire_leases(job)  # WriterConflict when another live writer is there
         pipeline.submit(job)
+        # DCP's save returns once the shards are written: a tier that makes no progress for
+        # save_deadline (a short grace if it failed before) has its copy given up meanwhile,
+        # as in Checkpointer.wait(), so an outage of one tier does not hold the others'
+        pipeline.wait_job(job)
         errors: dict[str, str] = {}
         for t in tiers:
             try:

@@ -205,6 +205,19 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
                     break
             self._give_up_stalled(drain=True)
 
+    def wait_job(self, job: SaveJob) -> None:
+        """Wait until every tier of ``job`` is done with it (its handle says how); meanwhile a
+        tier that makes no progress for ``save_deadline`` seconds has its copies that have not
+        started committing given up, as in :meth:`drain`."""
+        poll = min(1.0, self.save_deadline / 4)
+        events = job.handle._tier_events
+        while True:
+            pending = [name for name in job.handle.tiers if not events[name].is_set()]
+            if not pending:
+                return
+            if not events[pending[0]].wait(poll):
+                self._give_up_stalled(drain=True)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -1,0 +1,127 @@
+"""An S3 outage behind the local disk must not cost a ``tierckpt.dcp`` save its local copy.
+
+``dcp.save`` through a ``TierWriter`` of a local folder and S3 is synchronous: it returns once
+the shards are written and each tier's manifest is committed. While S3 holds every request
+(an outage that hangs instead of failing), before this was fixed, every such save checked S3
+for an existing copy of its step at DCP's global plan, waited out that request's timeouts and
+retries (60 s with S3's defaults), and then raised ``CheckpointException``: nothing of the
+save was committed, not even on the local disk that worked all along (training that catches
+the error goes on with no new checkpoint; training that does not, stops).
+
+Now the check waits for each tier at most ``TIERCKPT_LEASE_WAIT_S`` (a tier that does not tell
+is checked again before its own commit, and its copy's start refuses a committed step), and
+``dcp.save`` gives up a tier's copy that makes no progress for the writer's ``save_deadline``
+(a tier presumed down gets a short grace), as ``Checkpointer.wait()`` does: the local copy
+commits, the save returns, and once S3 answers a later save commits there again.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rel_util import Recorder
+
+from tierckpt import Checkpointer, LocalTier, S3Tier
+from tierckpt.testing.faultproxy import Fault, FaultProxy
+
+#: every request held, never answered
+BLACKHOLE = [Fault("stall", seconds=600)]
+#: the wait for a tier's answer at the plan (TIERCKPT_LEASE_WAIT_S)
+WAIT_S = 1.0
+#: the writer's save_deadline: a stalled tier's copy is given up after this (or the grace)
+DEADLINE_S = 3.0
+#: slack for a loaded 2-core machine
+SLACK_S = 8.0
+
+
+def _w(step: int) -> torch.Tensor:
+    return torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
+
+
+def _s3(bucket: str, endpoint: str) -> S3Tier:
+    # a held request: 2 attempts x 10 s before it gives up
+    return S3Tier(
+        f"s3://{bucket}/run",
+        endpoint_url=endpoint,
+        codec="raw",
+        connect_timeout=1,
+        read_timeout=10,
+        max_attempts=2,
+        keep_last=2,
+    )
+
+
+def _committed(tier: Any) -> list[tuple[int, int]]:
+    with Checkpointer([tier]) as ck:
+        return [(c.step, c.timeline) for c in ck.checkpoints()]
+
+
+def _load(tier: Any, step: int | None = None) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierReader
+
+    got = {"w": torch.empty(256, 64)}
+    dcp.load(got, storage_reader=TierReader([tier], step), no_dist=True)
+    return got["w"]
+
+
+@pytest.mark.s3
+def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    record: Recorder,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
+    bucket = str(s3_bucket(moto_server))
+    local = LocalTier(tmp_path / "nvme", keep_last=3)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        w = TierWriter([local, _s3(bucket, proxy.endpoint_url)], 1)
+        w.save_deadline = DEADLINE_S
+        with w:
+            dcp.save({"w": _w(1)}, storage_writer=w, no_dist=True)
+            assert _committed(_s3(bucket, moto_server.endpoint_url)) == [(1, 0)]
+            proxy.set_faults(BLACKHOLE)  # S3 now holds every request
+            took: list[float] = []
+            for step in (2, 3):
+                w.reset(str(step))
+                t0 = time.monotonic()
+                dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)  # must not raise
+                took.append(time.monotonic() - t0)
+                assert took[-1] <= WAIT_S + DEADLINE_S + SLACK_S, took
+                assert (step, 0) in _committed(LocalTier(tmp_path / "nvme")), step
+            proxy.set_faults([])  # S3 answers again
+            # the held requests of the outage end with their timeouts; a save after that
+            # commits on S3 again (the ones before it are given up at once)
+            step, end = 4, time.monotonic() + 120
+            while (step - 1, 0) not in _committed(_s3(bucket, moto_server.endpoint_url)):
+                assert time.monotonic() < end, "S3 never took a save again"
+                if step > 4:
+                    time.sleep(2)
+                w.reset(str(step))
+                dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)
+                step += 1
+            last = step - 1
+    on_s3 = _committed(_s3(bucket, moto_server.endpoint_url))
+    assert (2, 0) not in on_s3 and (3, 0) not in on_s3, on_s3  # given up: never committed
+    assert torch.equal(_load(_s3(bucket, moto_server.endpoint_url)), _w(last))
+    assert torch.equal(_load(LocalTier(tmp_path / "nvme"), 3), _w(3))
+    record(
+        "outages",
+        "tierckpt.dcp: S3 holds every request (local + S3 writer, save_deadline "
+        f"{DEADLINE_S:.0f} s) after a first save committed on both",
+        f"dcp.save of steps 2 and 3 returned after {took[0]:.1f} and {took[1]:.1f} s, each "
+        f"committed locally (loads bit-exact), never on S3; once S3 answered, step {last} "
+        "committed there and DCP loads it from S3",
+        took_s=[round(t, 2) for t in took],
+    )
