@@ -272,6 +272,16 @@ FIXED += [
         "dcp/_writer.py, pipeline/_pipeline.py (wait_job)",
         ["test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns"],
     ),
+    (
+        "A restart during an S3 outage (every request held) waited out S3's listing (about a "
+        "minute with the defaults; DCP's TierReader two, reading S3's manifest too) before it "
+        "loaded the checkpoint its local disk held",
+        "tierckpt/catalog.py (list_tiers), checkpointer/_loading.py, dcp/_reader.py",
+        [
+            "test_a_restart_during_an_s3_outage_loads_the_local_checkpoint_after_the_wait",
+            "test_a_load_waits_for_a_slow_tier_that_is_the_only_one_with_a_checkpoint",
+        ],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested

@@ -9,13 +9,14 @@ Retention and garbage collection (:mod:`tierckpt.retention`) act on what this mo
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from tierckpt.backends.base import Backend
 from tierckpt.errors import StaleTimeline, TierCkptError, TiersUnreadable
@@ -154,6 +155,51 @@ def lineage(ids: Sequence[CheckpointId], start: CheckpointId | None = None) -> l
     return out
 
 
+class _Asking(Generic[T]):
+    """``ask(backend)`` of each ``(name, backend)``, each on a thread of its own (daemon, in a
+    copy of the caller's context: :func:`listed_once` applies there too), started at once."""
+
+    def __init__(self, tiers: Iterable[tuple[str, Backend]], ask: Callable[[Backend], T]):
+        self.pairs = list(tiers)
+        self._got: dict[str, tuple[bool, Any]] = {}
+        self._threads = [
+            threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(self._one, ask, name, backend),
+                name=f"tierckpt-ask-{name}",
+                daemon=True,
+            )
+            for name, backend in self.pairs
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _one(self, ask: Callable[[Backend], T], name: str, backend: Backend) -> None:
+        try:
+            self._got[name] = (True, ask(backend))
+        except BaseException as exc:
+            self._got[name] = (False, exc)
+
+    def wait(self, seconds: float | None) -> None:
+        """Until every tier answered, or ``seconds`` passed (None: no limit)."""
+        end = None if seconds is None else time.monotonic() + seconds
+        for t in self._threads:
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
+
+    def results(self) -> tuple[dict[str, T], dict[str, BaseException | None]]:
+        """The answers by tier name, and the tiers that did not tell, with their error
+        (None: no answer yet; a call that goes on in the background is not used)."""
+        answers: dict[str, T] = {}
+        silent: dict[str, BaseException | None] = {}
+        for name, _backend in self.pairs:
+            result = self._got.get(name)  # read once: a late answer may still set it
+            if result is not None and result[0]:
+                answers[name] = result[1]
+            else:
+                silent[name] = None if result is None else result[1]
+        return answers, silent
+
+
 def ask_within(
     tiers: Iterable[tuple[str, Backend]], ask: Callable[[Backend], T], wait: float
 ) -> tuple[dict[str, T], dict[str, BaseException | None]]:
@@ -161,33 +207,9 @@ def ask_within(
     most ``wait`` seconds in all: the answers by tier name, and the tiers that did not tell,
     with their error (None: no answer in time; a store that hangs, whose call goes on in the
     background and is not used)."""
-    pairs = list(tiers)
-    got: dict[str, tuple[bool, Any]] = {}
-
-    def one(name: str, backend: Backend) -> None:
-        try:
-            got[name] = (True, ask(backend))
-        except BaseException as exc:
-            got[name] = (False, exc)
-
-    threads = [
-        threading.Thread(target=one, args=pair, name=f"tierckpt-ask-{pair[0]}", daemon=True)
-        for pair in pairs
-    ]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + wait
-    for t in threads:
-        t.join(max(0.0, end - time.monotonic()))
-    answers: dict[str, T] = {}
-    silent: dict[str, BaseException | None] = {}
-    for name, _backend in pairs:
-        result = got.get(name)  # read once: a late answer may still set it
-        if result is not None and result[0]:
-            answers[name] = result[1]
-        else:
-            silent[name] = None if result is None else result[1]
-    return answers, silent
+    asking = _Asking(tiers, ask)
+    asking.wait(wait)
+    return asking.results()
 
 
 def _left_out(
@@ -309,19 +331,44 @@ def timeline_for(step: int, newest: CheckpointId | None) -> int:
 
 
 def list_tiers(
-    tiers: Iterable[tuple[str, Backend]],
+    tiers: Iterable[tuple[str, Backend]], wait: float | None = None
 ) -> tuple[dict[str, list[CheckpointId]], dict[str, str]]:
-    """Each tier's committed checkpoints (:func:`committed_ids`) by name, and the tiers that
-    could not be listed with why (logged; their list is empty). A reader that finds nothing
-    while the second is not empty raises :func:`unreadable`, not ``CheckpointNotFound``."""
+    """Each tier's committed checkpoints (:func:`committed_ids`) by name, each tier listed on
+    a thread of its own, and the tiers that could not be listed with why (logged; their list
+    is empty). A reader that finds nothing while the second is not empty raises
+    :func:`unreadable`, not ``CheckpointNotFound``.
+
+    ``wait`` (a load's): a tier that has not answered after ``wait`` seconds is left out
+    where another tier listed a checkpoint (a store that hangs must not hold a restart for
+    its timeouts and retries while the local disk holds the checkpoint); where none did, it
+    is waited for to the end, as it is the only place one may be."""
+    asking = _Asking(tiers, committed_ids)
+    asking.wait(wait)
+    listed, silent = asking.results()
+    if wait is not None and None in silent.values() and not any(listed.values()):
+        asking.wait(None)
+        listed, silent = asking.results()
     listing: dict[str, list[CheckpointId]] = {}
     unlisted: dict[str, str] = {}
-    for name, backend in tiers:
-        try:
-            listing[name] = committed_ids(backend)
-        except TierCkptError as exc:
+    for name, _backend in asking.pairs:
+        if name in listed:
+            listing[name] = listed[name]
+            continue
+        exc = silent[name]
+        if exc is None:
+            why = f"it did not answer its listing within {wait:g} s (TIERCKPT_LEASE_WAIT_S)"
+            log.warning(
+                "tier %s left out of this load: %s; the newest checkpoint of the other tiers "
+                "is loaded (that tier may hold a newer one)",
+                name,
+                why,
+            )
+        elif isinstance(exc, TierCkptError):
+            why = str(exc)
             log.warning("cannot list tier %s: %s", name, exc)
-            listing[name], unlisted[name] = [], str(exc)
+        else:
+            raise exc
+        listing[name], unlisted[name] = [], why
     return listing, unlisted
 
 

@@ -84,7 +84,7 @@ def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
 
     monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
     bucket = str(s3_bucket(moto_server))
-    local = LocalTier(tmp_path / "nvme", keep_last=3)
+    local = LocalTier(tmp_path / "nvme", keep_last=50)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         w = TierWriter([local, _s3(bucket, proxy.endpoint_url)], 1)
         w.save_deadline = DEADLINE_S

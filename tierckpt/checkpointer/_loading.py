@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from tierckpt import config
 from tierckpt.arena import HostArena
 from tierckpt.catalog import (
     committed_ids,
@@ -157,7 +158,8 @@ def _load_once(
             chosen = ctx.prepare_load(step, timeline)
             if chosen is not None and step is None:
                 step, timeline = chosen.step, chosen.timeline
-        listing, unlisted = list_tiers((t.name, t.backend) for t in tiers)
+        # a hung tier is left out after the wait where another holds a checkpoint
+        listing, unlisted = list_tiers(((t.name, t.backend) for t in tiers), config.lease_wait_s())
     all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
     if timeline is not None:
         all_ids = [c for c in all_ids if c.timeline == timeline]

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tierckpt import config
 from tierckpt.catalog import list_tiers, unreadable
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
@@ -76,6 +77,10 @@ class TierReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._tiers = _runtimes(self.policy)
         self._holders: list[tuple[Tier, Manifest]] = []
+        #: the last listing: what each tier that could be listed holds, and why the others
+        #: could not be
+        self._listed: dict[str, set[CheckpointId]] = {}
+        self._unlisted: dict[str, str] = {}
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.loaded_step: int | None = None
         #: the checkpoint read (its step and timeline)
@@ -114,6 +119,8 @@ class TierReader(StorageReader):
         md: Metadata | None = None
         self._holders = []
         for t in self._tiers:
+            if cid not in self._listed.get(t.name, ()):
+                continue  # not committed there, or not listed (a hung store): not asked
             try:
                 m = read_manifest(t.backend, step, t.name, timeline=cid.timeline)
                 if md is None:
@@ -156,7 +163,10 @@ class TierReader(StorageReader):
         return decode_metadata(blob, where=f"{where}/{name}")
 
     def _listing(self) -> list[CheckpointId]:
-        listing, self._unlisted = list_tiers((t.name, t.backend) for t in self._tiers)
+        listing, self._unlisted = list_tiers(
+            ((t.name, t.backend) for t in self._tiers), config.lease_wait_s()
+        )
+        self._listed = {n: set(ids) for n, ids in listing.items() if n not in self._unlisted}
         return sorted({c for ids in listing.values() for c in ids}, reverse=True)
 
     def _id_of_step(self, step: int) -> CheckpointId:

@@ -1,0 +1,146 @@
+"""A restart during an S3 outage loads from the local disk without waiting out S3's timeouts.
+
+``load()`` of the newest checkpoint lists every tier. The tiers were listed one after another,
+each with its store's timeouts and retries: while S3 held every request, a restarted job whose
+local disk held the checkpoint waited about a minute per rank before its load began (DCP's
+``TierReader``: two minutes, as it also read S3's manifest of the step). Now the tiers are
+listed at once; a tier that has not answered after ``TIERCKPT_LEASE_WAIT_S`` is left out
+(logged) where another tier listed a checkpoint, and waited for to the end where none did: it
+is then the only place a checkpoint may be (a new node restoring from S3).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rel_util import Recorder
+
+from tierckpt import Checkpointer, LocalTier, S3Tier
+from tierckpt.testing.faultproxy import Fault, FaultProxy
+
+#: every request held, never answered
+BLACKHOLE = [Fault("stall", seconds=600)]
+#: how long a load waits for a tier's listing (TIERCKPT_LEASE_WAIT_S)
+WAIT_S = 1.0
+#: slack for a loaded 2-core machine (a held listing costs 2 x 10 s here)
+SLACK_S = 8.0
+
+
+def _w(step: int) -> torch.Tensor:
+    return torch.randn(128, 64, generator=torch.Generator().manual_seed(step))
+
+
+def _s3(bucket: str, endpoint: str) -> S3Tier:
+    return S3Tier(
+        f"s3://{bucket}/run",
+        endpoint_url=endpoint,
+        codec="raw",
+        connect_timeout=1,
+        read_timeout=10,
+        max_attempts=2,
+    )
+
+
+def _load(kind: str, tiers: list[Any]) -> tuple[int, torch.Tensor]:
+    """The newest checkpoint of ``tiers``, loaded by a fresh reader: (step, weights)."""
+    if kind == "native":
+        with Checkpointer(tiers) as ck:
+            got = ck.load()
+            return int(got["step"]), got["w"]
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierReader
+
+    reader = TierReader(tiers)
+    got = {"w": torch.empty(128, 64)}
+    dcp.load(got, storage_reader=reader, no_dist=True)
+    assert reader.loaded_step is not None
+    return reader.loaded_step, got["w"]
+
+
+def _save(kind: str, tiers: list[Any], steps: list[int]) -> None:
+    if kind == "native":
+        with Checkpointer(tiers) as ck:
+            for s in steps:
+                ck.save({"w": _w(s), "step": s}, s).wait(timeout=60)
+        return
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    with TierWriter(tiers) as w:
+        for s in steps:
+            w.reset(str(s))
+            dcp.save({"w": _w(s)}, storage_writer=w, no_dist=True)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("kind", ["native", "dcp"])
+def test_a_restart_during_an_s3_outage_loads_the_local_checkpoint_after_the_wait(
+    kind: str,
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    record: Recorder,
+) -> None:
+    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
+    bucket = str(s3_bucket(moto_server))
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        tiers = [LocalTier(tmp_path / "nvme"), _s3(bucket, proxy.endpoint_url)]
+        _save(kind, tiers, [1, 2])
+        proxy.set_faults(BLACKHOLE)  # the outage begins; the job restarts
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="tierckpt"):
+            step, w = _load(kind, tiers)
+        took = time.monotonic() - t0
+        assert step == 2
+        assert torch.equal(w, _w(2))
+        assert took <= WAIT_S + SLACK_S, took
+        assert "tier s3 left out of this load" in caplog.text, caplog.text
+        proxy.set_faults([])
+    record(
+        "outages",
+        f"{'Checkpointer.load()' if kind == 'native' else 'DCP TierReader'}: a restart while "
+        "S3 holds every request; the local disk holds step 2 (a held listing: 2 x 10 s)",
+        f"loaded step 2 from the local disk after {took:.1f} s (the wait is {WAIT_S:.0f} s), "
+        "bit-exact; S3 left out with a warning",
+        took_s=round(took, 2),
+    )
+
+
+@pytest.mark.s3
+def test_a_load_waits_for_a_slow_tier_that_is_the_only_one_with_a_checkpoint(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    record: Recorder,
+) -> None:
+    """A new node: the local disk is empty, S3's listing takes longer than the wait."""
+    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
+    bucket = str(s3_bucket(moto_server))
+    _save("native", [_s3(bucket, moto_server.endpoint_url)], [7])
+    delay = 3 * WAIT_S
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        proxy.set_faults(
+            [Fault("delay", method="GET", path_contains="list-type", times=1, seconds=delay)]
+        )
+        t0 = time.monotonic()
+        step, w = _load("native", [LocalTier(tmp_path / "nvme"), _s3(bucket, proxy.endpoint_url)])
+        took = time.monotonic() - t0
+    assert step == 7 and torch.equal(w, _w(7))
+    assert took >= delay, took
+    record(
+        "outages",
+        f"a new node (empty local disk) whose S3 listing takes {delay:.0f} s, longer than the "
+        f"{WAIT_S:.0f} s wait",
+        f"the load waited for S3 ({took:.1f} s) and loaded step 7 from it, bit-exact",
+        took_s=round(took, 2),
+    )
