@@ -15,6 +15,7 @@ import weakref
 
 from tierckpt import config
 from tierckpt.pipeline._base import _PipelineBase
+from tierckpt.pipeline._leases import RELEASE_WAIT_S
 from tierckpt.pipeline._values import _EXIT_ABORT_GRACE_S, DEFAULT_EXIT_TIMEOUT_S, SaveJob
 
 log = logging.getLogger("tierckpt")
@@ -84,7 +85,7 @@ class _ExitMixin(_PipelineBase):
             log.warning("at exit: thread(s) %s still in a storage call; exiting anyway", stuck)
         else:  # nothing of this writer can publish any more: the location is free for the next
             try:
-                self._leases.release_all()
+                self._leases.release_all(RELEASE_WAIT_S)
             except Exception as exc:
                 log.warning("at exit: could not give the writer leases back: %s", exc)
 

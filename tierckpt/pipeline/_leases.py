@@ -29,6 +29,9 @@ from tierckpt.reported import RETENTION, report_once
 
 log = logging.getLogger("tierckpt")
 
+#: how long close() waits to give a lease back (a healthy store answers in milliseconds)
+RELEASE_WAIT_S = 10.0
+
 #: hands a lease request to a tier's thread: (tier, job, future set with the outcome)
 LeaseRequest = Callable[[Tier, SaveJob, "Future[BaseException | None]"], None]
 
@@ -156,13 +159,37 @@ class Leases:
             return False
         return True
 
-    def release_all(self) -> None:
+    def release_all(self, wait: float | None = None) -> None:
         """Delete this writer's leases that are still its own (close, exit), then let its
-        lock files go: from then on it writes nothing, whatever a lease left behind says."""
+        lock files go: from then on it writes nothing, whatever a lease left behind says.
+
+        ``wait``: each lease is given back on a thread of its own, waited for at most that
+        long in all (a store that does not answer must not hold ``close()`` for its timeouts
+        and retries); one not given back by then is left to expire after its ttl (logged)."""
         with self._lock:
             leases = list(self._table.values())
             locks = list(self._live.values())
-        for lease in leases:
-            lease.release()
+        if wait is None:
+            for lease in leases:
+                lease.release()
+        else:
+            threads = [
+                threading.Thread(target=lease.release, name="tierckpt-release", daemon=True)
+                for lease in leases
+            ]
+            for th in threads:
+                th.start()
+            end = time.monotonic() + wait
+            for th, lease in zip(threads, leases, strict=True):
+                th.join(max(0.0, end - time.monotonic()))
+                if th.is_alive():
+                    log.warning(
+                        "%s: this writer's lease was not given back within %.0f s (the store "
+                        "does not answer); it expires after its ttl (%.0f s), which a new "
+                        "writer there waits for",
+                        lease.where,
+                        wait,
+                        lease.ttl,
+                    )
         for live in locks:
             live.release()

@@ -23,7 +23,7 @@ from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._capture import _CaptureMixin
 from tierckpt.pipeline._exit import _ExitMixin, _live, _track
 from tierckpt.pipeline._layoutcache import LayoutCache
-from tierckpt.pipeline._leases import Leases
+from tierckpt.pipeline._leases import RELEASE_WAIT_S, Leases
 from tierckpt.pipeline._prebuild import ArenaPrebuild
 from tierckpt.pipeline._tiers import _TiersMixin
 from tierckpt.pipeline._values import (
@@ -173,8 +173,9 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
             self._tier_q[tier.name].put(("retain", job, None))
 
     def release_leases(self) -> None:
-        """Delete this writer's leases that are still its own (close, exit)."""
-        self._leases.release_all()
+        """Delete this writer's leases that are still its own (close, exit); one whose store
+        does not answer within ``RELEASE_WAIT_S`` is left to expire after its ttl."""
+        self._leases.release_all(RELEASE_WAIT_S)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per tier, how many copies committed, failed, were skipped or given up."""
