@@ -157,22 +157,28 @@ def lineage(ids: Sequence[CheckpointId], start: CheckpointId | None = None) -> l
 
 class _Asking(Generic[T]):
     """``ask(backend)`` of each ``(name, backend)``, each on a thread of its own (daemon, in a
-    copy of the caller's context: :func:`listed_once` applies there too), started at once."""
+    copy of the caller's context: :func:`listed_once` applies there too), started at once;
+    ``inline``: one after another on the caller's thread instead."""
 
-    def __init__(self, tiers: Iterable[tuple[str, Backend]], ask: Callable[[Backend], T]):
+    def __init__(
+        self, tiers: Iterable[tuple[str, Backend]], ask: Callable[[Backend], T], *, inline: bool
+    ):
         self.pairs = list(tiers)
         self._got: dict[str, tuple[bool, Any]] = {}
-        self._threads = [
-            threading.Thread(
+        self._threads: list[threading.Thread] = []
+        if inline:  # asked on this thread, to the end
+            for name, backend in self.pairs:
+                self._one(ask, name, backend)
+            return
+        for name, backend in self.pairs:
+            th = threading.Thread(
                 target=contextvars.copy_context().run,
                 args=(self._one, ask, name, backend),
                 name=f"tierckpt-ask-{name}",
                 daemon=True,
             )
-            for name, backend in self.pairs
-        ]
-        for t in self._threads:
-            t.start()
+            th.start()
+            self._threads.append(th)
 
     def _one(self, ask: Callable[[Backend], T], name: str, backend: Backend) -> None:
         try:
@@ -207,7 +213,7 @@ def ask_within(
     most ``wait`` seconds in all: the answers by tier name, and the tiers that did not tell,
     with their error (None: no answer in time; a store that hangs, whose call goes on in the
     background and is not used)."""
-    asking = _Asking(tiers, ask)
+    asking = _Asking(tiers, ask, inline=False)
     asking.wait(wait)
     return asking.results()
 
@@ -342,7 +348,9 @@ def list_tiers(
     where another tier listed a checkpoint (a store that hangs must not hold a restart for
     its timeouts and retries while the local disk holds the checkpoint); where none did, it
     is waited for to the end, as it is the only place one may be."""
-    asking = _Asking(tiers, committed_ids)
+    pairs = list(tiers)
+    # one tier: nothing to go on without, so no thread to start (a load's first step)
+    asking = _Asking(pairs, committed_ids, inline=len(pairs) == 1)
     asking.wait(wait)
     listed, silent = asking.results()
     if wait is not None and None in silent.values() and not any(listed.values()):
