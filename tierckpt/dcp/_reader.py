@@ -40,7 +40,7 @@ from tierckpt.errors import (
     CorruptCheckpoint,
     FormatError,
 )
-from tierckpt.format import CheckpointId, Manifest, checksum
+from tierckpt.format import CheckpointId, Manifest, checksum, manifest_name
 from tierckpt.pipeline import Tier
 from tierckpt.policy import TierPolicy
 from tierckpt.restore import (
@@ -49,6 +49,11 @@ from tierckpt.restore import (
 )
 
 log = logging.getLogger("tierckpt")
+
+
+#: a single process's load of the newest step: how often it lists again when the step it
+#: chose was deleted before its metadata was read (as Checkpointer.load)
+LIST_ATTEMPTS = 5
 
 
 class TierReader(StorageReader):
@@ -113,8 +118,31 @@ class TierReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointNotFound("tierckpt DCP checkpoints hold global metadata only")
-        cid = self._newest_id() if self.step is None else self._id_of_step(self.step)
-        step = cid.step
+        for attempt in range(LIST_ATTEMPTS):
+            cid = self._newest_id() if self.step is None else self._id_of_step(self.step)
+            md, errors = self._metadata_of(cid)
+            if md is not None:
+                break
+            if errors or self.step is not None or attempt == LIST_ATTEMPTS - 1 or _distributed():
+                raise CheckpointNotFound(
+                    f"DCP {cid} is not readable on any tier "
+                    f"({', '.join(t.name for t in self._tiers)})"
+                    + (": " + "; ".join(errors) if errors else "")
+                )
+            # the newest checkpoint listed was deleted since (a writer's keep_last): list again
+            log.info("DCP load: %s was deleted since it was listed; listing again", cid)
+        assert md is not None  # the loop ends with it or raises
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        self.loaded_step = cid.step
+        self.loaded_id = cid
+        return md
+
+    def _metadata_of(self, cid: CheckpointId) -> tuple[Metadata | None, list[str]]:
+        """``cid``'s DCP metadata from the first tier whose listing holds it that can read it
+        (None if none), and why others could not; the tiers holding it are kept for the
+        reads (``_holders``)."""
         errors: list[str] = []
         md: Metadata | None = None
         self._holders = []
@@ -122,7 +150,7 @@ class TierReader(StorageReader):
             if cid not in self._listed.get(t.name, ()):
                 continue  # not committed there, or not listed (a hung store): not asked
             try:
-                m = read_manifest(t.backend, step, t.name, timeline=cid.timeline)
+                m = read_manifest(t.backend, cid.step, t.name, timeline=cid.timeline)
                 if md is None:
                     md = self._read_metadata_object(t, m)
                 self._holders.append((t, m))
@@ -133,18 +161,7 @@ class TierReader(StorageReader):
                     raise
                 errors.append(f"tier {t.name!r}: {exc}")
                 log.warning("DCP metadata of %s on tier %s unreadable: %s", cid, t.name, exc)
-        if md is None:
-            raise CheckpointNotFound(
-                f"DCP {cid} is not readable on any tier "
-                f"({', '.join(t.name for t in self._tiers)})"
-                + (": " + "; ".join(errors) if errors else "")
-            )
-        if md.storage_meta is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        self.loaded_step = step
-        self.loaded_id = cid
-        return md
+        return md, errors
 
     def _read_metadata_object(self, t: Tier, m: Manifest) -> Metadata:
         where = f"tier {t.name!r} {t.backend.url}"
@@ -270,10 +287,33 @@ class TierReader(StorageReader):
                     t.name,
                     exc,
                 )
+        why = "; ".join(errors) or "no tier holds it"
+        if self._holders and not any(_still_committed(t, m) for t, m in self._holders):
+            # not damage: a writer's retention (keep_last) removed it after it was chosen
+            names = ", ".join(repr(t.name) for t, _m in self._holders)
+            raise CheckpointNotFound(
+                f"DCP {self.loaded_id} was deleted from tier(s) {names} while it was being "
+                "read (the retention of a writer that committed a newer checkpoint, e.g. "
+                "keep_last): nothing is wrong with the stored checkpoints; load again to read "
+                f"the newest ({why})"
+            )
         raise CorruptCheckpoint(
-            f"no readable copy of rank {rank}'s shard of {self.loaded_id}: "
-            + ("; ".join(errors) or "no tier holds it")
+            f"no readable copy of rank {rank}'s shard of {self.loaded_id}: {why}"
         )
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _still_committed(t: Tier, m: Manifest) -> bool:
+    """Whether ``m``'s checkpoint is still committed on ``t`` (True where that cannot be told)."""
+    try:
+        return t.backend.exists(manifest_name(m.step, timeline=m.timeline))
+    except Exception:
+        return True
 
 
 def _direct_targets(
