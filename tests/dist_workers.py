@@ -1025,3 +1025,46 @@ def w_agree_older(rank: int, world: int, root: str) -> dict[str, Any]:
         dist.barrier()
         got = ck.load(fallback="previous")
         return {"diff": same(got, rank_state(rank, 1))}
+
+
+def w_dcp_s3_outage(rank: int, world: int, root: str, endpoint: str, bucket: str) -> dict[str, Any]:
+    """Every rank: ``dcp.save`` of step 1 through a ``TierWriter`` of a shared local folder and
+    an S3 prefix (the test's fault proxy); then, once the test holds every S3 request (it is
+    told by ``step1-done``, and says ``outage-on``), steps 2 and 3: how long each save took,
+    what the local folder committed, and whether each rank loads its step 3 back."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierReader, TierWriter
+
+    s3 = S3Tier(
+        f"s3://{bucket}/run",
+        endpoint_url=endpoint,
+        connect_timeout=1,
+        read_timeout=10,
+        max_attempts=2,
+    )
+    local = os.path.join(root, "shared")
+    out: dict[str, Any] = {"took": []}
+    w = TierWriter([LocalTier(local), s3])
+    w.save_deadline = 2.0
+    for step in (1, 2, 3):
+        if step == 2:
+            dist.barrier()
+            if rank == 0:
+                Path(root, "step1-done").touch()
+            end = time.monotonic() + 60
+            while not Path(root, "outage-on").exists():
+                assert time.monotonic() < end, "the test never started the outage"
+                time.sleep(0.05)
+        t0 = time.monotonic()
+        w.reset(str(step))
+        dcp.save({f"w{rank}": torch.full((256, 64), float(10 * step + rank))}, storage_writer=w)
+        out["took"].append(time.monotonic() - t0)
+    w.close()
+    dist.barrier()
+    with Checkpointer([LocalTier(local)]) as ck:
+        out["local"] = [[c.step, c.timeline] for c in ck.checkpoints()]
+    got = {f"w{rank}": torch.empty(256, 64)}
+    dcp.load(got, storage_reader=TierReader([LocalTier(local)]))
+    out["loaded_ok"] = bool(torch.equal(got[f"w{rank}"], torch.full((256, 64), float(30 + rank))))
+    return out

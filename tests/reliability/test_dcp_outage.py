@@ -125,3 +125,64 @@ def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
         "committed there and DCP loads it from S3",
         took_s=[round(t, 2) for t in took],
     )
+
+
+@pytest.mark.s3
+@pytest.mark.distributed
+def test_two_dcp_ranks_commit_locally_during_an_s3_outage(
+    tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
+) -> None:
+    """2 ranks (gloo), a shared local folder and S3 behind the fault proxy: step 1 commits on
+    both; then S3 holds every request: steps 2 and 3 commit on the local folder (each rank's
+    S3 copy given up at the deadline), and each rank loads its step 3 back from it."""
+    import threading
+
+    import dist_workers
+
+    bucket = str(s3_bucket(moto_server))
+    res: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run_ranks(endpoint: str) -> None:
+        try:
+            res.extend(
+                dist_workers.run(
+                    "w_dcp_s3_outage",
+                    2,
+                    root=str(tmp_path),
+                    endpoint=endpoint,
+                    bucket=bucket,
+                    env={"TIERCKPT_LEASE_WAIT_S": str(WAIT_S)},
+                    timeout=300,
+                )
+            )
+        except BaseException as exc:
+            failed.append(exc)
+
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        runner = threading.Thread(target=run_ranks, args=(proxy.endpoint_url,))
+        runner.start()
+        end = time.monotonic() + 240
+        while not (tmp_path / "step1-done").exists():
+            assert runner.is_alive() and time.monotonic() < end, "step 1 never finished"
+            time.sleep(0.05)
+        proxy.set_faults(BLACKHOLE)
+        (tmp_path / "outage-on").touch()
+        runner.join(300)
+        assert not runner.is_alive()
+    assert not failed, failed
+    assert len(res) == 2, res
+    for rank, r in enumerate(res):
+        assert r["local"] == [[1, 0], [2, 0], [3, 0]], (rank, r)
+        assert r["loaded_ok"], (rank, r)
+        assert all(t <= WAIT_S + 2.0 + SLACK_S for t in r["took"][1:]), (rank, r["took"])
+    assert _committed(_s3(bucket, moto_server.endpoint_url)) == [(1, 0)]
+    took = [round(t, 1) for r in res for t in r["took"][1:]]
+    record(
+        "outages",
+        "tierckpt.dcp, 2 ranks (gloo): S3 holds every request after step 1 committed on both "
+        "(shared local folder + S3, save_deadline 2 s)",
+        f"dcp.save of steps 2 and 3 returned after {took} s (rank 0, then rank 1), both "
+        "committed on the local folder and loaded back by each rank; S3 keeps step 1",
+        took_s=took,
+    )
