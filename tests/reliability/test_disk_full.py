@@ -243,3 +243,47 @@ def test_restore_from_s3_onto_a_full_local_disk(
         f"restore from S3 repopulating a full local tier ({where})",
         "restored bit-exact from S3; repopulation dropped with a warning, no temp file left",
     )
+
+
+def test_a_dcp_save_on_a_full_disk_says_why_and_the_disk_frees_itself(
+    tmpfs: Path, record: Recorder
+) -> None:
+    """``tierckpt.dcp`` on an 8 MiB tmpfs filled by a run that kept every step: the save that
+    finds the disk full raises naming ENOSPC (before: only "committed on no tier"), runs
+    retention anyway, and a writer with ``keep_last=2`` commits its next save."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierReader, TierWriter
+
+    def save(tiers: list[Any], step: int) -> str | None:
+        with TierWriter(tiers, step) as w:
+            try:
+                dcp.save({"w": _state(step)["w"]}, storage_writer=w, no_dist=True)
+            except BaseException as exc:  # DCP wraps it in CheckpointException
+                return str(exc)
+        return None
+
+    step = 1
+    while save([LocalTier(tmpfs, keep_last=None)], step) is None:
+        step += 1
+        assert step < 40, "the disk never filled up"
+    full = step
+    with Checkpointer([LocalTier(tmpfs)]) as ck:
+        kept = ck.steps()
+    assert kept == list(range(1, full)), kept
+    err = save([LocalTier(tmpfs, keep_last=2)], full + 1)  # the disk is still full
+    assert err is not None and "No space left" in err, err
+    assert save([LocalTier(tmpfs, keep_last=2)], full + 2) is None  # retention freed it
+    with Checkpointer([LocalTier(tmpfs)]) as ck:
+        after = ck.steps()
+    assert after[-1] == full + 2, after
+    got = {"w": torch.empty_like(_state(full + 2)["w"])}
+    dcp.load(got, storage_reader=TierReader([LocalTier(tmpfs)]), no_dist=True)
+    assert torch.equal(got["w"], _state(full + 2)["w"])
+    record(
+        "disk_full",
+        "tierckpt.dcp: a local disk (8 MiB tmpfs) full of steps 1-"
+        f"{full - 1}; a writer with keep_last=2 saves",
+        f"step {full + 1} raised naming ENOSPC and ran retention; step {full + 2} committed "
+        f"(steps {after} on the disk)",
+    )

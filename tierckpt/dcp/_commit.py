@@ -157,7 +157,10 @@ def commit_all(
     for t in tiers:
         missing = [r for r in range(world) if t.name not in shards[r].tiers]
         if len(missing) == world:
-            continue  # this tier did not take part in this save
+            errs = [shards[r].errors[t.name] for r in missing if t.name in shards[r].errors]
+            if errs:  # its copies failed on every rank (each logged where it failed)
+                failed[t.name] = CheckpointFailed(errs[0])
+            continue  # else this tier did not take part in this save
         if missing:
             why = {r: shards[r].errors.get(t.name, "?") for r in missing[:3]}
             failed[t.name] = CheckpointFailed(f"ranks {missing[:10]} failed there: {why}")
@@ -186,7 +189,11 @@ def commit_all(
             continue
         retain(t)
     if not committed:
-        raise CheckpointFailed(f"DCP step {cid.step} was committed on no tier", failed)
+        causes = "; ".join(f"{name}: {exc}" for name, exc in failed.items())
+        raise CheckpointFailed(
+            f"DCP step {cid.step} was committed on no tier" + (f" ({causes})" if causes else ""),
+            failed,
+        )
 
 
 def commit_tier(
