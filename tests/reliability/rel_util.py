@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tierckpt import Checkpointer, S3Tier
 from tierckpt.backends.base import Backend
 from tierckpt.format import (
     FOOTER_SIZE,
@@ -30,14 +31,18 @@ from tierckpt.format import (
     shard_name,
     with_counts,
 )
+from tierckpt.testing.faultproxy import Fault
 
 __all__ = [
+    "BLACKHOLE",
     "RssSampler",
     "Recorder",
+    "committed",
     "fd_count",
     "fd_kinds",
     "library_threads",
     "fs_snapshot",
+    "held_s3",
     "local_leftovers",
     "read_shard_parts",
     "replace_object",
@@ -282,6 +287,31 @@ def fs_snapshot(root: Path) -> dict[str, tuple[int, int]]:
             st = os.lstat(p)
             out[os.path.relpath(p, root)] = (st.st_size if n in files else -1, st.st_mtime_ns)
     return out
+
+
+# -- S3 outages -----------------------------------------------------------------------------
+
+#: every request held by the fault proxy, never answered (a store that hangs)
+BLACKHOLE = [Fault("stall", seconds=600)]
+
+
+def held_s3(bucket: str, endpoint: str, **kw: Any) -> S3Tier:
+    """``s3://<bucket>/run`` (raw chunks) whose one held request costs 2 attempts x 10 s
+    before it gives up; ``kw``: other tier options."""
+    opts: dict[str, Any] = {
+        "codec": "raw",
+        "connect_timeout": 1,
+        "read_timeout": 10,
+        "max_attempts": 2,
+        **kw,
+    }
+    return S3Tier(f"s3://{bucket}/run", endpoint_url=endpoint, **opts)
+
+
+def committed(tier: Any) -> list[tuple[int, int]]:
+    """The checkpoints committed on ``tier``, as (step, timeline)."""
+    with Checkpointer([tier]) as ck:
+        return [(c.step, c.timeline) for c in ck.checkpoints()]
 
 
 # -- outcome records for docs/reliability.md ----------------------------------------------

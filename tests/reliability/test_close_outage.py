@@ -19,13 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from rel_util import Recorder
+from rel_util import BLACKHOLE, Recorder, held_s3
 
 import tierckpt.pipeline._pipeline as pipeline_module
-from tierckpt import Checkpointer, LocalTier, S3Tier
-from tierckpt.testing.faultproxy import Fault, FaultProxy
+from tierckpt import Checkpointer, LocalTier
+from tierckpt.testing.faultproxy import FaultProxy
 
-BLACKHOLE = [Fault("stall", seconds=600)]
 #: the bound on giving a lease back, for this test
 RELEASE_S = 1.0
 #: slack for a loaded 2-core machine (a held lease read costs 2 x 10 s here)
@@ -45,14 +44,7 @@ def test_close_during_an_s3_outage_leaves_the_lease_to_expire_instead_of_waiting
     bucket = str(s3_bucket(moto_server))
     state = {"w": torch.arange(4096, dtype=torch.float32), "step": 1}
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
-        s3 = S3Tier(
-            f"s3://{bucket}/run",
-            endpoint_url=proxy.endpoint_url,
-            connect_timeout=1,
-            read_timeout=10,
-            max_attempts=2,
-        )
-        ck = Checkpointer([LocalTier(tmp_path / "nvme"), s3])
+        ck = Checkpointer([LocalTier(tmp_path / "nvme"), held_s3(bucket, proxy.endpoint_url)])
         ck.save(state, 1).wait(timeout=60)  # both tiers: the writer holds both leases
         ck.wait(retention=True)  # no retention pass left to run (one blocked would be waited for)
         proxy.set_faults(BLACKHOLE)

@@ -23,13 +23,11 @@ from typing import Any
 
 import pytest
 import torch
-from rel_util import Recorder
+from rel_util import BLACKHOLE, Recorder, committed, held_s3
 
-from tierckpt import Checkpointer, LocalTier, S3Tier
-from tierckpt.testing.faultproxy import Fault, FaultProxy
+from tierckpt import LocalTier
+from tierckpt.testing.faultproxy import FaultProxy
 
-#: every request held, never answered
-BLACKHOLE = [Fault("stall", seconds=600)]
 #: the wait for a tier's answer at the plan (TIERCKPT_LEASE_WAIT_S)
 WAIT_S = 1.0
 #: the writer's save_deadline: a stalled tier's copy is given up after this (or the grace)
@@ -40,24 +38,6 @@ SLACK_S = 8.0
 
 def _w(step: int) -> torch.Tensor:
     return torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
-
-
-def _s3(bucket: str, endpoint: str) -> S3Tier:
-    # a held request: 2 attempts x 10 s before it gives up
-    return S3Tier(
-        f"s3://{bucket}/run",
-        endpoint_url=endpoint,
-        codec="raw",
-        connect_timeout=1,
-        read_timeout=10,
-        max_attempts=2,
-        keep_last=2,
-    )
-
-
-def _committed(tier: Any) -> list[tuple[int, int]]:
-    with Checkpointer([tier]) as ck:
-        return [(c.step, c.timeline) for c in ck.checkpoints()]
 
 
 def _load(tier: Any, step: int | None = None) -> torch.Tensor:
@@ -86,11 +66,11 @@ def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
     bucket = str(s3_bucket(moto_server))
     local = LocalTier(tmp_path / "nvme", keep_last=50)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
-        w = TierWriter([local, _s3(bucket, proxy.endpoint_url)], 1)
+        w = TierWriter([local, held_s3(bucket, proxy.endpoint_url)], 1)
         w.save_deadline = DEADLINE_S
         with w:
             dcp.save({"w": _w(1)}, storage_writer=w, no_dist=True)
-            assert _committed(_s3(bucket, moto_server.endpoint_url)) == [(1, 0)]
+            assert committed(held_s3(bucket, moto_server.endpoint_url)) == [(1, 0)]
             proxy.set_faults(BLACKHOLE)  # S3 now holds every request
             took: list[float] = []
             for step in (2, 3):
@@ -99,12 +79,12 @@ def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
                 dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)  # must not raise
                 took.append(time.monotonic() - t0)
                 assert took[-1] <= WAIT_S + DEADLINE_S + SLACK_S, took
-                assert (step, 0) in _committed(LocalTier(tmp_path / "nvme")), step
+                assert (step, 0) in committed(LocalTier(tmp_path / "nvme")), step
             proxy.set_faults([])  # S3 answers again
             # the held requests of the outage end with their timeouts; a save after that
             # commits on S3 again (the ones before it are given up at once)
             step, end = 4, time.monotonic() + 120
-            while (step - 1, 0) not in _committed(_s3(bucket, moto_server.endpoint_url)):
+            while (step - 1, 0) not in committed(held_s3(bucket, moto_server.endpoint_url)):
                 assert time.monotonic() < end, "S3 never took a save again"
                 if step > 4:
                     time.sleep(2)
@@ -112,9 +92,9 @@ def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
                 dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)
                 step += 1
             last = step - 1
-    on_s3 = _committed(_s3(bucket, moto_server.endpoint_url))
+    on_s3 = committed(held_s3(bucket, moto_server.endpoint_url))
     assert (2, 0) not in on_s3 and (3, 0) not in on_s3, on_s3  # given up: never committed
-    assert torch.equal(_load(_s3(bucket, moto_server.endpoint_url)), _w(last))
+    assert torch.equal(_load(held_s3(bucket, moto_server.endpoint_url)), _w(last))
     assert torch.equal(_load(LocalTier(tmp_path / "nvme"), 3), _w(3))
     record(
         "outages",
@@ -176,7 +156,7 @@ def test_two_dcp_ranks_commit_locally_during_an_s3_outage(
         assert r["local"] == [[1, 0], [2, 0], [3, 0]], (rank, r)
         assert r["loaded_ok"], (rank, r)
         assert all(t <= WAIT_S + 2.0 + SLACK_S for t in r["took"][1:]), (rank, r["took"])
-    assert _committed(_s3(bucket, moto_server.endpoint_url)) == [(1, 0)]
+    assert committed(held_s3(bucket, moto_server.endpoint_url)) == [(1, 0)]
     took = [round(t, 1) for r in res for t in r["took"][1:]]
     record(
         "outages",

@@ -31,13 +31,11 @@ import dist_workers
 import pytest
 import torch
 from helpers import assert_same
-from rel_util import Recorder
+from rel_util import BLACKHOLE, Recorder, committed, held_s3
 
-from tierckpt import Checkpointer, CheckpointFailed, LocalTier, S3Tier, StaleTimeline
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, StaleTimeline
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 
-#: every request held, never answered
-BLACKHOLE = [Fault("stall", seconds=600)]
 #: how the first listing of committed checkpoints (GET ?list-type=2&prefix=...) fails: held
 #: (once: the attempt after it answers) or answered with errors (each attempt of one listing)
 FIRST_LISTING = {
@@ -55,25 +53,6 @@ def _state(step: int) -> dict[str, Any]:
     return {"w": torch.randn(256, 64, generator=g), "step": step}
 
 
-def _s3(bucket: str, endpoint: str, **kw: Any) -> S3Tier:
-    # one listing against a held store: 2 attempts x 10 s before it gives up
-    return S3Tier(
-        f"s3://{bucket}/run",
-        endpoint_url=endpoint,
-        codec="raw",
-        connect_timeout=1,
-        read_timeout=10,
-        max_attempts=2,
-        **kw,
-    )
-
-
-def _committed(tier: Any) -> list[tuple[int, int]]:
-    """The checkpoints committed on ``tier``, as (step, timeline)."""
-    with Checkpointer([tier]) as ck:
-        return [(c.step, c.timeline) for c in ck.checkpoints()]
-
-
 @pytest.fixture
 def bucket(moto_server: Any, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh bucket on moto, with the listing and lease waits at ``WAIT_S``."""
@@ -88,7 +67,7 @@ def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(BLACKHOLE)
         with Checkpointer(
-            [LocalTier(tmp_path / "nvme", keep_last=2), _s3(bucket, proxy.endpoint_url)]
+            [LocalTier(tmp_path / "nvme", keep_last=2), held_s3(bucket, proxy.endpoint_url)]
         ) as ck:
             t0 = time.monotonic()
             h1 = ck.save(_state(1), 1)
@@ -104,7 +83,7 @@ def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
             with pytest.raises(CheckpointFailed):
                 h1.wait("s3", timeout=120)  # its requests were held: that copy failed
             assert 2 in ck.steps("s3")
-    with Checkpointer([_s3(bucket, moto_server.endpoint_url)]) as fresh:
+    with Checkpointer([held_s3(bucket, moto_server.endpoint_url)]) as fresh:
         assert_same(fresh.load(), _state(2))
     record(
         "outages",
@@ -123,14 +102,14 @@ def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_the
     listing: str, tmp_path: Path, moto_server: Any, bucket: str, record: Recorder
 ) -> None:
     # another run (or this one, on another node) went as far as step 60 on S3
-    with Checkpointer([_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
+    with Checkpointer([held_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
         other.save(_state(60), 60).wait(timeout=60)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(FIRST_LISTING[listing])  # the first save's listing of S3 fails
         with Checkpointer(
             [
                 LocalTier(tmp_path / "nvme", keep_last=2),
-                _s3(bucket, proxy.endpoint_url, keep_last=1),
+                held_s3(bucket, proxy.endpoint_url, keep_last=1),
             ]
         ) as ck:
             t0 = time.monotonic()
@@ -151,7 +130,7 @@ def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_the
             assert h11.timeline == 1
             assert_same(ck.load(11, tier="local"), _state(11))
             assert_same(ck.load(10, tier="local"), _state(10))
-    with Checkpointer([_s3(bucket, moto_server.endpoint_url)]) as fresh:
+    with Checkpointer([held_s3(bucket, moto_server.endpoint_url)]) as fresh:
         newest = fresh.checkpoints()[-1]
         assert (newest.step, newest.timeline) == (11, 1)
         assert_same(fresh.load(), _state(11))
@@ -218,13 +197,13 @@ def test_a_dcp_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_committed
 
     from tierckpt.dcp import TierReader, TierWriter
 
-    with Checkpointer([_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
+    with Checkpointer([held_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
         other.save(_state(60), 60).wait(timeout=60)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(FIRST_LISTING[listing])
         tiers = [
             LocalTier(tmp_path / "nvme", keep_last=2),
-            _s3(bucket, proxy.endpoint_url, keep_last=1),
+            held_s3(bucket, proxy.endpoint_url, keep_last=1),
         ]
         with TierWriter(tiers, 10) as w:
             t0 = time.monotonic()
@@ -234,13 +213,15 @@ def test_a_dcp_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_committed
             assert returned <= 2 * WAIT_S + SLACK_S, returned
             stale = [r.getMessage() for r in caplog.records if "StaleTimeline" in r.getMessage()]
             assert stale and "step 60, timeline 0" in stale[0], caplog.text
-            assert _committed(_s3(bucket, moto_server.endpoint_url)) == [(60, 0)]
-            assert (10, 0) in _committed(LocalTier(tmp_path / "nvme"))
+            assert committed(held_s3(bucket, moto_server.endpoint_url)) == [(60, 0)]
+            assert (10, 0) in committed(LocalTier(tmp_path / "nvme"))
             w.reset("11")
             dcp.save({"w": _state(11)["w"]}, storage_writer=w, no_dist=True)
-            assert _committed(_s3(bucket, moto_server.endpoint_url))[-1] == (11, 1)
+            assert committed(held_s3(bucket, moto_server.endpoint_url))[-1] == (11, 1)
     got = {"w": torch.empty(256, 64)}
-    dcp.load(got, storage_reader=TierReader([_s3(bucket, moto_server.endpoint_url)]), no_dist=True)
+    dcp.load(
+        got, storage_reader=TierReader([held_s3(bucket, moto_server.endpoint_url)]), no_dist=True
+    )
     assert torch.equal(got["w"], _state(11)["w"])
     record(
         "timelines",

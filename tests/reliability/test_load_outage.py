@@ -18,13 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from rel_util import Recorder
+from rel_util import BLACKHOLE, Recorder, held_s3
 
-from tierckpt import Checkpointer, LocalTier, S3Tier
+from tierckpt import Checkpointer, LocalTier
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 
-#: every request held, never answered
-BLACKHOLE = [Fault("stall", seconds=600)]
 #: how long a load waits for a tier's listing (TIERCKPT_LEASE_WAIT_S)
 WAIT_S = 1.0
 #: slack for a loaded 2-core machine (a held listing costs 2 x 10 s here)
@@ -33,17 +31,6 @@ SLACK_S = 8.0
 
 def _w(step: int) -> torch.Tensor:
     return torch.randn(128, 64, generator=torch.Generator().manual_seed(step))
-
-
-def _s3(bucket: str, endpoint: str) -> S3Tier:
-    return S3Tier(
-        f"s3://{bucket}/run",
-        endpoint_url=endpoint,
-        codec="raw",
-        connect_timeout=1,
-        read_timeout=10,
-        max_attempts=2,
-    )
 
 
 def _load(kind: str, tiers: list[Any]) -> tuple[int, torch.Tensor]:
@@ -93,7 +80,7 @@ def test_a_restart_during_an_s3_outage_loads_the_local_checkpoint_after_the_wait
     monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
     bucket = str(s3_bucket(moto_server))
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
-        tiers = [LocalTier(tmp_path / "nvme"), _s3(bucket, proxy.endpoint_url)]
+        tiers = [LocalTier(tmp_path / "nvme"), held_s3(bucket, proxy.endpoint_url)]
         _save(kind, tiers, [1, 2])
         proxy.set_faults(BLACKHOLE)  # the outage begins; the job restarts
         t0 = time.monotonic()
@@ -126,14 +113,16 @@ def test_a_load_waits_for_a_slow_tier_that_is_the_only_one_with_a_checkpoint(
     """A new node: the local disk is empty, S3's listing takes longer than the wait."""
     monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
     bucket = str(s3_bucket(moto_server))
-    _save("native", [_s3(bucket, moto_server.endpoint_url)], [7])
+    _save("native", [held_s3(bucket, moto_server.endpoint_url)], [7])
     delay = 3 * WAIT_S
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(
             [Fault("delay", method="GET", path_contains="list-type", times=1, seconds=delay)]
         )
         t0 = time.monotonic()
-        step, w = _load("native", [LocalTier(tmp_path / "nvme"), _s3(bucket, proxy.endpoint_url)])
+        step, w = _load(
+            "native", [LocalTier(tmp_path / "nvme"), held_s3(bucket, proxy.endpoint_url)]
+        )
         took = time.monotonic() - t0
     assert step == 7 and torch.equal(w, _w(7))
     assert took >= delay, took
