@@ -35,6 +35,7 @@ from tierckpt.testing.faultproxy import Fault
 
 __all__ = [
     "BLACKHOLE",
+    "WAIT_S",
     "RssSampler",
     "Recorder",
     "committed",
@@ -293,6 +294,9 @@ def fs_snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 #: every request held by the fault proxy, never answered (a store that hangs)
 BLACKHOLE = [Fault("stall", seconds=600)]
+#: the outage tests' wait for a tier's answer and for a lease (TIERCKPT_LEASE_WAIT_S; the
+#: ``waited_bucket`` fixture sets it)
+WAIT_S = 1.0
 
 
 def held_s3(bucket: str, endpoint: str, **kw: Any) -> S3Tier:

@@ -23,13 +23,11 @@ from typing import Any
 
 import pytest
 import torch
-from rel_util import BLACKHOLE, Recorder, committed, held_s3
+from rel_util import BLACKHOLE, WAIT_S, Recorder, committed, held_s3
 
 from tierckpt import LocalTier
 from tierckpt.testing.faultproxy import FaultProxy
 
-#: the wait for a tier's answer at the plan (TIERCKPT_LEASE_WAIT_S)
-WAIT_S = 1.0
 #: the writer's save_deadline: a stalled tier's copy is given up after this (or the grace)
 DEADLINE_S = 3.0
 #: slack for a loaded 2-core machine
@@ -54,16 +52,14 @@ def _load(tier: Any, step: int | None = None) -> torch.Tensor:
 def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
     tmp_path: Path,
     moto_server: Any,
-    s3_bucket: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    waited_bucket: str,
     record: Recorder,
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
     from tierckpt.dcp import TierWriter
 
-    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
-    bucket = str(s3_bucket(moto_server))
+    bucket = waited_bucket
     local = LocalTier(tmp_path / "nvme", keep_last=50)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         w = TierWriter([local, held_s3(bucket, proxy.endpoint_url)], 1)

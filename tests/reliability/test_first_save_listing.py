@@ -31,7 +31,7 @@ import dist_workers
 import pytest
 import torch
 from helpers import assert_same
-from rel_util import BLACKHOLE, Recorder, committed, held_s3
+from rel_util import BLACKHOLE, WAIT_S, Recorder, committed, held_s3
 
 from tierckpt import Checkpointer, CheckpointFailed, LocalTier, StaleTimeline
 from tierckpt.testing.faultproxy import Fault, FaultProxy
@@ -42,8 +42,6 @@ FIRST_LISTING = {
     "hung": [Fault("stall", method="GET", path_contains="list-type", times=1, seconds=600)],
     "failing": [Fault("error500", method="GET", path_contains="list-type", times=2)],
 }
-#: the wait for a tier's listing and for a lease (TIERCKPT_LEASE_WAIT_S)
-WAIT_S = 1.0
 #: slack for a loaded 2-core machine
 SLACK_S = 8.0
 
@@ -53,21 +51,14 @@ def _state(step: int) -> dict[str, Any]:
     return {"w": torch.randn(256, 64, generator=g), "step": step}
 
 
-@pytest.fixture
-def bucket(moto_server: Any, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh bucket on moto, with the listing and lease waits at ``WAIT_S``."""
-    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
-    return str(s3_bucket(moto_server))
-
-
 @pytest.mark.s3
 def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
-    tmp_path: Path, moto_server: Any, bucket: str, record: Recorder
+    tmp_path: Path, moto_server: Any, waited_bucket: str, record: Recorder
 ) -> None:
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(BLACKHOLE)
         with Checkpointer(
-            [LocalTier(tmp_path / "nvme", keep_last=2), held_s3(bucket, proxy.endpoint_url)]
+            [LocalTier(tmp_path / "nvme", keep_last=2), held_s3(waited_bucket, proxy.endpoint_url)]
         ) as ck:
             t0 = time.monotonic()
             h1 = ck.save(_state(1), 1)
@@ -83,7 +74,7 @@ def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
             with pytest.raises(CheckpointFailed):
                 h1.wait("s3", timeout=120)  # its requests were held: that copy failed
             assert 2 in ck.steps("s3")
-    with Checkpointer([held_s3(bucket, moto_server.endpoint_url)]) as fresh:
+    with Checkpointer([held_s3(waited_bucket, moto_server.endpoint_url)]) as fresh:
         assert_same(fresh.load(), _state(2))
     record(
         "outages",
@@ -99,17 +90,17 @@ def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
 @pytest.mark.s3
 @pytest.mark.parametrize("listing", sorted(FIRST_LISTING))
 def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_there(
-    listing: str, tmp_path: Path, moto_server: Any, bucket: str, record: Recorder
+    listing: str, tmp_path: Path, moto_server: Any, waited_bucket: str, record: Recorder
 ) -> None:
     # another run (or this one, on another node) went as far as step 60 on S3
-    with Checkpointer([held_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
+    with Checkpointer([held_s3(waited_bucket, moto_server.endpoint_url, keep_last=1)]) as other:
         other.save(_state(60), 60).wait(timeout=60)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(FIRST_LISTING[listing])  # the first save's listing of S3 fails
         with Checkpointer(
             [
                 LocalTier(tmp_path / "nvme", keep_last=2),
-                held_s3(bucket, proxy.endpoint_url, keep_last=1),
+                held_s3(waited_bucket, proxy.endpoint_url, keep_last=1),
             ]
         ) as ck:
             t0 = time.monotonic()
@@ -130,7 +121,7 @@ def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_the
             assert h11.timeline == 1
             assert_same(ck.load(11, tier="local"), _state(11))
             assert_same(ck.load(10, tier="local"), _state(10))
-    with Checkpointer([held_s3(bucket, moto_server.endpoint_url)]) as fresh:
+    with Checkpointer([held_s3(waited_bucket, moto_server.endpoint_url)]) as fresh:
         newest = fresh.checkpoints()[-1]
         assert (newest.step, newest.timeline) == (11, 1)
         assert_same(fresh.load(), _state(11))
@@ -186,7 +177,7 @@ def test_a_dcp_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_committed
     listing: str,
     tmp_path: Path,
     moto_server: Any,
-    bucket: str,
+    waited_bucket: str,
     record: Recorder,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -197,13 +188,13 @@ def test_a_dcp_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_committed
 
     from tierckpt.dcp import TierReader, TierWriter
 
-    with Checkpointer([held_s3(bucket, moto_server.endpoint_url, keep_last=1)]) as other:
+    with Checkpointer([held_s3(waited_bucket, moto_server.endpoint_url, keep_last=1)]) as other:
         other.save(_state(60), 60).wait(timeout=60)
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         proxy.set_faults(FIRST_LISTING[listing])
         tiers = [
             LocalTier(tmp_path / "nvme", keep_last=2),
-            held_s3(bucket, proxy.endpoint_url, keep_last=1),
+            held_s3(waited_bucket, proxy.endpoint_url, keep_last=1),
         ]
         with TierWriter(tiers, 10) as w:
             t0 = time.monotonic()
@@ -213,14 +204,16 @@ def test_a_dcp_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_committed
             assert returned <= 2 * WAIT_S + SLACK_S, returned
             stale = [r.getMessage() for r in caplog.records if "StaleTimeline" in r.getMessage()]
             assert stale and "step 60, timeline 0" in stale[0], caplog.text
-            assert committed(held_s3(bucket, moto_server.endpoint_url)) == [(60, 0)]
+            assert committed(held_s3(waited_bucket, moto_server.endpoint_url)) == [(60, 0)]
             assert (10, 0) in committed(LocalTier(tmp_path / "nvme"))
             w.reset("11")
             dcp.save({"w": _state(11)["w"]}, storage_writer=w, no_dist=True)
-            assert committed(held_s3(bucket, moto_server.endpoint_url))[-1] == (11, 1)
+            assert committed(held_s3(waited_bucket, moto_server.endpoint_url))[-1] == (11, 1)
     got = {"w": torch.empty(256, 64)}
     dcp.load(
-        got, storage_reader=TierReader([held_s3(bucket, moto_server.endpoint_url)]), no_dist=True
+        got,
+        storage_reader=TierReader([held_s3(waited_bucket, moto_server.endpoint_url)]),
+        no_dist=True,
     )
     assert torch.equal(got["w"], _state(11)["w"])
     record(

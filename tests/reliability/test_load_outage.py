@@ -18,13 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from rel_util import BLACKHOLE, Recorder, held_s3
+from rel_util import BLACKHOLE, WAIT_S, Recorder, held_s3
 
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 
-#: how long a load waits for a tier's listing (TIERCKPT_LEASE_WAIT_S)
-WAIT_S = 1.0
 #: slack for a loaded 2-core machine (a held listing costs 2 x 10 s here)
 SLACK_S = 8.0
 
@@ -72,13 +70,11 @@ def test_a_restart_during_an_s3_outage_loads_the_local_checkpoint_after_the_wait
     kind: str,
     tmp_path: Path,
     moto_server: Any,
-    s3_bucket: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    waited_bucket: str,
     caplog: pytest.LogCaptureFixture,
     record: Recorder,
 ) -> None:
-    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
-    bucket = str(s3_bucket(moto_server))
+    bucket = waited_bucket
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         tiers = [LocalTier(tmp_path / "nvme"), held_s3(bucket, proxy.endpoint_url)]
         _save(kind, tiers, [1, 2])
@@ -106,13 +102,11 @@ def test_a_restart_during_an_s3_outage_loads_the_local_checkpoint_after_the_wait
 def test_a_load_waits_for_a_slow_tier_that_is_the_only_one_with_a_checkpoint(
     tmp_path: Path,
     moto_server: Any,
-    s3_bucket: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    waited_bucket: str,
     record: Recorder,
 ) -> None:
     """A new node: the local disk is empty, S3's listing takes longer than the wait."""
-    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(WAIT_S))
-    bucket = str(s3_bucket(moto_server))
+    bucket = waited_bucket
     _save("native", [held_s3(bucket, moto_server.endpoint_url)], [7])
     delay = 3 * WAIT_S
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
