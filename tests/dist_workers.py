@@ -1068,3 +1068,37 @@ def w_dcp_s3_outage(rank: int, world: int, root: str, endpoint: str, bucket: str
     dcp.load(got, storage_reader=TierReader([LocalTier(local)]))
     out["loaded_ok"] = bool(torch.equal(got[f"w{rank}"], torch.full((256, 64), float(30 + rank))))
     return out
+
+
+def w_load_during_s3_outage(
+    rank: int, world: int, root: str, endpoint: str, bucket: str
+) -> dict[str, Any]:
+    """Every rank saves steps 1 and 2 to a private local folder and an S3 prefix (the test's
+    fault proxy); once the test holds every S3 request (``saved``, then ``outage-on``), a new
+    ``Checkpointer`` per rank (a restarted job) loads the newest: how long it took and what."""
+    s3 = S3Tier(
+        f"s3://{bucket}/run",
+        endpoint_url=endpoint,
+        connect_timeout=1,
+        read_timeout=5,
+        max_attempts=2,
+    )
+    tiers = [LocalTier(os.path.join(root, f"nvme-{rank}"), name="nvme"), s3]
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        with Checkpointer(tiers) as ck:
+            for step in (1, 2):
+                ck.save(_run_state(rank, step, 1), step).wait(timeout=60)
+        dist.barrier()
+        if rank == 0:
+            Path(root, "saved").touch()
+        end = time.monotonic() + 60
+        while not Path(root, "outage-on").exists():
+            assert time.monotonic() < end, "the test never started the outage"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        ck = Checkpointer(tiers)
+        got = ck.load()
+        took = time.monotonic() - t0
+        diff = same(got, _run_state(rank, 2, 1))
+        ck.close()
+    return {"took": took, "diff": diff}

@@ -127,3 +127,61 @@ def test_a_load_waits_for_a_slow_tier_that_is_the_only_one_with_a_checkpoint(
         f"the load waited for S3 ({took:.1f} s) and loaded step 7 from it, bit-exact",
         took_s=round(took, 2),
     )
+
+
+@pytest.mark.s3
+@pytest.mark.distributed
+def test_two_ranks_restarted_during_an_s3_outage_load_their_local_checkpoint(
+    tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
+) -> None:
+    """2 ranks (gloo), a private local folder each and S3 behind the fault proxy: steps 1 and
+    2 committed on both; then S3 holds every request and each rank's new ``Checkpointer``
+    loads step 2 from its local folder after the wait (the ranks agree on it)."""
+    import threading
+
+    import dist_workers
+
+    bucket = str(s3_bucket(moto_server))
+    res: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run_ranks(endpoint: str) -> None:
+        try:
+            res.extend(
+                dist_workers.run(
+                    "w_load_during_s3_outage",
+                    2,
+                    root=str(tmp_path),
+                    endpoint=endpoint,
+                    bucket=bucket,
+                    env={"TIERCKPT_LEASE_WAIT_S": str(WAIT_S), "TIERCKPT_PRIVATE_TIERS": "nvme"},
+                    timeout=240,
+                )
+            )
+        except BaseException as exc:
+            failed.append(exc)
+
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        runner = threading.Thread(target=run_ranks, args=(proxy.endpoint_url,))
+        runner.start()
+        end = time.monotonic() + 180
+        while not (tmp_path / "saved").exists():
+            assert runner.is_alive() and time.monotonic() < end, "the saves never finished"
+            time.sleep(0.05)
+        proxy.set_faults(BLACKHOLE)
+        (tmp_path / "outage-on").touch()
+        runner.join(240)
+        assert not runner.is_alive()
+    assert not failed, failed
+    assert len(res) == 2, res
+    for rank, r in enumerate(res):
+        assert r["diff"] == [], (rank, r)
+        assert r["took"] <= WAIT_S + SLACK_S, (rank, r)
+    took = [round(r["took"], 1) for r in res]
+    record(
+        "outages",
+        "2 ranks (gloo) restarted while S3 holds every request; each rank's private local "
+        "folder holds step 2 (a held listing: 2 x 10 s)",
+        f"each rank loaded step 2 from its local folder after {took} s, bit-exact",
+        took_s=took,
+    )
