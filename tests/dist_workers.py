@@ -1027,35 +1027,47 @@ def w_agree_older(rank: int, world: int, root: str) -> dict[str, Any]:
         return {"diff": same(got, rank_state(rank, 1))}
 
 
-def w_dcp_s3_outage(rank: int, world: int, root: str, endpoint: str, bucket: str) -> dict[str, Any]:
-    """Every rank: ``dcp.save`` of step 1 through a ``TierWriter`` of a shared local folder and
-    an S3 prefix (the test's fault proxy); then, once the test holds every S3 request (it is
-    told by ``step1-done``, and says ``outage-on``), steps 2 and 3: how long each save took,
-    what the local folder committed, and whether each rank loads its step 3 back."""
-    import torch.distributed.checkpoint as dcp
-
-    from tierckpt.dcp import TierReader, TierWriter
-
-    s3 = S3Tier(
+def _outage_s3(bucket: str, endpoint: str) -> S3Tier:
+    """The outage workers' S3 tier (behind the test's fault proxy): a held request costs 2
+    attempts x 10 s."""
+    return S3Tier(
         f"s3://{bucket}/run",
         endpoint_url=endpoint,
         connect_timeout=1,
         read_timeout=10,
         max_attempts=2,
     )
+
+
+def _outage_begins(rank: int, root: str) -> None:
+    """Every rank: rank 0 tells the test the healthy part is done (``ready``), then all wait
+    until the test holds every S3 request (``outage-on``)."""
+    dist.barrier()
+    if rank == 0:
+        Path(root, "ready").touch()
+    end = time.monotonic() + 60
+    while not Path(root, "outage-on").exists():
+        assert time.monotonic() < end, "the test never started the outage"
+        time.sleep(0.05)
+
+
+def w_dcp_s3_outage(rank: int, world: int, root: str, endpoint: str, bucket: str) -> dict[str, Any]:
+    """Every rank: ``dcp.save`` of step 1 through a ``TierWriter`` of a shared local folder and
+    an S3 prefix (the test's fault proxy); then, once the test holds every S3 request (it is
+    told by ``ready``, and says ``outage-on``), steps 2 and 3: how long each save took,
+    what the local folder committed, and whether each rank loads its step 3 back."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierReader, TierWriter
+
+    s3 = _outage_s3(bucket, endpoint)
     local = os.path.join(root, "shared")
     out: dict[str, Any] = {"took": []}
     w = TierWriter([LocalTier(local), s3])
     w.save_deadline = 2.0
     for step in (1, 2, 3):
         if step == 2:
-            dist.barrier()
-            if rank == 0:
-                Path(root, "step1-done").touch()
-            end = time.monotonic() + 60
-            while not Path(root, "outage-on").exists():
-                assert time.monotonic() < end, "the test never started the outage"
-                time.sleep(0.05)
+            _outage_begins(rank, root)
         t0 = time.monotonic()
         w.reset(str(step))
         dcp.save({f"w{rank}": torch.full((256, 64), float(10 * step + rank))}, storage_writer=w)
@@ -1074,27 +1086,15 @@ def w_load_during_s3_outage(
     rank: int, world: int, root: str, endpoint: str, bucket: str
 ) -> dict[str, Any]:
     """Every rank saves steps 1 and 2 to a private local folder and an S3 prefix (the test's
-    fault proxy); once the test holds every S3 request (``saved``, then ``outage-on``), a new
+    fault proxy); once the test holds every S3 request (``ready``, then ``outage-on``), a new
     ``Checkpointer`` per rank (a restarted job) loads the newest: how long it took and what."""
-    s3 = S3Tier(
-        f"s3://{bucket}/run",
-        endpoint_url=endpoint,
-        connect_timeout=1,
-        read_timeout=5,
-        max_attempts=2,
-    )
+    s3 = _outage_s3(bucket, endpoint)
     tiers = [LocalTier(os.path.join(root, f"nvme-{rank}"), name="nvme"), s3]
     with tdist.knobs(commit_timeout=60, poll_max=0.2):
         with Checkpointer(tiers) as ck:
             for step in (1, 2):
                 ck.save(_run_state(rank, step, 1), step).wait(timeout=60)
-        dist.barrier()
-        if rank == 0:
-            Path(root, "saved").touch()
-        end = time.monotonic() + 60
-        while not Path(root, "outage-on").exists():
-            assert time.monotonic() < end, "the test never started the outage"
-            time.sleep(0.05)
+        _outage_begins(rank, root)
         t0 = time.monotonic()
         ck = Checkpointer(tiers)
         got = ck.load()

@@ -31,7 +31,7 @@ from tierckpt.format import (
     shard_name,
     with_counts,
 )
-from tierckpt.testing.faultproxy import Fault
+from tierckpt.testing.faultproxy import Fault, FaultProxy
 
 __all__ = [
     "BLACKHOLE",
@@ -45,6 +45,7 @@ __all__ = [
     "fs_snapshot",
     "held_s3",
     "local_leftovers",
+    "ranks_through_an_outage",
     "read_shard_parts",
     "replace_object",
     "reseal",
@@ -316,6 +317,51 @@ def committed(tier: Any) -> list[tuple[int, int]]:
     """The checkpoints committed on ``tier``, as (step, timeline)."""
     with Checkpointer([tier]) as ck:
         return [(c.step, c.timeline) for c in ck.checkpoints()]
+
+
+def ranks_through_an_outage(
+    fn: str, root: Path, upstream: str, bucket: str, env: dict[str, str] | None = None
+) -> list[Any]:
+    """Run the ``dist_workers`` function ``fn`` on 2 ranks (gloo) against S3 at ``upstream``
+    through a fault proxy; once rank 0 says the healthy part is done (``root/ready``), hold
+    every request (:data:`BLACKHOLE`) and tell the ranks (``root/outage-on``). Every rank's
+    result; a rank's failure is raised."""
+    import dist_workers
+
+    res: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run_ranks(endpoint: str) -> None:
+        try:
+            res.extend(
+                dist_workers.run(
+                    fn,
+                    2,
+                    root=str(root),
+                    endpoint=endpoint,
+                    bucket=bucket,
+                    env={"TIERCKPT_LEASE_WAIT_S": str(WAIT_S), **(env or {})},
+                    timeout=300,
+                )
+            )
+        except BaseException as exc:
+            failed.append(exc)
+
+    with FaultProxy(upstream, timeout=30) as proxy:
+        runner = threading.Thread(target=run_ranks, args=(proxy.endpoint_url,))
+        runner.start()
+        end = time.monotonic() + 240
+        while not (root / "ready").exists():
+            assert runner.is_alive() and time.monotonic() < end, "the healthy part never ended"
+            time.sleep(0.05)
+        proxy.set_faults(BLACKHOLE)
+        (root / "outage-on").touch()
+        runner.join(300)
+        assert not runner.is_alive()
+    if failed:
+        raise failed[0]
+    assert len(res) == 2, res
+    return res
 
 
 # -- outcome records for docs/reliability.md ----------------------------------------------

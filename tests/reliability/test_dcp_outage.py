@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from rel_util import BLACKHOLE, WAIT_S, Recorder, committed, held_s3
+from rel_util import BLACKHOLE, WAIT_S, Recorder, committed, held_s3, ranks_through_an_outage
 
 from tierckpt import LocalTier
 from tierckpt.testing.faultproxy import FaultProxy
@@ -111,43 +111,8 @@ def test_two_dcp_ranks_commit_locally_during_an_s3_outage(
     """2 ranks (gloo), a shared local folder and S3 behind the fault proxy: step 1 commits on
     both; then S3 holds every request: steps 2 and 3 commit on the local folder (each rank's
     S3 copy given up at the deadline), and each rank loads its step 3 back from it."""
-    import threading
-
-    import dist_workers
-
     bucket = str(s3_bucket(moto_server))
-    res: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run_ranks(endpoint: str) -> None:
-        try:
-            res.extend(
-                dist_workers.run(
-                    "w_dcp_s3_outage",
-                    2,
-                    root=str(tmp_path),
-                    endpoint=endpoint,
-                    bucket=bucket,
-                    env={"TIERCKPT_LEASE_WAIT_S": str(WAIT_S)},
-                    timeout=300,
-                )
-            )
-        except BaseException as exc:
-            failed.append(exc)
-
-    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
-        runner = threading.Thread(target=run_ranks, args=(proxy.endpoint_url,))
-        runner.start()
-        end = time.monotonic() + 240
-        while not (tmp_path / "step1-done").exists():
-            assert runner.is_alive() and time.monotonic() < end, "step 1 never finished"
-            time.sleep(0.05)
-        proxy.set_faults(BLACKHOLE)
-        (tmp_path / "outage-on").touch()
-        runner.join(300)
-        assert not runner.is_alive()
-    assert not failed, failed
-    assert len(res) == 2, res
+    res = ranks_through_an_outage("w_dcp_s3_outage", tmp_path, moto_server.endpoint_url, bucket)
     for rank, r in enumerate(res):
         assert r["local"] == [[1, 0], [2, 0], [3, 0]], (rank, r)
         assert r["loaded_ok"], (rank, r)

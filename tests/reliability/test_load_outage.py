@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from rel_util import BLACKHOLE, WAIT_S, Recorder, held_s3
+from rel_util import BLACKHOLE, WAIT_S, Recorder, held_s3, ranks_through_an_outage
 
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.testing.faultproxy import Fault, FaultProxy
@@ -137,43 +137,14 @@ def test_two_ranks_restarted_during_an_s3_outage_load_their_local_checkpoint(
     """2 ranks (gloo), a private local folder each and S3 behind the fault proxy: steps 1 and
     2 committed on both; then S3 holds every request and each rank's new ``Checkpointer``
     loads step 2 from its local folder after the wait (the ranks agree on it)."""
-    import threading
-
-    import dist_workers
-
     bucket = str(s3_bucket(moto_server))
-    res: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run_ranks(endpoint: str) -> None:
-        try:
-            res.extend(
-                dist_workers.run(
-                    "w_load_during_s3_outage",
-                    2,
-                    root=str(tmp_path),
-                    endpoint=endpoint,
-                    bucket=bucket,
-                    env={"TIERCKPT_LEASE_WAIT_S": str(WAIT_S), "TIERCKPT_PRIVATE_TIERS": "nvme"},
-                    timeout=240,
-                )
-            )
-        except BaseException as exc:
-            failed.append(exc)
-
-    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
-        runner = threading.Thread(target=run_ranks, args=(proxy.endpoint_url,))
-        runner.start()
-        end = time.monotonic() + 180
-        while not (tmp_path / "saved").exists():
-            assert runner.is_alive() and time.monotonic() < end, "the saves never finished"
-            time.sleep(0.05)
-        proxy.set_faults(BLACKHOLE)
-        (tmp_path / "outage-on").touch()
-        runner.join(240)
-        assert not runner.is_alive()
-    assert not failed, failed
-    assert len(res) == 2, res
+    res = ranks_through_an_outage(
+        "w_load_during_s3_outage",
+        tmp_path,
+        moto_server.endpoint_url,
+        bucket,
+        env={"TIERCKPT_PRIVATE_TIERS": "nvme"},
+    )
     for rank, r in enumerate(res):
         assert r["diff"] == [], (rank, r)
         assert r["took"] <= WAIT_S + SLACK_S, (rank, r)

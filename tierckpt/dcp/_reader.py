@@ -199,7 +199,7 @@ class TierReader(StorageReader):
         newest = self._listing()
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _distributed():
             # every rank must read the same checkpoint: the newest one every rank sees
             k = get_knobs().agree_max_candidates
             dev = collective_device()
