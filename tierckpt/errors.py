@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointNotFound",
     "CheckpointSkipped",
+    "CloseTimeout",
     "CommitTimeout",
     "CopySkipped",
     "CorruptCheckpoint",
@@ -142,6 +143,11 @@ class RankFailed(TierCkptError, RuntimeError):
 class SaveDeadlineExceeded(TierCkptError, TimeoutError):
     """A tier made no progress for ``save_deadline`` seconds while training waited for it:
     that tier's copy of the step was given up (never committed there) so training goes on."""
+
+
+class CloseTimeout(TierCkptError, TimeoutError):
+    """A copy was still unfinished when ``close(timeout=)`` ran out: given up on that tier
+    (never committed there); the checkpoints committed before are untouched."""
 
 
 class CopySkipped(TierCkptError, RuntimeError):

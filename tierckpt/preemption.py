@@ -16,7 +16,8 @@ so every rank gets the same answer as soon as any rank got a signal::
             if stop.check():                       # the same answer on every rank
                 ck.save(state, step).wait(tier="local")   # within the grace period
                 break
-    ck.close()   # waits for the slower tiers' copies, then releases the writer leases
+    ck.close(timeout=grace_left)   # the slower tiers get the rest of the grace period; what
+                                   # they have not committed by then is given up (logged)
 
 A second signal of the same kind while the first is being handled ends the process as it would
 have without :class:`Preemption` (the previous handler runs, or the default action): an

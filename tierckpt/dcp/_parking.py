@@ -58,12 +58,11 @@ class Parked:
     owns_pipeline: bool = True
 
     def close(self) -> None:
-        try:
-            if self.owns_pipeline and self.pipeline is not None:
-                self.pipeline.close()
-        finally:
-            for t in self.tiers:
-                t.backend.close()
+        if self.owns_pipeline and self.pipeline is not None:
+            self.pipeline.close(close_backends=True)  # each tier's, once its thread ended
+            return
+        for t in self.tiers:
+            t.backend.close()
 
 
 #: the newest live writer of this process per tier location (backend URL; see take_over)

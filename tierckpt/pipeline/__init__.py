@@ -49,8 +49,9 @@ itself.
 The package is cut along those concerns: ``_values`` (what a job carries, tiers, stage events,
 hooks, deadline settings), ``_leases`` (this writer's lease table), ``_base`` (the state the
 parts share, declared once), ``_stall`` (deadlines, follower bounds), ``_capture`` (arena,
-capture, encode), ``_tiers`` (tier threads, follower copy, commit, retention), ``_exit``
-(interpreter exit) and ``_pipeline`` (:class:`Pipeline` assembled from them, and
+capture, encode), ``_tiers`` (tier threads, follower copy, commit, retention), ``_close``
+(``close()``, which leaves a thread blocked in a dead store behind), ``_exit`` (interpreter
+exit) and ``_pipeline`` (:class:`Pipeline` assembled from them, and
 :class:`PipelineOwner`).
 """
 

@@ -80,8 +80,10 @@ class _PipelineBase:
     _listeners: tuple[StageListener, ...]
     #: seconds to wait for in-flight saves at interpreter exit (None: exit_timeout_s())
     exit_timeout_s: float | None
-    #: set at interpreter exit once the wait is over: no copy commits from then on
+    #: set at interpreter exit once the wait is over, or when ``close(timeout=)`` ran out:
+    #: no copy commits from then on; ``_abandon_why`` says which, in each copy's error
     _abandoned: bool
+    _abandon_why: str
     #: (step, tier) copies inside their commit (a commit is atomic: whole or not at all)
     _committing: set[tuple[int, str]]
     #: this writer's leases (tierckpt.lease)
@@ -122,17 +124,28 @@ class _PipelineBase:
         return emit
 
     def _abandoned_error(self, job: SaveJob) -> TierCkptError:
-        return TierCkptError(
-            f"step {job.step}: abandoned at interpreter exit, unfinished after the exit "
-            "timeout (TIERCKPT_EXIT_TIMEOUT_S); not committed"
-        )
+        return TierCkptError(f"step {job.step}: {self._abandon_why}; not committed")
 
     def _check_abandoned(self, job: SaveJob) -> None:
         if self._abandoned:
             raise self._abandoned_error(job)
 
     # -- implemented by the parts (declared here so each part type-checks alone) ---------
-    def close(self) -> None:
+    def _give_up_locked(
+        self, tier: Tier, job: SaveJob, err: BaseException, released: list[_ChunkState]
+    ) -> bool:
+        raise NotImplementedError  # _stall
+
+    def _release_slots(self, states: list[_ChunkState]) -> None:
+        raise NotImplementedError  # _stall
+
+    def _report_given_up(self, tier: Tier, job: SaveJob, err: BaseException) -> None:
+        raise NotImplementedError  # _stall
+
+    def close(self, timeout: float | None = None, *, close_backends: bool = False) -> None:
+        raise NotImplementedError  # _close
+
+    def drain(self, timeout: float | None = None) -> bool:
         raise NotImplementedError  # Pipeline
 
     def _source_done(

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
@@ -159,16 +159,24 @@ class Leases:
             return False
         return True
 
-    def release_all(self, wait: float | None = None) -> None:
+    def release_all(
+        self,
+        wait: float | None = None,
+        *,
+        tiers: Collection[str] | None = None,
+        locks: bool = True,
+    ) -> None:
         """Delete this writer's leases that are still its own (close, exit), then let its
         lock files go: from then on it writes nothing, whatever a lease left behind says.
 
         ``wait``: each lease is given back on a thread of its own, waited for at most that
         long in all (a store that does not answer must not hold ``close()`` for its timeouts
-        and retries); one not given back by then is left to expire after its ttl (logged)."""
+        and retries); one not given back by then is left to expire after its ttl (logged).
+        ``tiers``: only the leases on these tiers (None: all); ``locks=False`` keeps the lock
+        files (a tier still in a call: its lease must not be judged dead meanwhile)."""
         with self._lock:
-            leases = list(self._table.values())
-            locks = list(self._live.values())
+            leases = [x for (name, _), x in self._table.items() if tiers is None or name in tiers]
+            held = list(self._live.values()) if locks else []
         if wait is None:
             for lease in leases:
                 lease.release()
@@ -191,5 +199,5 @@ class Leases:
                         wait,
                         lease.ttl,
                     )
-        for live in locks:
+        for live in held:
             live.release()

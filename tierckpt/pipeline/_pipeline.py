@@ -21,9 +21,10 @@ from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._capture import _CaptureMixin
-from tierckpt.pipeline._exit import _ExitMixin, _live, _track
+from tierckpt.pipeline._close import _CloseMixin, check_close_timeout
+from tierckpt.pipeline._exit import _ExitMixin, _track
 from tierckpt.pipeline._layoutcache import LayoutCache
-from tierckpt.pipeline._leases import RELEASE_WAIT_S, Leases
+from tierckpt.pipeline._leases import Leases
 from tierckpt.pipeline._prebuild import ArenaPrebuild
 from tierckpt.pipeline._tiers import _TiersMixin
 from tierckpt.pipeline._values import (
@@ -39,7 +40,7 @@ from tierckpt.pipeline._values import (
 )
 
 
-class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
+class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
     """Every background thread and queue of a writer: capture, encode, write per tier,
     commit, deadlines, leases and the exit drain (see :mod:`tierckpt.pipeline`)."""
 
@@ -105,8 +106,13 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
         self._listeners = ()
         #: seconds to wait for in-flight saves at interpreter exit (None: exit_timeout_s())
         self.exit_timeout_s = None
-        #: set at interpreter exit once the wait is over: no copy commits from then on
+        #: set at interpreter exit once the wait is over, or when close(timeout=) ran out:
+        #: no copy commits from then on
         self._abandoned = False
+        self._abandon_why = (
+            "abandoned at interpreter exit, unfinished after the exit timeout "
+            "(TIERCKPT_EXIT_TIMEOUT_S)"
+        )
         #: (step, tier) copies inside their commit (a commit is atomic: whole or not at all)
         self._committing = set()
         self._leases = Leases(tiers)
@@ -172,11 +178,6 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
             self._retaining[tier.name] += 1
             self._tier_q[tier.name].put(("retain", job, None))
 
-    def release_leases(self) -> None:
-        """Delete this writer's leases that are still its own (close, exit); one whose store
-        does not answer within ``RELEASE_WAIT_S`` is left to expire after its ttl."""
-        self._leases.release_all(RELEASE_WAIT_S)
-
     def counts(self) -> dict[str, dict[str, int]]:
         """Per tier, how many copies committed, failed, were skipped or given up."""
         with self._lock:
@@ -218,31 +219,6 @@ class Pipeline(_TiersMixin, _CaptureMixin, _ExitMixin):
                 return
             if not events[pending[0]].wait(poll):
                 self._give_up_stalled(drain=True)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        _live.discard(self)
-        self.drain()
-        self._capture_q.put(None)
-        for th in self._threads:
-            # after drain() each thread has at most the call it is blocked in left (bounded by
-            # its backend's timeouts), then only skips and aborts of given-up copies
-            th.join()
-        with self._lock:
-            commit_pool = self._commit_pool
-        if commit_pool is not None:
-            commit_pool.shutdown(wait=True)  # each deferred commit is bounded by its timeout
-        self._pool.shutdown(wait=True)
-        self.release_leases()
-        if self._prebuilt is not None:
-            self._prebuilt.discard()
-            self._prebuilt = None
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
 
 
 _Owner = TypeVar("_Owner", bound="PipelineOwner")
@@ -330,20 +306,32 @@ class PipelineOwner:
     def _release(self) -> None:
         """Extra resources of the owner, released by ``close()`` after the pipeline."""
 
-    def close(self) -> None:
-        """Wait for in-flight saves to finish on every tier, then release threads and memory."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for in-flight saves to finish on every tier, then release threads, memory and
+        this writer's leases.
+
+        A tier that makes no progress for ``save_deadline`` seconds meanwhile has its copies
+        given up (as in ``wait()``), and a call still blocked in its store is not waited for:
+        that tier's lease is given back once the call returns. ``timeout``: wait at most that
+        many seconds (e.g. what is left of a preemption's grace period): a copy not committed
+        by then is given up on its tier (``CloseTimeout`` on its handle), except one already
+        inside its atomic commit; checkpoints committed before are never touched."""
+        check_close_timeout(timeout)
         if self._closed:
             return
         self._closed = True
-        if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
-        if self._arena_prebuild is not None:
-            self._arena_prebuild.discard()
-            self._arena_prebuild = None
-        self._release()
-        for t in self._tiers:
-            t.backend.close()
+        pipeline, self._pipeline = self._pipeline, None
+        try:
+            if pipeline is not None:
+                pipeline.close(timeout, close_backends=True)
+        finally:
+            if self._arena_prebuild is not None:
+                self._arena_prebuild.discard()
+                self._arena_prebuild = None
+            self._release()
+            if pipeline is None:
+                for t in self._tiers:
+                    t.backend.close()
 
     def __enter__(self: _Owner) -> _Owner:
         return self

@@ -69,7 +69,7 @@ class _TiersMixin(_RetainMixin, _StallMixin):
             try:
                 item = q.get(timeout=self._leases.renewal_timeout(tier))
             except queue.Empty:
-                self._leases.renew(tier)
+                self._tier_side_call(tier, q, self._leases.renew, tier)
                 continue
             if item is None:
                 return
@@ -78,7 +78,7 @@ class _TiersMixin(_RetainMixin, _StallMixin):
                 self._leases.take(tier, job, payload)
                 continue
             if kind == "retain":  # an owner's commit asked for it (Pipeline.retain_later)
-                self._run_counted_pass(tier, job)
+                self._tier_side_call(tier, q, self._run_counted_pass, tier, job)
                 continue
             self._tier_busy(tier, progressed=False, idle=False)
             tw = progress.setdefault(id(job), _TierWrite())
@@ -109,6 +109,20 @@ class _TiersMixin(_RetainMixin, _StallMixin):
                     self._tier_failed(tier, job, exc)
             finally:
                 self._tier_busy(tier, progressed=ok, idle=q.empty())
+
+    def _tier_side_call(
+        self, tier: Tier, q: queue.Queue[Any], fn: Callable[..., None], *args: Any
+    ) -> None:
+        """A lease renewal or a deferred retention pass, timed like a copy's work: a call
+        blocked in a store that does not answer counts as no progress (``close()`` does not
+        wait for it past ``save_deadline``)."""
+        self._tier_busy(tier, progressed=False, idle=False)
+        ok = False
+        try:
+            fn(*args)
+            ok = True
+        finally:
+            self._tier_busy(tier, progressed=ok, idle=q.empty())
 
     def _tier_failed(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         with self._lock:
