@@ -87,6 +87,46 @@ def test_a_hung_s3_holds_the_first_save_for_the_wait_not_its_timeouts(
     )
 
 
+#: the listing and lease wait of the test below: long enough that one wait and two differ
+#: beyond a loaded machine's slack
+LONG_WAIT_S = 6.0
+
+
+@pytest.mark.s3
+def test_a_hung_s3_costs_the_first_save_one_wait_not_the_listings_and_the_leases(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    record: Recorder,
+) -> None:
+    """The first save takes its leases while it lists the tiers: with S3 holding every
+    request, ``save()`` returns after one ``TIERCKPT_LEASE_WAIT_S`` (two before: the
+    listing's, then the lease's)."""
+    monkeypatch.setenv("TIERCKPT_LEASE_WAIT_S", str(LONG_WAIT_S))
+    bucket = str(s3_bucket(moto_server))
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        proxy.set_faults(BLACKHOLE)
+        with Checkpointer(
+            [LocalTier(tmp_path / "nvme"), held_s3(bucket, proxy.endpoint_url)],
+            save_deadline=2,
+        ) as ck:
+            t0 = time.monotonic()
+            h1 = ck.save(_state(1), 1)
+            returned = time.monotonic() - t0
+            h1.wait("local", timeout=60)
+            assert LONG_WAIT_S - 0.5 <= returned <= LONG_WAIT_S + 4.0, returned
+            assert_same(ck.load(1, tier="local"), _state(1))
+            proxy.set_faults([])
+    record(
+        "outages",
+        f"S3 hung at a restarted job's first save (listing and lease waits of {LONG_WAIT_S:.0f} s)",
+        f"save() returned after {returned:.1f} s: one wait, the leases taken while the tiers "
+        f"were listed (two waits, {2 * LONG_WAIT_S:.0f} s, before); the local copy committed",
+        returned_s=round(returned, 2),
+    )
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("listing", sorted(FIRST_LISTING))
 def test_a_save_whose_timeline_missed_a_newer_s3_checkpoint_is_not_published_there(

@@ -154,6 +154,9 @@ class SavePath(PipelineOwner):
             self._save_count += 1
         tiers = [t for t in self._tiers if t.spec.receives(step)]
         busy = bool(pipeline.in_flight())
+        # a first save takes its leases while it lists the tiers: a store that does not
+        # answer then costs it one TIERCKPT_LEASE_WAIT_S, not two
+        pipeline.take_leases_early(tiers, self.rank, step)
         timeline, choose = self._propose_timeline(step)
         # with several ranks: an attempt id for the completion records (one all-reduce at the
         # first save; at every save with on_busy="skip", so that all ranks skip together; and

@@ -60,7 +60,8 @@ class _PipelineBase:
     _pool: ThreadPoolExecutor
     _commit_pool: ThreadPoolExecutor | None  # deferred commits, made on demand
     _capture_q: queue.Queue[SaveJob | None]
-    _tier_q: dict[str, queue.Queue[tuple[str, SaveJob, Any] | None]]
+    #: (kind, job, payload); a lease take has no job: ("lease", None, (rank, step, future))
+    _tier_q: dict[str, queue.Queue[tuple[str, SaveJob | None, Any] | None]]
     _by_name: dict[str, Tier]
     _lock: threading.Lock
     _in_flight: list[SaveJob]

@@ -5,6 +5,7 @@ Taken on the tier's own thread (so a slow store delays only that tier), renewed 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -32,8 +33,10 @@ log = logging.getLogger("tierckpt")
 #: how long close() waits to give a lease back (a healthy store answers in milliseconds)
 RELEASE_WAIT_S = 10.0
 
-#: hands a lease request to a tier's thread: (tier, job, future set with the outcome)
-LeaseRequest = Callable[[Tier, SaveJob, "Future[BaseException | None]"], None]
+#: hands a lease take to a tier's thread: (tier, rank, step, future set with the outcome:
+#: None, taken; else why not — WriterConflict: another live writer holds it; anything else:
+#: the store failed)
+LeaseRequest = Callable[[Tier, int, int, "Future[BaseException | None]"], None]
 
 
 def lock_backend(tiers: Sequence[Tier]) -> Backend | None:
@@ -57,6 +60,8 @@ class Leases:
         self._locks_on = lock_backend(tiers)
         #: rank -> this writer's lock file for it, shared by its leases on every tier
         self._live: dict[int, LiveLock] = {}
+        #: (tier name, rank) -> a first take queued ahead of its save (:meth:`take_early`)
+        self._early: dict[tuple[str, int], tuple[int, Future[BaseException | None], float]] = {}
 
     def get(self, tier: Tier, rank: int) -> WriterLease:
         """This writer's lease on ``tier`` for ``rank`` (made, not taken, on first use)."""
@@ -78,20 +83,50 @@ class Leases:
         with self._lock:
             return [lease for (name, _), lease in self._table.items() if name == tier]
 
+    def take_early(
+        self, tiers: Sequence[Tier], rank: int, step: int, request: LeaseRequest
+    ) -> None:
+        """Queue the first take of this writer's lease on each of ``tiers`` not attempted yet,
+        ahead of the save of ``step`` (while it lists the tiers, say): :meth:`acquire` then
+        waits for these takes instead of starting its own, so a store that does not answer
+        costs the save one wait, not the listing's and then the lease's."""
+        for t in tiers:
+            lease = self.get(t, rank)
+            with self._lock:
+                if lease.attempted or lease.held or (t.name, rank) in self._early:
+                    continue
+                fut: Future[BaseException | None] = Future()
+                self._early[(t.name, rank)] = (step, fut, time.monotonic())
+            request(t, rank, step, fut)
+
     def acquire(self, job: SaveJob, request: LeaseRequest) -> None:
         """See :meth:`Pipeline.acquire_leases`; ``request`` queues a take on a tier's thread."""
         waits: dict[str, Future[BaseException | None]] = {}
+        now = time.monotonic()
+        end = now  # the waits end acquire_wait() after the latest take started
         for t in job.tiers:
             lease = self.get(t, job.rank)
-            if lease.held or lease.lost is not None:
-                continue
-            fut: Future[BaseException | None] = Future()
-            if not lease.attempted or isinstance(lease.last_error, WriterConflict):
-                waits[t.name] = fut
-            request(t, job, fut)
+            with self._lock:
+                step, fut, since = self._early.pop((t.name, job.rank), (None, None, now))
+            if step != job.step:  # none, or queued by a save() that raised before this one
+                fut, since = None, now
+            if fut is None:
+                if lease.held or lease.lost is not None:
+                    continue
+                fut = Future()
+                if not lease.attempted or isinstance(lease.last_error, WriterConflict):
+                    waits[t.name] = fut
+                    end = max(end, now + acquire_wait())
+                request(t, job.rank, job.step, fut)
+            elif not (fut.done() and fut.result() is None):
+                waits[t.name] = fut  # a first take, queued early: still a first attempt
+                end = max(end, since + acquire_wait())
+            # a failed take fails this job's copy there (its start does not try again);
+            # run by the tier thread as the take ends, before it starts this job's copy
+            fut.add_done_callback(functools.partial(_take_failed, job, t.name))
         if not waits:
             return
-        done, _ = wait_futures(waits.values(), timeout=acquire_wait())
+        done, _ = wait_futures(waits.values(), timeout=max(0.0, end - time.monotonic()))
         conflicts = [f.result() for f in done if isinstance(f.result(), WriterConflict)]
         if not conflicts:
             return
@@ -106,26 +141,29 @@ class Leases:
             live.release()  # taken again at the next attempt
         raise conflicts[0]  # type: ignore[misc]
 
-    def take(self, tier: Tier, job: SaveJob, fut: Future[BaseException | None]) -> None:
-        """Tier thread: take this writer's lease on ``tier`` (a no-op when held)."""
+    def take(self, tier: Tier, rank: int, step: int, fut: Future[BaseException | None]) -> bool:
+        """Tier thread: take this writer's lease on ``tier`` (a no-op when held) for the save
+        of ``step``; ``fut`` gets the outcome. False when the store failed (a live other
+        writer's refusal is an answer: True)."""
         try:
-            self.get(tier, job.rank).acquire()
+            self.get(tier, rank).acquire()
         except WriterConflict as exc:
-            job.lease_errors[tier.name] = exc
             fut.set_result(exc)
-            return
+            return True
         except Exception as exc:
-            job.lease_errors[tier.name] = exc
             report_once(
                 tier.backend,
                 exc,
                 "step %d: cannot take this writer's lease on tier %s (its copy of this step "
                 "fails; tried again at the next save): %s",
-                job.step,
+                step,
                 tier.name,
                 exc,
             )
+            fut.set_result(exc)
+            return False
         fut.set_result(None)
+        return True
 
     def renew(self, tier: Tier) -> None:
         """Tier thread: renew this tier's leases that are due (cheap when none is)."""
@@ -201,3 +239,10 @@ class Leases:
                     )
         for live in held:
             live.release()
+
+
+def _take_failed(job: SaveJob, tier: str, fut: Future[BaseException | None]) -> None:
+    """Record on ``job`` why its lease on ``tier`` was not taken (nothing when it was)."""
+    why = fut.result()
+    if why is not None:
+        job.lease_errors[tier] = why

@@ -10,7 +10,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -159,7 +159,18 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
         writer holds one. Waits at most ``TIERCKPT_LEASE_WAIT_S``, and only for a first
         attempt (or one after a conflict): a retry after an unreachable store goes on in the
         background, and its failure fails only that tier's copy (``job.lease_errors``)."""
-        self._leases.acquire(job, lambda t, j, fut: self._tier_q[t.name].put(("lease", j, fut)))
+        self._leases.acquire(job, self._queue_take)
+
+    def take_leases_early(self, tiers: list[Tier], rank: int, step: int) -> None:
+        """At a save's start, before it lists the tiers: queue the first take of this
+        writer's lease on each tier not attempted yet, so that :meth:`acquire_leases` waits
+        for the listing and the takes together (a silent store costs one wait, not two)."""
+        self._leases.take_early(tiers, rank, step, self._queue_take)
+
+    def _queue_take(
+        self, tier: Tier, rank: int, step: int, fut: Future[BaseException | None]
+    ) -> None:
+        self._tier_q[tier.name].put(("lease", None, (rank, step, fut)))
 
     def may_collect(self, tier: Tier, rank: int) -> bool:
         """Whether retention may delete on ``tier`` now: only while this writer still holds

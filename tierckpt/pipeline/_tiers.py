@@ -74,9 +74,10 @@ class _TiersMixin(_RetainMixin, _StallMixin):
             if item is None:
                 return
             kind, job, payload = item
-            if kind == "lease":
-                self._leases.take(tier, job, payload)
+            if kind == "lease":  # (rank, step, future)
+                self._tier_side_call(tier, q, self._leases.take, tier, *payload)
                 continue
+            assert job is not None
             if kind == "retain":  # an owner's commit asked for it (Pipeline.retain_later)
                 self._tier_side_call(tier, q, self._run_counted_pass, tier, job)
                 continue
@@ -111,16 +112,15 @@ class _TiersMixin(_RetainMixin, _StallMixin):
                 self._tier_busy(tier, progressed=ok, idle=q.empty())
 
     def _tier_side_call(
-        self, tier: Tier, q: queue.Queue[Any], fn: Callable[..., None], *args: Any
+        self, tier: Tier, q: queue.Queue[Any], fn: Callable[..., bool | None], *args: Any
     ) -> None:
-        """A lease renewal or a deferred retention pass, timed like a copy's work: a call
-        blocked in a store that does not answer counts as no progress (``close()`` does not
-        wait for it past ``save_deadline``)."""
+        """A lease's take or renewal or a deferred retention pass, timed like a copy's work:
+        a call blocked in a store that does not answer counts as no progress (``close()``
+        does not wait for it past ``save_deadline``); ``fn`` returning False: it failed."""
         self._tier_busy(tier, progressed=False, idle=False)
         ok = False
         try:
-            fn(*args)
-            ok = True
+            ok = fn(*args) is not False
         finally:
             self._tier_busy(tier, progressed=ok, idle=q.empty())
 
