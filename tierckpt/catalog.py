@@ -337,7 +337,7 @@ def timeline_for(step: int, newest: CheckpointId | None) -> int:
 
 
 def list_tiers(
-    tiers: Iterable[tuple[str, Backend]], wait: float | None = None
+    tiers: Iterable[tuple[str, Backend]], wait: float | None = None, *, for_listing: bool = False
 ) -> tuple[dict[str, list[CheckpointId]], dict[str, str]]:
     """Each tier's committed checkpoints (:func:`committed_ids`) by name, each tier listed on
     a thread of its own, and the tiers that could not be listed with why (logged; their list
@@ -347,7 +347,8 @@ def list_tiers(
     ``wait`` (a load's): a tier that has not answered after ``wait`` seconds is left out
     where another tier listed a checkpoint (a store that hangs must not hold a restart for
     its timeouts and retries while the local disk holds the checkpoint); where none did, it
-    is waited for to the end, as it is the only place one may be."""
+    is waited for to the end, as it is the only place one may be. ``for_listing``: for a listing
+    (``ck.steps()``), not a load (what the warning says)."""
     pairs = list(tiers)
     # one tier: nothing to go on without, so no thread to start (a load's first step)
     asking = _Asking(pairs, committed_ids, inline=len(pairs) == 1)
@@ -366,10 +367,13 @@ def list_tiers(
         if exc is None:
             why = f"it did not answer its listing within {wait:g} s (TIERCKPT_LEASE_WAIT_S)"
             log.warning(
-                "tier %s left out of this load: %s; the newest checkpoint of the other tiers "
-                "is loaded (that tier may hold a newer one)",
+                "tier %s left out of this %s: %s; %s (that tier may hold a newer one)",
                 name,
+                "listing" if for_listing else "load",
                 why,
+                "the other tiers' checkpoints are listed"
+                if for_listing
+                else "the newest checkpoint of the other tiers is loaded",
             )
         elif isinstance(exc, TierCkptError):
             why = str(exc)

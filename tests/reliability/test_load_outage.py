@@ -156,3 +156,47 @@ def test_two_ranks_restarted_during_an_s3_outage_load_their_local_checkpoint(
         f"each rank loaded step 2 from its local folder after {took} s, bit-exact",
         took_s=took,
     )
+
+
+@pytest.mark.s3
+def test_listing_the_steps_during_an_s3_outage_answers_after_the_wait(
+    tmp_path: Path,
+    moto_server: Any,
+    waited_bucket: str,
+    caplog: pytest.LogCaptureFixture,
+    record: Recorder,
+) -> None:
+    """``steps()``, ``checkpoints()``, ``latest_step()`` and ``tier_steps()`` list the tiers
+    as ``load()`` does: a tier silent after the wait is left out (logged) where another
+    answered, instead of each call waiting out S3's timeouts (2 x 10 s here, a minute with
+    S3's defaults; ``tier_steps()`` then raised S3's error)."""
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        tiers = [LocalTier(tmp_path / "nvme"), held_s3(waited_bucket, proxy.endpoint_url)]
+        _save("native", tiers, [1, 2])
+        proxy.set_faults(BLACKHOLE)
+        took: dict[str, float] = {}
+        with Checkpointer(tiers) as ck, caplog.at_level(logging.WARNING, logger="tierckpt"):
+            for name, call, want in [
+                ("steps", ck.steps, [1, 2]),
+                ("checkpoints", lambda: [c.step for c in ck.checkpoints()], [1, 2]),
+                ("latest_step", ck.latest_step, 2),
+                ("tier_steps", ck.tier_steps, {"local": [1, 2]}),
+            ]:
+                t0 = time.monotonic()
+                assert call() == want, name
+                took[name] = time.monotonic() - t0
+                assert took[name] <= WAIT_S + SLACK_S, (name, took[name])
+            assert ck.steps("local") == [1, 2]  # a named tier is asked alone
+        assert "tier s3 left out of this listing" in caplog.text, caplog.text
+        proxy.set_faults([])
+        with Checkpointer(tiers) as ck:  # S3 answers again: listed with the others
+            assert ck.tier_steps() == {"local": [1, 2], "s3": [1, 2]}
+    slowest = max(took.values())
+    record(
+        "outages",
+        "steps(), checkpoints(), latest_step(), tier_steps() while S3 holds every request "
+        "(a held listing: 2 x 10 s)",
+        f"each answered from the local tier within {slowest:.1f} s (the wait is "
+        f"{WAIT_S:.0f} s), S3 left out with a warning; listed again once S3 answered",
+        took_s=round(slowest, 2),
+    )

@@ -80,7 +80,10 @@ def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
     :meth:`~tierckpt.Checkpointer.checkpoints`)."""
     if tier is not None:
         return committed_ids(ctx.tier_named(tier).backend)
-    listing, unlisted = list_tiers((t.name, t.backend) for t in ctx.tiers)
+    # a hung tier is left out after the wait where another holds a checkpoint, as in a load
+    listing, unlisted = list_tiers(
+        ((t.name, t.backend) for t in ctx.tiers), config.lease_wait_s(), for_listing=True
+    )
     out = {c for ids in listing.values() for c in ids}
     if unlisted and not out:
         raise unreadable(unlisted, listing, "no checkpoint is committed")
