@@ -304,6 +304,29 @@ FIXED += [
         "tierckpt/dcp/_commit.py (commit_all)",
         ["test_a_dcp_save_on_a_full_disk_says_why_and_the_disk_frees_itself"],
     ),
+    (
+        "close() during an S3 outage waited for the call a tier thread was blocked in (an "
+        "upload or a retention delete: 30 s with the defaults, after the 30 s deadline), and "
+        "had no bound to give within a preemption's grace period",
+        "tierckpt/pipeline/_close.py, pipeline/_tiers.py (lease and retention work timed)",
+        [
+            "test_close_with_a_save_blocked_in_a_held_store_returns_after_the_deadline",
+            "test_close_with_a_timeout_gives_up_what_is_not_committed_by_then",
+            "test_close_does_not_wait_for_a_retention_pass_blocked_in_a_held_store",
+        ],
+    ),
+    (
+        "A restarted job's first save during an S3 outage waited the listing's wait and then "
+        "the lease's (20 s with the defaults) before the local copy could commit",
+        "tierckpt/pipeline/_leases.py (take_early), checkpointer/_saving.py",
+        ["test_a_hung_s3_costs_the_first_save_one_wait_not_the_listings_and_the_leases"],
+    ),
+    (
+        "steps(), checkpoints(), latest_step() and tier_steps() waited out a silent S3's "
+        "timeouts on every call (a minute each with the defaults; tier_steps() then raised)",
+        "tierckpt/checkpointer/_loading.py, _checkpointer.py (tier_steps), catalog.py",
+        ["test_listing_the_steps_during_an_s3_outage_answers_after_the_wait"],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested
