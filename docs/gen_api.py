@@ -113,9 +113,15 @@ def _markdown(doc: str) -> str:
             out.append("")
             i = j
             continue
-        if line and _indent(line) > 0 and out and out[-1].strip() and _indent(out[-1]) == 0 \
-                and not out[-1].startswith(("```", "-", "|")) \
-                and not re.match(r"\d+\. ", out[-1]):  # a numbered item's continuation
+        if (
+            line
+            and _indent(line) > 0
+            and out
+            and out[-1].strip()
+            and _indent(out[-1]) == 0
+            and not out[-1].startswith(("```", "-", "|"))
+            and not re.match(r"\d+\. ", out[-1])
+        ):  # a numbered item's continuation
             # a definition body ("Term\n    text"): the term bold, the body its paragraph
             out[-1] = f"**{out[-1].strip()}**"
             out.append("")
@@ -138,15 +144,31 @@ def _sig(obj: Any) -> str:
     return re.sub(r" at 0x[0-9a-f]+", "", s).replace("'", "")
 
 
+def _private_bases(cls: type) -> list[type]:
+    """Bases of ``cls`` defined in the library's private modules (their public methods, such
+    as ``close()``, belong to ``cls``'s documentation: nowhere else documents them)."""
+    return [
+        b for b in cls.__mro__[1:] if b.__module__.startswith("tierckpt.") and "._" in b.__module__
+    ]
+
+
 def _own_members(cls: type) -> list[tuple[str, Any]]:
     out = []
-    for name, value in cls.__dict__.items():
+    seen = set(cls.__dict__)
+    inherited = [
+        (n, v) for b in _private_bases(cls) for n, v in b.__dict__.items() if n not in seen
+    ]
+    for name, value in [*cls.__dict__.items(), *inherited]:
+        if name in {n for n, _ in out}:
+            continue
         if name.startswith("_") and name not in ("__enter__",):
             continue
         if name == "__enter__":
             continue
-        if isinstance(value, property) or inspect.isfunction(value) or isinstance(
-            value, (classmethod, staticmethod)
+        if (
+            isinstance(value, property)
+            or inspect.isfunction(value)
+            or isinstance(value, (classmethod, staticmethod))
         ):
             out.append((name, value))
     return out
@@ -171,8 +193,9 @@ def document_class(name: str, cls: type, lines: list[str]) -> None:
     for mname, member in _own_members(cls):
         if isinstance(member, property):
             mdoc = _doc(member)
-            lines.append(f"- **`{mname}`** (property)" + (f": {mdoc.splitlines()[0]}" if mdoc
-                                                             else ""))
+            lines.append(
+                f"- **`{mname}`** (property)" + (f": {mdoc.splitlines()[0]}" if mdoc else "")
+            )
             continue
         fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
         mdoc = _doc(fn)
@@ -210,8 +233,10 @@ def document_module(modname: str, heading: str, lines: list[str]) -> None:
         # a package's private modules (tierckpt.dcp._writer) are documented with the package
         if home.startswith(f"{modname}._"):
             home = modname
-        if modname != "tierckpt" and home != modname and not modname.startswith(
-            "tierckpt.integrations"
+        if (
+            modname != "tierckpt"
+            and home != modname
+            and not modname.startswith("tierckpt.integrations")
         ):
             continue  # documented where it lives
         if inspect.isclass(obj):
@@ -237,8 +262,9 @@ def render() -> str:
         "[object stores](object-stores.md) and the [format](format.md).",
         "",
     ]
-    toc = [f"- [{h}](#{re.sub(r'[^a-z0-9 -]', '', h.lower()).replace(' ', '-')})"
-           for _, h in MODULES]
+    toc = [
+        f"- [{h}](#{re.sub(r'[^a-z0-9 -]', '', h.lower()).replace(' ', '-')})" for _, h in MODULES
+    ]
     lines.extend(toc)
     lines.append("")
     for modname, heading in MODULES:

@@ -81,7 +81,9 @@ class Checkpointer(SavePath):
         stats_history: how many commits :meth:`stats` remembers (default 1000).
         exit_timeout_s: when the interpreter exits with saves still in flight, how long they
             get to finish before the unfinished ones are abandoned, never committed (default
-            60 s; ``TIERCKPT_EXIT_TIMEOUT_S``; 0 abandons at once). ``close()`` waits fully.
+            60 s; ``TIERCKPT_EXIT_TIMEOUT_S``; 0 abandons at once). ``close()`` waits while the
+            tiers make progress; ``close(timeout=)`` at most that long (``CloseTimeout`` on
+            what it gives up).
         save_deadline: seconds a save may hold training behind a tier fed from the host
             arena that makes no progress (default 30; ``TIERCKPT_SAVE_DEADLINE``;
             ``float("inf")``: wait for it). Past it that tier's copy of the save is given up
@@ -247,7 +249,8 @@ class Checkpointer(SavePath):
         Finished means durable and committed: the retention pass that deletes the older
         checkpoints a tier's rules no longer keep runs after that, on the tier's thread,
         before its next save there. ``retention=True`` waits for those passes too (the old
-        checkpoints are gone on return); ``close()`` always waits for them.
+        checkpoints are gone on return); ``close()`` waits for them too, except for a pass
+        blocked for ``save_deadline`` in a store that stopped answering.
         """
         if self._pipeline is None:
             return

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from tierckpt.errors import CloseTimeout
 from tierckpt.pipeline._base import _PipelineBase
@@ -135,7 +136,7 @@ class _CloseMixin(_PipelineBase):
         self,
         left: list[threading.Thread],
         stuck: list[Tier],
-        commit_pool: object,
+        commit_pool: ThreadPoolExecutor | None,
         close_backends: bool,
     ) -> None:
         """The daemon thread of a close() that left threads behind: once their calls
@@ -144,7 +145,7 @@ class _CloseMixin(_PipelineBase):
             for th in left:
                 th.join()
             if commit_pool is not None:
-                commit_pool.shutdown(wait=True)  # type: ignore[attr-defined]
+                commit_pool.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._leases.release_all(RELEASE_WAIT_S, tiers={t.name for t in stuck})
             if close_backends:
