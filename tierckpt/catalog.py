@@ -13,6 +13,7 @@ import contextvars
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -155,28 +156,59 @@ def lineage(ids: Sequence[CheckpointId], start: CheckpointId | None = None) -> l
     return out
 
 
+#: per backend, the asks still running on a thread an earlier call left behind (its store
+#: did not answer in time): (ask, the _Asking that started it, the tier's name there, thread)
+_STILL_ASKING: weakref.WeakKeyDictionary[Backend, list[tuple[Callable[..., Any], Any, str, Any]]]
+_STILL_ASKING = weakref.WeakKeyDictionary()
+_STILL_LOCK = threading.Lock()
+
+
 class _Asking(Generic[T]):
     """``ask(backend)`` of each ``(name, backend)``, each on a thread of its own (daemon, in a
     copy of the caller's context: :func:`listed_once` applies there too), started at once;
-    ``inline``: one after another on the caller's thread instead."""
+    ``inline``: one after another on the caller's thread instead.
+
+    ``reuse`` (a listing for the caller to see, not a load or a timeline's choice): where the
+    same ``ask`` of a backend is still running on the thread of an earlier call (its store
+    did not answer within that call's wait, and the call has not returned), no second thread
+    is started: a bounded wait does not wait for it again (``ck.steps()`` called in a loop
+    during an outage costs one wait per blocked call, not one per call), and an unbounded one
+    waits for that thread and takes its answer. A load or a timeline's choice asks again: a
+    store that held one request may answer the next."""
 
     def __init__(
-        self, tiers: Iterable[tuple[str, Backend]], ask: Callable[[Backend], T], *, inline: bool
+        self,
+        tiers: Iterable[tuple[str, Backend]],
+        ask: Callable[[Backend], T],
+        *,
+        inline: bool,
+        reuse: bool = False,
     ):
         self.pairs = list(tiers)
         self._got: dict[str, tuple[bool, Any]] = {}
         self._threads: list[threading.Thread] = []
+        #: name -> (the earlier _Asking, its name for the tier, its thread) for asks still
+        #: running from before
+        self._borrowed: dict[str, tuple[_Asking[T], str, threading.Thread]] = {}
         if inline:  # asked on this thread, to the end
             for name, backend in self.pairs:
                 self._one(ask, name, backend)
             return
         for name, backend in self.pairs:
-            th = threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(self._one, ask, name, backend),
-                name=f"tierckpt-ask-{name}",
-                daemon=True,
-            )
+            with _STILL_LOCK:
+                running = [
+                    x for x in _STILL_ASKING.get(backend, []) if x[0] is ask and x[3].is_alive()
+                ]
+                if running and reuse:
+                    self._borrowed[name] = running[0][1:]
+                    continue
+                th = threading.Thread(
+                    target=contextvars.copy_context().run,
+                    args=(self._one, ask, name, backend),
+                    name=f"tierckpt-ask-{name}",
+                    daemon=True,
+                )
+                _STILL_ASKING.setdefault(backend, []).append((ask, self, name, th))
             th.start()
             self._threads.append(th)
 
@@ -185,12 +217,24 @@ class _Asking(Generic[T]):
             self._got[name] = (True, ask(backend))
         except BaseException as exc:
             self._got[name] = (False, exc)
+        finally:
+            with _STILL_LOCK:
+                mine = _STILL_ASKING.get(backend, [])
+                mine[:] = [x for x in mine if x[3] is not threading.current_thread()]
 
     def wait(self, seconds: float | None) -> None:
-        """Until every tier answered, or ``seconds`` passed (None: no limit)."""
+        """Until every tier answered, or ``seconds`` passed (None: no limit; then the asks
+        still running from an earlier call are waited for too)."""
         end = None if seconds is None else time.monotonic() + seconds
         for t in self._threads:
             t.join(None if end is None else max(0.0, end - time.monotonic()))
+        if end is None:
+            for _asking, _name, th in self._borrowed.values():
+                th.join()
+
+    def borrowed(self, name: str) -> bool:
+        """Whether ``name``'s ask is one an earlier call left running (not started here)."""
+        return name in self._borrowed
 
     def results(self) -> tuple[dict[str, T], dict[str, BaseException | None]]:
         """The answers by tier name, and the tiers that did not tell, with their error
@@ -198,7 +242,9 @@ class _Asking(Generic[T]):
         answers: dict[str, T] = {}
         silent: dict[str, BaseException | None] = {}
         for name, _backend in self.pairs:
-            result = self._got.get(name)  # read once: a late answer may still set it
+            borrowed = self._borrowed.get(name)
+            got = self._got if borrowed is None else borrowed[0]._got
+            result = got.get(name if borrowed is None else borrowed[1])  # read once
             if result is not None and result[0]:
                 answers[name] = result[1]
             else:
@@ -351,7 +397,7 @@ def list_tiers(
     (``ck.steps()``), not a load (what the warning says)."""
     pairs = list(tiers)
     # one tier: nothing to go on without, so no thread to start (a load's first step)
-    asking = _Asking(pairs, committed_ids, inline=len(pairs) == 1)
+    asking = _Asking(pairs, committed_ids, inline=len(pairs) == 1, reuse=for_listing)
     asking.wait(wait)
     listed, silent = asking.results()
     if wait is not None and None in silent.values() and not any(listed.values()):
@@ -366,7 +412,9 @@ def list_tiers(
         exc = silent[name]
         if exc is None:
             why = f"it did not answer its listing within {wait:g} s (TIERCKPT_LEASE_WAIT_S)"
-            log.warning(
+            # said once per blocked listing: later calls while it still runs say it quietly
+            log.log(
+                logging.DEBUG if asking.borrowed(name) else logging.WARNING,
                 "tier %s left out of this %s: %s; %s (that tier may hold a newer one)",
                 name,
                 "listing" if for_listing else "load",
