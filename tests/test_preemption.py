@@ -305,6 +305,33 @@ def test_handlers_chain_and_come_back(tmp_path: Path) -> None:
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_time_left_counts_the_grace_period_down_from_the_signal(tmp_path: Path) -> None:
+    """``Preemption(grace_s=)``: ``time_left()`` is what is left of the grace since the signal,
+    less the exit reserve; None before a signal or without a grace (close() then waits)."""
+    with Preemption(signals=(signal.SIGUSR1,)) as plain:
+        assert plain.time_left() is None
+    with Preemption(signals=(signal.SIGUSR1,), grace_s=30) as stop:
+        assert stop.time_left() is None  # not asked to stop yet
+        os.kill(os.getpid(), signal.SIGUSR1)
+        _settle(lambda: stop.requested)
+        assert stop.check()
+        first = stop.time_left()
+        assert first is not None and 27.0 < first <= 28.0, first
+        assert stop.time_left(reserve_s=0) > first
+        time.sleep(0.2)
+        later = stop.time_left()
+        assert later is not None and later <= first - 0.2, (first, later)
+        assert stop.time_left(reserve_s=100) == 0.0
+        with Checkpointer([LocalTier(tmp_path / "ck")]) as ck:
+            ck.save({"w": torch.ones(4)}, 1).wait("local", timeout=60)
+            ck.close(timeout=stop.time_left())
+    with Checkpointer([LocalTier(tmp_path / "ck")]) as again:
+        assert again.steps() == [1]
+    for bad in (0, -1, float("inf"), float("nan"), "30", True):
+        with pytest.raises(ValueError, match="grace_s"):
+            Preemption(signals=(signal.SIGUSR1,), grace_s=bad)  # type: ignore[arg-type]
+
+
 def test_made_outside_the_main_thread_it_says_where_to_make_it() -> None:
     errors: list[BaseException] = []
 

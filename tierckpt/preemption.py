@@ -10,14 +10,14 @@ one all-reduce of one integer (on the default process group, on the device its c
 so every rank gets the same answer as soon as any rank got a signal::
 
     ck = tierckpt.Checkpointer(policy)
-    with tierckpt.Preemption() as stop:            # SIGTERM; SLURM: signals=(SIGTERM, SIGUSR1)
+    with tierckpt.Preemption(grace_s=30) as stop:  # SIGTERM; SLURM: signals=(SIGTERM, SIGUSR1)
         for step in range(start, steps):
             train_step()
             if stop.check():                       # the same answer on every rank
                 ck.save(state, step).wait(tier="local")   # within the grace period
                 break
-    ck.close(timeout=grace_left)   # the slower tiers get the rest of the grace period; what
-                                   # they have not committed by then is given up (logged)
+    ck.close(timeout=stop.time_left())   # the slower tiers get the rest of the grace period;
+                                         # what they have not committed then is given up
 
 A second signal of the same kind while the first is being handled ends the process as it would
 have without :class:`Preemption` (the previous handler runs, or the default action): an
@@ -46,8 +46,9 @@ class Preemption:
     """Turns ``signals`` (default SIGTERM) into a flag; see the module docstring.
 
     ``rank`` and ``world_size`` default to ``torch.distributed``'s when it is initialized
-    (else one rank). Use it as a context manager, or call :meth:`close` to put the previous
-    handlers back.
+    (else one rank). ``grace_s``: the grace period between the signal and the kill (e.g.
+    Kubernetes' ``terminationGracePeriodSeconds``, 30 s by default), for :meth:`time_left`.
+    Use it as a context manager, or call :meth:`close` to put the previous handlers back.
     """
 
     def __init__(
@@ -56,8 +57,20 @@ class Preemption:
         *,
         rank: int | None = None,
         world_size: int | None = None,
+        grace_s: float | None = None,
     ) -> None:
         from tierckpt.checkpointer._saving import resolve_rank
+
+        if grace_s is not None and (
+            isinstance(grace_s, bool)
+            or not isinstance(grace_s, int | float)
+            or not 0 < grace_s < float("inf")
+        ):
+            raise ValueError(
+                "Preemption(grace_s=) is the seconds between the signal and the kill "
+                f"(e.g. terminationGracePeriodSeconds), a number > 0; got {grace_s!r}"
+            )
+        self.grace_s = None if grace_s is None else float(grace_s)
 
         self.signals = tuple(signal.Signals(s) for s in signals)
         if not self.signals:
@@ -73,6 +86,8 @@ class Preemption:
         self.signal: signal.Signals | None = None
         self.received_at: float | None = None
         self._agreed = False
+        #: when check() first said stop (time.time()): the grace of a rank that got no signal
+        self._agreed_at: float | None = None
         self._flag: Any = None  # the all-reduce's one-element tensor, made at the first check
         self._previous: dict[signal.Signals, _Handler] = {}
         for sig in self.signals:
@@ -108,8 +123,19 @@ class Preemption:
             asked = self._any_rank(asked)
         if asked:
             self._agreed = True
+            self._agreed_at = time.time()
             self._say()
         return asked
+
+    def time_left(self, reserve_s: float = 2.0) -> float | None:
+        """Seconds left of ``grace_s`` since the signal (on a rank that got none: since
+        :meth:`check` said stop), less ``reserve_s`` for the process to exit; at least 0.
+        None without ``grace_s`` or before a stop was asked: then wait without a bound.
+        Made for ``ck.close(timeout=stop.time_left())``."""
+        start = self.received_at if self.received_at is not None else self._agreed_at
+        if self.grace_s is None or start is None:
+            return None
+        return max(0.0, self.grace_s - (time.time() - start) - reserve_s)
 
     def _any_rank(self, mine: bool) -> bool:
         """One all-reduce (MAX) of ``mine`` over the default process group."""
