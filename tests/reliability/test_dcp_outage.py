@@ -127,3 +127,50 @@ def test_two_dcp_ranks_commit_locally_during_an_s3_outage(
         "committed on the local folder and loaded back by each rank; S3 keeps step 1",
         took_s=took,
     )
+
+
+@pytest.mark.s3
+def test_a_restarted_dcp_job_s_first_save_during_an_s3_outage_waits_the_lease_once(
+    tmp_path: Path,
+    moto_server: Any,
+    waited_bucket: str,
+    record: Recorder,
+) -> None:
+    """A fresh ``TierWriter`` (a restarted job) while S3 holds every request: its first
+    ``dcp.save`` waits the listing and the lease take ``TIERCKPT_LEASE_WAIT_S`` each, then
+    gives S3's copy up (no waiting behind a lease take the store never answers: that was the
+    take's timeouts, or the whole ``save_deadline``), commits locally and returns; once S3
+    answers, a later save commits there."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    bucket = waited_bucket
+    local = LocalTier(tmp_path / "nvme", keep_last=50)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        proxy.set_faults(BLACKHOLE)
+        w = TierWriter([local, held_s3(bucket, proxy.endpoint_url)], 1)
+        w.save_deadline = 30.0  # the default: the lease take's 2 x 10 s fall inside it
+        with w:
+            t0 = time.monotonic()
+            dcp.save({"w": _w(1)}, storage_writer=w, no_dist=True)
+            took = time.monotonic() - t0
+            assert took <= 2 * WAIT_S + SLACK_S, took
+            assert committed(LocalTier(tmp_path / "nvme")) == [(1, 0)]
+            proxy.set_faults([])
+            deadline = time.monotonic() + 90  # the held requests end with their timeouts
+            step = 1
+            while (step, 0) not in committed(held_s3(bucket, moto_server.endpoint_url)):
+                assert time.monotonic() < deadline, "S3 never committed again"
+                step += 1
+                w.reset(str(step))
+                dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)
+    assert torch.equal(_load(held_s3(bucket, moto_server.endpoint_url), step), _w(step))
+    record(
+        "outages",
+        "a restarted job's first dcp.save through a fresh TierWriter while S3 holds every "
+        "request (listing and lease waits of 1 s; the lease take's timeouts 2 x 10 s)",
+        f"dcp.save returned after {took:.1f} s, committed locally, S3's copy given up; step "
+        f"{step} committed on S3 once it answered and loads back",
+        took_s=round(took, 2),
+    )

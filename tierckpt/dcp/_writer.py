@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tierckpt import config
 from tierckpt.capture import record_ready_events
 from tierckpt.config import resolve_writer_config
 from tierckpt.dcp._commit import choose_timeline, commit_all, gather_reports
@@ -33,6 +34,7 @@ from tierckpt.distributed import is_private_tier
 from tierckpt.errors import (
     CheckpointFailed,
     FormatError,
+    SaveDeadlineExceeded,
     StaleTimeline,
     TierCkptError,
     UnsupportedObject,
@@ -396,8 +398,13 @@ class TierWriter(PipelineOwner, StorageWriter):
             timeline=info.timeline,
         )
         self._job = job
-        pipeline.acquire_leases(job)  # WriterConflict when another live writer is there
+        # WriterConflict when another live writer is there
+        silent = pipeline.acquire_leases(job)
         pipeline.submit(job)
+        if silent:  # dcp.save waits for its shards: not behind a take its store never answers
+            pipeline.give_up(
+                [(t, job, _lease_unanswered(job, t)) for t in tiers if t.name in silent]
+            )
         # DCP's save returns once the shards are written: a tier that makes no progress for
         # save_deadline (a short grace if it failed before) has its copy given up meanwhile,
         # as in Checkpointer.wait(), so an outage of one tier does not hold the others'
@@ -444,6 +451,15 @@ class TierWriter(PipelineOwner, StorageWriter):
         job = self._job
         if self._pipeline is not None and job is not None:
             self._pipeline.retain_later(t, job)
+
+
+def _lease_unanswered(job: SaveJob, tier: Tier) -> SaveDeadlineExceeded:
+    return SaveDeadlineExceeded(
+        f"{job.id}: tier {tier.name!r} ({tier.backend.url}) did not answer this writer's lease "
+        f"take within {config.lease_wait_s():g} s (TIERCKPT_LEASE_WAIT_S): its copy of this "
+        "step is given up (never committed there) so dcp.save returns with the other tiers; "
+        "the next save tries the tier again"
+    )
 
 
 def _dist_rank() -> int:

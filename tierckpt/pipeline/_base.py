@@ -132,15 +132,7 @@ class _PipelineBase:
             raise self._abandoned_error(job)
 
     # -- implemented by the parts (declared here so each part type-checks alone) ---------
-    def _give_up_locked(
-        self, tier: Tier, job: SaveJob, err: BaseException, released: list[_ChunkState]
-    ) -> bool:
-        raise NotImplementedError  # _stall
-
-    def _release_slots(self, states: list[_ChunkState]) -> None:
-        raise NotImplementedError  # _stall
-
-    def _report_given_up(self, tier: Tier, job: SaveJob, err: BaseException) -> None:
+    def give_up(self, copies: list[tuple[Tier, SaveJob, BaseException]]) -> None:
         raise NotImplementedError  # _stall
 
     def close(self, timeout: float | None = None, *, close_backends: bool = False) -> None:

@@ -24,7 +24,7 @@ from tierckpt.errors import CloseTimeout
 from tierckpt.pipeline._base import _PipelineBase
 from tierckpt.pipeline._exit import _live
 from tierckpt.pipeline._leases import RELEASE_WAIT_S
-from tierckpt.pipeline._values import SaveJob, Tier, _ChunkState
+from tierckpt.pipeline._values import Tier
 
 log = logging.getLogger("tierckpt")
 
@@ -95,23 +95,25 @@ class _CloseMixin(_PipelineBase):
     def _give_up_unfinished(self, timeout: float) -> None:
         """``close(timeout=)`` ran out: no copy starts its commit from now on, and every
         unfinished copy not yet committing is given up (reported on its handle now)."""
-        verdicts: list[tuple[Tier, SaveJob, BaseException]] = []
-        released: list[_ChunkState] = []
         with self._lock:
             self._abandoned = True
             self._abandon_why = f"given up when close(timeout={timeout:g}) ran out"
-            for job in self._in_flight:
-                for tier in job.tiers:
-                    err = CloseTimeout(
+            jobs = list(self._in_flight)
+        self.give_up(
+            [
+                (
+                    tier,
+                    job,
+                    CloseTimeout(
                         f"{job.id}: not committed on tier {tier.name!r} within "
                         f"close(timeout={timeout:g} s): its copy is given up (never committed "
                         "there); the checkpoints committed before are untouched"
-                    )
-                    if self._give_up_locked(tier, job, err, released):
-                        verdicts.append((tier, job, err))
-        self._release_slots(released)
-        for tier, job, why in verdicts:
-            self._report_given_up(tier, job, why)  # logged as the copy's failure
+                    ),
+                )
+                for job in jobs
+                for tier in job.tiers
+            ]
+        )
 
     def _join_unless_stalled(
         self, th: threading.Thread, name: str | None, end: float | None

@@ -99,8 +99,9 @@ class Leases:
                 self._early[(t.name, rank)] = (step, fut, time.monotonic())
             request(t, rank, step, fut)
 
-    def acquire(self, job: SaveJob, request: LeaseRequest) -> None:
-        """See :meth:`Pipeline.acquire_leases`; ``request`` queues a take on a tier's thread."""
+    def acquire(self, job: SaveJob, request: LeaseRequest) -> set[str]:
+        """See :meth:`Pipeline.acquire_leases`; ``request`` queues a take on a tier's thread.
+        Returns the tiers whose first take did not end within the wait."""
         waits: dict[str, Future[BaseException | None]] = {}
         now = time.monotonic()
         end = now  # the waits end acquire_wait() after the latest take started
@@ -125,11 +126,11 @@ class Leases:
             # run by the tier thread as the take ends, before it starts this job's copy
             fut.add_done_callback(functools.partial(_take_failed, job, t.name))
         if not waits:
-            return
+            return set()
         done, _ = wait_futures(waits.values(), timeout=max(0.0, end - time.monotonic()))
         conflicts = [f.result() for f in done if isinstance(f.result(), WriterConflict)]
         if not conflicts:
-            return
+            return {name for name, fut in waits.items() if fut not in done}
         for t in job.tiers:  # give back what this call took: this save writes nothing
             got = waits.get(t.name)
             if got is not None and got in done and got.result() is None:

@@ -152,14 +152,15 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
 
         return unsubscribe
 
-    def acquire_leases(self, job: SaveJob) -> None:
+    def acquire_leases(self, job: SaveJob) -> set[str]:
         """Before ``submit(job)``, in the caller's thread: have the tier threads take this
         writer's lease on every tier of ``job`` not yet held, and raise
         :class:`WriterConflict` (nothing submitted, nothing written) when another live
         writer holds one. Waits at most ``TIERCKPT_LEASE_WAIT_S``, and only for a first
         attempt (or one after a conflict): a retry after an unreachable store goes on in the
-        background, and its failure fails only that tier's copy (``job.lease_errors``)."""
-        self._leases.acquire(job, self._queue_take)
+        background, and its failure fails only that tier's copy (``job.lease_errors``).
+        Returns the tiers whose first take had not ended by then (their store is silent)."""
+        return self._leases.acquire(job, self._queue_take)
 
     def take_leases_early(self, tiers: list[Tier], rank: int, step: int) -> None:
         """At a save's start, before it lists the tiers: queue the first take of this

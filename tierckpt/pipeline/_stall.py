@@ -73,6 +73,19 @@ class _StallMixin(_PipelineBase):
         for t, j, why in verdicts:
             self._report_given_up(t, j, why)
 
+    def give_up(self, copies: list[tuple[Tier, SaveJob, BaseException]]) -> None:
+        """Give up each (tier, job, why) copy not yet committing or done: its arena slots are
+        released and it is reported failed with ``why`` now (it never commits there)."""
+        verdicts: list[tuple[Tier, SaveJob, BaseException]] = []
+        released: list[_ChunkState] = []
+        with self._lock:
+            for tier, job, why in copies:
+                if self._give_up_locked(tier, job, why, released):
+                    verdicts.append((tier, job, why))
+        self._release_slots(released)
+        for t, j, why in verdicts:
+            self._report_given_up(t, j, why)
+
     def _give_up_locked(
         self, tier: Tier, job: SaveJob, err: BaseException, released: list[_ChunkState]
     ) -> bool:
