@@ -71,6 +71,9 @@ class _PipelineBase:
     #: after a failure: presumed down); tiers whose thread is working on an item
     _stalled_since: dict[str, float]
     _busy: set[str]
+    #: tier name -> when a copy of it was last given up (it made no progress, or did not
+    #: answer its lease take): close() does not wait for its thread stalled since before
+    _given_up_at: dict[str, float]
     #: follower tier name -> the jobs whose source step it holds (copying or waiting)
     _following: dict[str, list[SaveJob]]
     #: follower tier name -> the job its thread is working on

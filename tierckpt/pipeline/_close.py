@@ -1,15 +1,16 @@
 """``close()``: finish (or give up) the saves in flight, stop the threads, give the leases
 back — without waiting for a call blocked in a store that does not answer.
 
-A tier thread still inside a storage call that made no progress for ``save_deadline`` seconds
-(an upload, an abort or a retention delete in a store that holds every request) is *left
-behind*: its copies are given up already (they never commit), ``close()`` returns, and a
-daemon thread finishes the rest once the call returns (bounded by the store's timeouts): it
-gives that tier's lease back, then the lock files, closes the host arena and the tier's
-backend. Until then the location stays this writer's (a new writer on this machine is refused
-while this process lives; elsewhere it waits the ttl), so nothing of this writer can publish
-after another writer took over. ``close(timeout=)`` bounds the whole wait: what is not
-committed by then is given up on every tier, except a copy already inside its (atomic) commit.
+A tier thread still inside a storage call that made no progress for ``save_deadline`` seconds,
+or since a copy of that tier was given up (an upload, an abort, a lease take or a retention
+delete in a store that holds every request), is *left behind*: its copies are given up
+already (they never commit), ``close()`` returns, and a daemon thread finishes the rest once
+the call returns (bounded by the store's timeouts): it gives that tier's lease back, then the
+lock files, closes the host arena and the tier's backend. Until then the location stays this
+writer's (a new writer on this machine is refused while this process lives; elsewhere it
+waits the ttl), so nothing of this writer can publish after another writer took over.
+``close(timeout=)`` bounds the whole wait: what is not committed by then is given up on every
+tier, except a copy already inside its (atomic) commit.
 
 Part of :class:`~tierckpt.pipeline.Pipeline`; the state it changes is declared in ``_base``."""
 
@@ -119,7 +120,8 @@ class _CloseMixin(_PipelineBase):
         self, th: threading.Thread, name: str | None, end: float | None
     ) -> bool:
         """Wait for ``th`` to end; False (left behind) once its tier made no progress for
-        ``save_deadline`` seconds, or (with a timeout) ``END_GRACE_S`` after ``end``."""
+        ``save_deadline`` seconds or had a copy given up since it last made progress, or
+        (with a timeout) ``END_GRACE_S`` after ``end``."""
         poll = min(1.0, self.save_deadline / 4)
         grace_end = None if end is None else end + END_GRACE_S
         while th.is_alive():
@@ -128,8 +130,11 @@ class _CloseMixin(_PipelineBase):
                 return False
             with self._lock:
                 since = self._stalled_since.get(name) if name in self._busy else None
-            if since is not None and now - since >= self.save_deadline:
-                return False
+                gave_up = self._given_up_at.get(name) if name is not None else None
+            if since is not None and (
+                now - since >= self.save_deadline or (gave_up is not None and gave_up >= since)
+            ):
+                return False  # stalled that long, or a copy already given up meanwhile
             step = poll if grace_end is None else min(poll, grace_end - now)
             th.join(max(step, 0.0))
         return True

@@ -94,6 +94,7 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
         #: after a failure: presumed down); tiers whose thread is working on an item
         self._stalled_since = {}
         self._busy = set()
+        self._given_up_at = {}
         #: follower tier name -> the jobs whose source step it holds (copying or waiting)
         self._following = {}
         #: follower tier name -> the job its thread is working on

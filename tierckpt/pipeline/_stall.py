@@ -95,6 +95,8 @@ class _StallMixin(_PipelineBase):
         if name in job.given_up or name in job.settled or job.handle.done(name):
             return False
         job.given_up[name] = err
+        if not isinstance(err, CopySkipped):  # a skip is a follower's bound, not a silence
+            self._given_up_at[name] = time.monotonic()
         self._unfollow_locked(name, job)
         for st in list(self._held_chunks):
             if st.job is job and name in st.holders:
