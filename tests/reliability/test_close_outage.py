@@ -37,6 +37,14 @@ RELEASE_S = 1.0
 SLACK_S = 8.0
 
 
+def _close_timed(ck: Checkpointer, caplog: pytest.LogCaptureFixture) -> float:
+    """``ck.close()`` with its warnings captured; the seconds it took."""
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tierckpt"):
+        ck.close()
+    return time.monotonic() - t0
+
+
 @pytest.mark.s3
 def test_close_during_an_s3_outage_leaves_the_lease_to_expire_instead_of_waiting(
     tmp_path: Path,
@@ -54,10 +62,7 @@ def test_close_during_an_s3_outage_leaves_the_lease_to_expire_instead_of_waiting
         ck.save(state, 1).wait(timeout=60)  # both tiers: the writer holds both leases
         ck.wait(retention=True)  # no retention pass left to run (one blocked would be waited for)
         proxy.set_faults(BLACKHOLE)
-        t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="tierckpt"):
-            ck.close()
-        took = time.monotonic() - t0
+        took = _close_timed(ck, caplog)
         assert took <= RELEASE_S + SLACK_S, took
         assert "lease was not given back within" in caplog.text, caplog.text
         # the local folder's lock is free: the next job there saves at once
@@ -111,10 +116,7 @@ def test_close_with_a_save_blocked_in_a_held_store_returns_after_the_deadline(
     bucket = str(s3_bucket(moto_server))
     with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
         ck, handle, state = _save_into_an_outage(tmp_path, bucket, proxy)
-        t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="tierckpt"):
-            ck.close()
-        took = time.monotonic() - t0
+        took = _close_timed(ck, caplog)
         assert took <= DEADLINE_S + SLACK_S, took
         assert "still in a call to its store" in caplog.text, caplog.text
         assert handle.done()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from tierckpt.errors import CloseTimeout
 from tierckpt.pipeline._base import _PipelineBase
@@ -55,26 +54,18 @@ class _CloseMixin(_PipelineBase):
         # the capture thread first (it hands each tier thread its end), then one per tier
         by_thread = dict(zip(self._threads, [None, *(t.name for t in self.tiers)], strict=True))
         left = [th for th in self._threads if not self._join_unless_stalled(th, by_thread[th], end)]
-        with self._lock:
-            commit_pool = self._commit_pool
-        if commit_pool is not None:  # each deferred commit is bounded by its timeout
-            commit_pool.shutdown(wait=not left)
-        self._pool.shutdown(wait=not left, cancel_futures=bool(left))
         names = {by_thread[th] for th in left}
-        ended = [t for t in self.tiers if t.name not in names]
         now = time.monotonic()
-        wait = RELEASE_WAIT_S if end is None else min(RELEASE_WAIT_S, max(end - now, 1.0))
-        self._leases.release_all(wait, tiers={t.name for t in ended}, locks=not left)
-        if close_backends:
-            for t in ended:
-                _close_backend(t)
+        self._wind_down(
+            [t for t in self.tiers if t.name not in names],
+            RELEASE_WAIT_S if end is None else min(RELEASE_WAIT_S, max(end - now, 1.0)),
+            everything=not left,
+            close_backends=close_backends,
+        )
         if self._prebuilt is not None:
             self._prebuilt.discard()
             self._prebuilt = None
         if not left:
-            if self.arena is not None:
-                self.arena.close()
-                self.arena = None
             return
         log.warning(
             "close(): thread(s) %s still in a call to its store; returning without waiting "
@@ -85,13 +76,31 @@ class _CloseMixin(_PipelineBase):
             ", ".join(th.name for th in left),
             self._leases.ttl,
         )
-        stuck = [t for t in self.tiers if t.name in names]
         threading.Thread(
             target=self._finish_left_behind,
-            args=(left, stuck, commit_pool, close_backends),
+            args=(left, [t for t in self.tiers if t.name in names], close_backends),
             name="tierckpt-close",
             daemon=True,
         ).start()
+
+    def _wind_down(
+        self, tiers: list[Tier], wait: float, *, everything: bool, close_backends: bool
+    ) -> None:
+        """Give back the leases on ``tiers`` (each waited for at most ``wait``) and, with
+        ``close_backends``, close their backends; ``everything``: no thread is left behind,
+        so the pools are waited for and the lock files and host arena released too."""
+        with self._lock:
+            commit_pool = self._commit_pool
+        if commit_pool is not None:  # each deferred commit is bounded by its timeout
+            commit_pool.shutdown(wait=everything)
+        self._pool.shutdown(wait=everything, cancel_futures=not everything)
+        self._leases.release_all(wait, tiers={t.name for t in tiers}, locks=everything)
+        if close_backends:
+            for t in tiers:
+                _close_backend(t)
+        if everything and self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
     def _give_up_unfinished(self, timeout: float) -> None:
         """``close(timeout=)`` ran out: no copy starts its commit from now on, and every
@@ -140,27 +149,14 @@ class _CloseMixin(_PipelineBase):
         return True
 
     def _finish_left_behind(
-        self,
-        left: list[threading.Thread],
-        stuck: list[Tier],
-        commit_pool: ThreadPoolExecutor | None,
-        close_backends: bool,
+        self, left: list[threading.Thread], stuck: list[Tier], close_backends: bool
     ) -> None:
         """The daemon thread of a close() that left threads behind: once their calls
         returned, what close() did for the others."""
         try:
             for th in left:
                 th.join()
-            if commit_pool is not None:
-                commit_pool.shutdown(wait=True)
-            self._pool.shutdown(wait=True)
-            self._leases.release_all(RELEASE_WAIT_S, tiers={t.name for t in stuck})
-            if close_backends:
-                for t in stuck:
-                    _close_backend(t)
-            if self.arena is not None:
-                self.arena.close()
-                self.arena = None
+            self._wind_down(stuck, RELEASE_WAIT_S, everything=True, close_backends=close_backends)
             log.info("close(): the thread(s) left behind ended; their leases are given back")
         except Exception as exc:  # a daemon thread: say it, never raise
             log.warning("close(): finishing after the threads left behind failed: %s", exc)
