@@ -15,9 +15,9 @@ from typing import Any, Literal
 import torch
 
 from tierckpt import config
-from tierckpt.catalog import list_tiers, steps_of, unreadable
+from tierckpt.catalog import steps_of
 from tierckpt.checkpointer._guarded import as_modules
-from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, load
+from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, list_each_tier, load
 from tierckpt.checkpointer._readpool import warm as warm_read_pool
 from tierckpt.checkpointer._retention import Protectors, pin_target
 from tierckpt.checkpointer._saving import SavePath, as_step, resolve_rank
@@ -301,18 +301,12 @@ class Checkpointer(SavePath):
         return ids[-1].step if ids else None
 
     def tier_steps(self) -> dict[str, list[int]]:
-        """Which steps are committed on which tier (each list in :meth:`steps` order).
-
-        The tiers are listed at once; one that cannot be listed (down, or silent for
-        ``TIERCKPT_LEASE_WAIT_S``, 10 s, while another tier answered) is left out of the dict,
-        with a warning saying why; where no tier could be listed this raises
+        """Which steps are committed on which tier (each list in :meth:`steps` order). A
+        tier that cannot be listed (down, or silent for ``TIERCKPT_LEASE_WAIT_S`` while
+        another answered) is left out, with a warning; where none could be listed this raises
         :class:`~tierckpt.errors.TiersUnreadable`."""
         self._settle_retention()
-        pairs = [(t.name, t.backend) for t in self._tiers]
-        listing, unlisted = list_tiers(pairs, config.lease_wait_s(), for_listing=True)
-        if unlisted and len(unlisted) == len(pairs):
-            raise unreadable(unlisted, listing, "no checkpoint is committed")
-        return {n: steps_of(ids) for n, ids in listing.items() if n not in unlisted}
+        return {n: steps_of(ids) for n, ids in list_each_tier(self._load_context()).items()}
 
     def _settle_retention(self) -> None:
         """Wait for the retention passes already started (see :meth:`wait`): this object's

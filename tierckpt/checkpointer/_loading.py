@@ -45,7 +45,7 @@ from tierckpt.restore import (
 )
 from tierckpt.restore_gpu import DeviceTarget, read_shard_to_device, target_for
 
-__all__ = ["LOAD_ATTEMPTS", "LoadContext", "list_checkpoints", "load"]
+__all__ = ["LOAD_ATTEMPTS", "LoadContext", "list_checkpoints", "list_each_tier", "load"]
 
 log = logging.getLogger("tierckpt")
 
@@ -88,6 +88,16 @@ def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
     if unlisted and not out:
         raise unreadable(unlisted, listing, "no checkpoint is committed")
     return sorted(out)
+
+
+def list_each_tier(ctx: LoadContext) -> dict[str, list[CheckpointId]]:
+    """Each tier's committed checkpoints (:meth:`~tierckpt.Checkpointer.tier_steps`): the
+    tiers that could not be listed are left out (logged), or all: ``TiersUnreadable``."""
+    pairs = [(t.name, t.backend) for t in ctx.tiers]
+    listing, unlisted = list_tiers(pairs, config.lease_wait_s(), for_listing=True)
+    if unlisted and len(unlisted) == len(pairs):
+        raise unreadable(unlisted, listing, "no checkpoint is committed")
+    return {n: ids for n, ids in listing.items() if n not in unlisted}
 
 
 def load(
