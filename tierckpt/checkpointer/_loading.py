@@ -80,10 +80,7 @@ def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
     :meth:`~tierckpt.Checkpointer.checkpoints`)."""
     if tier is not None:
         return committed_ids(ctx.tier_named(tier).backend)
-    # a hung tier is left out after the wait where another holds a checkpoint, as in a load
-    listing, unlisted = list_tiers(
-        ((t.name, t.backend) for t in ctx.tiers), config.lease_wait_s(), for_listing=True
-    )
+    listing, unlisted = _list_all(ctx)
     out = {c for ids in listing.values() for c in ids}
     if unlisted and not out:
         raise unreadable(unlisted, listing, "no checkpoint is committed")
@@ -93,11 +90,18 @@ def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
 def list_each_tier(ctx: LoadContext) -> dict[str, list[CheckpointId]]:
     """Each tier's committed checkpoints (:meth:`~tierckpt.Checkpointer.tier_steps`): the
     tiers that could not be listed are left out (logged), or all: ``TiersUnreadable``."""
-    pairs = [(t.name, t.backend) for t in ctx.tiers]
-    listing, unlisted = list_tiers(pairs, config.lease_wait_s(), for_listing=True)
-    if unlisted and len(unlisted) == len(pairs):
+    listing, unlisted = _list_all(ctx)
+    if unlisted and len(unlisted) == len(listing):
         raise unreadable(unlisted, listing, "no checkpoint is committed")
     return {n: ids for n, ids in listing.items() if n not in unlisted}
+
+
+def _list_all(ctx: LoadContext) -> tuple[dict[str, list[CheckpointId]], dict[str, str]]:
+    """Every tier listed for the caller to see: a hung tier is left out after the wait where
+    another answered, as in a load (``catalog.list_tiers``)."""
+    return list_tiers(
+        ((t.name, t.backend) for t in ctx.tiers), config.lease_wait_s(), for_listing=True
+    )
 
 
 def load(

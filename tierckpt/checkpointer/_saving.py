@@ -34,7 +34,7 @@ from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointFailed
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle
-from tierckpt.pipeline import PipelineHooks, PipelineOwner, SaveJob, Tier
+from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
 from tierckpt.plan import collect_state
 from tierckpt.stats import StatsRecorder, outcome_of
 from tierckpt.tree import encode_metadata
@@ -154,10 +154,7 @@ class SavePath(PipelineOwner):
             self._save_count += 1
         tiers = [t for t in self._tiers if t.spec.receives(step)]
         busy = bool(pipeline.in_flight())
-        # a first save takes its leases while it lists the tiers: a store that does not
-        # answer then costs it one TIERCKPT_LEASE_WAIT_S, not two
-        pipeline.take_leases_early(tiers, self.rank, step)
-        timeline, choose = self._propose_timeline(step)
+        timeline, choose = self._propose_timeline(step, pipeline, tiers)
         # with several ranks: an attempt id for the completion records (one all-reduce at the
         # first save; at every save with on_busy="skip", so that all ranks skip together; and
         # wherever the timeline is chosen from the tiers, so that all ranks take the same one)
@@ -256,7 +253,9 @@ class SavePath(PipelineOwner):
         except Exception as exc:  # pragma: no cover - reporting must not mask the error
             log.warning("step %d: could not report the failed save (%s)", step, exc)
 
-    def _propose_timeline(self, step: int) -> tuple[int, bool]:
+    def _propose_timeline(
+        self, step: int, pipeline: Pipeline, tiers: list[Tier]
+    ) -> tuple[int, bool]:
         """The timeline for a save of ``step``, and whether it was chosen from the tiers now
         (False: the previous save's timeline goes on).
 
@@ -271,6 +270,9 @@ class SavePath(PipelineOwner):
         last = self._last_saved
         if self._timeline is not None and (last is None or step >= last.step):
             return self._timeline, False
+        # the leases of ``tiers`` not taken yet are taken meanwhile (a first save): a store
+        # that does not answer then costs the save one TIERCKPT_LEASE_WAIT_S, not two
+        pipeline.take_leases_early(tiers, self.rank, step)
         # a tier that does not answer in time (a hung store) is left out here and checked
         # before each save is published on it, until one passes (_confirm_timeline)
         newest, unknown = newest_committed_within(
