@@ -331,6 +331,17 @@ FIXED += [
         "tierckpt/checkpointer/_loading.py, _checkpointer.py (tier_steps), catalog.py",
         ["test_listing_the_steps_during_an_s3_outage_answers_after_the_wait"],
     ),
+    (
+        "A job restarted on another node (a pod rescheduled, a requeue) with an S3 tier alone "
+        "found its dead predecessor's lease, renewed less than its ttl ago, and its first "
+        "save() raised WriterConflict: the training loop died at its first checkpoint, and a "
+        "restart policy made that a crash loop for the lease's ttl (60 s)",
+        "tierckpt/lease.py (presumed live), pipeline/_leases.py, errors.py",
+        [
+            "test_a_job_restarted_on_a_new_node_trains_through_its_dead_predecessors_lease",
+            "test_a_live_job_on_another_node_is_refused_once_seen_renewing",
+        ],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested

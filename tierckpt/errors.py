@@ -118,14 +118,27 @@ class WriterConflict(TierCkptError, RuntimeError):
     """Another live writer holds this tier location (its lease): this one writes nothing there.
 
     ``tier`` and ``url`` name the location; ``holder`` is the other writer's lease record
-    (host, pid, start and last renewal) when it could be read.
+    (host, pid, start and last renewal) when it could be read. ``presumed``: the holder counts
+    as live only because its lease is younger than its ttl (another machine, or a container
+    that names no lock file here, dead or not): ``save()`` does not raise it, that tier's copy
+    fails with it until the lease expires (then it is taken over) or is seen renewed (then the
+    holder is known live, and ``save()`` raises).
     """
 
-    def __init__(self, message: str, *, tier: str = "", url: str = "", holder: Any = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        tier: str = "",
+        url: str = "",
+        holder: Any = None,
+        presumed: bool = False,
+    ):
         super().__init__(message)
         self.tier = tier
         self.url = url
         self.holder = holder
+        self.presumed = presumed
 
 
 class LeaseLost(WriterConflict):

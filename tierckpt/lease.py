@@ -4,8 +4,8 @@ Two jobs pointed at the same run folder or S3 prefix would overwrite each other'
 and delete each other's saves in progress, so a writer (a ``Checkpointer`` or a
 ``tierckpt.dcp.TierWriter``) takes a *lease* on every tier before it writes anything there:
 the object ``leases/rank-<r>.json`` (one per rank), created create-only. A second writer finds
-it, sees that its owner is alive and is refused at once with :class:`WriterConflict`, before
-writing a byte. Readers never take a lease.
+it, sees that its owner is alive and is refused with :class:`WriterConflict`, before writing
+a byte. Readers never take a lease.
 
 Whether the owner is alive
     On the same machine (same host name, boot id and PID namespace): iff its process still
@@ -14,7 +14,12 @@ Whether the owner is alive
     namespace (a restarted container), when the lease names the holder's lock file and it is
     the same file here: iff a process holds its ``flock`` (:mod:`tierckpt.liveness`).
     Elsewhere: iff the lease was renewed less than its ``ttl`` ago; the holder renews it every
-    ``ttl / 4``. That age is the holder's clock against this machine's, so before a lease is
+    ``ttl / 4``. Such a holder is only *presumed* live (a job restarted on a new node finds
+    its own dead predecessor's lease so), and a save does not raise for it: that tier's copy
+    fails with a ``WriterConflict`` marked ``presumed`` (nothing written there; the other
+    tiers save), the next save asks again, and the lease is taken over once past its ttl.
+    A holder seen to renew its lease meanwhile is known live: ``save()`` raises then.
+    The lease's age is the holder's clock against this machine's, so before a lease is
     taken over for its age, the store's clock is asked too (:func:`store_age`: the lease's
     modification time against an empty probe object's, both the store's): where the store
     wrote it within the ttl, its holder lives, and the refusal says by how much the two
@@ -169,23 +174,37 @@ def judge_owner(
     store wrote it within its ttl (:func:`store_age`), its holder renews it and lives, whatever
     the clocks say. Where the store keeps no times or the probe fails (read-only
     credentials), the age stands. ``owner``: names the probe object (a fresh id where None)."""
+    alive, why, _presumed = _judge(backend, name, rec, owner)
+    return alive, why
+
+
+def _judge(
+    backend: Backend, name: str, rec: LeaseRecord, owner: str | None
+) -> tuple[bool, str, bool]:
+    """:func:`judge_owner`, and whether a live verdict rests on the lease's age alone (by this
+    machine's clock or the store's: no process or lock file here could answer), which makes
+    its holder *presumed* live."""
     alive, why, by_age = owner_verdict(rec)
     if alive or not by_age:
-        return alive, why
+        return alive, why, alive and by_age
     probe = clock_probe_name(owner or new_owner_id())
     try:
         age = store_age(backend, name, probe)
     except Exception as exc:
         log.debug("%s/%s: the store's clock could not be read (%s)", backend.url, name, exc)
-        return False, why
+        return False, why, False
     if age is None or age >= rec.ttl:
-        return False, why
+        return False, why, False
     wall = time.time() - rec.renewed
-    return True, (
-        f"the store wrote it {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s, "
-        f"though the renewal time it holds is {wall:.0f} s old by this machine's clock: this "
-        f"machine's clock and the writer's disagree by about {wall - age:.0f} s, so its age "
-        "says nothing (set both clocks right: NTP)"
+    return (
+        True,
+        (
+            f"the store wrote it {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s, "
+            f"though the renewal time it holds is {wall:.0f} s old by this machine's clock: "
+            f"this machine's clock and the writer's disagree by about {wall - age:.0f} s, so "
+            "its age says nothing (set both clocks right: NTP)"
+        ),
+        True,
     )
 
 
@@ -249,6 +268,9 @@ class WriterLease:
         self.attempted = False
         self.last_error: BaseException | None = None
         self._started = 0.0
+        #: (owner, renewal time) of the other writer's lease when it was first found and
+        #: only presumed live: a later renewal time of the same owner proves it runs
+        self._watching: tuple[str, float] | None = None
         self._next_renewal = math.inf  # time.monotonic() of the next renewal
         #: renewals failing while the store is down: said once, and when one works again
         self._renewals = Outage()
@@ -310,17 +332,9 @@ class WriterLease:
             raw, rec = got
             if rec.owner == self.owner:
                 return
-            alive, why = judge_owner(b, name, rec, owner=self.owner)
+            alive, why, presumed = _judge(b, name, rec, self.owner)
             if alive:
-                raise WriterConflict(
-                    f"{self.where} already has a writer: rank {self.rank}'s lease {name} is "
-                    f"held by {rec.describe()}, and {why}. Two writers on one location would "
-                    f"overwrite each other's checkpoints, so this save wrote nothing. "
-                    f"{_unlock_hint(b)}",
-                    tier=self.tier,
-                    url=b.url,
-                    holder=rec,
-                )
+                raise self._conflict(rec, why, presumed)
             again = read_lease(b, self.rank)
             if again is None or again[0] != raw:
                 continue  # changed under us: judge the new content
@@ -339,6 +353,44 @@ class WriterLease:
             f"tried to take it: another writer is starting here. {_unlock_hint(b)}",
             tier=self.tier,
             url=b.url,
+        )
+
+    def _conflict(self, rec: LeaseRecord, why: str, presumed: bool) -> WriterConflict:
+        """The refusal of a lease held by ``rec``'s writer. Where that writer is only
+        presumed live (its lease's age, no process or lock file to ask), its renewal time is
+        watched: seen to move on, the writer is known live."""
+        b, name = self.backend, self.name
+        if presumed:
+            seen = self._watching
+            if seen is not None and seen[0] == rec.owner and seen[1] != rec.renewed:
+                presumed = False
+                why = (
+                    f"{why}; it renewed its lease since this writer first found it, so that "
+                    "job runs"
+                )
+            elif seen is None or seen[0] != rec.owner:
+                self._watching = (rec.owner, rec.renewed)
+        if not presumed:
+            return WriterConflict(
+                f"{self.where} already has a writer: rank {self.rank}'s lease {name} is "
+                f"held by {rec.describe()}, and {why}. Two writers on one location would "
+                f"overwrite each other's checkpoints, so this save wrote nothing. "
+                f"{_unlock_hint(b)}",
+                tier=self.tier,
+                url=b.url,
+                holder=rec,
+            )
+        return WriterConflict(
+            f"{self.where}: rank {self.rank}'s lease {name} is held by {rec.describe()}, and "
+            f"{why}. This writer cannot tell whether that job still runs (a job restarted on "
+            "another node or in a new container finds its own dead predecessor's lease so): "
+            "its copies there are skipped, nothing written, until the lease expires, then it "
+            "takes the location over; if the lease is renewed meanwhile, that job runs and "
+            f"save() raises. {_unlock_hint(b)}",
+            tier=self.tier,
+            url=b.url,
+            holder=rec,
+            presumed=True,
         )
 
     def _owner_now(self) -> str | None:

@@ -29,7 +29,7 @@ import torch
 from rel_util import Recorder
 
 import tierckpt
-from tierckpt import Checkpointer, LocalTier, S3Tier, WriterConflict
+from tierckpt import Checkpointer, CheckpointFailed, LocalTier, S3Tier, WriterConflict
 from tierckpt.backends.local import LocalBackend
 from tierckpt.lease import LEASE_DIR, LeaseRecord, WriterLease, lease_name
 from tierckpt.testing.s3servers import S3Server
@@ -138,14 +138,22 @@ def test_a_live_writer_whose_clock_is_behind_keeps_its_location(
         assert holder["host"] == "node-a" and time.time() - holder["renewed"] > SKEW_S - 5
         refusals = []
         with Checkpointer([_tier(spec)], chunk_bytes=64 << 10) as ck:
-            for _ in range(2):  # at once, and again well past the ttl
-                with pytest.raises(WriterConflict) as info:
-                    ck.save(_state(2), 2).wait(timeout=60)
-                refusals.append(str(info.value))
-                time.sleep(2 * float(TTL))
+            # at once: presumed live by the store's clock, so that tier's copy fails (save()
+            # does not raise); well past the ttl, having seen it renewed: known live, refused
+            with pytest.raises(CheckpointFailed) as failed:
+                ck.save(_state(2), 2).wait(timeout=60)
+            (first,) = failed.value.errors.values()
+            assert isinstance(first, WriterConflict) and first.presumed, repr(first)
+            refusals.append(str(first))
+            time.sleep(2 * float(TTL))
+            with pytest.raises(WriterConflict) as info:
+                ck.save(_state(2), 2)
+            assert not info.value.presumed
+            refusals.append(str(info.value))
         for msg in refusals:
             assert "node-a" in msg and "disagree by about" in msg, msg
             assert "the store wrote it" in msg, msg
+        assert "renewed its lease since this writer first found it" in refusals[1]
         assert _lease(spec)["owner"] == holder["owner"]  # still the holder's
         go.write_text("1")
         _wait(result, proc, log)

@@ -451,13 +451,25 @@ def test_lease_of_another_host_taken_over_only_once_stale(
     fresh = _lease_json(host="node-b", pid=4242, renewed=time.time())
     _put_lease(backend, fresh)
     with Checkpointer([_tier_spec(location)], chunk_bytes=256 << 10) as ck:
-        with pytest.raises(WriterConflict) as info:
-            ck.save(_state(1, "A"), 1)
-        msg = str(info.value)
+        # renewed within its ttl, by a host this machine cannot ask: presumed live, so this
+        # save's copy fails (nothing written) while save() itself does not raise
+        with pytest.raises(CheckpointFailed) as failed:
+            ck.save(_state(1, "A"), 1).wait(timeout=60)
+        why = next(iter(failed.value.errors.values()))
+        assert isinstance(why, WriterConflict) and why.presumed, repr(why)
+        msg = str(why)
         assert "node-b" in msg and "4242" in msg and "tierckpt unlock" in msg, msg
         assert backend.list("manifests/") == []
         assert [n for n in backend.list("") if data_folder_part(n).startswith("steps/")] == []
         assert bytes(backend.get(LEASE)) == fresh  # the other writer's lease is untouched
+        # it renews its lease: it runs, and the next save raises
+        renewed = _lease_json(host="node-b", pid=4242, renewed=time.time() + 1)
+        _put_lease(backend, renewed)
+        with pytest.raises(WriterConflict) as info:
+            ck.save(_state(1, "A"), 1)
+        assert not info.value.presumed and "renewed its lease since" in str(info.value)
+        assert backend.list("manifests/") == []
+        assert bytes(backend.get(LEASE)) == renewed
         # the other host stopped renewing: its lease is past its ttl by its clock and by the
         # store's (a lease the store wrote within the ttl would mean a live writer whose
         # clock is behind: test_clock_skew.py)

@@ -178,9 +178,9 @@ class Checkpointer(SavePath):
         returns: ``guard(optimizer, model)`` enforces it and tells which tensors are which.
         Unsupported objects (and ``metadata`` that is not plain JSON) raise
         ``UnsupportedObject`` here, before anything is written.
-        At the first save to a tier this checkpointer takes its writer lease there: if another
-        live writer (another job, or another ``Checkpointer`` of this process) holds it,
-        ``WriterConflict`` is raised here and nothing is written.
+        At the first save to a tier this checkpointer takes its writer lease there: held by a
+        writer known live (another job; another ``Checkpointer`` here), ``WriterConflict`` is
+        raised and nothing written (presumed live by age only: see ``tierckpt.lease``).
         ``metrics``: numbers stored with the checkpoint (in its manifest's metadata under
         ``"metrics"``), which a tier's ``keep_best`` / ``best_metric`` retention ranks by.
         """

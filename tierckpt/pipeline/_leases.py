@@ -128,7 +128,11 @@ class Leases:
         if not waits:
             return set()
         done, _ = wait_futures(waits.values(), timeout=max(0.0, end - time.monotonic()))
-        conflicts = [f.result() for f in done if isinstance(f.result(), WriterConflict)]
+        refused = [r for f in done if isinstance(r := f.result(), WriterConflict)]
+        # a writer known live (its process, its lock file, a renewal seen): nothing is saved.
+        # One only presumed live (its lease's age): that tier's copy fails with it
+        # (_take_failed), the other tiers save, and the next save asks again
+        conflicts = [r for r in refused if not r.presumed]
         if not conflicts:
             return {name for name, fut in waits.items() if fut not in done}
         for t in job.tiers:  # give back what this call took: this save writes nothing
