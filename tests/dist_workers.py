@@ -1102,3 +1102,49 @@ def w_load_during_s3_outage(
         diff = same(got, _run_state(rank, 2, 1))
         ck.close()
     return {"took": took, "diff": diff}
+
+
+def _ws_state(rank: int, world: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * world + 10 * rank + step)
+    return {"w": torch.randn(4096, generator=g), "step": step, "world": world}
+
+
+def w_world_size_resume(
+    rank: int,
+    world: int,
+    root: str,
+    steps: int,
+    step: int | None = None,
+    timeline: int | None = None,
+    keep_last: int | None = 2,
+    fresh: bool = False,
+) -> dict[str, Any]:
+    """A job's resume as ``examples/torchrun_train.py`` writes it (``except
+    CheckpointNotFound``: start from step 0), then ``steps`` saves; with ``step``,
+    ``load(step, timeline=)`` instead; ``fresh``: no load (a new run on the folder).
+    ``WorldSizeMismatch`` ends it, reported."""
+    import tierckpt
+
+    # (a stand-in where it does not exist: the test then fails at its assertions)
+    mismatch = getattr(tierckpt, "WorldSizeMismatch", type("NoSuchError", (Exception,), {}))
+    ck = Checkpointer([LocalTier(root, keep_last=keep_last)], chunk_bytes=64 << 10)
+    out: dict[str, Any] = {}
+    start = 0
+    try:
+        if fresh:
+            raise CheckpointNotFound("a new run: nothing loaded")
+        got = ck.load(step, timeline=timeline) if step is not None else ck.load()
+        start = int(got["step"])
+        out["loaded"] = [start, int(got["world"])]
+        out["exact"] = torch.equal(got["w"], _ws_state(rank, int(got["world"]), start)["w"])
+    except CheckpointNotFound as exc:
+        out["not_found"] = str(exc)
+    except mismatch as exc:
+        out["mismatch"] = str(exc)
+        ck.close()
+        return out
+    for s in range(start + 1, start + 1 + steps):
+        ck.save(_ws_state(rank, world, s), s).wait(timeout=120)
+    out["saved"] = [start + 1, start + steps]
+    ck.close()
+    return out

@@ -25,6 +25,7 @@ from tierckpt.errors import (
     TiersUnreadable,
     UnknownCodec,
     UnsupportedObject,
+    WorldSizeMismatch,
     WriterConflict,
 )
 from tierckpt.format import CheckpointId
@@ -81,6 +82,7 @@ __all__ = [
     "TiersUnreadable",
     "UnknownCodec",
     "UnsupportedObject",
+    "WorldSizeMismatch",
     "WriterConflict",
     "__version__",
     "tier",

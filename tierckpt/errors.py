@@ -43,6 +43,29 @@ class CheckpointNotFound(TierCkptError, FileNotFoundError):
     """No committed checkpoint matches the request (step, tier or URL)."""
 
 
+class WorldSizeMismatch(TierCkptError, RuntimeError):
+    """The newest checkpoint was saved by another number of ranks than this job has: the
+    native format is one file per rank, so this job cannot load it. Not a
+    :class:`CheckpointNotFound` on purpose: a resume written as ``except CheckpointNotFound:
+    start from scratch`` would train from step 0 and its retention would delete the run's
+    checkpoints. Restart with the world size it names, or save with ``tierckpt.dcp`` to
+    reshard."""
+
+    @classmethod
+    def of(cls, checkpoint: Any, saved_by: int | None, world_size: int) -> WorldSizeMismatch:
+        """The error for ``checkpoint`` (saved by ``saved_by`` ranks; None: unknown here):
+        the cause, then what to do."""
+        by = f"{saved_by} ranks" if saved_by is not None else "another number of ranks"
+        return cls(
+            f"checkpoint {checkpoint} was saved by {by}, and this job has {world_size}: "
+            f"restart with {saved_by if saved_by is not None else 'that many'} ranks to resume "
+            "it (the native format is one file per rank; tierckpt.dcp checkpoints reshard). "
+            "Nothing was loaded. Do not start this job from scratch on these tiers: its saves "
+            "would abandon that run's checkpoints, and retention would delete them. To resume "
+            "from an older checkpoint this world size saved, load(step=...) it explicitly"
+        )
+
+
 class FormatError(TierCkptError, ValueError):
     """A shard file, index or manifest does not follow the format, or is hostile."""
 

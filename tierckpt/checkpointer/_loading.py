@@ -32,7 +32,12 @@ from tierckpt.checkpointer._auto_feedback import feed_policy
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
-from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierCkptError
+from tierckpt.errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    TierCkptError,
+    WorldSizeMismatch,
+)
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
@@ -295,11 +300,7 @@ def _load_from(
         early = start_tail(tier.backend, tier.shard_file(cid, ctx.rank), ctx.read_pool())
     manifest = ctx.strategy.read_manifest(tier, cid)  # multi-rank: once per node
     if manifest.world_size != ctx.world_size:
-        raise TierCkptError(
-            f"{cid} was saved by {manifest.world_size} ranks, this job has "
-            f"{ctx.world_size}; the native format needs the same world size — save with "
-            "tierckpt.dcp (torch.distributed.checkpoint) to reshard"
-        )
+        raise WorldSizeMismatch.of(cid, manifest.world_size, ctx.world_size)
     repop = []
     if ctx.strategy.repopulates and tier.backend.is_remote:
         for t in ctx.tiers:

@@ -13,7 +13,7 @@ from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_
 from tierckpt.distributed._knobs import get_knobs
 from tierckpt.distributed._nodeshare import ManifestCache
 from tierckpt.distributed._records import _ranks
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import CheckpointNotFound, WorldSizeMismatch
 from tierckpt.format import MAX_STEP, CheckpointId
 from tierckpt.restore import is_recoverable, read_index, read_manifest
 
@@ -31,9 +31,11 @@ def _readable(
     world_size: int,
     cid: CheckpointId,
     cache: ManifestCache | None = None,
+    sizes: dict[CheckpointId, int] | None = None,
 ) -> str:
     """Empty if this rank can read ``cid`` (manifest + own shard index) on some tier, else
-    why not. ``cache``: manifests the node's leader read (one read per node)."""
+    why not. ``cache``: manifests the node's leader read (one read per node); ``sizes``: gets
+    the world size ``cid`` was saved by where it is not this job's."""
     reasons = []
     for t in tiers:
         try:
@@ -42,6 +44,8 @@ def _readable(
             else:
                 m = read_manifest(t.backend, cid.step, t.name, timeline=cid.timeline)
             if m.world_size != world_size:
+                if sizes is not None:
+                    sizes[cid] = m.world_size
                 reasons.append(
                     f"tier {t.name!r}: saved by {m.world_size} ranks, this job has "
                     f"{world_size} (the native format needs the same world size; save with "
@@ -110,17 +114,36 @@ def agree_on_step(
     looked = list(candidates)[: k.agree_max_candidates]
     why: dict[CheckpointId, str] = {}
 
+    sizes: dict[CheckpointId, int] = {}
+
     def readable(cid: CheckpointId) -> bool:
         if cid not in why:
-            why[cid] = _readable(tiers, rank, world_size, cid, cache)
+            why[cid] = _readable(tiers, rank, world_size, cid, cache, sizes)
         return not why[cid]
 
     dev = collective_device()
     newest = next((c for c in looked if readable(c)), None)
-    one = torch.tensor([checkpoint_key(newest) if newest else -1], dtype=torch.int64, device=dev)
+    # the newest checkpoint of all saved by another world size: no rank loads an older one
+    # in its place (the job would go on from there, and the newer run would be abandoned)
+    other = looked[0] if looked and looked[0] in sizes and why.get(looked[0]) else None
+    one = torch.tensor(
+        [checkpoint_key(newest) if newest else -1, 1 if other is not None else 0],
+        dtype=torch.int64,
+        device=dev,
+    )
     firsts = [torch.empty_like(one) for _ in range(world_size)]
     dist.all_gather(firsts, one)
-    keys = {int(f.item()) for f in firsts}
+    if any(int(f[1].item()) for f in firsts):  # said on every rank, before any reads
+        ids = [c for c in looked[:1] if other is not None] or looked[:1]
+        raise (
+            WorldSizeMismatch.of(ids[0], sizes.get(ids[0]), world_size)
+            if ids
+            else WorldSizeMismatch(
+                f"another rank found the newest checkpoint saved by another number of ranks "
+                f"than this job's {world_size}; see rank 0's error"
+            )
+        )
+    keys = {int(f[0].item()) for f in firsts}
     if len(keys) == 1 and newest is not None:
         return [newest]  # every rank's newest readable is the same checkpoint
     if prefetch is not None:
