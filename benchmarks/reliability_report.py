@@ -354,6 +354,17 @@ FIXED += [
             "test_an_older_checkpoint_of_this_world_size_is_loaded_when_asked_for",
         ],
     ),
+    (
+        "An unreadable object at a lease's name (an empty file after a disk fault, a newer "
+        "tierckpt's lease) made every save() raise WriterConflict, on every tier, forever: it "
+        "had no renewal time to expire, and the message said to wait for the ttl",
+        "tierckpt/lease.py (_unreadable_expired), lease_refusal.py",
+        [
+            "test_an_old_unreadable_lease_is_taken_over",
+            "test_a_fresh_unreadable_lease_fails_only_its_tier_until_the_ttl",
+            "test_an_unreadable_lease_that_keeps_changing_is_refused",
+        ],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested

@@ -247,6 +247,7 @@ LAYERS: dict[str, int] = {
             "handle",
             "stats",
             "lease",
+            "lease_refusal",
             "liveness",
             "retention",
             "policy",

@@ -60,6 +60,7 @@ import uuid
 from tierckpt import config
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
+from tierckpt.lease_refusal import held_lease, unreadable_lease
 from tierckpt.liveness import (
     HostIdentity,
     LeaseRecord,
@@ -271,6 +272,8 @@ class WriterLease:
         #: (owner, renewal time) of the other writer's lease when it was first found and
         #: only presumed live: a later renewal time of the same owner proves it runs
         self._watching: tuple[str, float] | None = None
+        #: the bytes of an unreadable object at the lease's name when last seen
+        self._unreadable: bytes | None = None
         self._next_renewal = math.inf  # time.monotonic() of the next renewal
         #: renewals failing while the store is down: said once, and when one works again
         self._renewals = Outage()
@@ -321,12 +324,11 @@ class WriterLease:
             try:
                 got = read_lease(b, self.rank)
             except FormatError as exc:
-                raise WriterConflict(
-                    f"{self.where}: {name} exists but is not a lease tierckpt can read ({exc}); "
-                    f"nothing was written. {_unlock_hint(b)}",
-                    tier=self.tier,
-                    url=b.url,
-                ) from None
+                if self._unreadable_expired(exc):
+                    b.put_atomic(name, mine.encode(), overwrite=True)
+                    if self._owner_now() == self.owner:
+                        return
+                continue
             if got is None:
                 continue  # released meanwhile: create again
             raw, rec = got
@@ -355,42 +357,49 @@ class WriterLease:
             url=b.url,
         )
 
+    def _unreadable_expired(self, exc: FormatError) -> bool:
+        """An object at this lease's name that is no lease tierckpt can read (damaged, or a
+        newer tierckpt's): True once the store has not written it for the ttl (taken over,
+        logged); else a :class:`WriterConflict` is raised, presumed where nothing shows a
+        writer behind it, known live where its bytes changed while this writer watched."""
+        b, name = self.backend, self.name
+        try:
+            raw = bytes(b.get(name))
+        except CheckpointNotFound:
+            return False  # gone meanwhile: create again
+        age = store_age(b, name, clock_probe_name(self.owner))
+        changed = self._unreadable is not None and self._unreadable != raw
+        self._unreadable = raw
+        if age is not None and age >= self.ttl and not changed:
+            log.warning(
+                "%s: taking over rank %d's lease: %s is no lease tierckpt can read (%s) and "
+                "the store has not written it for %.0f s (ttl %.0f s)",
+                self.where,
+                self.rank,
+                name,
+                exc,
+                age,
+                self.ttl,
+            )
+            return True
+        raise unreadable_lease(
+            self.where, name, exc, age, self.ttl, changed, self.tier, b.url, _unlock_hint(b)
+        )
+
     def _conflict(self, rec: LeaseRecord, why: str, presumed: bool) -> WriterConflict:
         """The refusal of a lease held by ``rec``'s writer. Where that writer is only
         presumed live (its lease's age, no process or lock file to ask), its renewal time is
         watched: seen to move on, the writer is known live."""
-        b, name = self.backend, self.name
         if presumed:
             seen = self._watching
             if seen is not None and seen[0] == rec.owner and seen[1] != rec.renewed:
                 presumed = False
-                why = (
-                    f"{why}; it renewed its lease since this writer first found it, so that "
-                    "job runs"
-                )
+                why += "; it renewed its lease since this writer first found it, so that job runs"
             elif seen is None or seen[0] != rec.owner:
                 self._watching = (rec.owner, rec.renewed)
-        if not presumed:
-            return WriterConflict(
-                f"{self.where} already has a writer: rank {self.rank}'s lease {name} is "
-                f"held by {rec.describe()}, and {why}. Two writers on one location would "
-                f"overwrite each other's checkpoints, so this save wrote nothing. "
-                f"{_unlock_hint(b)}",
-                tier=self.tier,
-                url=b.url,
-                holder=rec,
-            )
-        return WriterConflict(
-            f"{self.where}: rank {self.rank}'s lease {name} is held by {rec.describe()}, and "
-            f"{why}. This writer cannot tell whether that job still runs (a job restarted on "
-            "another node or in a new container finds its own dead predecessor's lease so): "
-            "its copies there are skipped, nothing written, until the lease expires, then it "
-            "takes the location over; if the lease is renewed meanwhile, that job runs and "
-            f"save() raises. {_unlock_hint(b)}",
-            tier=self.tier,
-            url=b.url,
-            holder=rec,
-            presumed=True,
+        b = self.backend
+        return held_lease(
+            self.where, self.rank, self.name, rec, why, presumed, self.tier, b.url, _unlock_hint(b)
         )
 
     def _owner_now(self) -> str | None:
