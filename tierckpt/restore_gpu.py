@@ -131,11 +131,13 @@ def target_for(into: Any, map_location: str | torch.device | None) -> DeviceTarg
     return DeviceTarget(dev, optional=True) if dev is not None else None
 
 
-def stateful_device(into: dict[Any, Any]) -> torch.device | None:
-    """For ``load(into={"model": model, "optim": opt, ...})``: the one CUDA device every
-    tensor of the targets (the ``Stateful`` ones through ``state_dict()``) is on, else None.
-    The checkpoint is then restored there and handed to ``load_state_dict()`` on the device."""
-    parts = [v.state_dict() if _is_stateful(v) else v for v in into.values()]
+def stateful_device(into: Any) -> torch.device | None:
+    """For ``load(into={"model": model, "optim": opt, ...})`` or ``load(into=model)``: the one
+    CUDA device every tensor of the targets (the ``Stateful`` ones through ``state_dict()``)
+    is on, else None. The checkpoint is then restored there and handed to
+    ``load_state_dict()`` on the device."""
+    values = [into] if _is_stateful(into) else list(into.values())
+    parts = [v.state_dict() if _is_stateful(v) else v for v in values]
     return _one_gpu(tensor_devices(parts))
 
 

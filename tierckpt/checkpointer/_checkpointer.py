@@ -35,7 +35,6 @@ from tierckpt.pipeline import (
     open_tiers,
 )
 from tierckpt.policy import TierPolicy, TierSpec
-from tierckpt.restore import restore_into
 from tierckpt.restore_gpu import stateful_device
 from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
 from tierckpt.stats import CheckpointEvent, CommitStats
@@ -400,7 +399,8 @@ class Checkpointer(SavePath):
 
         A top-level value of ``into`` with ``state_dict()`` / ``load_state_dict()`` (DCP's
         ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
-        through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``.
+        through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``; so does
+        ``into`` itself where it is one (``load(into=model)``), all checked first.
         """
         step = None if step is None else as_step(step)
         if tier is not None and self._peer is not None:
@@ -419,7 +419,7 @@ class Checkpointer(SavePath):
                     # restored onto the targets' GPU where it has room, then handed over
                     device=stateful_device(into) if map_location is None else None,
                 ),
-                restore_into,
+                strict=strict,
             )
         return load(
             self._load_context(),

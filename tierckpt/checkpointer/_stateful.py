@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tierckpt.errors import StateMismatch, UnsupportedObject
+from tierckpt.restore import check_into, restore_into
 
 __all__ = ["expand_stateful", "has_stateful", "is_stateful", "load_stateful"]
 
@@ -29,7 +30,10 @@ def is_stateful(x: object) -> bool:
 
 
 def has_stateful(state: Any) -> bool:
-    return isinstance(state, dict) and any(is_stateful(v) for v in state.values())
+    """Whether ``state`` is a ``Stateful`` object, or a dict with one as a top-level value."""
+    return is_stateful(state) or (
+        isinstance(state, dict) and any(is_stateful(v) for v in state.values())
+    )
 
 
 def expand_stateful(state: Any) -> Any:
@@ -52,31 +56,66 @@ def expand_stateful(state: Any) -> Any:
     return out
 
 
-def load_stateful(
-    into: dict[Any, Any], load: Callable[[], Any], restore: Callable[[Any, Any, str], Any]
-) -> Any:
-    """Load the checkpoint (``load()``, no target) and hand each ``Stateful`` value of ``into``
-    its part through ``load_state_dict()``; the other values are restored in place as
-    ``load(into=)`` does (``restore(target, loaded, path)``). Returns ``into``.
+def load_stateful(into: Any, load: Callable[[], Any], *, strict: bool = True) -> Any:
+    """Load the checkpoint (``load()``, no target) into ``into``: a ``Stateful`` object (a
+    module, an optimizer: ``load(into=model)``), or a dict whose ``Stateful`` values get their
+    part through ``load_state_dict()`` while the other values are restored in place as
+    ``load(into=)`` does (:func:`~tierckpt.restore.restore_into`). Returns ``into``.
 
-    The stateful parts are loaded into fresh tensors, not into ``obj.state_dict()``: a fresh
-    optimizer's ``state_dict()`` has no state yet, and ``load_state_dict()`` is what knows
-    how to take one in (moving tensors to the parameters' devices, casting)."""
+    Everything is checked before anything is handed over (:func:`~tierckpt.restore.check_into`,
+    raising :class:`StateMismatch`): a module's part against its
+    ``state_dict()`` (keys as ``strict`` asks, shapes, dtypes), so a failed load never leaves a
+    model half overwritten, and says why as a ``StateMismatch``, not as torch's error.
+    ``strict=False``: top-level keys and a module's keys held by one side only are left
+    as they are. The stateful parts are loaded into fresh tensors, not into
+    ``obj.state_dict()``: a fresh optimizer's ``state_dict()`` has no state yet, and
+    ``load_state_dict()`` is what knows how to take one in (moving tensors to the parameters'
+    devices, casting)."""
     loaded = load()
+    if is_stateful(into):
+        _check_part(into, loaded, "<root>", strict)
+        _hand_over(into, loaded, strict)
+        return into
     if not isinstance(loaded, dict):
         raise StateMismatch(f"<root>: target is a dict, checkpoint a {type(loaded).__name__}")
     missing = [k for k in into if k not in loaded]
     extra = [k for k in loaded if k not in into]
-    if missing or extra:
+    if (missing or extra) and strict:
         raise StateMismatch(
             f"<root>: keys differ — missing from checkpoint: {missing[:10]}, "
-            f"not in target: {extra[:10]}"
+            f"not in target: {extra[:10]} (load(..., strict=False) restores the keys both hold)"
         )
-    for k, v in into.items():
-        if is_stateful(v):
-            v.load_state_dict(loaded[k])
+    both = [k for k in into if k in loaded]
+    for k in both:  # all of it checked before anything is handed over
+        if is_stateful(into[k]):
+            _check_part(into[k], loaded[k], f"<root>[{k!r}]", strict)
         else:
-            new = restore(v, loaded[k], f"<root>[{k!r}]")
+            check_into(into[k], loaded[k], f"<root>[{k!r}]", strict)
+    for k in both:
+        v = into[k]
+        if is_stateful(v):
+            _hand_over(v, loaded[k], strict)
+        else:
+            new = restore_into(v, loaded[k], f"<root>[{k!r}]", strict=strict)
             if new is not v:
                 into[k] = new
     return into
+
+
+def _check_part(obj: Any, part: Any, path: str, strict: bool) -> None:
+    """``part`` of the checkpoint can be handed to ``obj.load_state_dict()``: a dict, and for a
+    module one that matches its ``state_dict()`` (keys, shapes, dtypes)."""
+    if not isinstance(part, dict):
+        raise StateMismatch(
+            f"{path}: the checkpoint holds a {type(part).__name__} for this "
+            f"{type(obj).__name__}, whose load_state_dict() takes a dict"
+        )
+    if isinstance(obj, torch.nn.Module):
+        check_into(obj.state_dict(), part, path, strict)
+
+
+def _hand_over(obj: Any, part: Any, strict: bool) -> None:
+    if isinstance(obj, torch.nn.Module):
+        obj.load_state_dict(part, strict=strict)
+    else:
+        obj.load_state_dict(part)

@@ -27,7 +27,7 @@ from tierckpt.restore._index import (
     rebuild_tensor,
     start_tail,
 )
-from tierckpt.restore._into import RECOVERABLE, is_recoverable, restore_into
+from tierckpt.restore._into import RECOVERABLE, check_into, is_recoverable, restore_into
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.restore._shard import LoadedShard, finish_shard, read_shard
@@ -44,6 +44,7 @@ __all__ = [
     "LoadedShard",
     "TensorRecord",
     "as_parameters",
+    "check_into",
     "finish_shard",
     "is_recoverable",
     "parse_tensor_entry",

@@ -47,6 +47,12 @@ def restore_into(target: Any, loaded: Any, path: str = "<root>", *, strict: bool
     return _copy_into(target, loaded)
 
 
+def check_into(target: Any, loaded: Any, path: str = "<root>", strict: bool = True) -> None:
+    """:func:`restore_into`'s checks alone: raise :class:`StateMismatch` where ``loaded`` could
+    not be restored into ``target``; nothing is copied."""
+    _check_into(target, loaded, path, strict, [])
+
+
 def _castable(a: torch.dtype, b: torch.dtype) -> bool:
     return a == b or (a.is_floating_point and b.is_floating_point)
 
