@@ -3,10 +3,10 @@
 The nested state is flattened into dotted names (``model.blocks.0.qkv.weight``,
 ``optimizer.state.0.exp_avg``). By default each top-level key whose value holds tensors gets
 its own file, with names relative to that key, so ``model.safetensors`` loads straight into
-``model.load_state_dict``::
+the model, tied weights included (see below)::
 
-    from safetensors.torch import load_file
-    model.load_state_dict(load_file("out/model.safetensors"))
+    from safetensors.torch import load_model
+    load_model(model, "out/model.safetensors")
 
 With ``single_file=True`` everything goes to ``state.safetensors`` under full dotted names.
 Everything that is not a tensor (step counters, param groups, scheduler state, strings) goes
@@ -25,6 +25,11 @@ safetensors stores is exported (float8_e8m0fnu, float4_e2m1fn_x2 with a recent o
 others (complex128, sub-byte integer types) are skipped and listed. A NumPy array is
 exported as a tensor of the same dtype (its reference in ``state.json`` says ``"numpy":
 dtype``); a NumPy scalar is written to ``state.json`` as its Python value.
+
+An export replaces the previous one in the same folder: the files an earlier export recorded
+in its ``state.json`` (there or in its ``rank-NNNNNN/`` folders) are removed before anything
+is written, so a folder never mixes two exports; other files stay, except those named like
+a file (or shard, or index) the new export writes.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import base64
 import errno
 import functools
 import json
+import logging
 import math
 import os
 import re
+import stat
 import tempfile
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +84,8 @@ SAFETENSORS_DTYPES = frozenset(
     }
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_RANK_DIR = re.compile(r"rank-\d{6}")
+log = logging.getLogger("tierckpt")
 
 
 @dataclass
@@ -87,6 +96,8 @@ class ExportResult:
     rank: int
     out_dir: str
     files: list[str] = field(default_factory=list)  # safetensors files, then state.json
+    #: distinct tensors stored in the safetensors files: an alias (tied weight) is stored once
+    #: and counted once; a skipped tensor is not counted
     tensors: int = 0
     skipped: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
@@ -222,6 +233,58 @@ def _ensure_writable(where: str) -> None:
         ) from exc
 
 
+def _remove_previous_export(out_dir: str) -> list[str]:
+    """Remove the export already in ``out_dir`` (its ``state.json`` or the ones in its
+    ``rank-NNNNNN/`` folders): only the files its ``state.json`` lists, then that
+    ``state.json`` (and the rank folders left empty). Files tierckpt did not write stay."""
+    docs = [os.path.join(out_dir, "state.json")]
+    if os.path.isdir(out_dir):
+        docs += [
+            os.path.join(out_dir, d, "state.json")
+            for d in sorted(os.listdir(out_dir))
+            if _RANK_DIR.fullmatch(d) and os.path.isdir(os.path.join(out_dir, d))
+        ]
+    removed: list[str] = []
+    for doc_path in docs:
+        try:
+            with open(doc_path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):  # none there, or not ours
+            continue
+        if not isinstance(doc, dict) or "tierckpt_export" not in doc:
+            continue
+        folder = os.path.dirname(doc_path)
+        names: list[Any] = doc["files"] if isinstance(doc.get("files"), list) else []
+        paths = [
+            os.path.join(folder, n)
+            for n in names
+            if isinstance(n, str)
+            and n == os.path.basename(n)
+            and n.endswith((".safetensors", ".safetensors.index.json"))
+        ]
+        for path in [*paths, doc_path]:
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):  # never a link or folder
+                    os.unlink(path)
+                    removed.append(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise BackendError(
+                    exc.errno or 0,
+                    f"{path}: cannot remove this file of the previous export in "
+                    f"{out_dir} (an export replaces it): {exc.strerror}",
+                ) from exc
+        if folder != out_dir:
+            try:
+                os.rmdir(folder)  # only when empty
+            except OSError:
+                pass
+    if removed:
+        log.info("export: removed the previous export in %s (%d files)", out_dir, len(removed))
+    return removed
+
+
 def export_safetensors(
     backend: Backend,
     step: int,
@@ -251,6 +314,7 @@ def export_safetensors(
 
     manifest = read_manifest(backend, step, backend.url, timeline=timeline)
     ranks = [s.rank for s in manifest.shards] if rank is None else [rank]
+    _remove_previous_export(out_dir)  # the checkpoint exists: replace what is there
     results = []
     with ThreadPoolExecutor(4, thread_name_prefix="tierckpt-export") as pool:
         for r in ranks:
@@ -380,7 +444,7 @@ def _write_group(
     stem = fname.removesuffix(".safetensors")
     meta = dict(metadata)  # save_torch_state_dict adds the aliases to it
     save_torch_state_dict(
-        tensors,
+        dict(tensors),  # a copy: it deletes the discarded aliases from the dict it gets
         where,
         filename_pattern=stem + "{suffix}.safetensors",
         max_shard_size=max_shard_size,
@@ -395,11 +459,14 @@ def _write_group(
         res.files.extend(os.path.join(where, x) for x in files)
         res.files.append(index_path)
     else:
-        weight_map = {n: fname for n in tensors if n not in alias_of}
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(where, fname), "pt") as st:  # the names it holds
+            weight_map = dict.fromkeys(st.keys(), fname)
         res.files.append(os.path.join(where, fname))
     for alias, name in alias_of.items():
         res.aliases[f"{fname}:{alias}"] = f"{fname}:{name}"
-    res.tensors += len(tensors) - len(alias_of)
+    res.tensors += len(weight_map)  # what the files hold: each alias group once
     for name, t in items:
         kept = alias_of.get(name, name)
         if kept in weight_map:
