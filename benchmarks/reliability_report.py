@@ -365,6 +365,14 @@ FIXED += [
             "test_an_unreadable_lease_that_keeps_changing_is_refused",
         ],
     ),
+    (
+        "A rank that skipped one save (a caller's bug) broke every later checkpoint of the "
+        "job: the attempt id counted each rank's saves, so rank 0 took rank 1's later records "
+        "for a dead attempt's; each save failed after the commit timeout (10 min), blaming a "
+        "dead rank",
+        "tierckpt/distributed/_strategy.py (attempt ids per step), _records.py",
+        ["test_a_rank_that_skipped_one_save_costs_that_step_only"],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested

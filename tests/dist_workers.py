@@ -1148,3 +1148,20 @@ def w_world_size_resume(
     out["saved"] = [start + 1, start + steps]
     ck.close()
     return out
+
+
+def w_skip_one_save(rank: int, world: int, root: str) -> dict[str, str]:
+    """Steps 1-5 on every rank, except that rank 1 skips step 3 (a bug in the caller): how
+    each save ended on this rank."""
+    ck = Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    out: dict[str, str] = {}
+    for step in range(1, 6):
+        if rank == 1 and step == 3:
+            continue
+        try:
+            ck.save({"w": torch.full((1024,), float(100 * rank + step))}, step).wait(timeout=120)
+            out[str(step)] = "ok"
+        except CheckpointFailed as exc:
+            out[str(step)] = str(exc)
+    ck.close()
+    return out

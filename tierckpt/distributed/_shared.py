@@ -237,13 +237,15 @@ def wait_committed(
     non-zero once the run went back to an older step). Raises ``TimeoutError``.
     """
     k = get_knobs()
-    deadline = time.monotonic() + (k.commit_timeout if timeout is None else timeout)
+    timeout = k.commit_timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
     delay = k.poll_initial
     while not backend.exists(manifest_name(step, timeline=timeline)):
         now = time.monotonic()
         if now >= deadline:
             raise TimeoutError(
-                f"{CheckpointId(step, timeline)} not committed on {backend.url} after {timeout} s"
+                f"{CheckpointId(step, timeline)} not committed on {backend.url} after "
+                f"{timeout:.0f} s"
             )
         time.sleep(max(0.0, min(delay, deadline - now)))
         delay = min(delay * 2, k.poll_max)

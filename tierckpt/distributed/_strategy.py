@@ -133,8 +133,8 @@ class MultiRankCommit:
         self._defer = defer
         #: drawn by rank 0 at the first save with a process group, spread by its all-reduce
         self._session = 0
-        #: saves begun so far, the ``n`` of the attempt id ``<session>-<n>``
-        self._saves = 0
+        #: saves of each (step, timeline) begun so far, the ``k`` of the attempt id
+        self._saves: dict[tuple[int, int], int] = {}
         #: the node's ranks (made at the first load with a process group)
         self._node: TorchNodeComm | None = None
         #: manifests the node's leader read for the current load
@@ -148,21 +148,22 @@ class MultiRankCommit:
         """Agree on an attempt id (and, with ``on_busy="skip"``, on skipping; and on the
         timeline); training thread.
 
-        The attempt id is ``<session>-<n>``: the session id is drawn by rank 0 and spread by
-        one all-reduce at the first multi-rank save; ``n`` counts saves, which every rank makes
-        in the same order. So with ``on_busy="block"`` (the default) later saves need no
-        collective at all. With ``on_busy="skip"`` every save runs one small all-reduce so that
-        all ranks skip together (and checks that they save the same step; a mismatch raises
-        ``ValueError`` everywhere). Without an initialized process group (rank and world size
-        given by hand) there is no collective: the session is ``TIERCKPT_ATTEMPT_ID`` (empty:
-        any record is accepted).
+        The attempt id is ``<session>-<step>.<timeline>.<k>``: the session id is drawn by rank
+        0 and spread by one all-reduce at the first multi-rank save; ``k`` counts this
+        process's saves of that step and timeline (a retry of a step is a new attempt). So with
+        ``on_busy="block"`` (the default) later saves need no collective at all, and a rank
+        that missed one save (a bug in the caller) costs that step only: the ranks' later saves
+        still name the same attempts. With ``on_busy="skip"`` every save runs one small
+        all-reduce so that all ranks skip together (and checks that they save the same step; a
+        mismatch raises ``ValueError`` everywhere). Without an initialized process group (rank
+        and world size given by hand) there is no collective: the session is
+        ``TIERCKPT_ATTEMPT_ID`` (empty: any record is accepted).
 
         ``agree_timeline``: ``timeline`` is this rank's choice from its own view of the tiers
         (the first save, the first after a load, a step below the previous save's — the same
         saves on every rank); the ranks take the largest, in the same all-reduce, so that every
         rank writes the same checkpoint id. Otherwise ``timeline`` is returned as it is.
         """
-        self._saves += 1
         if not _group_ok(self._rank, self._world_size):
             _warn_once(
                 "no-group",
@@ -171,7 +172,9 @@ class MultiRankCommit:
                 "together",
             )
             attempt = config.attempt_id()
-            return SaveStart((f"{attempt}-{self._saves}" if attempt else ""), busy, timeline)
+            return SaveStart(
+                f"{attempt}-{self._count(step, timeline)}" if attempt else "", busy, timeline
+            )
         skip_mode = self._on_busy == "skip"
         if self._session == 0 or skip_mode or agree_timeline:
             import torch.distributed as dist
@@ -196,7 +199,12 @@ class MultiRankCommit:
                     "must call save() with the same step"
                 )
             busy = bool(any_busy)
-        return SaveStart(f"{self._session:016x}-{self._saves}", busy, timeline)
+        return SaveStart(f"{self._session:016x}-{self._count(step, timeline)}", busy, timeline)
+
+    def _count(self, step: int, timeline: int) -> str:
+        """``<step>.<timeline>.<k>``: this process's ``k``-th save of that step and timeline."""
+        k = self._saves[(step, timeline)] = self._saves.get((step, timeline), 0) + 1
+        return f"{step}.{timeline}.{k}"
 
     def commit(
         self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
