@@ -669,7 +669,7 @@ def test_cli_unlock_gc_and_ls(
         assert main(["gc", str(root), "--keep-last", "1"]) == 1  # this writer is live
         assert main(["gc", str(root), "--keep-last", "2", "--force"]) == 0
         # unlocking a live writer: it loses the location at its next check, writes nothing
-        assert main(["unlock", str(root), "--rank", "0"]) == 0
+        assert main(["unlock", str(root), "--rank", "0", "--force"]) == 0
         with pytest.raises(CheckpointFailed) as info:
             ck.save(_state(5, "A"), 5).wait(timeout=60)
         assert isinstance(info.value.errors["local"], LeaseLost)

@@ -26,7 +26,12 @@ log = logging.getLogger("tierckpt")
 
 def _lease_doc(info: Any) -> dict[str, Any]:
     rec = info.record
-    doc: dict[str, Any] = {"rank": info.rank, "alive": info.alive, "why": info.why}
+    doc: dict[str, Any] = {
+        "rank": info.rank,
+        "alive": info.alive,
+        "presumed": info.presumed,
+        "why": info.why,
+    }
     if rec is not None:
         doc.update(
             owner=rec.owner,

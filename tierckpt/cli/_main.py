@@ -173,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
             fn,
             h,
             h + ": shard files first (chunk checksums checked on the way), "
-            "the manifest last, so the copy is committed only when whole.",
+            "the manifest last, so the copy is committed only when whole. A copy already at "
+            "DEST is read and checked first (as verify does): skipped when intact, replaced "
+            "when damaged, and another run's checkpoint of that step is not overwritten "
+            "(exit 1).",
         )
         sp.add_argument(a, metavar="SRC", help="s3://bucket/prefix" if name == "pull" else "DIR")
         sp.add_argument(b, metavar="DEST", help="DIR" if name == "pull" else "s3://bucket/prefix")
@@ -243,10 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
         "Show and remove the writer lease (leases/rank-<r>.json) that lets one job at a "
         "time write to this location, so that a new job need not wait for the lease of a "
         "job that died on another machine to expire. A job that is still running loses "
-        "the location: it stops writing there.",
+        "the location: it stops writing there, so unlock refuses a writer this machine "
+        "sees running (its process, or a process holding its lock file) unless --force; "
+        "one presumed live only by its lease's age (another machine) is unlocked.",
     )
     sp.add_argument("url", help="tier URL")
     sp.add_argument("--rank", type=int, default=None, help="only this rank's lease (default: all)")
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="remove it even from a writer this machine sees running (its process, or its "
+        "lock file held): unlock refuses then, as that job would fail at every later save "
+        "on this tier",
+    )
 
     sp = add(
         "export",

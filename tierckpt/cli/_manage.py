@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from typing import Any
 
+from tierckpt.backends.base import Backend
 from tierckpt.cli._common import (
     UsageError,
     fmt_bytes,
     opened,
     progress_bar,
 )
+from tierckpt.format import CheckpointId, manifest_name
 
 
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
     from tierckpt.catalog import committed_ids
     from tierckpt.codecs import codec_ids
-    from tierckpt.offline import checkpoint_bytes, copy_checkpoint, is_s3_url, resolve_id
-    from tierckpt.offline._recode import recode_checkpoint
+    from tierckpt.offline import is_s3_url, resolve_id
 
     codec = getattr(args, "codec", "auto") or "auto"
     if codec not in ("auto", "keep") and codec not in codec_ids():
@@ -28,6 +31,7 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
         )
     # the copy's manifest names the tier it is on now, not the one it was copied from
     label = getattr(args, "tier_name", None) or ("s3" if is_s3_url(dst_url) else "local")
+    failed = 0
     with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:
         if args.all:
             ids = [
@@ -41,32 +45,81 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
         else:
             ids = [resolve_id(src, args.step, args.timeline)]
         for cid in ids:
-            total = checkpoint_bytes(src, cid)
-            bar = progress_bar(total, f"{cid}")
-            t0 = time.perf_counter()
-            try:
-                if codec == "keep":
-                    n = copy_checkpoint(src, dst, cid, progress=bar.update, tier_label=label)
-                else:
-                    # stored as a tier with that codec there stores it (auto: compressed on
-                    # S3, raw on a local disk), not as the source happened to store it
-                    n = recode_checkpoint(
-                        src, dst, cid, codec, progress=bar.update, tier_label=label
-                    )
-            except FileExistsError:
-                bar.close()
-                print(f"skip {cid}: already committed at {dst.url}")
-                continue
-            finally:
-                bar.close()
-            dt = time.perf_counter() - t0
-            rate = total / dt / 2**20 if dt > 0 else 0.0
-            how = "as stored" if codec == "keep" else f"codec {codec}"
+            failed += not _copy_one(src, dst, cid, codec, label)
+    return 1 if failed else 0
+
+
+def _copy_one(src: Backend, dst: Backend, cid: CheckpointId, codec: str, label: str) -> bool:
+    """Copy ``cid`` unless ``dst`` has an intact copy of it; replace a damaged one. False
+    (said on stderr) where ``dst`` holds another checkpoint under that id."""
+    from tierckpt.offline import checkpoint_bytes, copy_checkpoint
+    from tierckpt.offline._recode import recode_checkpoint
+    from tierckpt.offline._repair import destination_copy, replace_copy
+
+    total = checkpoint_bytes(src, cid)
+    bar = progress_bar(total, f"check {cid} at the destination")
+    try:  # every chunk of a copy already there read and checked, as `tierckpt verify` does
+        found = destination_copy(src, dst, cid, progress=bar.update)
+    finally:
+        bar.close()
+    if found.state == "intact":
+        print(f"skip {cid}: already committed at {dst.url} (verified intact)")
+        return True
+    if found.state == "other":
+        print(
+            f"not copied {cid}: {dst.url} holds another checkpoint as {cid}, not a copy of "
+            f"{src.url}'s ({found.why}); nothing was changed there. Copy into another folder "
+            "or prefix, or remove that checkpoint there first "
+            f"({manifest_name(cid.step, timeline=cid.timeline)}, then `tierckpt gc`)",
+            file=sys.stderr,
+        )
+        return False
+
+    def copy(bar: Any) -> int:
+        if codec == "keep":
+            return copy_checkpoint(src, dst, cid, progress=bar.update, tier_label=label)
+        # stored as a tier with that codec there stores it (auto: compressed on S3, raw on
+        # a local disk), not as the source happened to store it
+        return recode_checkpoint(src, dst, cid, codec, progress=bar.update, tier_label=label)
+
+    bar = progress_bar(total, f"{cid}")
+    t0 = time.perf_counter()
+    gone = False
+    try:
+        if found.state == "damaged":
             print(
-                f"copied {cid}: {src.url} -> {dst.url}, {fmt_bytes(total)} read, "
-                f"{fmt_bytes(n)} stored ({how}) in {dt:.2f} s ({rate:.1f} MiB/s), committed"
+                f"{dst.url}: its copy of {cid} is damaged ({found.why}): replacing it with "
+                f"{src.url}'s (uncommitted until the new copy is whole)",
+                file=sys.stderr,
             )
-    return 0
+            try:
+                n = replace_copy(dst, cid, lambda: copy(bar))
+            except BaseException:  # a refusal (a writer there) changed nothing: no note
+                with contextlib.suppress(Exception):
+                    gone = not dst.exists(manifest_name(cid.step, timeline=cid.timeline))
+                if gone:
+                    print(
+                        f"{dst.url}: the damaged copy of {cid} is no longer committed; run "
+                        "this again to copy it",
+                        file=sys.stderr,
+                    )
+                raise
+        else:
+            n = copy(bar)
+    except FileExistsError:
+        print(f"skip {cid}: committed at {dst.url} meanwhile (by another copy)")
+        return True
+    finally:
+        bar.close()
+    dt = time.perf_counter() - t0
+    rate = total / dt / 2**20 if dt > 0 else 0.0
+    how = "as stored" if codec == "keep" else f"codec {codec}"
+    verb = "replaced the damaged copy of" if found.state == "damaged" else "copied"
+    print(
+        f"{verb} {cid}: {src.url} -> {dst.url}, {fmt_bytes(total)} read, "
+        f"{fmt_bytes(n)} stored ({how}) in {dt:.2f} s ({rate:.1f} MiB/s), committed"
+    )
+    return True
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -155,18 +208,25 @@ def _gc_dead_runs(args: argparse.Namespace) -> int:
 def cmd_unlock(args: argparse.Namespace) -> int:
     from tierckpt.offline import unlock
 
+    # refused (WriterConflict, exit 1) where this machine sees the holder run, unless --force
     with opened(args, args.url) as backend:
-        removed = unlock(backend, args.rank)
+        removed = unlock(backend, args.rank, force=args.force)
     if not removed:
         which = f"rank {args.rank}'s " if args.rank is not None else ""
         print(f"{backend.url}: no {which}writer lease here")
         return 0
     for w in removed:
         print(f"removed the writer lease of rank {w.rank}: {w.describe()}")
-        if w.alive:
+        if w.presumed:
             print(
-                "  that writer looked live: if it still runs, it stops writing and deleting "
+                "  that writer was presumed live only by its lease's age (no process or lock "
+                "file on this machine to ask): if it still runs, it stops writing and deleting "
                 "here at its next lease check, and its later saves to this tier fail"
+            )
+        elif w.alive:
+            print(
+                "  that writer was live (--force): it stops writing and deleting here at its "
+                "next lease check, and its later saves to this tier fail"
             )
     return 0
 

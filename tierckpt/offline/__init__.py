@@ -16,7 +16,8 @@ step saves on a new timeline, see :class:`~tierckpt.format.CheckpointId`); pass 
 or a ``CheckpointId`` to name another one.
 
 Behind this module: ``_listing`` (open a URL, list, name a checkpoint), ``_inspect``,
-``_verify``, ``_copy``, ``_gc`` and ``_leases``, one per operation.
+``_verify``, ``_copy``, ``_gc`` and ``_leases``, one per operation; ``_repair`` judges and
+replaces a copy already at a ``pull`` / ``push`` destination.
 """
 
 from __future__ import annotations
