@@ -373,6 +373,15 @@ FIXED += [
         "tierckpt/distributed/_strategy.py (attempt ids per step), _records.py",
         ["test_a_rank_that_skipped_one_save_costs_that_step_only"],
     ),
+    (
+        "A multi-rank load could end differently on different ranks: a reader beside a "
+        "keep_last trainer had one rank return the state while another raised "
+        "CheckpointNotFound (its shard deleted after the ranks agreed on the step; 118 of "
+        "~3,360 loads), so the ranks went on with different states or into different "
+        "collectives (a hang); the single-rank retry did not apply",
+        "tierckpt/checkpointer/_loading.py, commit.py, distributed/_strategy.py (agree_on_outcome)",
+        ["test_a_shard_vanishing_on_one_rank_is_loaded_again_by_every_rank"],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested

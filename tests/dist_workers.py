@@ -486,8 +486,9 @@ def w_repopulate(rank: int, world: int, root: str, s3: dict[str, str] | None) ->
             s3_tier,
         ]
         ck = Checkpointer(tiers, host_buffer_bytes=16 << 20, chunk_bytes=64 << 10)
-        # first try: rank 1 reads a flipped bit from S3 and fails; rank 0's load works, but
-        # its copies are not committed, since rank 1's are missing (and nobody hangs)
+        # first try: rank 1 reads a flipped bit from S3 and fails; rank 0's read works, but
+        # its copies are not committed, since rank 1's are missing, and its load fails too
+        # (every rank ends a load alike; nobody hangs)
         if rank == 1:
             backend = ck.backend("s3")
             real = backend.read_into
@@ -1165,3 +1166,35 @@ def w_skip_one_save(rank: int, world: int, root: str) -> dict[str, str]:
             out[str(step)] = str(exc)
     ck.close()
     return out
+
+
+def w_load_one_rank_vanishes(rank: int, world: int, root: str, save: bool) -> dict[str, Any]:
+    """``save``: steps 1-3 on every rank. Else a load where rank 1's first read of the chosen
+    step fails as a shard that retention deleted after the ranks agreed would (once): what
+    each rank's load returned or raised."""
+    from tierckpt.checkpointer import _loading
+
+    ck = Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    if save:
+        for step in (1, 2, 3):
+            ck.save({"w": torch.full((256,), float(10 * rank + step)), "step": step}, step).wait()
+        ck.close()
+        return {}
+    real = _loading._load_from
+    failed = []
+
+    def vanishing(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1 and not failed:
+            failed.append(1)
+            raise CheckpointNotFound("rank-000001's shard does not exist (deleted while read)")
+        return real(*args, **kwargs)
+
+    _loading._load_from = vanishing  # type: ignore[assignment]
+    try:
+        got = ck.load()
+        return {"step": int(got["step"]), "w": float(got["w"][0])}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        _loading._load_from = real  # type: ignore[assignment]
+        ck.close()

@@ -123,6 +123,12 @@ class CommitStrategy(Protocol):
         """Commit the copies of ``loaded`` (``loaded.repopulated``) on faster tiers."""
         ...
 
+    def agree_on_outcome(self, code: int) -> int:
+        """The worst of every rank's load outcome (0: loaded; 1: the checkpoint was not found,
+        e.g. retention deleted it while it was read; 2: another error), so that every rank
+        ends a load alike (may run a collective)."""
+        ...
+
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
         """The manifest of ``cid`` on ``tier`` for the load in progress (after
         :meth:`agree_on_step`; multi-rank: read once per node). Training thread."""
@@ -176,6 +182,9 @@ class SingleRankCommit:
 
     def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
         return list(candidates)
+
+    def agree_on_outcome(self, code: int) -> int:
+        return code
 
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
         return read_manifest(tier.backend, cid.step, tier.name, timeline=cid.timeline)

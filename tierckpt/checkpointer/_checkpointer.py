@@ -395,7 +395,7 @@ class Checkpointer(SavePath):
         Loading the newest checkpoint beside a writer (an evaluator next to a trainer with a
         small ``keep_last``): when retention removes the chosen checkpoint while it is being
         read, the tiers are listed again and the newest committed one is loaded instead (up to
-        ``LOAD_ATTEMPTS`` times; single-rank jobs).
+        ``LOAD_ATTEMPTS`` times; all ranks together).
 
         A top-level value of ``into`` with ``state_dict()`` / ``load_state_dict()`` (DCP's
         ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint

@@ -122,14 +122,17 @@ def load(
     device: torch.device | None = None,
 ) -> Any:
     """:meth:`~tierckpt.Checkpointer.load`: one listing and load, listed again (up to
-    ``LOAD_ATTEMPTS`` times, single-rank jobs) when retention removed the chosen checkpoint
-    while it was being read. ``device``: a CUDA device to restore onto where it has room
-    (the device of ``Stateful`` targets), else the host."""
+    ``LOAD_ATTEMPTS`` times; in a multi-rank job every rank together, where any rank's read
+    failed so) when retention removed the chosen checkpoint while it was being read. Every
+    rank ends the load alike: all return, or all raise. ``device``: a CUDA device to restore
+    onto where it has room (the device of ``Stateful`` targets), else the host."""
     seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
     ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
     for attempt in range(LOAD_ATTEMPTS):
+        got: Any = None
+        error: BaseException | None = None
         try:
-            return _load_once(
+            got = _load_once(
                 ctx,
                 step,
                 into=into,
@@ -140,17 +143,38 @@ def load(
                 strict=strict,
                 device=device,
             )
-        except CheckpointNotFound:
-            if step is not None or ctx.world_size != 1 or attempt == LOAD_ATTEMPTS - 1:
-                raise
-            try:
-                newest = max(list_checkpoints(ctx, tier), default=None)
-            except TierCkptError:
-                newest = None
-            if newest is None or newest == seen:
-                raise  # nothing newer appeared: the step is really unreadable
-            seen = newest
-            log.info("load: the chosen step vanished (retention?); listing again")
+            code = 0
+        except CheckpointNotFound as exc:
+            error, code = exc, 1
+        except BaseException as exc:
+            error, code = exc, 2
+        # every rank ends the load alike: none goes on with a state while another raised
+        # (retention deleted its shard after the ranks agreed on the step, say)
+        worst = ctx.strategy.agree_on_outcome(code)
+        if worst == 0:
+            return got
+        last = attempt == LOAD_ATTEMPTS - 1
+        if ctx.world_size != 1:
+            if worst == 1 and step is None and not last:
+                log.info("load: a rank's chosen step vanished (retention?); listing again")
+                continue  # the newest again, on every rank together
+            if error is not None:
+                raise error
+            raise (CheckpointNotFound if worst == 1 else TierCkptError)(
+                f"rank {ctx.rank} loaded its shard, but another rank's load failed (see its "
+                "error): the load fails on every rank, so that none goes on alone"
+            )
+        assert error is not None  # one rank: the outcome is its own
+        if code != 1 or step is not None or last:
+            raise error
+        try:
+            newest = max(list_checkpoints(ctx, tier), default=None)
+        except TierCkptError:
+            newest = None
+        if newest is None or newest == seen:
+            raise error  # nothing newer appeared: the step is really unreadable
+        seen = newest
+        log.info("load: the chosen step vanished (retention?); listing again")
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -325,6 +325,17 @@ class MultiRankCommit:
             return self._manifests.get(tier.name, cid)
         return read_manifest(tier.backend, cid.step, tier.name, timeline=cid.timeline)
 
+    def agree_on_outcome(self, code: int) -> int:
+        """See :meth:`CommitStrategy.agree_on_outcome`: one all-reduce (MAX) of one int64 per
+        load; none without a process group (each rank ends its own load)."""
+        if not _group_ok(self._rank, self._world_size):
+            return code
+        import torch.distributed as dist
+
+        t = torch.tensor([code], dtype=torch.int64, device=collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
         """See :func:`publish_repopulated`; nothing (and no collective) where loads do not
         repopulate."""
