@@ -15,9 +15,11 @@ parameters. A frozen base of billions of parameters (LoRA) is therefore never co
 
 A copy keeps the layout of what it copies: every storage the state views is copied once, as the
 byte range covering its views, into a storage of its own, and the views are rebuilt on it — so
-views stay views and the checkpoint's layout is what the lazy path would have written. On CUDA
-the copy is a device clone queued on the current stream; the capture's side stream waits for an
-event recorded after it, so ``save()`` does not wait for the copy.
+views stay views and the checkpoint's layout is what the lazy path would have written. (A
+tensor alone on its storage is cloned instead; one of a dtype the copy kernel refuses, such as
+the sub-byte ``torch.uint4``, takes the byte path too.) On CUDA the copy is a device clone
+queued on the current stream; the capture's side stream waits for an event recorded after it,
+so ``save()`` does not wait for the copy.
 """
 
 from __future__ import annotations
@@ -161,10 +163,16 @@ def snapshot_eager(
         if len(members) == 1 and tensors[members[0]].is_contiguous():
             # the common case (a buffer alone on its storage): one call
             t = tensors[members[0]]
-            out[members[0]] = t.detach().clone(memory_format=torch.contiguous_format)
-            eager_bytes += t.numel() * t.element_size()
-            eager_n += 1
-            continue
+            try:
+                out[members[0]] = t.detach().clone(memory_format=torch.contiguous_format)
+            except NotImplementedError:
+                # a dtype the copy kernel refuses (the sub-byte ``torch.uint4``, ``int1``…):
+                # its bytes are copied as bytes below, the way a shared storage is
+                pass
+            else:
+                eager_bytes += t.numel() * t.element_size()
+                eager_n += 1
+                continue
         ranges = [_extent(tensors[i]) for i in members]
         start = min(r[0] for r in ranges) // _ALIGN * _ALIGN
         end = max(r[1] for r in ranges)

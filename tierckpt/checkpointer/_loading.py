@@ -45,6 +45,7 @@ from tierckpt.restore import (
     LoadedShard,
     is_recoverable,
     read_shard,
+    refuse_dcp,
     restore_into,
     start_tail,
 )
@@ -323,6 +324,7 @@ def _load_from(
     if tier.backend.is_remote and target is None:
         early = start_tail(tier.backend, tier.shard_file(cid, ctx.rank), ctx.read_pool())
     manifest = ctx.strategy.read_manifest(tier, cid)  # multi-rank: once per node
+    refuse_dcp(manifest, f"tier {tier.name!r} {tier.backend.url}")  # every path: GPU, node RAM
     if manifest.world_size != ctx.world_size:
         raise WorldSizeMismatch.of(cid, manifest.world_size, ctx.world_size)
     repop = []

@@ -30,7 +30,7 @@ from tierckpt.restore._index import (
 from tierckpt.restore._into import RECOVERABLE, check_into, is_recoverable, restore_into
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers
 from tierckpt.restore._repopulate import Repopulation
-from tierckpt.restore._shard import LoadedShard, finish_shard, read_shard
+from tierckpt.restore._shard import LoadedShard, finish_shard, read_shard, refuse_dcp
 
 # the names of the single-module restore.py, kept for importers and tests
 _SpanLayout = SpanLayout
@@ -51,6 +51,7 @@ __all__ = [
     "read_index",
     "read_manifest",
     "read_shard",
+    "refuse_dcp",
     "restore_into",
     "start_tail",
 ]

@@ -14,14 +14,21 @@ from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, SupportsProgressiveDecode, codec_from_config
 from tierckpt.errors import FormatError
-from tierckpt.format import FOOTER_SIZE, ChunkRecord, Manifest, ShardRef, tree_args
+from tierckpt.format import (
+    FOOTER_SIZE,
+    ChunkRecord,
+    Manifest,
+    ShardRef,
+    step_prefix,
+    tree_args,
+)
 from tierckpt.restore._chunks import ChunkReader
 from tierckpt.restore._fetch import PIECE_BYTES, FetchStarts, warm
 from tierckpt.restore._index import EarlyTail, as_parameters, read_index, rebuild_tensors
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.tree import decode_tree
 
-__all__ = ["LoadedShard", "finish_shard", "read_shard"]
+__all__ = ["LoadedShard", "finish_shard", "read_shard", "refuse_dcp"]
 
 
 @dataclass
@@ -58,6 +65,7 @@ def read_shard(
     manifest there (False where the caller commits the copies: a Checkpointer's commit
     strategy, which with several ranks waits for every rank's file); ``early``: a read of the
     file's tail already started (:func:`~tierckpt.restore.start_tail`)."""
+    refuse_dcp(manifest, f"tier {tier!r} {backend.url}")  # before any byte of the shard
     t0 = time.perf_counter()
     ref = manifest.shard_for(rank)
     where = f"tier {tier!r} {backend.url}/{ref.file}"
@@ -154,6 +162,24 @@ def read_shard(
         read_seconds=read_seconds,
         compressed=any(not codecs[c.codec].is_passthrough for c in chunks),
     )
+
+
+def refuse_dcp(manifest: Manifest, where: str) -> None:
+    """``FormatError`` where ``manifest`` is of a checkpoint ``tierckpt.dcp.TierWriter`` wrote.
+
+    Its shards hold DCP's items (keys ``'0'``, ``'1'``…, non-tensor values as ``torch.save``
+    bytes), not the state that was saved: only DCP's metadata maps them back. The marker is
+    the one ``TierReader`` reads: the manifest's ``dcp`` entry naming the step's DCP metadata
+    file (``steps/<step>/dcp-metadata.json.zst``), a name no native save writes."""
+    info = (manifest.metadata or {}).get("dcp")
+    name = f"{step_prefix(manifest.step, timeline=manifest.timeline)}dcp-metadata.json.zst"
+    if isinstance(info, dict) and info.get("file") == name:
+        raise FormatError(
+            f"{where}: step {manifest.step} is a DCP checkpoint (written by "
+            "tierckpt.dcp.TierWriter through torch.distributed.checkpoint.save), which "
+            "Checkpointer.load cannot rebuild: load it with torch.distributed.checkpoint.load"
+            f"(state, storage_reader=tierckpt.dcp.TierReader(tiers, {manifest.step}))"
+        )
 
 
 def finish_shard(
