@@ -201,6 +201,6 @@ def all_or_timeout(
         f"misses the completion records of ranks {_ranks(absent)} (of {world_size}); no "
         "manifest was written, so this step is not committed there and the previous "
         "checkpoint stays the newest. A rank died or failed to write its shard (see its "
-        f"log){hint}, or did not call save() for this step (every rank must save the same "
+        f"log){hint}, or a rank did not call save() for this step (every rank must save the same "
         "steps); if ranks are merely slow, raise TIERCKPT_COMMIT_TIMEOUT_S"
     )
