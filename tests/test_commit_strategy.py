@@ -63,6 +63,10 @@ class Recording:
         self._note("agree_on_step", list(candidates))
         return self.inner.agree_on_step(candidates)
 
+    def agree_on_outcome(self, code: int) -> int:
+        self._note("agree_on_outcome", code)
+        return self.inner.agree_on_outcome(code)
+
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
         self._note("publish_repopulated", None if loaded is None else loaded.manifest.id)
         self.inner.publish_repopulated(loaded)
@@ -131,6 +135,7 @@ def test_load_agrees_then_publishes_exactly_once_also_when_it_fails(tmp_path: Pa
         assert rec.calls == [
             ("agree_on_step", "MainThread", [CheckpointId(3)]),
             ("publish_repopulated", "MainThread", CheckpointId(3)),
+            ("agree_on_outcome", "MainThread", 0),  # every rank ends the load alike
         ]
         rec.calls.clear()
         with pytest.raises(CheckpointNotFound, match="step 9 is not committed on any tier"):
@@ -139,14 +144,15 @@ def test_load_agrees_then_publishes_exactly_once_also_when_it_fails(tmp_path: Pa
         assert rec.calls == [
             ("agree_on_step", "MainThread", [CheckpointId(9)]),
             ("publish_repopulated", "MainThread", None),
+            ("agree_on_outcome", "MainThread", 1),
         ]
 
 
 def test_multi_rank_handshake_state_belongs_to_each_strategy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without a process group the attempt id is TIERCKPT_ATTEMPT_ID and the save count; each
-    strategy (each checkpointer) counts its own saves."""
+    """Without a process group the attempt id is TIERCKPT_ATTEMPT_ID, the step, the timeline
+    and the count of that step's saves; each strategy (each checkpointer) counts its own."""
     monkeypatch.setenv("TIERCKPT_ATTEMPT_ID", "job7")
 
     def strategy() -> MultiRankCommit:
@@ -155,11 +161,11 @@ def test_multi_rank_handshake_state_belongs_to_each_strategy(
         )
 
     a, b = strategy(), strategy()
-    assert [a.begin_save(s, False, timeline=0, agree_timeline=False).attempt for s in (1, 2)] == [
-        "job7-1",
-        "job7-2",
-    ]
-    assert b.begin_save(1, True, timeline=4, agree_timeline=True) == SaveStart("job7-1", True, 4)
+    assert [
+        a.begin_save(s, False, timeline=0, agree_timeline=False).attempt for s in (1, 2, 2)
+    ] == ["job7-1.0.1", "job7-2.0.1", "job7-2.0.2"]  # a retry of step 2 is a new attempt
+    start = b.begin_save(1, True, timeline=4, agree_timeline=True)
+    assert start == SaveStart("job7-1.4.1", True, 4)
     assert not a.repopulates  # no process group: the copies could not be committed together
     private, shared = _tier(MemoryTier(namespace="strategy-mine")), _tier(LocalTier(tmp_path))
     assert a.retains(private, _job(rank=1))  # every rank applies it to its own private copy
