@@ -10,15 +10,13 @@ out first, cannot reach the sub-byte tensor before.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from test_eager_buffers import _GATES, _Gate, _GatedTier
 
 from tierckpt import Checkpointer
-from tierckpt.backends.local import LocalBackend
-from tierckpt.policy import LocalTier
 from tierckpt.snapshot import snapshot_eager
 
 MIB = 1 << 20
@@ -61,41 +59,6 @@ def test_snapshot_copies_subbyte_tensors_as_bytes(dtype: torch.dtype) -> None:
     # views of one storage stay views of one (copied) storage
     a, b = snap.tensors[2:]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-class _Gate:
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.event.set()
-
-    def wait(self) -> None:
-        assert self.event.wait(120), "the gate was never opened"
-
-
-_GATES: dict[str, _Gate] = {}
-
-
-class _GatedBackend(LocalBackend):
-    gate: _Gate
-
-    def open_writer(self, name: str):  # type: ignore[no-untyped-def]
-        w = super().open_writer(name)
-        orig = w.write
-        gate = self.gate
-
-        def write(offset: int, data: object) -> None:
-            gate.wait()
-            orig(offset, data)  # type: ignore[arg-type]
-
-        w.write = write  # type: ignore[method-assign]
-        return w
-
-
-class _GatedTier(LocalTier):
-    def make_backend(self):  # type: ignore[no-untyped-def]
-        b = _GatedBackend(self.path)
-        b.gate = _GATES[self.path]
-        return b
 
 
 @pytest.mark.parametrize("dtype", [torch.uint4, torch.int1, torch.uint7], ids=str)
