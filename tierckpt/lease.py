@@ -79,7 +79,7 @@ __all__ = [
     "WriterLease",
     "acquire_wait",
     "clock_probe_name",
-    "judge_owner",
+    "judge_holder",
     "lease_name",
     "lease_ttl",
     "list_leases",
@@ -161,12 +161,14 @@ def store_age(backend: Backend, name: str, probe: str) -> float | None:
     return None if now is None else now - then
 
 
-def judge_owner(
-    backend: Backend, name: str, rec: LeaseRecord, *, owner: str | None = None
-) -> tuple[bool, str]:
-    """(alive, why) for the holder of lease ``name`` (``rec``), as a writer about to take it
-    over and ``tierckpt ls`` / ``gc`` / ``unlock`` judge it: by its process or lock file where
-    this machine can ask (:func:`~tierckpt.liveness.owner_verdict`), else by its age.
+def judge_holder(
+    backend: Backend, name: str, rec: LeaseRecord, owner: str | None = None
+) -> tuple[bool, str, bool]:
+    """(alive, why, presumed) for the holder of lease ``name`` (``rec``), as a writer about to
+    take it over and ``tierckpt ls`` / ``gc`` / ``unlock`` judge it: by its process or lock
+    file where this machine can ask (:func:`~tierckpt.liveness.owner_verdict`), else by its
+    age; ``presumed``: a live verdict that rests on the age alone (dead or not, it counts as
+    live until its ttl has passed).
 
     Its age is its holder's clock (the renewal time it wrote) against this machine's, so a
     clock running ahead of the holder's by more than the ttl makes a live writer look dead:
@@ -175,16 +177,6 @@ def judge_owner(
     store wrote it within its ttl (:func:`store_age`), its holder renews it and lives, whatever
     the clocks say. Where the store keeps no times or the probe fails (read-only
     credentials), the age stands. ``owner``: names the probe object (a fresh id where None)."""
-    alive, why, _presumed = _judge(backend, name, rec, owner)
-    return alive, why
-
-
-def _judge(
-    backend: Backend, name: str, rec: LeaseRecord, owner: str | None
-) -> tuple[bool, str, bool]:
-    """:func:`judge_owner`, and whether a live verdict rests on the lease's age alone (by this
-    machine's clock or the store's: no process or lock file here could answer), which makes
-    its holder *presumed* live."""
     alive, why, by_age = owner_verdict(rec)
     if alive or not by_age:
         return alive, why, alive and by_age
@@ -334,7 +326,7 @@ class WriterLease:
             raw, rec = got
             if rec.owner == self.owner:
                 return
-            alive, why, presumed = _judge(b, name, rec, self.owner)
+            alive, why, presumed = judge_holder(b, name, rec, self.owner)
             if alive:
                 raise self._conflict(rec, why, presumed)
             again = read_lease(b, self.rank)

@@ -36,11 +36,11 @@ saves: a DCP load reads other ranks' shards, which a process-private tier cannot
 
 from __future__ import annotations
 
-from tierckpt.dcp._common import dcp_metadata_name
 from tierckpt.dcp._metadata import ItemLocation, decode_metadata, encode_metadata
 from tierckpt.dcp._planner import SafeLoadPlanner
 from tierckpt.dcp._reader import TierReader
 from tierckpt.dcp._writer import TierWriter
+from tierckpt.format import dcp_metadata_name
 
 __all__ = [
     "ItemLocation",

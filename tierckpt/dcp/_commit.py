@@ -21,7 +21,7 @@ from tierckpt.catalog import (
     stale_timeline,
     timeline_for,
 )
-from tierckpt.dcp._common import METADATA_VERSION, dcp_metadata_name
+from tierckpt.dcp._common import METADATA_VERSION
 from tierckpt.dcp._metadata import _RankShards, _ShardOnTier
 from tierckpt.errors import (
     BackendError,
@@ -30,7 +30,14 @@ from tierckpt.errors import (
     FormatError,
     TierCkptError,
 )
-from tierckpt.format import CheckpointId, Manifest, checksum, encode_manifest, manifest_name
+from tierckpt.format import (
+    CheckpointId,
+    Manifest,
+    checksum,
+    dcp_metadata_name,
+    encode_manifest,
+    manifest_name,
+)
 from tierckpt.pipeline import Tier
 
 log = logging.getLogger("tierckpt")

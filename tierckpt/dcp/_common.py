@@ -1,5 +1,5 @@
-"""Names, limits and set-up shared by the DCP writer and reader: the metadata file's name,
-format constants, a ``checkpoint_id`` parsed as a step, and the tiers built from a policy."""
+"""Limits and set-up shared by the DCP writer and reader: format constants, a
+``checkpoint_id`` parsed as a step, and the tiers built from a policy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tierckpt.format import manifest_name, step_prefix
+from tierckpt.format import manifest_name
 from tierckpt.pipeline import Tier, open_tiers
 from tierckpt.policy import TierPolicy, TierSpec
 
@@ -33,10 +33,6 @@ _MEMORY_FORMATS = {
 }
 
 TiersArg = Sequence[TierSpec] | TierPolicy
-
-
-def dcp_metadata_name(step: int, *, timeline: int = 0) -> str:
-    return f"{step_prefix(step, timeline=timeline)}dcp-metadata.json.zst"
 
 
 def _parse_step(checkpoint_id: object) -> int:

@@ -24,7 +24,6 @@ from tierckpt.dcp._common import (
     TiersArg,
     _parse_step,
     _runtimes,
-    dcp_metadata_name,
 )
 from tierckpt.dcp._metadata import ItemLocation, decode_metadata
 from tierckpt.dcp._shardfile import _ShardFile
@@ -40,7 +39,7 @@ from tierckpt.errors import (
     CorruptCheckpoint,
     FormatError,
 )
-from tierckpt.format import CheckpointId, Manifest, checksum, manifest_name
+from tierckpt.format import CheckpointId, Manifest, checksum, dcp_metadata_name, manifest_name
 from tierckpt.pipeline import Tier
 from tierckpt.policy import TierPolicy
 from tierckpt.restore import (

@@ -113,8 +113,7 @@ def agree_on_step(
     k = get_knobs()
     looked = list(candidates)[: k.agree_max_candidates]
     why: dict[CheckpointId, str] = {}
-
-    sizes: dict[CheckpointId, int] = {}
+    sizes: dict[CheckpointId, int] = {}  # the world sizes of checkpoints not of this job's
 
     def readable(cid: CheckpointId) -> bool:
         if cid not in why:
@@ -125,24 +124,19 @@ def agree_on_step(
     newest = next((c for c in looked if readable(c)), None)
     # the newest checkpoint of all saved by another world size: no rank loads an older one
     # in its place (the job would go on from there, and the newer run would be abandoned)
-    other = looked[0] if looked and looked[0] in sizes and why.get(looked[0]) else None
+    mismatch = bool(looked) and looked[0] in sizes and bool(why[looked[0]])
     one = torch.tensor(
-        [checkpoint_key(newest) if newest else -1, 1 if other is not None else 0],
-        dtype=torch.int64,
-        device=dev,
+        [checkpoint_key(newest) if newest else -1, int(mismatch)], dtype=torch.int64, device=dev
     )
     firsts = [torch.empty_like(one) for _ in range(world_size)]
     dist.all_gather(firsts, one)
     if any(int(f[1].item()) for f in firsts):  # said on every rank, before any reads
-        ids = [c for c in looked[:1] if other is not None] or looked[:1]
-        raise (
-            WorldSizeMismatch.of(ids[0], sizes.get(ids[0]), world_size)
-            if ids
-            else WorldSizeMismatch(
-                f"another rank found the newest checkpoint saved by another number of ranks "
+        if not looked:
+            raise WorldSizeMismatch(
+                "another rank found the newest checkpoint saved by another number of ranks "
                 f"than this job's {world_size}; see rank 0's error"
             )
-        )
+        raise WorldSizeMismatch.of(looked[0], sizes.get(looked[0]), world_size)
     keys = {int(f[0].item()) for f in firsts}
     if len(keys) == 1 and newest is not None:
         return [newest]  # every rank's newest readable is the same checkpoint

@@ -54,6 +54,7 @@ from tierckpt.format._names import (
     MAX_TIMELINE,
     CheckpointId,
     checksum,
+    dcp_metadata_name,
     manifest_name,
     parse_data_folder,
     parse_manifest_id,
@@ -110,4 +111,5 @@ __all__ = [
     "parse_manifest_name",
     "shard_name",
     "step_prefix",
+    "dcp_metadata_name",
 ]

@@ -139,6 +139,12 @@ def step_prefix(step: int, *, timeline: int = 0) -> str:
     return f"{DATA_DIR}/{_check_step(step):012d}{_suffix(timeline)}/"
 
 
+def dcp_metadata_name(step: int, *, timeline: int = 0) -> str:
+    """DCP's metadata of a checkpoint ``tierckpt.dcp`` wrote, in its data folder: the name its
+    manifest's ``dcp`` entry holds (which also tells a DCP checkpoint from a native one)."""
+    return f"{step_prefix(step, timeline=timeline)}dcp-metadata.json.zst"
+
+
 def shard_name(step: int, rank: int, *, timeline: int = 0, prefixes: int = 256) -> str:
     """Rank ``rank``'s shard file: format v2 over ``prefixes`` hashed prefixes (256: every
     tier's default, ``<hh>/steps/...``); ``prefixes=0``: the v1 name

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 from tierckpt.backends.base import Backend
 from tierckpt.errors import WriterConflict
-from tierckpt.lease import LeaseRecord, judge_owner, lease_name, list_leases
-from tierckpt.liveness import owner_verdict
+from tierckpt.lease import LeaseRecord, judge_holder, lease_name, list_leases
 
 
 # -- writer leases -------------------------------------------------------------------------------
@@ -49,12 +48,8 @@ def leases(backend: Backend) -> list[LeaseInfo]:
         if rec is None:
             out.append(LeaseInfo(rank, None, True, error))
             continue
-        # asked once: where a process or lock file here answers, that is the verdict
-        # judge_owner would give; only an age verdict is judged again (the store's clock)
-        alive, why, by_age = owner_verdict(rec)
-        if by_age:
-            alive, why = judge_owner(backend, lease_name(rank), rec)
-        out.append(LeaseInfo(rank, rec, alive, why, presumed=alive and by_age))
+        alive, why, presumed = judge_holder(backend, lease_name(rank), rec)
+        out.append(LeaseInfo(rank, rec, alive, why, presumed=presumed))
     return out
 
 

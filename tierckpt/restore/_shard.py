@@ -19,7 +19,7 @@ from tierckpt.format import (
     ChunkRecord,
     Manifest,
     ShardRef,
-    step_prefix,
+    dcp_metadata_name,
     tree_args,
 )
 from tierckpt.restore._chunks import ChunkReader
@@ -172,7 +172,7 @@ def refuse_dcp(manifest: Manifest, where: str) -> None:
     the one ``TierReader`` reads: the manifest's ``dcp`` entry naming the step's DCP metadata
     file (``steps/<step>/dcp-metadata.json.zst``), a name no native save writes."""
     info = (manifest.metadata or {}).get("dcp")
-    name = f"{step_prefix(manifest.step, timeline=manifest.timeline)}dcp-metadata.json.zst"
+    name = dcp_metadata_name(manifest.step, timeline=manifest.timeline)
     if isinstance(info, dict) and info.get("file") == name:
         raise FormatError(
             f"{where}: step {manifest.step} is a DCP checkpoint (written by "
