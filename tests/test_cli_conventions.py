@@ -139,7 +139,12 @@ def test_missing_credentials_get_a_hint(moto_server, s3_bucket, tmp_path: Path) 
 
 @pytest.mark.parametrize(
     ("typed", "meant"),
-    [("s3:/bucket/run", "s3://bucket/run"), ("s3:bucket", "s3://bucket"), ("file:/x", "file:///x")],
+    [
+        ("s3:/bucket/run", "s3://bucket/run"),
+        ("s3:bucket", "s3://bucket"),
+        ("file:/x", "file:///x"),
+        ("s3//bucket/run", "s3://bucket/run"),  # a colon short
+    ],
 )
 def test_a_url_a_slash_short_is_refused_not_taken_for_a_folder(
     typed: str,
@@ -163,6 +168,23 @@ def test_a_url_a_slash_short_is_refused_not_taken_for_a_folder(
     assert rc == 2 and f"did you mean '{meant}'" in err, err
     assert list(tmp_path.iterdir()) == []
     assert LocalTier(f"./{typed}").path == f"./{typed}"  # a folder really named so: ./ first
+
+
+def test_a_file_url_with_a_host_is_refused_not_read_as_a_relative_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``file://tmp/run`` names the host ``tmp``: the CLI read it as the relative folder
+    ``tmp/run`` (gc or push there acted on another folder than the training job's, which
+    refuses the URL). Both refuse it the same way."""
+    from tierckpt import LocalTier
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tmp" / "run").mkdir(parents=True)
+    with pytest.raises(ValueError, match="names the host 'tmp'"):
+        LocalTier("file://tmp/run")
+    for argv in (["ls", "file://tmp/run"], ["gc", "file://tmp/run", "--keep-last", "1"]):
+        rc, _out, err = _run(argv, capsys)
+        assert rc == 2 and "file:///absolute/path" in err and "names the host 'tmp'" in err, err
 
 
 def test_ls_shows_which_checkpoints_are_pinned(

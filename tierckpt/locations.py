@@ -96,14 +96,18 @@ _URL_SCHEMES = frozenset({"s3", "gs", "gcs", "az", "file", "memory", "http", "ht
 
 
 def refuse_mistyped_url(path: str, who: str) -> None:
-    """Raise ValueError when the local path ``path`` is a mistyped URL (``s3:/bucket/run``):
+    """Raise ValueError when the local path ``path`` is a mistyped URL (``s3:/bucket/run``,
+    ``s3//bucket/run``):
     saved there, the checkpoints would go to ``./s3:/bucket/run`` on this machine's disk."""
     head, colon, rest = path.partition(":")
+    if not colon:  # a colon short: s3//bucket/run
+        head, slashes, rest = path.partition("//")
+        colon = slashes if "/" not in head else ""
     if colon and "://" not in path and head.lower() in _URL_SCHEMES:
         meant = f"{head}://{'/' if head.lower() == 'file' else ''}{rest.lstrip('/')}"
         raise ValueError(
             f"{who} {redact(path)!r}: a URL starts with {head}:// (did you mean "
-            f"{redact(meant)!r}?); as a path it would be a folder {head + ':'!r} in the working "
+            f"{redact(meant)!r}?); as a path it would be a folder {path.split('/')[0]!r} in the working "
             f"directory (write ./{redact(path)} for a folder really named so)"
         )
 
@@ -123,12 +127,12 @@ def _home_expanded(path: str) -> str:
     return home
 
 
-def local_folder(path: str) -> str:
+def local_folder(path: str, who: str = "LocalTier") -> str:
     """The folder a LocalTier writes to: a plain path, or ``file:///abs/path``. Any other
     ``scheme://`` is refused: written as a relative path it would create ``./s3:/bucket``;
     so is a URL a slash short (``s3:/bucket``)."""
     if isinstance(path, str):
-        refuse_mistyped_url(path, "LocalTier")
+        refuse_mistyped_url(path, who)
     if not isinstance(path, str) or "://" not in path:
         return _home_expanded(path)
     scheme, _, rest = path.partition("://")
@@ -136,8 +140,8 @@ def local_folder(path: str) -> str:
         host, slash, folder = rest.partition("/")
         if host not in ("", "localhost") or not slash:
             raise ValueError(
-                f"LocalTier({path!r}): a file URL names a folder on this machine: "
-                "file:///absolute/path"
+                f"{who}({path!r}): a file URL names a folder on this machine: "
+                f"file:///absolute/path (file://{host}/... names the host {host!r})"
             )
         return "/" + folder
     raise ValueError(

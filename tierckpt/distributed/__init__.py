@@ -36,9 +36,11 @@ Format v2 (the default: tiers write their files under hashed prefixes, :mod:`tie
 
 Attempt ids
     Records of an earlier, killed attempt at the same step must not be mistaken for this
-    one's, so every record carries an attempt id ``<session>-<n>``: the session id is drawn by
-    rank 0 and spread by one small all-reduce in the training thread at the checkpointer's
-    first multi-rank save (:meth:`MultiRankCommit.begin_save`); ``n`` counts saves. Later
+    one's, so every record carries an attempt id ``<session>-<step>.<timeline>.<k>``: the
+    session id is drawn by rank 0 and spread by one small all-reduce in the training thread at
+    the checkpointer's first multi-rank save (:meth:`MultiRankCommit.begin_save`); ``k`` counts
+    this rank's tries of that step and timeline (a rank that skipped a save costs that step
+    only). Later
     saves need no collective — except with ``on_busy="skip"``, where every save runs that
     all-reduce so that all ranks skip together.
 

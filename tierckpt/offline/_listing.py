@@ -21,7 +21,7 @@ from tierckpt.format import (
     Manifest,
     parse_data_folder,
 )
-from tierckpt.locations import refuse_mistyped_url
+from tierckpt.locations import local_folder
 from tierckpt.offline._leases import leases
 from tierckpt.redact import redact
 from tierckpt.restore import read_manifest
@@ -56,8 +56,7 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
             f"unsupported URL scheme {scheme!r} in {redact(url)!r}: use a local path, "
             "file:///path, s3://, gs:// or az://"
         )
-    refuse_mistyped_url(url, "tier URL")
-    path = url.removeprefix("file://")
+    path = local_folder(url, "tier URL")  # file://tmp/x is refused: a host, not tmp/x
     if not create and not os.path.isdir(path):
         raise CheckpointNotFound(f"{path}: no such folder")
     return LocalBackend(path)  # creates the folder; a read-only location raises BackendError
