@@ -107,8 +107,8 @@ def refuse_mistyped_url(path: str, who: str) -> None:
         meant = f"{head}://{'/' if head.lower() == 'file' else ''}{rest.lstrip('/')}"
         raise ValueError(
             f"{who} {redact(path)!r}: a URL starts with {head}:// (did you mean "
-            f"{redact(meant)!r}?); as a path it would be a folder {path.split('/')[0]!r} in the working "
-            f"directory (write ./{redact(path)} for a folder really named so)"
+            f"{redact(meant)!r}?); as a path it would be a folder {path.split('/')[0]!r} in the "
+            f"working directory (write ./{redact(path)} for a folder really named so)"
         )
 
 
