@@ -219,3 +219,29 @@ def test_plain_load_state_dict_fails_for_tied_weights(tmp_path: Path) -> None:
     with safe_open(path, "pt") as st:
         assert st.metadata()["head.weight"] == "emb.weight"
         assert "head.weight" not in list(st.keys())
+
+
+# -- 4: the shard size as the CLI takes it ---------------------------------------------------------
+def test_max_shard_size_in_bare_bytes_and_binary_units_splits_the_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--max-shard-size 2000`` (bytes, as the API takes an int) failed inside
+    huggingface_hub's parser ("Unit '00' not supported"), and so did ``1KiB``; both split now,
+    and a size that is not one is a usage error naming the forms it takes."""
+    src = _save(tmp_path / "src", {"m": {f"w{i}": torch.full((256,), float(i)) for i in range(4)}})
+    for size in ("2000", "1KiB", "0.002MB"):
+        out = tmp_path / f"out-{size}"
+        rc = main(["export", src, str(out), "--max-shard-size", size])
+        assert rc == 0, capsys.readouterr().err
+        index = json.loads((out / "m.safetensors.index.json").read_text())
+        shards = set(index["weight_map"].values())
+        assert len(shards) >= 2, (size, shards)  # 4 KiB of tensors above a ~1-2 KB limit
+        loaded: dict[str, torch.Tensor] = {}
+        for f in shards:
+            loaded.update(safetensors.torch.load_file(str(out / f)))
+        assert all(torch.equal(loaded[f"w{i}"], torch.full((256,), float(i))) for i in range(4))
+    for bad in ("5XB", "-3", "0", "lots"):
+        rc = main(["export", src, str(tmp_path / "bad"), "--max-shard-size", bad])
+        err = capsys.readouterr().err
+        assert rc == 2 and ("500MB, 5GB, 2GiB" in err or "above 0" in err), (bad, err)
+    assert not (tmp_path / "bad").exists()

@@ -303,6 +303,7 @@ def export_safetensors(
     :func:`tierckpt.offline.resolve_id`). ``max_shard_size``: a file above it is split into
     shards with an index, as ``save_pretrained`` does (bytes, or a string such as ``"5GB"``).
     """
+    max_shard_size = shard_size_bytes(max_shard_size)
     try:
         import huggingface_hub  # noqa: F401
         import safetensors  # noqa: F401
@@ -397,13 +398,36 @@ def export_safetensors(
     return results
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def shard_size_bytes(size: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or text such as ``2000``, ``500MB``, ``5GB`` or
+    ``2GiB`` (Hugging Face's units are decimal: 5GB is 5,000,000,000 bytes)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(size), re.IGNORECASE)
+        unit = (m.group(2) or "").upper() if m else "?"
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"max shard size {size!r}: give bytes (2000) or a size with a unit "
+                "(500MB, 5GB, 2GiB)"
+            )
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"max shard size {size!r}: must be above 0 bytes")
+    return value
+
+
 def _write_group(
     fname: str,
     items: list[tuple[str, torch.Tensor]],
     where: str,
     storable: frozenset[torch.dtype],
     res: ExportResult,
-    max_shard_size: int | str,
+    max_shard_size: int,
     *,
     metadata: dict[str, str],
 ) -> dict[int, tuple[str, str]]:

@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="5GB",
         metavar="SIZE",
         help="split a file above SIZE into shards with an index.json, as Hugging "
-        "Face does (e.g. 500MB, 5GB; default 5GB)",
+        "Face does (bytes, or 500MB, 5GB, 2GiB; default 5GB)",
     )
 
     sp = add("bench", cmd_bench, "run the benchmark (arguments go to tierckpt.bench)")

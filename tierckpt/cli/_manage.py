@@ -232,11 +232,15 @@ def cmd_unlock(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tierckpt.export import export_safetensors
+    from tierckpt.export import export_safetensors, shard_size_bytes
     from tierckpt.offline import resolve_id
 
     if args.format != "safetensors":  # pragma: no cover - argparse restricts choices
         raise UsageError(f"unsupported format {args.format!r}")
+    try:
+        max_shard_size = shard_size_bytes(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(f"--max-shard-size: {exc}") from None
     with opened(args, args.url) as backend:
         cid = resolve_id(backend, args.step, args.timeline)
         step = cid.step
@@ -248,7 +252,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             single_file=args.single_file,
             source=args.url,
             timeline=cid.timeline,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=max_shard_size,
         )
     for res in results:
         print(f"exported step {step} rank {res.rank}: {res.tensors} tensors")
