@@ -36,7 +36,7 @@ from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier
 from tierckpt import distributed as tdist
 from tierckpt.distributed import _strategy
 from tierckpt.distributed._listcommit import write_listed_record
-from tierckpt.errors import CheckpointFailed, CheckpointNotFound
+from tierckpt.errors import CheckpointFailed, CheckpointNotFound, CorruptCheckpoint
 from tierckpt.format import manifest_name, shard_name, step_prefix
 from tierckpt.layout import parse_record_name, prefixes_for
 
@@ -1198,3 +1198,33 @@ def w_load_one_rank_vanishes(rank: int, world: int, root: str, save: bool) -> di
     finally:
         _loading._load_from = real  # type: ignore[assignment]
         ck.close()
+
+
+def w_load_into_one_rank_fails(rank: int, world: int, root: str, save: bool) -> dict[str, Any]:
+    """``save``: step 1 on every rank. Else ``load(into=...)`` where rank 1's read fails with a
+    corrupt shard: what each rank raised, and whether its ``into`` tensor was written."""
+    from tierckpt.checkpointer import _loading
+
+    ck = Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    if save:
+        ck.save({"w": torch.full((256,), float(10 + rank))}, 1).wait()
+        ck.close()
+        return {}
+    real = _loading._load_from
+
+    def corrupt(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            raise CorruptCheckpoint("rank-000001's shard: checksum mismatch in chunk 0")
+        return real(*args, **kwargs)
+
+    _loading._load_from = corrupt  # type: ignore[assignment]
+    mine = {"w": torch.zeros(256)}
+    try:
+        ck.load(into=mine)
+        error = ""
+    except Exception as exc:
+        error = type(exc).__name__
+    finally:
+        _loading._load_from = real  # type: ignore[assignment]
+        ck.close()
+    return {"error": error, "written": bool(mine["w"].any())}

@@ -35,3 +35,22 @@ def test_a_shard_vanishing_on_one_rank_is_loaded_again_by_every_rank(
         "rank 1's shard of the agreed step vanished while read (2 ranks)",
         "every rank listed again and loaded step 3 together; none returned alone",
     )
+
+
+def test_load_into_writes_nothing_on_a_rank_when_another_ranks_load_failed(
+    tmp_path: Path, record: Recorder
+) -> None:
+    """``load(into=...)`` copied the checkpoint into this rank's tensors before the ranks
+    agreed on the outcome: where rank 1's shard was corrupt, rank 0's model was overwritten
+    and then its load raised anyway (a model half restored across ranks, which a job that
+    catches the error trains on). The copy now waits for the agreement."""
+    root = str(tmp_path / "run")
+    dist_workers.run("w_load_into_one_rank_fails", 2, root=root, save=True, timeout=180)
+    res = dist_workers.run("w_load_into_one_rank_fails", 2, root=root, save=False, timeout=180)
+    assert [r["error"] for r in res] == ["TierCkptError", "CorruptCheckpoint"], res
+    assert [r["written"] for r in res] == [False, False], res
+    record(
+        "distributed",
+        "load(into=...) while another rank's shard is corrupt (2 ranks)",
+        "every rank raised; no rank's into tensors were written",
+    )

@@ -43,6 +43,7 @@ from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
 from tierckpt.restore import (
     LoadedShard,
+    check_into,
     is_recoverable,
     read_shard,
     refuse_dcp,
@@ -141,9 +142,10 @@ def load(
                 map_location=map_location,
                 fallback=fallback,
                 timeline=timeline,
-                strict=strict,
                 device=device,
             )
+            if into is not None:  # checked here, copied once every rank's load worked
+                check_into(into, got, strict=strict)
             code = 0
         except CheckpointNotFound as exc:
             error, code = exc, 1
@@ -153,7 +155,7 @@ def load(
         # (retention deleted its shard after the ranks agreed on the step, say)
         worst = ctx.strategy.agree_on_outcome(code)
         if worst == 0:
-            return got
+            return got if into is None else restore_into(into, got, strict=strict)
         last = attempt == LOAD_ATTEMPTS - 1
         if ctx.world_size != 1:
             if worst == 1 and step is None and not last:
@@ -188,10 +190,10 @@ def _load_once(
     map_location: str | torch.device | None,
     fallback: Literal["error", "previous"],
     timeline: int | None,
-    strict: bool = True,
     device: torch.device | None = None,
 ) -> Any:
-    """One listing of the tiers and one load of the step chosen from it."""
+    """One listing of the tiers and one load of the step chosen from it (``into`` chooses
+    the device; the caller copies into it once every rank's load worked)."""
     if fallback not in ("error", "previous"):
         raise ValueError("fallback must be 'error' or 'previous'")
     ctx.forget_timeline()  # the run may have gone back: the next save decides again
@@ -255,21 +257,9 @@ def _load_once(
             raise unreadable(unlisted, listing, what) from exc
         raise
     on_target = target is not None and not target.optional  # read onto map_location itself
-    return _deliver(got, into, None if on_target else map_location, strict)
-
-
-def _deliver(
-    loaded: LoadedShard,
-    into: Any,
-    map_location: str | torch.device | None,
-    strict: bool = True,
-) -> Any:
-    state = loaded.state
-    if map_location is not None:
-        state = to_device(state, torch.device(map_location))
-    if into is not None:
-        return restore_into(into, state, strict=strict)
-    return state
+    if on_target or map_location is None:
+        return got.state
+    return to_device(got.state, torch.device(map_location))
 
 
 def _load_candidates(
