@@ -146,4 +146,63 @@ def test_a_malformed_parameter_table_is_refused(table: Any) -> None:
 
     tensors = [torch.zeros(2), torch.arange(2), torch.zeros(1)]
     with pytest.raises(FormatError, match="parameters"):
-        as_parameters(tensors, table, "test")
+        as_parameters(tensors, {"parameters": table}, "test")
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        {"requires_grad": "x"},
+        {"requires_grad": [3]},
+        {"requires_grad": [1]},  # an integer tensor cannot require grad
+        {"requires_grad": [0, 0]},
+        {"parameters": [1], "requires_grad": [0]},  # tensor 0 twice
+    ],
+    ids=lambda t: repr(t),
+)
+def test_a_malformed_requires_grad_table_is_refused(index: Any) -> None:
+    from tierckpt.restore import as_parameters
+
+    tensors = [torch.zeros(2), torch.arange(2), torch.zeros(1)]
+    with pytest.raises(FormatError, match="requires_grad"):
+        as_parameters(tensors, index, "test")
+
+
+def test_plain_tensors_that_require_grad_come_back_so(tmp_path: Path) -> None:
+    """A plain leaf that requires grad (SAC's ``log_alpha``, a learned temperature kept
+    outside any module) came back with ``requires_grad=False``, unlike ``torch.load``: an
+    optimizer built over the loaded tensor never stepped it (its grad stays None), silently.
+    Now it requires grad again, on every load path."""
+    from tierckpt import MemoryTier
+
+    log_alpha = torch.zeros(1, requires_grad=True)
+    base = torch.randn(3, requires_grad=True)
+    state = {
+        "log_alpha": log_alpha,
+        "computed": base * 2,  # a non-leaf: torch.load gives a leaf that requires grad
+        "frozen": torch.ones(2),
+        "ints": torch.arange(3),
+        "twice": [log_alpha, log_alpha],
+        "param": torch.nn.Parameter(torch.ones(2)),
+    }
+    expected = _torch_round_trip(state)
+    assert expected["log_alpha"].requires_grad and expected["computed"].requires_grad
+    tiers: list[Any] = [LocalTier(tmp_path / "local"), MemoryTier(namespace="grad-leaves")]
+    with Checkpointer(tiers) as ck:
+        ck.save(state, step=1).wait()
+        for load in ({"tier": "local"}, {"tier": "memory"}, {"map_location": "cpu"}):
+            got = ck.load(**load)
+            for key in ("log_alpha", "computed", "frozen", "ints", "param"):
+                ours, theirs = got[key], expected[key]
+                assert type(ours) is type(theirs), (load, key)
+                assert ours.requires_grad == theirs.requires_grad, (load, key)
+                assert ours.is_leaf, (load, key)
+                assert torch.equal(ours.detach(), theirs.detach()), (load, key)
+            assert all(t.requires_grad and t.is_leaf for t in got["twice"]), load
+            ptrs = {t.data_ptr() for t in (*got["twice"], got["log_alpha"])}
+            assert len(ptrs) == 1, load  # one storage, as saved
+            # the loaded leaf trains: an optimizer over it steps it
+            opt = torch.optim.SGD([got["log_alpha"]], lr=1.0)
+            (got["log_alpha"] * 3).sum().backward()
+            opt.step()
+            assert torch.equal(got["log_alpha"].detach(), torch.tensor([-3.0])), load

@@ -211,7 +211,7 @@ def read_shard_mapped(
             spans.append(_span(mm, chunks, starts, off, n, where))
         sizes = [sp.numel() for sp in spans]
         tensors = rebuild_tensors(index["tensors"], spans, sizes, where)
-        as_parameters(tensors, index.get("parameters"), where)
+        as_parameters(tensors, index, where)
         state = decode_tree(index.get("tree"), tensors, **tree_args(index))
         for f in futures:
             f.result()  # every checksum holds before the state is handed out

@@ -95,6 +95,8 @@ class ShardLayout:
     devices: set[str]
     #: ``2 * tensor + requires_grad`` for each tensor that is an ``nn.Parameter``
     parameters: list[int] = field(default_factory=list)
+    #: the other tensors that require grad (``torch.load`` gives them back so)
+    requires_grad: list[int] = field(default_factory=list)
     #: the tensor and storage tables as index text, made at the first index of this layout
     #: (a layout reused by the next save keeps them: ``LayoutCache``)
     tables: tuple[EncodedTable, EncodedTable] | None = None
@@ -119,6 +121,8 @@ class ShardLayout:
         if self.parameters:
             # a field readers before it ignore (they load plain tensors), unlike a tree tag
             out["parameters"] = list(self.parameters)
+        if self.requires_grad:
+            out["requires_grad"] = list(self.requires_grad)
         return out
 
 
@@ -223,6 +227,9 @@ class CollectedState:
     #: ``2 * tensor + requires_grad`` for each tensor that is an ``nn.Parameter`` (a load
     #: gives it back as a Parameter with its requires_grad, as ``torch.load`` does)
     parameters: list[int] = field(default_factory=list)
+    #: indices of the other tensors that require grad (a plain leaf such as SAC's
+    #: ``log_alpha``: loaded without it, an optimizer over it would never step it)
+    requires_grad: list[int] = field(default_factory=list)
     #: indices of the tensors that are copies taken by the walk itself (NumPy arrays): a
     #: snapshot already, which ``snapshot_eager`` need not copy again
     copies: list[int] = field(default_factory=list)
@@ -232,6 +239,7 @@ def collect_state(state: Any) -> CollectedState:
     tensors: list[torch.Tensor] = []
     devices: set[str] = set()
     parameters: list[int] = []
+    requires_grad: list[int] = []
 
     def on_tensor(t: torch.Tensor, path: object) -> int:
         tensors.append(_check_tensor(t, path))
@@ -239,11 +247,13 @@ def collect_state(state: Any) -> CollectedState:
             devices.add(str(t.device))
         if isinstance(t, torch.nn.Parameter):
             parameters.append(2 * (len(tensors) - 1) + bool(t.requires_grad))
+        elif t.requires_grad:
+            requires_grad.append(len(tensors) - 1)
         return len(tensors) - 1
 
     copies: list[int] = []
     tree = encode_tree(state, on_tensor, copies=copies)
-    return CollectedState(tree, tensors, devices, parameters, copies)
+    return CollectedState(tree, tensors, devices, parameters, requires_grad, copies)
 
 
 def build_plan(state: Any, chunk_bytes: int) -> ShardLayout:
@@ -314,6 +324,7 @@ def layout_plan(collected: CollectedState, chunk_bytes: int) -> ShardLayout:
         data_bytes=logical,
         devices={str(t.device) for t in tensors} | collected.devices,
         parameters=collected.parameters,
+        requires_grad=collected.requires_grad,
     )
 
 

@@ -370,7 +370,7 @@ def read_shard_to_device(
         tensors = [
             _rebuild(e, spans, sizes, i, where, home) for i, e in enumerate(index["tensors"])
         ]
-        as_parameters(tensors, index.get("parameters"), where)
+        as_parameters(tensors, index, where)
     except BaseException:
         # the other chunks' threads use the ring and the storages: cancel what has not
         # started, wait for the rest, then for their copies, before the storages may be freed

@@ -49,8 +49,8 @@ def to_device(state: Any, device: torch.device) -> Any:
     def walk(x: Any) -> Any:
         if isinstance(x, torch.nn.Parameter):  # keep the type and requires_grad, as .to() won't
             return torch.nn.Parameter(move(x.detach()), requires_grad=x.requires_grad)
-        if isinstance(x, torch.Tensor):
-            return move(x)
+        if isinstance(x, torch.Tensor):  # a leaf that requires grad stays one
+            return move(x.detach()).requires_grad_(x.requires_grad)
         if isinstance(x, dict):
             return type(x)((k, walk(v)) for k, v in x.items())
         if isinstance(x, list):

@@ -136,6 +136,7 @@ def _with_sources(cached: _Cached, collected: CollectedState) -> ShardLayout:
         data_bytes=bare.data_bytes,
         devices=set(bare.devices) | collected.devices,
         parameters=collected.parameters,
+        requires_grad=collected.requires_grad,
         # the index's tables, made once for the remembered layout and shared by every save
         # that reuses it (only numbers and text: no reference to a tensor)
         tables=bare.tables,

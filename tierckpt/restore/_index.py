@@ -214,27 +214,34 @@ def _last(size: int, stride: int) -> int:
     return (size - 1) * stride
 
 
-def as_parameters(tensors: list[torch.Tensor], table: object, where: str) -> None:
+def as_parameters(tensors: list[torch.Tensor], index: dict[str, Any], where: str) -> None:
     """Make the tensors the index lists as ``nn.Parameter`` again, with their
     ``requires_grad`` (the index field ``parameters``: ``2 * tensor + requires_grad`` per
-    parameter, as :func:`tierckpt.plan.collect_state` records them), so a load gives back
-    what ``torch.load`` gives back. An index without the field holds no parameters."""
-    if table is None:
-        return
-    if not isinstance(table, list) or len(table) > len(tensors):
-        raise FormatError(f"{where}: index field 'parameters' malformed")
+    parameter, as :func:`tierckpt.plan.collect_state` records them), and the plain tensors it
+    lists under ``requires_grad`` require grad again, so a load gives back what ``torch.load``
+    gives back. An index without the fields holds neither."""
     seen: set[int] = set()
-    for v in table:
-        if type(v) is not int or not 0 <= v < 2 * len(tensors) or v // 2 in seen:
-            raise FormatError(f"{where}: index field 'parameters' names no tensor ({v!r})")
-        i, grad = divmod(v, 2)
-        seen.add(i)
-        t = tensors[i]
-        if grad and not (t.is_floating_point() or t.is_complex()):
-            raise FormatError(
-                f"{where}: index field 'parameters': tensor {i} of {t.dtype} cannot require grad"
-            )
-        tensors[i] = torch.nn.Parameter(t, requires_grad=bool(grad))
+    for field_name, flags in (("parameters", 2), ("requires_grad", 1)):
+        table = index.get(field_name)
+        if table is None:
+            continue
+        if not isinstance(table, list) or len(table) > len(tensors):
+            raise FormatError(f"{where}: index field {field_name!r} malformed")
+        for v in table:
+            if type(v) is not int or not 0 <= v < flags * len(tensors) or v // flags in seen:
+                raise FormatError(f"{where}: index field {field_name!r} names no tensor ({v!r})")
+            i, grad = divmod(v, flags) if flags == 2 else (v, 1)
+            seen.add(i)
+            t = tensors[i]
+            if grad and not (t.is_floating_point() or t.is_complex()):
+                raise FormatError(
+                    f"{where}: index field {field_name!r}: tensor {i} of {t.dtype} cannot "
+                    "require grad"
+                )
+            if flags == 2:
+                tensors[i] = torch.nn.Parameter(t, requires_grad=bool(grad))
+            else:
+                tensors[i] = t.detach().requires_grad_(True)
 
 
 def rebuild_tensor(

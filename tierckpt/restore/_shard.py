@@ -130,7 +130,7 @@ def read_shard(
         if covered != data_bytes:
             raise FormatError(f"{where}: chunks cover {covered} of {data_bytes} bytes")
         tensors = rebuild_tensors(index["tensors"], spans, sizes, where)
-        as_parameters(tensors, index.get("parameters"), where)
+        as_parameters(tensors, index, where)
         tree_first = not _may_hold_quantized(index_blob)
         if tree_first:  # nothing in it reads the bytes: decoded while they download
             state = decode_tree(index.get("tree"), tensors, **tree_args(index))
