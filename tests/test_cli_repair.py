@@ -76,6 +76,43 @@ def test_destination_copy_tells_absent_intact_damaged_and_another_run(tmp_path: 
     assert destination_copy(src, other_z, C3).state == "other"  # decoded bytes compared
 
 
+class _Counting(LocalBackend):
+    """A local folder that counts the bytes read from it, taken for a remote store."""
+
+    read_bytes = 0
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    def read(self, name: str, offset: int, length: int) -> Any:
+        out = super().read(name, offset, length)
+        self.read_bytes += len(out)
+        return out
+
+
+def test_a_remote_copy_is_checked_without_reading_its_data(tmp_path: Path) -> None:
+    """Re-running ``push --all`` over a prefix that holds the run read every byte of it back
+    (a download of the whole run to skip it); an object store's copy is judged by its files'
+    sizes and indexes unless asked to read it whole, and a truncated file is still found."""
+    with Checkpointer([LocalTier(tmp_path / "src")], chunk_bytes=1 << 20) as ck:
+        ck.save({"w": torch.randn(2_000_000)}, 3).wait(timeout=60)  # 8 MB, 8 chunks
+    src = LocalBackend(tmp_path / "src")
+    dst = _Counting(tmp_path / "dst")
+    copy_checkpoint(src, dst, C3)
+    shard = read_manifest(dst, 3, "t").shards[0]
+    dst.read_bytes = 0
+    assert destination_copy(src, dst, C3).state == "intact"
+    assert dst.read_bytes < shard.size // 4, (dst.read_bytes, shard.size)
+    dst.read_bytes = 0
+    assert destination_copy(src, dst, C3, read_whole=True).state == "intact"
+    assert dst.read_bytes >= shard.size - 4096, (dst.read_bytes, shard.size)
+    f = tmp_path / "dst" / shard.file
+    f.write_bytes(f.read_bytes()[:-100])
+    got = destination_copy(src, dst, C3)
+    assert got.state == "damaged" and "truncated" in got.why, got
+
+
 def test_replace_copy_repairs_and_is_uncommitted_while_it_writes(tmp_path: Path) -> None:
     src = LocalBackend(_save(tmp_path / "src", "A"))
     dst_root = tmp_path / "dst"
@@ -155,8 +192,21 @@ def test_pull_and_push_replace_a_damaged_copy(
     body[100] ^= 0x01
     moto_server.admin.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     assert _run(["verify", url, *ep, "--step", "3"], capsys)[0] == 1
+    # an object store's copy is checked by its files' sizes and indexes and the chunks its
+    # comparison reads (re-running push over a large run read every byte of it back)
     rc, out, err = _run(["push", str(src), url, *ep, "--all"], capsys)
     assert rc == 0 and "replaced the damaged copy of step 3" in out, (out, err)
+    assert out.count("sizes and indexes checked; --verify reads it") == 2, (out, err)
+    assert _run(["verify", url, *ep], capsys)[0] == 0
+    # a truncated object is found without --verify
+    key = f"run/{shard_name(2, 0)}"
+    body = moto_server.admin.get_object(Bucket=bucket, Key=key)["Body"].read()
+    moto_server.admin.put_object(Bucket=bucket, Key=key, Body=body[: len(body) // 2])
+    rc, out, err = _run(["push", str(src), url, *ep, "--all"], capsys)
+    assert rc == 0 and "replaced the damaged copy of step 2" in out, (out, err)
+    assert "truncated" in err, err
+    rc, out, err = _run(["push", str(src), url, *ep, "--all", "--verify"], capsys)
+    assert rc == 0 and out.count("(verified intact)") == 3, (out, err)
     assert _run(["verify", url, *ep], capsys)[0] == 0
 
 

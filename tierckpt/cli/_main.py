@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
             h,
             h + ": shard files first (chunk checksums checked on the way), "
             "the manifest last, so the copy is committed only when whole. A copy already at "
-            "DEST is read and checked first (as verify does): skipped when intact, replaced "
+            "DEST is checked first: read whole (as verify does) on a local disk or with "
+            "--verify, else its files' sizes and indexes; skipped when intact, replaced "
             "when damaged, and another run's checkpoint of that step is not overwritten "
             "(exit 1).",
         )
@@ -184,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--step", type=_step, help="step (default: newest committed)")
         g.add_argument("--all", action="store_true", help="every committed step")
         sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
+        sp.add_argument(
+            "--verify",
+            action="store_true",
+            help="read a copy already at DEST whole, every chunk checked, before skipping it "
+            "(always done on a local disk; on an object store the default checks its files' "
+            "sizes and indexes, and reads no data)",
+        )
         sp.add_argument(
             "--codec",
             default="auto",

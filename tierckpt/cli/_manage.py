@@ -45,25 +45,31 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
         else:
             ids = [resolve_id(src, args.step, args.timeline)]
         for cid in ids:
-            failed += not _copy_one(src, dst, cid, codec, label)
+            failed += not _copy_one(src, dst, cid, codec, label, args.verify)
     return 1 if failed else 0
 
 
-def _copy_one(src: Backend, dst: Backend, cid: CheckpointId, codec: str, label: str) -> bool:
+def _copy_one(
+    src: Backend, dst: Backend, cid: CheckpointId, codec: str, label: str, read_whole: bool
+) -> bool:
     """Copy ``cid`` unless ``dst`` has an intact copy of it; replace a damaged one. False
-    (said on stderr) where ``dst`` holds another checkpoint under that id."""
+    (said on stderr) where ``dst`` holds another checkpoint under that id. ``read_whole``:
+    read a copy already at ``dst`` whole (always on a local disk)."""
     from tierckpt.offline import checkpoint_bytes, copy_checkpoint
     from tierckpt.offline._recode import recode_checkpoint
     from tierckpt.offline._repair import destination_copy, replace_copy
 
     total = checkpoint_bytes(src, cid)
-    bar = progress_bar(total, f"check {cid} at the destination")
-    try:  # every chunk of a copy already there read and checked, as `tierckpt verify` does
-        found = destination_copy(src, dst, cid, progress=bar.update)
+    read_whole = read_whole or not dst.is_remote
+    bar = progress_bar(total if read_whole else 0, f"check {cid} at the destination")
+    try:  # a copy already there: read whole and checked as `tierckpt verify` does, or (on an
+        # object store, unless --verify) its files' sizes and indexes
+        found = destination_copy(src, dst, cid, progress=bar.update, read_whole=read_whole)
     finally:
         bar.close()
     if found.state == "intact":
-        print(f"skip {cid}: already committed at {dst.url} (verified intact)")
+        how = "verified intact" if read_whole else "sizes and indexes checked; --verify reads it"
+        print(f"skip {cid}: already committed at {dst.url} ({how})")
         return True
     if found.state == "other":
         print(

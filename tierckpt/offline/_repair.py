@@ -3,8 +3,11 @@ copy the source's checkpoint, and is it intact? And replacing a damaged copy.
 
 A copy is committed by its manifest alone, so a name that exists says nothing of the shard
 files it lists (a flipped byte, a truncated file). :func:`destination_copy` reads the
-destination's copy whole as ``tierckpt verify`` does (:func:`verify_checkpoint`), and compares
-it with the source's: the same id (step and timeline) may hold another run's checkpoint.
+destination's copy whole as ``tierckpt verify`` does (:func:`verify_checkpoint`) on a local
+disk; on an object store, which checks its objects' bytes itself and bills every byte read, it
+checks each shard file's size and its index (footer and index checksums) unless asked to read
+it whole. Then it compares the copy with the source's: the same id (step and timeline) may
+hold another run's checkpoint.
 A copy made by another tier or codec has other shard files and its own ``created`` time (each
 tier's commit stamps its own), so it is compared by what every copy keeps: world size, raw
 size, metadata, each shard's object tree and tensor table, the chunks' checksums where both
@@ -24,8 +27,15 @@ from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import codec_from_config
-from tierckpt.errors import CheckpointNotFound, FormatError, WriterConflict
-from tierckpt.format import CheckpointId, Manifest, ShardRef, decode_manifest, manifest_name
+from tierckpt.errors import CheckpointNotFound, CorruptChunk, FormatError, WriterConflict
+from tierckpt.format import (
+    CheckpointId,
+    Manifest,
+    ShardRef,
+    checksum,
+    decode_manifest,
+    manifest_name,
+)
 from tierckpt.offline._leases import leases
 from tierckpt.offline._listing import Progress
 from tierckpt.offline._verify import verify_checkpoint
@@ -46,11 +56,17 @@ class DestinationCopy:
 
 
 def destination_copy(
-    src: Backend, dst: Backend, cid: CheckpointId, *, progress: Progress | None = None
+    src: Backend,
+    dst: Backend,
+    cid: CheckpointId,
+    *,
+    progress: Progress | None = None,
+    read_whole: bool | None = None,
 ) -> DestinationCopy:
     """Judge ``dst``'s copy of ``src``'s committed checkpoint ``cid`` (module docstring).
-    ``progress`` gets the destination's bytes read. Errors of the stores themselves (a
-    connection lost) are raised, not taken for damage."""
+    ``read_whole``: read and check every chunk (default: where ``dst`` is not remote); else
+    sizes and indexes. ``progress`` gets the destination's bytes read. Errors of the stores
+    themselves (a connection lost) are raised, not taken for damage."""
     name = manifest_name(cid.step, timeline=cid.timeline)
     if not dst.exists(name):
         return DestinationCopy("absent")
@@ -64,16 +80,33 @@ def destination_copy(
     why = _manifests_differ(mine, theirs)
     if why:
         return DestinationCopy("other", why)
+    if read_whole is None:
+        read_whole = not dst.is_remote
     try:
-        verify_checkpoint(dst, cid, progress=progress)
+        if read_whole:
+            verify_checkpoint(dst, cid, progress=progress)
+        else:
+            _whole_files(dst, theirs)
     except (FormatError, CheckpointNotFound) as exc:  # CorruptChunk and a truncated file too
         return DestinationCopy("damaged", str(exc))
     by_rank = {ref.rank: ref for ref in theirs.shards}
     for ref in mine.shards:
-        why = _shards_differ(src, ref, dst, by_rank[ref.rank])
+        try:
+            why = _shards_differ(src, ref, dst, by_rank[ref.rank])
+        except CorruptChunk as exc:  # a chunk compared by its bytes (not read whole before)
+            if exc.tier == src.url:
+                raise  # the source's copy is damaged: nothing to copy from
+            return DestinationCopy("damaged", str(exc))
         if why:
             return DestinationCopy("other", f"rank {ref.rank}: {why}")
     return DestinationCopy("intact")
+
+
+def _whole_files(dst: Backend, manifest: Manifest) -> None:
+    """Each shard file of ``manifest`` is there at its size, with an intact index (its footer
+    and the checksum the manifest names); raises as :func:`verify_checkpoint` would."""
+    for ref in manifest.shards:
+        read_index(dst, ref, dst.url)  # the size, the footer and the index checksum
 
 
 def _manifests_differ(mine: Manifest, theirs: Manifest) -> str:
@@ -123,6 +156,13 @@ def _config(index: dict[str, Any], i: int) -> Any:
 
 def _raw(backend: Backend, file: str, index: dict[str, Any], rec: Any) -> bytes:
     stored = backend.read(file, rec.file_offset, rec.stored_size)
+    if checksum(stored) != rec.checksum:  # damage, not another checkpoint's bytes
+        raise CorruptChunk(
+            f"{backend.url}/{file}: the chunk at file bytes {rec.file_offset}.."
+            f"+{rec.stored_size} does not match its checksum",
+            tier=backend.url,
+            file=file,
+        )
     out = bytearray(rec.raw_size)
     codec_from_config(index["codecs"][rec.codec]).decode(stored, memoryview(out))
     return bytes(out)
