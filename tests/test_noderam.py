@@ -143,6 +143,49 @@ def test_dead_runs_are_removed_on_start_and_live_ones_never(shm: Path) -> None:
     live.close()
 
 
+def test_a_restarted_run_that_has_not_saved_yet_is_not_a_dead_run(shm: Path) -> None:
+    """A restarted worker takes its writer lease at its first save. Until then (it has loaded
+    and trains for as long as the save interval) another job opening the tier, or
+    ``gc --dead-runs``, judged the run by its dead predecessor's lease and deleted the folder
+    it had just restored from: its next crash found no checkpoint. A process that has the
+    folder open now marks it live; once it is gone, the run is dead again."""
+    _dead_run(shm, "restarted")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from tierckpt import Checkpointer, NodeRamTier
+        ck = Checkpointer([NodeRamTier(path={str(shm)!r}, namespace="restarted")])
+        assert ck.load()["w"].sum().item() == 1000
+        print("LOADED", flush=True)
+        time.sleep(120)  # training, no save yet
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "LOADED"
+        NodeRamTier(path=shm, namespace="other", stale_after_s=0).make_backend().close()
+        assert (shm / "restarted" / "manifests" / "step-000000000001.json").exists()
+        dead = clean_dead_runs(shm, stale_after_s=0, dry_run=True)  # gc --dead-runs
+        assert [d.namespace for d in dead] == ["other"], dead  # closed, never saved
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    gone = clean_dead_runs(shm, stale_after_s=0)
+    assert sorted(d.namespace for d in gone) == ["other", "restarted"], gone
+    assert not (shm / "restarted").exists()
+    # a closed backend leaves no mark behind
+    b = NodeRamTier(path=shm, namespace="closed", stale_after_s=None).make_backend()
+    assert [f.name.startswith("open-") for f in (shm / "closed" / "leases").iterdir()] == [
+        True,
+        True,
+    ]
+    b.close()
+    assert list((shm / "closed" / "leases").iterdir()) == []
+
+
 def test_gc_dead_runs_command(shm: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _dead_run(shm, "gone")
     with Checkpointer([NodeRamTier(path=shm, namespace="alive", stale_after_s=None)]) as ck:

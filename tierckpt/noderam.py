@@ -41,7 +41,11 @@ Dead runs
     whose files were not touched for ``stale_after_s`` (default 600 s, so that torchrun has
     time to restart a failed run before another run on the node reclaims its memory). It runs
     when a ``NodeRamTier`` is opened and from ``tierckpt gc --dead-runs PATH``. A live run's
-    files, and the folder of the run being opened, are never touched.
+    files, and the folder of the run being opened, are never touched. A run is live while a
+    process has its folder open, not only while one holds a writer lease: a restarted worker
+    takes its lease at its first save, and until then (a load, then training for as long as the
+    save interval) the mark it leaves on opening the tier (``leases/open-<pid>-<n>.json``, with
+    a lock file the kernel lets go when the process ends: :mod:`tierckpt.liveness`) tells.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import errno
 import logging
 import os
 import re
+import secrets
 import shutil
 import time
 from collections.abc import Hashable
@@ -61,7 +66,7 @@ from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import BackendError, FormatError
-from tierckpt.lease import LEASE_DIR, LeaseRecord, owner_status, parse_lease_name
+from tierckpt.lease import LEASE_DIR, LeaseRecord, LiveLock, owner_status, parse_lease_name
 from tierckpt.locations import folder_location
 from tierckpt.noderam_map import unlinked_mapped_bytes
 from tierckpt.policy import CodecSpec, TierSpec
@@ -137,6 +142,76 @@ class _BudgetWriter(ObjectWriter):
         self._inner.abort()
 
 
+class _OpenMark:
+    """This process's mark on a run folder it opened: a record naming the process and a lock
+    file it holds (``leases/open-<pid>-<hex>.json`` and ``.live``), so that
+    :func:`clean_dead_runs` in another process sees the run live before its first save (a
+    restarted worker has loaded, but holds no writer lease yet). Removed at :meth:`release`;
+    the kernel lets the lock go when the process dies."""
+
+    PREFIX = "open-"
+
+    def __init__(self, root: str) -> None:
+        stem = os.path.join(root, LEASE_DIR, f"{self.PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        self._record = stem + ".json"
+        self._lock = LiveLock(stem + ".live")
+        try:
+            held = self._lock.take()
+            data = LeaseRecord.mine("open", ttl=1.0, live=held).encode()
+            tmp = self._record + ".tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self._record)
+        except OSError as exc:  # a courtesy to other runs' cleaners: never fail the job for it
+            log.debug("node RAM %s: no open mark: %s", root, exc)
+
+    def release(self) -> None:
+        try:
+            os.unlink(self._record)
+        except OSError:
+            pass
+        self._lock.release()
+
+
+def _open_marks(leases_dir: str, now: float) -> list[tuple[str, bool | None]]:
+    """The :class:`_OpenMark` records in ``leases_dir``: (path, whether its process runs;
+    None: unreadable, so nobody can tell)."""
+    try:
+        names = os.listdir(leases_dir)
+    except OSError:
+        return []
+    out: list[tuple[str, bool | None]] = []
+    for f in names:
+        if not (f.startswith(_OpenMark.PREFIX) and f.endswith(".json")):
+            continue
+        path = os.path.join(leases_dir, f)
+        try:
+            with open(path, "rb") as fh:
+                rec = LeaseRecord.decode(fh.read(), where=path)
+        except FileNotFoundError:
+            continue  # released meanwhile
+        except (OSError, FormatError):
+            out.append((path, None))
+            continue
+        out.append((path, owner_status(rec, now)[0]))
+    return out
+
+
+def _opened_by_live_process(leases_dir: str, now: float) -> bool:
+    """Whether a process that opened the run folder may still run (its :class:`_OpenMark`)."""
+    return any(alive is not False for _path, alive in _open_marks(leases_dir, now))
+
+
+def _remove_dead_marks(leases_dir: str) -> None:
+    for path, alive in _open_marks(leases_dir, time.time()):
+        if alive is False:
+            for f in (path, path.removesuffix(".json") + ".live"):
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
+
+
 class NodeRamBackend(LocalBackend):
     """A :class:`LocalBackend` on a tmpfs with a byte budget; node-local.
 
@@ -159,6 +234,21 @@ class NodeRamBackend(LocalBackend):
         self.max_bytes = max_bytes
         self.budget_root = os.path.abspath(budget_root) if budget_root else self.root
         self.map_reads = map_reads
+        self._open_mark: _OpenMark | None = None
+
+    def mark_open(self) -> None:
+        """Leave this process's mark in the run folder until :meth:`close` (:class:`_OpenMark`),
+        so that no other run's cleaner takes the folder for a dead run's meanwhile; the marks
+        of processes that died are removed."""
+        if self._open_mark is None:
+            _remove_dead_marks(os.path.join(self.root, LEASE_DIR))
+            self._open_mark = _OpenMark(self.root)
+
+    def close(self) -> None:
+        mark, self._open_mark = self._open_mark, None
+        if mark is not None:
+            mark.release()
+        super().close()
 
     @property
     def is_node_local(self) -> bool:
@@ -276,7 +366,9 @@ class NodeRamTier(TierSpec):
                 clean_dead_runs(self.path, stale_after_s=self.stale_after_s, keep=self.namespace)
             except OSError as exc:  # cleaning is a courtesy: never fail the job for it
                 log.warning("node RAM %s: could not clean dead runs: %s", self.path, exc)
-        return NodeRamBackend(self.root, max_bytes=self.max_bytes, map_reads=self.map)
+        backend = NodeRamBackend(self.root, max_bytes=self.max_bytes, map_reads=self.map)
+        backend.mark_open()
+        return backend
 
 
 def _half_of_filesystem(path: str) -> int:
@@ -311,6 +403,8 @@ def _run_liveness(root: str, now: float, stale_after_s: float) -> str | None:
     leases_dir = os.path.join(root, LEASE_DIR)
     owners: list[str] = []
     if os.path.isdir(leases_dir):
+        if _opened_by_live_process(leases_dir, now):
+            return None  # a restarted worker that has not saved yet, or a reader
         for f in sorted(os.listdir(leases_dir)):
             if parse_lease_name(f"{LEASE_DIR}/{f}") is None:
                 continue
