@@ -63,6 +63,7 @@ from typing import Literal
 
 from tierckpt import config
 from tierckpt._types import BytesLike
+from tierckpt.backends._templock import remove_dead_temps
 from tierckpt.backends.base import Backend, ObjectWriter
 from tierckpt.backends.local import LocalBackend
 from tierckpt.errors import BackendError, FormatError
@@ -268,6 +269,8 @@ class NodeRamBackend(LocalBackend):
     def check_budget(self, more: int, name: str) -> None:
         """Raise ``BackendError`` (ENOSPC) if ``more`` bytes would take the run past budget."""
         used = self.usage()
+        if used + more > self.max_bytes and self._remove_dead_temps():
+            used = self.usage()  # a killed writer's partial files took the room
         if used + more > self.max_bytes:
             raise BackendError(
                 errno.ENOSPC,
@@ -279,6 +282,18 @@ class NodeRamBackend(LocalBackend):
 
     def open_writer(self, name: str) -> ObjectWriter:
         return _BudgetWriter(self, super().open_writer(name))
+
+    def _remove_dead_temps(self) -> int:
+        """Remove the run's temporary files that no live writer holds (a writer killed
+        midway: retention removes them only at its next sweep, after a save failed for want
+        of the room they take); returns how many went."""
+        removed = 0
+        for root in (self.budget_root, self.budget_root + REPLICA_SUFFIX):
+            for dirpath, _dirs, files in os.walk(root):
+                targets = {f[:-4].rsplit(".", 1)[0] for f in files if f.endswith(".tmp")}
+                for target in targets:
+                    removed += remove_dead_temps(dirpath, target)[0]
+        return removed
 
 
 @dataclass(frozen=True, slots=True, init=False)

@@ -464,7 +464,15 @@ def _sweep(
             if backend.remove_dead_incomplete(name):
                 clean = False  # a live writer's: looked at again by a later sweep
             continue
-        if pending is None or pending in in_flight:
+        if pending is None:
+            # an unfinished file of a save not committed that is newer than the newest (or in
+            # flight, or protected): a killed writer's goes now, as the store proves it dead.
+            # Left there, it filled a node-RAM budget or a disk that the retry of that step
+            # needed, and every later save failed
+            if under is not None and backend.remove_dead_incomplete(name):
+                clean = False
+            continue
+        if pending in in_flight:
             continue
         if pending < newest and pending not in protect:
             backend.cleanup_incomplete(name)

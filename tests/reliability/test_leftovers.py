@@ -325,3 +325,57 @@ def test_a_file_system_without_flock_still_saves_and_sweeps_nothing_live(
     assert b.read("steps/1/shard", 0, 4096) == b"x" * 4096
     assert b.read("manifests/m.json", 0, 2) == b"{}"
     assert fcntl.flock is no_flock
+
+
+@pytest.mark.parametrize("tier", ["local", "noderam"])
+def test_a_killed_writers_file_of_a_step_after_the_newest_goes(
+    tmp_path: Path, tier: str, record: Recorder
+) -> None:
+    """A writer SIGKILLed while saving step 4 (3 committed) leaves a partial shard file of a
+    step newer than the newest commit. Retention spared it (a save of a newer step may still
+    be running), so on a node-RAM tier sized, as documented, for keep_last + 1 checkpoints,
+    every later save failed the budget and node RAM stayed at step 3 across restarts (a field
+    test: 15 restarts in a row). Now a write that would pass the budget first removes the
+    temporaries no live writer holds, and a sweep removes them whatever their step; a live
+    writer's temporary of a newer step stays."""
+    n = 250_000  # 1 MB of float32 per checkpoint
+    if tier == "noderam":
+        shm = Path("/dev/shm")
+        if not shm.is_dir():
+            pytest.skip("no /dev/shm")
+        base = shm / f"tierckpt-test-{uuid.uuid4().hex[:8]}"
+        root = base / "j"
+
+        def spec() -> Any:
+            return tierckpt.NodeRamTier(
+                path=base, namespace="j", keep_last=2, max_bytes=3 * 4 * n + (256 << 10)
+            )
+    else:
+        base = root = tmp_path / "tier"
+
+        def spec() -> Any:
+            return LocalTier(root, keep_last=2)
+
+    try:
+        _save_steps([spec()], range(1, 4), n)
+        dead = Path(f"{root / shard_name(4, 0)}.{uuid.uuid4().hex[:12]}.tmp")
+        dead.parent.mkdir(parents=True, exist_ok=True)
+        dead.write_bytes(b"x" * (4 * n))  # as large as a checkpoint: the budget is full
+        ahead = _dead_local_writer(root, 9)  # a step no save comes back to
+        live = _writer(root, shard_name(5, 1), "shard")  # another process, still writing
+        with Checkpointer([spec()], chunk_bytes=1 << 20) as ck:
+            ck.save(_state(4, n), 4).wait(timeout=60)  # the restarted job's retry of step 4
+            ck.save(_state(5, n), 5).wait(timeout=60)
+            assert list(ck.tier_steps().values()) == [[4, 5]]
+        assert not dead.exists() and not ahead.exists()
+        left = _temps(root)
+        assert len(left) == 1 and left[0].startswith("rank-000001"), left
+        live.communicate("stop\n", timeout=60)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    record(
+        "leftovers",
+        f"a killed writer's partial file of a step after the newest commit ({tier})",
+        "removed before it fails the next save (node-RAM budget) or by the sweep; a live "
+        "writer's kept",
+    )
