@@ -258,6 +258,7 @@ LAYERS: dict[str, int] = {
             "restore_gpu",
             "noderam",
             "noderam_map",
+            "noderam_runs",
         ],
         3,
     ),

@@ -22,7 +22,7 @@ import pytest
 import torch
 from dist_workers import rank_state, same
 
-from tierckpt import BackendError, Checkpointer, LocalTier, NodeRamTier
+from tierckpt import BackendError, CheckpointNotFound, Checkpointer, LocalTier, NodeRamTier
 from tierckpt.cli import main as cli_main
 from tierckpt.distributed import is_private_tier
 from tierckpt.noderam import REPLICA_SUFFIX, NodeRamBackend, clean_dead_runs, default_namespace
@@ -184,6 +184,43 @@ def test_a_restarted_run_that_has_not_saved_yet_is_not_a_dead_run(shm: Path) -> 
     ]
     b.close()
     assert list((shm / "closed" / "leases").iterdir()) == []
+
+
+def test_jobs_without_a_run_id_do_not_share_node_ram(
+    shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without torchrun (no ``TORCHELASTIC_RUN_ID``) every ``NodeRamTier()`` used the namespace
+    ``"default"``: a new job with other data and another folder loaded the last job's
+    checkpoint from node RAM, silently. The namespace is now named by the run's other tiers,
+    so the same job restarted finds its checkpoints and another job does not."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+    def job(folder: str) -> Checkpointer:
+        return Checkpointer([NodeRamTier(path=shm), LocalTier(tmp_path / folder)])
+
+    with job("a") as ck:
+        ck.save({"w": torch.full((100,), 1.0)}, 7).wait(timeout=60)
+    with job("b") as ck:  # another job: its own node-RAM folder, nothing to load
+        with pytest.raises(CheckpointNotFound):
+            ck.load()
+        ck.save({"w": torch.full((100,), 2.0)}, 3).wait(timeout=60)
+    names = sorted(p.name for p in shm.iterdir())
+    assert len(names) == 2 and all(n.startswith("default-") for n in names), names
+    shutil.rmtree(tmp_path / "a")  # job a restarted on this node: node RAM has its step
+    with job("a") as ck:
+        got = ck.load()
+        assert torch.equal(got["w"], torch.full((100,), 1.0))
+    # alone, with nothing to name the run by: "default", and a warning that says so
+    with caplog.at_level("WARNING", logger="tierckpt"):
+        with Checkpointer([NodeRamTier(path=shm)]) as ck:
+            ck.save({"w": torch.ones(3)}, 1).wait(timeout=60)
+    assert (shm / "default" / "manifests").is_dir()
+    assert "Pass NodeRamTier(namespace=...)" in caplog.text
+    # a namespace given, or torchrun's run id, is used as it is
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-9")
+    assert NodeRamTier(path=shm).for_run([LocalTier(tmp_path / "a")]).namespace == "run-9"
+    spec = NodeRamTier(path=shm, namespace="mine")
+    assert spec.for_run([spec, LocalTier(tmp_path / "a")]) is spec
 
 
 def test_gc_dead_runs_command(shm: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -224,6 +224,12 @@ def _unlock_hint(backend: Backend) -> str:
             "close() the other Checkpointer (or TierWriter) of this process first, or give "
             "this one another namespace"
         )
+    if backend.is_node_local:  # node RAM: the folder is named by the namespace
+        folder = getattr(backend, "root", backend.url)
+        return (
+            "give this job another NodeRamTier(namespace=...), or stop the other job; if that "
+            f"job is dead, wait for its lease to expire (ttl) or run `tierckpt unlock {folder}`"
+        )
     return (
         "point this job at another folder or prefix, or stop the other job; if that job is "
         f"dead, wait for its lease to expire (ttl) or run `tierckpt unlock {backend.url}`"

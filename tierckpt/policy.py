@@ -188,6 +188,11 @@ class TierSpec:
     def make_backend(self) -> Backend:
         raise NotImplementedError
 
+    def for_run(self, tiers: Sequence[TierSpec]) -> TierSpec:
+        """This tier as the job whose tiers are ``tiers`` opens it (a node-RAM tier without a
+        namespace takes one from the run's other tiers); itself by default."""
+        return self
+
     def location(self) -> tuple[str, Hashable] | None:
         """``(where, key)``: tiers with equal keys write to one place (:mod:`tierckpt.locations`);
         None: not known."""

@@ -96,9 +96,11 @@ def open_tiers(specs: Iterable[TierSpec]) -> list[Tier]:
     """Each tier's backend opened and its codec resolved, in order (``Checkpointer`` and the
     DCP writer and reader build their tiers the same way)."""
     out = []
+    specs = list(specs)
     for spec in specs:
         if spec.is_replica:
             continue  # copies commits of other tiers (tierckpt.peer), takes no chunks
+        spec = spec.for_run(specs)
         backend = spec.make_backend()
         out.append(Tier(spec, backend, resolve_codec(spec.codec, backend)))
     return out
