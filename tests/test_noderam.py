@@ -22,7 +22,7 @@ import pytest
 import torch
 from dist_workers import rank_state, same
 
-from tierckpt import BackendError, CheckpointNotFound, Checkpointer, LocalTier, NodeRamTier
+from tierckpt import BackendError, Checkpointer, CheckpointNotFound, LocalTier, NodeRamTier
 from tierckpt.cli import main as cli_main
 from tierckpt.distributed import is_private_tier
 from tierckpt.noderam import REPLICA_SUFFIX, NodeRamBackend, clean_dead_runs, default_namespace
@@ -211,9 +211,8 @@ def test_jobs_without_a_run_id_do_not_share_node_ram(
         got = ck.load()
         assert torch.equal(got["w"], torch.full((100,), 1.0))
     # alone, with nothing to name the run by: "default", and a warning that says so
-    with caplog.at_level("WARNING", logger="tierckpt"):
-        with Checkpointer([NodeRamTier(path=shm)]) as ck:
-            ck.save({"w": torch.ones(3)}, 1).wait(timeout=60)
+    with caplog.at_level("WARNING", logger="tierckpt"), Checkpointer([NodeRamTier(path=shm)]) as ck:
+        ck.save({"w": torch.ones(3)}, 1).wait(timeout=60)
     assert (shm / "default" / "manifests").is_dir()
     assert "Pass NodeRamTier(namespace=...)" in caplog.text
     # a namespace given, or torchrun's run id, is used as it is
