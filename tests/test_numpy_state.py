@@ -161,7 +161,7 @@ def test_arrays_are_copied_once(tmp_path: Path) -> None:
 def test_node_ram_load_gives_writable_arrays_that_keep_the_segment(shm: Path) -> None:
     """From node RAM a load maps the segment copy-on-write: an array of it is writable and a
     write stays private to the process."""
-    state = {"perm": np.arange(5000, dtype=np.int64), "loss": np.float64(2.0)}
+    state = {"perm": np.arange(20_000, dtype=np.int64), "loss": np.float64(2.0)}
     with Checkpointer([NodeRamTier(path=shm, namespace="run", stale_after_s=None)]) as ck:
         ck.save(state, 1).wait(timeout=120)
         ck.wait(retention=True)

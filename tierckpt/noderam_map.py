@@ -17,8 +17,10 @@ that page, so the committed segment never changes and its checksums keep verifyi
 
 Only raw chunks are mapped; a shard with any compressed chunk is read as before (None from
 :func:`read_shard_mapped`). A storage whose bytes are not one contiguous, 16-byte aligned run
-of the file (chunks cut inside it at unaligned places) is copied out of the mapping into fresh
-memory instead; the rest stay mapped.
+of the file (chunks cut inside it at unaligned places), or that is smaller than
+:data:`MAP_MIN_BYTES` (an optimizer's ``step``, a bias's moments, a scaler's scale: kept by
+reference after ``load_state_dict``, each would hold the whole segment), is copied out of
+the mapping into fresh memory instead; the rest stay mapped.
 
 Memory: a mapped segment holds its tmpfs pages while any tensor of the load is alive, even
 after retention deletes the file (tmpfs frees an unlinked file's pages once the last mapping
@@ -54,6 +56,7 @@ from tierckpt.verify import corrupt_chunk
 
 __all__ = [
     "MAP_ALIGNMENT",
+    "MAP_MIN_BYTES",
     "live_mappings",
     "map_segment",
     "read_shard_mapped",
@@ -63,6 +66,18 @@ __all__ = [
 #: a storage is mapped only where its first byte lies at a multiple of this in the file (the
 #: largest itemsize, complex128), so every tensor view is aligned for its dtype
 MAP_ALIGNMENT = 16
+#: a storage smaller than this is copied out of the mapping, not mapped. A view, however
+#: small, keeps the whole segment's tmpfs pages (the mapping holds the file, and an unlinked
+#: file's pages go with its last mapping), and small storages are what code keeps by reference
+#: after ``load_state_dict``: Adam's 0-d ``step`` tensors (kept as they are), its moments of a
+#: bias or a norm's weight (4 KiB at width 1024; the ``exp_avg`` of any tensor of the same
+#: dtype is kept as it is), a scaler's scale, counters. One ``step`` and two 4 KiB moments kept
+#: a 24 MiB segment after retention deleted it, charged to the node-RAM budget until saves
+#: failed. 64 KiB covers the per-channel vectors of models up to width 16Ki in fp32; copying
+#: such a storage costs a few microseconds and at most 64 KiB, and they are a tiny share of a
+#: state's bytes: what is worth not copying, the large tensors, stays mapped (a segment then
+#: stays while one of them is alive: a restored state in use, counted in the budget).
+MAP_MIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,14 +284,14 @@ def _span(
     where: str,
 ) -> torch.Tensor:
     """Storage bytes ``off..off+n`` of the data: a view of the mapping where they are one
-    aligned run of the file, else a fresh copy of them."""
+    aligned run of the file of at least ``MAP_MIN_BYTES``, else a fresh copy of them."""
     if n == 0:
         return torch.empty(0, dtype=torch.uint8)
     runs = _span_runs(chunks, starts, off, off + n, where)
     contiguous = all(
         runs[i][2] + runs[i][1] - runs[i][0] == runs[i + 1][2] for i in range(len(runs) - 1)
     )
-    if contiguous and runs[0][2] % MAP_ALIGNMENT == 0:
+    if n >= MAP_MIN_BYTES and contiguous and runs[0][2] % MAP_ALIGNMENT == 0:
         return torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=runs[0][2])
     out = torch.empty(n, dtype=torch.uint8)
     for a, b, pos in runs:
