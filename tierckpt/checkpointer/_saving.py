@@ -69,6 +69,7 @@ class SavePath(PipelineOwner):
     _last_saved: CheckpointId | None
     #: whether a load() ran through this object (a save that goes back without one warns)
     _has_loaded: bool
+    _again: bool
     #: what guard() named: its tensors are captured lazily, the rest copied at save()
     _guarded: GuardedSources
 
@@ -95,6 +96,7 @@ class SavePath(PipelineOwner):
         self._timeline = None
         self._unconfirmed = frozenset()
         self._has_loaded = False
+        self._again = False
         self._last_saved = None
         self._guarded = GuardedSources()
 
@@ -137,6 +139,13 @@ class SavePath(PipelineOwner):
         self._timeline = None
         self._has_loaded = True
 
+    def _save_again(self) -> None:
+        """The next save, of the step just saved but with other content, is a checkpoint of
+        its own on a new timeline, not a retry of that one (an integration saving several
+        states at one step: :mod:`tierckpt.integrations._same_step`)."""
+        self._timeline = None
+        self._again = True
+
     # -- starting a save ---------------------------------------------------------------
     def _save(self, state: Any, step: int, metadata: Mapping[str, Any] | None) -> SaveHandle:
         manifest_name(step)  # validates the range (the type: save() took it through as_step)
@@ -149,7 +158,7 @@ class SavePath(PipelineOwner):
         pipeline = self._get_pipeline()
         with self._lock:
             for job in pipeline.in_flight():
-                if job.step == step:
+                if job.step == step and not self._again:  # _save_again: another timeline
                     raise ValueError(f"step {step} is already being saved")
             self._save_count += 1
         tiers = [t for t in self._tiers if t.spec.receives(step)]
@@ -283,7 +292,8 @@ class SavePath(PipelineOwner):
         if last is not None and (newest is None or last > newest):
             newest = last
         timeline = timeline_for(step, newest)
-        if newest is not None and timeline > newest.timeline and not self._has_loaded:
+        again, self._again = self._again, False
+        if newest is not None and timeline > newest.timeline and not (self._has_loaded or again):
             self._warn_going_back(step, newest, timeline)
         return timeline, True
 

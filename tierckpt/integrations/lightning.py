@@ -16,9 +16,12 @@ How it maps Lightning onto tierckpt:
 
 * ``save_checkpoint(checkpoint, path)`` starts ``Checkpointer.save(checkpoint, global_step)``
   and returns at once; the bytes go through the tiers in the background. At ``path`` it writes
-  a small JSON *pointer* (the step and the tiers), so Lightning's file logic (``last.ckpt``,
-  top-k bookkeeping, ``ckpt_path=...``) keeps working. Two saves at one step (``last`` and a
-  top-k file) share one checkpoint.
+  a small JSON *pointer* (the step, its timeline and the tiers), so Lightning's file logic
+  (``last.ckpt``, top-k bookkeeping, ``ckpt_path=...``) keeps working. Saves at one step share
+  one checkpoint where their tensors are the same (``last`` and a top-k file): the pointer
+  carries the small values that differ (the callbacks' bookkeeping, the loops' progress);
+  other tensors or keys (a weights-only and a full checkpoint, a save after ``fit``) are a
+  checkpoint of their own (:mod:`tierckpt.integrations._same_step`).
 * Lightning runs forward and backward inside ``optimizer.step(closure)``; the plugin installs
   a global optimizer pre-hook that waits for an unfinished capture after the closure, right
   before the parameters change, so the copy overlaps the whole forward/backward pass. The
@@ -26,9 +29,12 @@ How it maps Lightning onto tierckpt:
   ``Checkpointer.guard(optimizer, model)`` would: at a save, the module's buffers (BatchNorm
   statistics, which the next forward pass writes) are copied at once and its parameters,
   frozen ones included, captured lazily.
-* ``load_checkpoint(path)`` reads the pointer and loads that step from the fastest tier that
-  has it. A path that is not a pointer (a ``.ckpt`` written by ``torch.save``) is loaded with
-  Lightning's own ``TorchCheckpointIO``, so older runs still resume.
+* ``load_checkpoint(path)`` reads the pointer and loads that checkpoint from the fastest tier
+  that has it. Lightning writes the pointer when the save starts: where the job died before
+  the checkpoint committed (or the save failed), the newest committed checkpoint before it
+  on that run's history is loaded instead, with a warning. A path that is not a pointer (a
+  ``.ckpt`` written by ``torch.save``) is loaded with Lightning's own ``TorchCheckpointIO``,
+  so older runs still resume.
 * ``remove_checkpoint(path)`` removes the pointer; the data follows each tier's
   ``keep_last`` retention. Retention never removes a step that a live pointer names
   (``best_model_path``, ``last.ckpt``, the top-k files): at each retention the plugin reads
@@ -57,8 +63,12 @@ from typing import Any, Literal
 
 import torch
 
+from tierckpt.catalog import lineage
 from tierckpt.checkpointer import Checkpointer
+from tierckpt.errors import CheckpointNotFound
+from tierckpt.format import CheckpointId
 from tierckpt.integrations._common import closure_guard_hook, sanitize_state
+from tierckpt.integrations._same_step import Described, describe, restore
 from tierckpt.policy import TierPolicy, TierSpec
 
 try:
@@ -141,11 +151,9 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         self.checkpointer = checkpointer or Checkpointer(tiers, **checkpointer_kwargs)  # type: ignore[arg-type]
         self.unsupported = unsupported
         self._hook: Any = None
-        # steps this plugin saved since it last loaded, and the step it loaded: asked to save
-        # one of them again, it would repeat the same state. Not the steps committed on the
-        # tiers: after a resume from an older step those belong to the abandoned run, and the
-        # resumed run must save its own (on a new timeline, see Checkpointer.load).
-        self._steps: set[int] = set()
+        # the checkpoint this plugin last stored: (step, timeline, its description); a save at
+        # that step with the same tensors shares it (tierckpt.integrations._same_step)
+        self._last: tuple[int, int, Described] | None = None
         self._fallback = TorchCheckpointIO()
         #: folders holding this run's pointers: the steps they name are kept by retention
         self._pointer_dirs: set[str] = set()
@@ -179,10 +187,19 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             raise TypeError("TierCkptIO does not take storage_options; configure the tiers")
         step = int(checkpoint.get("global_step", 0))
         self._install_guard()
-        if step not in self._steps:
+        described = describe(checkpoint)
+        overrides: dict[str, Any] | None = None
+        if self._last is not None and self._last[0] == step:
+            overrides = described.overrides(self._last[2])
+            if overrides is None:  # other content at this step: a checkpoint of its own
+                log.info("step %d saved again with other tensors or keys (%s)", step, path)
+                self.checkpointer._save_again()
+        if overrides is None or self._last is None:
             state = sanitize_state(checkpoint, unsupported=self.unsupported)
-            self.checkpointer.save(state, step, metadata={"lightning_path": str(path)})
-            self._steps.add(step)
+            handle = self.checkpointer.save(state, step, metadata={"lightning_path": str(path)})
+            self._last = (step, handle.timeline, described)
+            overrides = {}
+        timeline = self._last[1]
         fs = get_filesystem(path)
         parent = _parent(path)
         fs.makedirs(parent, exist_ok=True)
@@ -191,8 +208,11 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             "format": POINTER_FORMAT,
             "version": 1,
             "step": step,
+            "timeline": timeline,
             "tiers": self.checkpointer.tier_names,
         }
+        if overrides:
+            pointer["values"] = overrides
         with fs.open(path, "w") as f:
             f.write(json.dumps(pointer, indent=1) + "\n")
 
@@ -209,9 +229,50 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         self._pointer_dirs.add(_parent(path))
         self.checkpointer.wait()  # a save from this process may still be flushing
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        state: dict[str, Any] = self.checkpointer.load(pointer["step"], map_location=device)
-        self._steps = {int(pointer["step"])}
+        step, timeline = int(pointer["step"]), pointer.get("timeline")
+        timeline = timeline if type(timeline) is int else None  # pointers before timelines
+        try:
+            state: dict[str, Any] = self.checkpointer.load(
+                step, timeline=timeline, map_location=device
+            )
+        except CheckpointNotFound:
+            state = self._load_before(path, step, timeline, device)
+        else:
+            for key, value in (pointer.get("values") or {}).items():
+                state[key] = restore(value)
+        self._last = None
         return state
+
+    def _load_before(
+        self, path: Any, step: int, timeline: int | None, device: Any
+    ) -> dict[str, Any]:
+        """The newest committed checkpoint before the one ``path`` names, on its run's
+        history: Lightning wrote the pointer when the save started, and the job died before
+        that save committed (or it failed on every tier)."""
+        ids = self.checkpointer.checkpoints()
+        if timeline is None:  # the newest timeline holding the step, as load(step) takes
+            timeline = max((c.timeline for c in ids if c.step <= step), default=0)
+        target = CheckpointId(step, timeline)
+        older = [c for c in lineage([*ids, target], target) if c != target]
+        if not older:
+            raise CheckpointNotFound(
+                f"{path} names step {step}, which is not committed on any tier "
+                f"({', '.join(self.checkpointer.tier_names)}), and no checkpoint before it is: "
+                "the job ended before that save committed"
+            )
+        got = older[0]
+        log.warning(
+            "%s names step %d, which is not committed on any tier (the job ended before that "
+            "save committed, or it failed): resuming from step %d, the newest committed "
+            "checkpoint before it",
+            path,
+            step,
+            got.step,
+        )
+        loaded: dict[str, Any] = self.checkpointer.load(
+            got.step, timeline=got.timeline, map_location=device
+        )
+        return loaded
 
     def remove_checkpoint(self, path: Any) -> None:
         fs = get_filesystem(path)
