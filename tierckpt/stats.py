@@ -31,6 +31,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -176,9 +177,12 @@ class StatsRecorder:
         if history < 1:
             raise ValueError(f"stats history must be >= 1, got {history}")
         self._lock = threading.Lock()
-        self._entries: collections.deque[tuple[TierResult, SaveHandle, float]] = collections.deque(
-            maxlen=history
-        )
+        # the handle by weak reference (its blocked time is read at stats()), with that time as
+        # it was at the commit for a handle already gone: a handle holds its save's errors,
+        # whose tracebacks held the whole save job, for each of the last ``history`` commits
+        self._entries: collections.deque[
+            tuple[TierResult, weakref.ref[SaveHandle], float, float]
+        ] = collections.deque(maxlen=history)
         self._callbacks: list[CommitCallback] = []
         self._event_callbacks: list[EventCallback] = []
         #: failures, skips and give-ups (the commits are in _entries)
@@ -210,7 +214,7 @@ class StatsRecorder:
         """Called by the pipeline once per commit, before the handle reports the tier done."""
         at = time.time()
         with self._lock:
-            self._entries.append((result, handle, at))
+            self._entries.append((result, weakref.ref(handle), handle.blocked_seconds, at))
             callbacks = list(self._callbacks)
         for fn in callbacks:
             try:
@@ -286,11 +290,11 @@ class StatsRecorder:
                 raw_bytes=r.raw_bytes,
                 stored_bytes=r.stored_bytes,
                 seconds=r.seconds,
-                blocked_seconds=h.blocked_seconds,
+                blocked_seconds=_blocked(ref, blocked),
                 codec=r.codec,
                 committed_at=at,
             )
-            for r, h, at in entries
+            for r, ref, blocked, at in entries
         ]
         out += [
             CommitStats(
@@ -310,3 +314,8 @@ class StatsRecorder:
         if failed:
             out.sort(key=lambda c: c.committed_at)
         return out
+
+
+def _blocked(ref: weakref.ref[SaveHandle], at_commit: float) -> float:
+    handle = ref()
+    return handle.blocked_seconds if handle is not None else at_commit
