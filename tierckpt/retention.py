@@ -22,17 +22,15 @@ Every rule is decided from what is stored on the tier (manifests, pin markers), 
 the memory of the process, so a restarted job keeps the same checkpoints. Where the tier
 cannot tell (a manifest or the pin list cannot be read), nothing is removed.
 
-What a pass lists (the pipeline's retention after each commit, ``sweep=None``): leftovers of
-saves that never committed come from (a) writers killed before this one took the tier and
-(b) this process's own failed or abandoned saves; no other writer runs while this one holds
-the lease. So the sweep (one listing of the objects and one of the unfinished uploads) runs
-at this writer's first pass on a backend and after each failed save of its own there
-(:func:`note_failed_save`), until a sweep spares nothing (a leftover newer than the newest
-commit waits for the next one), whatever the rules (``keep_last=None`` included: a killed
-writer's unfinished uploads are billed storage nothing else would remove).
-Otherwise a pass lists the tier only if its rules may remove a checkpoint, and then once: that
-one listing of every object gives the manifests (what is committed), the pins and the data
-files to delete. ``sweep=True`` (``tierckpt gc``, the default) always sweeps fully.
+What a pass lists (the pipeline's retention after each commit, ``sweep=None``): leftovers come
+from writers killed before this one took the tier and from this process's own failed saves
+(no other writer runs under its lease). So the sweep (a listing of the objects and one of the
+unfinished uploads) runs at this writer's first pass on a backend and after each failed save
+(:func:`note_failed_save`) until one spares nothing, whatever the rules (a killed writer's
+uploads are billed storage). Otherwise a pass lists the tier only if its rules may remove one,
+and then once: that listing of every object gives the manifests, the pins and the files to
+delete; after a pass that kept ``MANIFESTS_FIRST`` or more and removed none, the next asks the
+manifests alone first. ``sweep=True`` (``tierckpt gc``) always sweeps fully.
 """
 
 from __future__ import annotations
@@ -381,8 +379,12 @@ def gc_tier(
         uploads = sweep
     in_flight = set(protect)
     deleted: list[CheckpointId] = []
-    if not sweep and not rule.removes:
-        return deleted  # nothing to decide: no listing at all
+    many = state.kept_all >= MANIFESTS_FIRST  # and nothing removed: ask the manifests first
+    if not sweep and (
+        not rule.removes
+        or (many and not _rules_remove_any(backend, rule, protect, set(protect_steps)))
+    ):
+        return deleted
     listing = Listing(backend)
     # one listing of the whole tier serves the pass: what is committed, the pins, the data
     names = listing.objects()
@@ -416,9 +418,26 @@ def gc_tier(
                 state.stale = {
                     c for c in committed if c not in deleted and _has_upload(listing.uploads(), c)
                 }
+    state.kept_all = 0 if deleted else len(committed)
     if deleted:
         log.debug("gc on %s removed %s", backend.url, ", ".join(map(str, deleted)))
     return deleted
+
+
+#: module docstring: a listing of every object of many checkpoints spans pages
+MANIFESTS_FIRST = 64
+
+
+def _rules_remove_any(
+    backend: Backend, rule: Retention, protect: Collection[CheckpointId], steps: Collection[int]
+) -> bool:
+    """Whether ``rule`` removes a committed checkpoint, from the manifests alone (rules that
+    keep all of 1,100 checkpoints on S3 listed every object at each save: 35x slower)."""
+    committed = manifest_ids(backend.list(f"{MANIFEST_DIR}/"))
+    if not committed:
+        return False
+    keep = _kept_by_rules(backend, committed, rule)
+    return any(c not in keep and c not in protect and c.step not in steps for c in committed)
 
 
 def _has_upload(uploads: list[str], cid: CheckpointId) -> bool:

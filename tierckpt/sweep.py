@@ -52,6 +52,9 @@ class SweepState:
     failures: int = 0
     #: committed checkpoints a sweep saw unfinished uploads under (removed with them)
     stale: set[CheckpointId] = field(default_factory=set)
+    #: checkpoints the last retention pass kept when it removed none (else 0): with many, the
+    #: next pass asks the manifests alone first
+    kept_all: int = 0
 
 
 _SWEEPS: weakref.WeakKeyDictionary[Backend, SweepState] = weakref.WeakKeyDictionary()
