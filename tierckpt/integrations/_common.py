@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import os
+import random
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -13,9 +16,21 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from tierckpt.checkpointer import Checkpointer
+from tierckpt.errors import CheckpointNotFound
+from tierckpt.restore import read_manifest
 from tierckpt.tree import numpy_storable
 
-__all__ = ["closure_guard_hook", "sanitize_state"]
+__all__ = [
+    "checkpoint_identity",
+    "closure_guard_hook",
+    "folder_holds",
+    "rng_states",
+    "sanitize_state",
+    "set_rng_states",
+    "write_checkpoint",
+    "write_trainer_folder",
+]
 
 log = logging.getLogger("tierckpt")
 
@@ -107,3 +122,127 @@ def closure_guard_hook(wait: Callable[[], None]) -> Callable[..., Any]:
         return args, {**kwargs, "closure": guarded}
 
     return hook
+
+
+def rng_states() -> dict[str, Any]:
+    """Python, NumPy, torch CPU (and CUDA) RNG states in a form tierckpt stores."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _numpy_state(s: dict[str, Any]) -> tuple[Any, ...]:
+    keys = s["keys"].numpy().astype(np.uint32)
+    return (s["kind"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"])
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Inverse of :func:`rng_states`."""
+    random.setstate(_as_python_rng(states["python"]))
+    np.random.set_state(_numpy_state(states["numpy"]))
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _as_python_rng(state: Any) -> tuple[Any, ...]:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+# -- folders materialized from a checkpoint (Hugging Face) --------------------------------------
+def checkpoint_identity(ck: Checkpointer, step: int | None = None) -> dict[str, Any]:
+    """What ``tierckpt.json`` records of committed checkpoint ``step`` (default: the
+    newest; of a step, the newest timeline's): step, timeline and save id name it."""
+    ids = [c for c in ck.checkpoints() if step is None or c.step == step]
+    if not ids:
+        which = "" if step is None else f" of step {step}"
+        raise CheckpointNotFound(f"no committed checkpoint{which} on tiers {ck.tier_names}")
+    cid = ids[-1]
+    meta: dict[str, Any] = {}
+    for name in ck.tier_names:
+        try:
+            manifest = read_manifest(ck.backend(name), cid.step, name, timeline=cid.timeline)
+        except Exception:  # not (or not readably) on this tier: the next one
+            continue
+        meta = dict(manifest.metadata or {})
+        break
+    return {
+        "step": cid.step,
+        "timeline": cid.timeline,
+        "save_id": meta.get("save_id"),
+        "output_dir": meta.get("output_dir"),
+        "tiers": ck.tier_names,
+        "locations": [str(ck.backend(n).url) for n in ck.tier_names],
+    }
+
+
+def folder_holds(folder: str, ident: dict[str, Any]) -> bool:
+    """Whether ``folder`` is a complete materialization of checkpoint ``ident``."""
+    try:
+        with open(os.path.join(folder, "tierckpt.json"), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return False
+    files = ("model.safetensors", "optimizer.pt", "trainer_state.json")
+    return (
+        isinstance(record, dict)
+        and ident["save_id"] is not None
+        and all(record.get(k) == ident[k] for k in ("step", "timeline", "save_id", "locations"))
+        and all(os.path.exists(os.path.join(folder, n)) for n in files)
+    )
+
+
+def write_trainer_folder(folder: str, ckpt: dict[str, Any], ident: dict[str, Any]) -> None:
+    """Write ``ckpt`` as a ``Trainer`` checkpoint folder; ``tierckpt.json`` last."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    # one contiguous tensor per name (tied weights are written under both names)
+    weights = {k: v.detach().contiguous().clone() for k, v in ckpt["model"].items()}
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    torch.save(ckpt["optimizer"], os.path.join(folder, "optimizer.pt"))
+    if ckpt["lr_scheduler"] is not None:
+        torch.save(ckpt["lr_scheduler"], os.path.join(folder, "scheduler.pt"))
+    rng = ckpt["rng"]
+    hf_rng: dict[str, Any] = {
+        "python": _as_python_rng(rng["python"]),
+        "numpy": _numpy_state(rng["numpy"]),
+        "cpu": rng["cpu"],
+    }
+    if "cuda" in rng:
+        hf_rng["cuda"] = rng["cuda"]
+    torch.save(hf_rng, os.path.join(folder, "rng_state.pth"))
+    with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
+        f.write(ckpt["trainer_state"])
+    with open(os.path.join(folder, "tierckpt.json"), "w", encoding="utf-8") as f:
+        json.dump(ident, f)
+    log.info("materialized step %d (timeline %d) into %s", ident["step"], ident["timeline"], folder)
+
+
+def write_checkpoint(ck: Checkpointer, folder: str, ident: dict[str, Any]) -> None:
+    """Load checkpoint ``ident`` and write it as the ``Trainer`` folder ``folder``, replacing
+    what is there (another checkpoint: another run's, or an older timeline's)."""
+    ckpt = ck.load(ident["step"], timeline=ident["timeline"])
+    if os.path.isdir(folder):
+        log.warning(
+            "%s is not step %d (timeline %d) of %s: replaced",
+            folder,
+            ident["step"],
+            ident["timeline"],
+            ident["locations"],
+        )
+        shutil.rmtree(folder)
+    write_trainer_folder(folder, ckpt, ident)

@@ -19,19 +19,24 @@ On each save (whenever the ``Trainer`` would save: every event that sets
 ``control.should_save``, so ``save_strategy="steps"``, ``"epoch"`` and ``"best"``, and the end
 of training) the callback starts ``Checkpointer.save()`` with the model, optimizer and
 scheduler state, the ``TrainerState`` and every RNG state, and returns at once; the optimizer
-waits only if the copy is still unfinished at the next update. When an evaluation follows the
-save step, the save waits for its metrics (as the ``Trainer``'s own save does), so the stored
-``TrainerState`` holds them. With ``replace_hf_save=True`` (default) it also tells the
-``Trainer`` to skip its own synchronous ``torch.save`` of the same state; set it False to keep
-both.
+waits only if the copy is still unfinished at the next update. The save starts where the
+``Trainer``'s own would, after it logged and evaluated that step (before the next update), so
+the stored ``TrainerState`` holds the step's log entry and metrics; ``total_flos`` too where
+the step is logged (else it lacks the flos since the last log, which the ``Trainer`` adds at
+its own save only). Two save events of one step (step end and epoch end) share a checkpoint:
+no update runs between them. Each ``train()`` saves its own steps: a callback reused for a new
+run saves them again, on a new timeline where a step was saved before. With
+``replace_hf_save=True`` (default) it also tells the ``Trainer`` to skip its own synchronous
+``torch.save`` of the same state; set it False to keep both.
 
 ``load_best_model_at_end=True`` works as with the ``Trainer``'s own saves: the callback tracks
 ``metric_for_best_model`` / ``greater_is_better``, sets ``state.best_metric``,
 ``best_global_step`` and ``best_model_checkpoint`` (``<output_dir>/checkpoint-<step>``), and
 pins the best step on every tier (``Checkpointer.pin``), so retention never removes it
 whatever ``keep_last`` says; the previous best is unpinned. At the end of training, right
-before the ``Trainer`` loads the best model, the best checkpoint is materialized into that
-folder, so the ``Trainer`` loads it as usual.
+before the ``Trainer`` loads the best model, this run's best checkpoint is materialized into
+that folder, replacing a folder there that holds another checkpoint (another run's in a shared
+``output_dir``, an abandoned timeline's): the ``Trainer`` loads it as usual.
 
 ``preemption=True`` (or the signals to take instead of SIGTERM): from ``train()`` on, a
 SIGTERM makes the ``Trainer`` save the step it is at and stop (:class:`tierckpt.Preemption`).
@@ -39,8 +44,12 @@ SIGTERM makes the ``Trainer`` save the step it is at and stop (:class:`tierckpt.
 ``materialize(dir, step=None)`` writes the newest (or ``step``) checkpoint as the folder
 ``dir/checkpoint-<step>`` that ``Trainer.train(resume_from_checkpoint=...)`` expects
 (``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
-``trainer_state.json``): a resume continues exactly where the saved run was, data order
-included.
+``trainer_state.json``, and ``tierckpt.json``: step, timeline, save id, tier locations): a
+resume continues exactly where the saved run was, data order included. ``train(
+resume_from_checkpoint=True)`` works too: when the ``Trainer`` is built (``on_init_end``,
+before ``train()`` looks in ``output_dir``) the tiers' newest checkpoint is written there if a
+``Trainer`` of this ``output_dir`` saved it and no ``checkpoint-<n>`` folder there is as new
+(one process only; ``resume_folder=False``: never).
 """
 
 from __future__ import annotations
@@ -49,17 +58,25 @@ import dataclasses
 import json
 import logging
 import os
-import random
+import re
 import signal
 import threading
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.integrations._common import sanitize_state
+from tierckpt.errors import CheckpointNotFound
+from tierckpt.integrations._common import (
+    checkpoint_identity,
+    folder_holds,
+    rng_states,
+    sanitize_state,
+    set_rng_states,
+    write_checkpoint,
+)
 from tierckpt.integrations.sinks import OutcomeCounts, event_metrics
 from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.preemption import Preemption
@@ -76,43 +93,7 @@ __all__ = ["TierCkptCallback", "TrainerLogSink", "rng_states", "set_rng_states"]
 
 log = logging.getLogger("tierckpt")
 
-
-def rng_states() -> dict[str, Any]:
-    """Python, NumPy, torch CPU (and CUDA) RNG states in a form tierckpt stores."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
-    states: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(gauss),
-        },
-        "cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _numpy_state(s: dict[str, Any]) -> tuple[Any, ...]:
-    keys = s["keys"].numpy().astype(np.uint32)
-    return (s["kind"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"])
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Inverse of :func:`rng_states`."""
-    random.setstate(_as_python_rng(states["python"]))
-    np.random.set_state(_numpy_state(states["numpy"]))
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def _as_python_rng(state: Any) -> tuple[Any, ...]:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
+_CKPT_DIR = re.compile(r"checkpoint-(\d+)")
 
 
 class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
@@ -128,6 +109,8 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             ``train()`` on, such a signal makes the ``Trainer`` save the step it is at and stop
             training (:class:`tierckpt.Preemption`; every rank stops after the same step). Off
             by default: it replaces the signals' handlers while training.
+        resume_folder: write the newest checkpoint into ``output_dir`` for
+            ``train(resume_from_checkpoint=True)`` when the ``Trainer`` is built (see above).
         **checkpointer_kwargs: passed to :class:`Checkpointer`.
     """
 
@@ -139,6 +122,7 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         replace_hf_save: bool = True,
         unsupported: Literal["error", "repr"] = "repr",
         preemption: bool | Sequence[int] = False,
+        resume_folder: bool = True,
         **checkpointer_kwargs: Any,
     ) -> None:
         if (tiers is None) == (checkpointer is None):
@@ -146,14 +130,17 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self.checkpointer = checkpointer or Checkpointer(tiers, **checkpointer_kwargs)  # type: ignore[arg-type]
         self.replace_hf_save = replace_hf_save
         self.unsupported = unsupported
+        self.resume_folder = resume_folder
         self._guarded: Any = None
         self._hook: Any = None
-        # steps this callback saved since it last materialized one, and that one: saving them
-        # again would repeat the same state. Not the steps committed on the tiers: after a
-        # resume from an older step those belong to the abandoned run (see Checkpointer.load)
+        # steps this train() saved, and the one it resumed from: saved again, they would repeat
+        # that state. Not the tiers' steps: an earlier train()'s are another run's
         self._saved: set[int] = set()
-        #: a save step whose evaluation follows: saved once its metrics are known
+        #: a save step waiting for the Trainer to log it (or evaluate it: "evaluate")
         self._pending: int | None = None
+        self._pending_until: str | None = None
+        #: the Trainer's output_dir (absolute), recorded with each save
+        self._output_dir: str | None = None
         #: whether the best checkpoint was materialized for the Trainer's load at the end
         self._best_ready = False
         #: the best step before the newest best (unpinned once the new one is pinned)
@@ -164,9 +151,28 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self._stop: Preemption | None = None
 
     # -- TrainerCallback -----------------------------------------------------------------------
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # the last hook before train(resume_from_checkpoint=True) looks into output_dir
+        if self.resume_folder and args.world_size == 1:
+            self._offer_resume(str(args.output_dir))
+
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        # a new train() saves its own steps, whatever an earlier one saved; the state is the
+        # resumed one here (step 0 when not resuming): that step is not saved again
+        out = getattr(args, "output_dir", None)
+        self._output_dir = None if out is None else os.path.abspath(str(out))
+        resumed = int(getattr(state, "global_step", 0) or 0)
+        self._saved = {resumed} if resumed else set()
+        self._pending = None
+        ck = self.checkpointer
+        with ck._lock:
+            # its first save chooses its timeline as after a load(): a step not after the newest
+            # (an earlier run's last one too) goes on a new timeline
+            ck._timeline = None
         optimizer = kwargs.get("optimizer")
         # Accelerate wraps the optimizer; the hook goes on the one whose step() updates
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -192,40 +198,56 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             control.should_training_stop = True
         return self._maybe_save(state, control, kwargs)
 
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._flush(state, control, kwargs)  # its log or evaluation did not come
+
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
+        self._flush(state, control, kwargs)
         # save_strategy="epoch": the Trainer sets should_save here, not at a step end
         return self._maybe_save(state, control, kwargs)
 
     def _maybe_save(
         self, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]
     ) -> TrainerControl:
-        if control.should_save:
-            if control.should_evaluate:
-                # an evaluation runs before the Trainer would save: save after it, with its
-                # metrics in the state (and the best known), as the Trainer does
-                self._pending = int(state.global_step)
-            else:
-                self.save(
-                    state,
-                    kwargs.get("model"),
-                    kwargs.get("optimizer"),
-                    kwargs.get("lr_scheduler"),
-                    control,
-                )
-            if self.replace_hf_save:
-                control.should_save = False
+        step = int(state.global_step)
+        if control.should_save and step not in self._saved:
+            # saved once the Trainer logged and evaluated this step, where its own save is:
+            # no update runs before (the next one waits for the save's capture)
+            self._pending = step
+            self._pending_until = (
+                "evaluate" if control.should_evaluate else "log" if control.should_log else None
+            )
+            if self._pending_until is None:
+                self._flush(state, control, kwargs)
+        if control.should_save and self.replace_hf_save:
+            control.should_save = False
         return control
+
+    def _flush(self, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]) -> None:
+        """Start the pending save, if any."""
+        if self._pending is None:
+            return
+        self._pending = None
+        if isinstance(state.stateful_callbacks, dict):
+            # the control flags as Trainer._save_checkpoint stores them (should_save is set)
+            flags = control.state()
+            flags["args"]["should_save"] = True
+            state.stateful_callbacks["TrainerControl"] = flags
+        self.save(state, kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler"))
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         step = int(state.global_step)
         new_best = self._track_best(args, state, kwargs.get("metrics"))
-        pending, self._pending = self._pending, None
         strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-        if pending == step or (strategy == "best" and new_best):
+        if self._pending is not None:
+            self._flush(state, control, kwargs)
+        elif strategy == "best" and new_best:
             self.save(
                 state,
                 kwargs.get("model"),
@@ -241,6 +263,8 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         logs = kwargs.get("logs") or {}
+        if self._pending_until != "evaluate" or "train_runtime" in logs:
+            self._flush(state, control, kwargs)  # the step's log is in state.log_history now
         if "train_runtime" in logs:
             # the Trainer's last log of a train(): next it loads the best model, if asked
             self._prepare_best(args, state)
@@ -248,6 +272,7 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._flush(state, control, kwargs)
         if self._stop is not None:
             self._stop.close()
             self._stop = None
@@ -311,9 +336,20 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             return None
         step = int(state.best_global_step)
         folder = os.path.join(str(args.output_dir), f"checkpoint-{step}")
-        if not os.path.isdir(folder):
-            self.checkpointer.wait()
-            self._write_folder(folder, self.checkpointer.load(step), step)
+        self.checkpointer.wait()
+        # rewritten where it is not this run's checkpoint of that step (another run's, an older
+        # timeline's), unless the Trainer's own save wrote it (replace_hf_save=False)
+        ours = os.path.exists(os.path.join(folder, "tierckpt.json"))
+        if self.replace_hf_save or ours or not os.path.isdir(folder):
+            try:
+                ident = checkpoint_identity(self.checkpointer, step)
+            except CheckpointNotFound:
+                if not os.path.isdir(folder):
+                    raise
+                log.warning("best step %d is on no tier: %s is loaded unchecked", step, folder)
+            else:
+                if not folder_holds(folder, ident):
+                    write_checkpoint(self.checkpointer, folder, ident)
         state.best_model_checkpoint = folder
         self._best_ready = True
         return folder
@@ -346,10 +382,12 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             "rng": rng_states(),
             "global_step": step,
         }
+        # a save id names this checkpoint in the folders materialized from it (tierckpt.json)
+        meta = {"framework": "transformers", "save_id": uuid.uuid4().hex}
+        if self._output_dir is not None:
+            meta["output_dir"] = self._output_dir
         self.checkpointer.save(
-            sanitize_state(ckpt, unsupported=self.unsupported),
-            step,
-            metadata={"framework": "transformers"},
+            sanitize_state(ckpt, unsupported=self.unsupported), step, metadata=meta
         )
         self._saved.add(step)
 
@@ -357,40 +395,41 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
     def materialize(self, output_dir: str, step: int | None = None) -> str:
         """Write checkpoint ``step`` (default: newest committed) as a ``Trainer`` checkpoint
         folder ``output_dir/checkpoint-<step>``; returns its path for ``resume_from_checkpoint``.
-        """
+        A folder there that holds another checkpoint (see its ``tierckpt.json``) is replaced."""
         self.checkpointer.wait()
-        ckpt = self.checkpointer.load(step)
-        step = int(ckpt["global_step"])
-        self._saved = {step}  # the run resumes here: later steps are saved again
-        folder = os.path.join(output_dir, f"checkpoint-{step}")
-        self._write_folder(folder, ckpt, step)
+        ident = checkpoint_identity(self.checkpointer, step)
+        folder = os.path.join(output_dir, f"checkpoint-{ident['step']}")
+        if folder_holds(folder, ident):
+            self.checkpointer._forget_timeline()  # as its load would: the run resumes there
+        else:
+            write_checkpoint(self.checkpointer, folder, ident)
         return folder
 
-    def _write_folder(self, folder: str, ckpt: dict[str, Any], step: int) -> None:
-        """Write ``ckpt`` as a ``Trainer`` checkpoint folder."""
-        from safetensors.torch import save_file
-
-        os.makedirs(folder, exist_ok=True)
-        # one contiguous tensor per name (tied weights are written under both names)
-        weights = {k: v.detach().contiguous().clone() for k, v in ckpt["model"].items()}
-        save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        torch.save(ckpt["optimizer"], os.path.join(folder, "optimizer.pt"))
-        if ckpt["lr_scheduler"] is not None:
-            torch.save(ckpt["lr_scheduler"], os.path.join(folder, "scheduler.pt"))
-        rng = ckpt["rng"]
-        hf_rng: dict[str, Any] = {
-            "python": _as_python_rng(rng["python"]),
-            "numpy": _numpy_state(rng["numpy"]),
-            "cpu": rng["cpu"],
-        }
-        if "cuda" in rng:
-            hf_rng["cuda"] = rng["cuda"]
-        torch.save(hf_rng, os.path.join(folder, "rng_state.pth"))
-        with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
-            f.write(ckpt["trainer_state"])
-        with open(os.path.join(folder, "tierckpt.json"), "w", encoding="utf-8") as f:
-            json.dump({"step": step, "tiers": self.checkpointer.tier_names}, f)
-        log.info("materialized step %d into %s", step, folder)
+    def _offer_resume(self, output_dir: str) -> None:
+        """Write the newest committed checkpoint into ``output_dir`` for
+        ``train(resume_from_checkpoint=True)``: only one saved by a ``Trainer`` of this
+        ``output_dir``, and only where no ``checkpoint-<n>`` folder there is as new."""
+        try:
+            ident = checkpoint_identity(self.checkpointer)
+        except CheckpointNotFound:
+            return
+        except Exception as exc:  # a store that does not answer: HF's own idiom fails as usual
+            log.warning("tiers not listed, %s/checkpoint-* not prepared: %s", output_dir, exc)
+            return
+        target = os.path.join(output_dir, f"checkpoint-{ident['step']}")
+        if ident["output_dir"] != os.path.abspath(output_dir):
+            log.info("newest checkpoint is another output_dir's: not written to %s", target)
+            return
+        names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+        steps = [int(m.group(1)) for m in map(_CKPT_DIR.fullmatch, names) if m]
+        if any(n > ident["step"] for n in steps) or folder_holds(target, ident):
+            return
+        if os.path.isdir(target) and not os.path.exists(os.path.join(target, "tierckpt.json")):
+            log.warning("%s is not from the tiers: resume_from_checkpoint=True takes it", target)
+            return
+        loaded = self.checkpointer._has_loaded  # nothing is resumed yet: a later save that
+        write_checkpoint(self.checkpointer, target, ident)  # goes back is still warned about
+        self.checkpointer._has_loaded = loaded
 
     def close(self) -> None:
         """Wait for pending saves and release the checkpointer."""
