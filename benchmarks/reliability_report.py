@@ -442,6 +442,17 @@ FIXED += [
         ["test_saves_that_failed_on_one_tier_are_not_kept"],
     ),
     (
+        "HF Trainer: a reused callback skipped every save of a second train(); "
+        "load_best_model_at_end loaded a stale checkpoint-<best> folder of another run in a "
+        "shared output_dir (run A's weights at the end of run B)",
+        "tierckpt/integrations/hf.py, _common.py",
+        [
+            "test_a_reused_callback_saves_the_second_runs_checkpoints",
+            "test_best_model_is_this_runs_not_a_stale_folders",
+            "test_resume_from_checkpoint_true_resumes_from_the_tiers",
+        ],
+    ),
+    (
         "A plain tensor that requires grad (SAC's log_alpha) loaded without requires_grad, "
         "so an optimizer over it never stepped it",
         "tierckpt/plan.py, restore/_index.py (index field requires_grad)",
@@ -483,6 +494,7 @@ EVERYDAY_TESTS = [
     "tests/test_noderam_small_storages.py",
     "tests/test_memory_pool_bound.py",
     "tests/test_lightning_field_fixes.py",
+    "tests/test_hf_field_fixes.py",
     "tests/test_failed_copies_release_their_job.py",
     "tests/test_native_parity.py",
 ]
