@@ -312,6 +312,7 @@ class NodeRamTier(TierSpec):
         digest = hashlib.sha256("\n".join(wheres).encode()).hexdigest()[:12]
         named = copy.copy(self)
         object.__setattr__(named, "namespace", f"default-{digest}")
+        log.info("node RAM namespace %s (named by this run's tiers: %s)", named.namespace, wheres)
         object.__setattr__(named, "auto_namespace", False)
         return named
 
