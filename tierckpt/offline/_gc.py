@@ -3,6 +3,7 @@ leftovers of saves that never committed (refused while a live writer holds the l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tierckpt.backends.base import Backend
@@ -84,6 +85,12 @@ def gc(
     if dry_run:
         return plan
     gc_tier(backend, keep_last)
+    if kept:  # a killed writer's temporaries go whatever their step (no live lock holds them)
+        still = set(data_ids(backend))
+        gone = [c for c in kept if c not in still]
+        plan = dataclasses.replace(
+            plan, leftovers=[*leftovers, *gone], kept_uncommitted=[c for c in kept if c in still]
+        )
     if abort_incomplete:
         backend.cleanup_incomplete("steps/")
         backend.cleanup_incomplete("manifests/")
