@@ -432,17 +432,23 @@ def list_tiers(
     return listing, unlisted
 
 
-def unreadable(unlisted: dict[str, str], names: Iterable[str], what: str) -> TiersUnreadable:
+def unreadable(
+    unlisted: dict[str, str],
+    names: Iterable[str],
+    what: str,
+    *,
+    remedy: str = "name a tier you can read with tier=",
+) -> TiersUnreadable:
     """The error of a listing or load that found nothing where tiers could not be listed
     (``unlisted``: name -> why; ``names``: every tier asked; ``what``: what the others lack):
-    whether a checkpoint exists is unknown, so it is not a ``CheckpointNotFound``."""
+    whether a checkpoint exists is unknown, so it is not a ``CheckpointNotFound``.
+    ``remedy``: the other way out the message offers (the caller's own argument)."""
     listed = [n for n in names if n not in unlisted]
     why = "; ".join(f"{n}: {e}" for n, e in unlisted.items())
     others = f"on the other tiers ({', '.join(listed)}) {what}" if listed else "no other tier"
     return TiersUnreadable(
         f"cannot tell whether a checkpoint exists: tier {', '.join(map(repr, unlisted))} could "
         f"not be listed ({why}); {others}. This is not 'no checkpoint': restore access to the "
-        "store (endpoint, bucket, credentials) and load again, or name a tier you can read "
-        "with tier=",
+        f"store (endpoint, bucket, credentials) and load again, or {remedy}",
         unlisted,
     )

@@ -23,6 +23,7 @@ from tierckpt.catalog import (
 )
 from tierckpt.dcp._common import METADATA_VERSION
 from tierckpt.dcp._metadata import _RankShards, _ShardOnTier
+from tierckpt.dcp._saves import mixed
 from tierckpt.errors import (
     BackendError,
     CheckpointExists,
@@ -54,16 +55,26 @@ def choose_timeline(
     *,
     overwrite: bool,
     unconfirmed: frozenset[str] = frozenset(),
+    loaded: CheckpointId | None = None,
 ) -> tuple[int, frozenset[str]]:
     """The timeline of a save of ``step`` by a writer on ``timeline`` (None: not chosen yet)
     whose previous save was ``last`` (see ``TierWriter.prepare_global_plan``), and the tiers
     whose newest checkpoint is unknown: each tier is listed on a thread of its own and waited
     for at most ``TIERCKPT_LEASE_WAIT_S``, as ``Checkpointer`` does; a tier that did not tell
     (or was ``unconfirmed`` already, where nothing was listed) is checked at the commit
-    (:func:`confirm_timeline`)."""
+    (:func:`confirm_timeline`).
+
+    The timeline is chosen from the tiers at the first save, when ``step`` is below the
+    previous save's, and after a load (``loaded``: the checkpoint this process loaded from
+    these tiers since the previous save), as for ``Checkpointer``: a step not after the newest
+    checkpoint starts a new timeline. A step already committed where the save would go is
+    refused (``CheckpointExists``; ``overwrite=True``: saved again on a new timeline): on the
+    timeline the writer goes on with, or else on the newest timeline (the checkpoint that
+    ``checkpoint_id`` names for ``TierReader``) — except after a load of an older checkpoint
+    than the newest (a rollback: the run resumed from it and saves on a new timeline)."""
     newest: CheckpointId | None = None
     pairs = [(t.name, t.backend) for t in tiers]
-    if timeline is not None and (last is None or step >= last.step):
+    if timeline is not None and loaded is None and (last is None or step >= last.step):
         there_on = timeline
     else:
         newest, unconfirmed = newest_committed_within(pairs, config.lease_wait_s())
@@ -71,6 +82,9 @@ def choose_timeline(
             newest = last
         timeline = timeline_for(step, newest)
         there_on = newest.timeline if newest is not None else timeline
+        if newest is not None and loaded is not None and loaded < newest:
+            there_on = timeline  # a rollback: a new timeline when step is not after newest
+            log.info("DCP save of step %d after a load of %s: timeline %d", step, loaded, timeline)
     # a tier that did not answer is not asked again here (it may hang), nor is one waited
     # for longer than the listing: each copy's start refuses a step committed there, and the
     # check before the commit a newer checkpoint (an outage must not cost the other tiers
@@ -122,15 +136,22 @@ def confirm_timeline(t: Tier, cid: CheckpointId) -> BaseException | None:
 
 
 def gather_reports(
-    step: int, world: int, results: list[list[WriteResult]]
+    step: int, world: int, results: list[list[WriteResult]], save_id: str
 ) -> tuple[dict[int, _RankShards], dict[MetadataIndex, Any]]:
     """Every rank's shard report, by rank, and the items' storage locations; a save whose
-    reports do not come from every rank of ``world`` fails (nothing of it is committed)."""
+    reports do not come from every rank of ``world``, or include another save's (``save_id``:
+    this one's), fails (nothing of it is committed)."""
     shards: dict[int, _RankShards] = {}
     storage: dict[MetadataIndex, Any] = {}
     for per_rank in results:
         for wr in per_rank:
             if isinstance(wr.storage_data, _RankShards):
+                if wr.storage_data.save_id != save_id:
+                    raise mixed(
+                        f"rank {wr.storage_data.rank}'s shard report",
+                        f"save {wr.storage_data.save_id}",
+                        f"step {step} (save {save_id})",
+                    )
                 shards[wr.storage_data.rank] = wr.storage_data
             else:
                 storage[wr.index] = wr.storage_data

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from tierckpt.format import manifest_name
+from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.pipeline import Tier, open_tiers
 from tierckpt.policy import TierPolicy, TierSpec
 
@@ -52,5 +53,45 @@ def _parse_step(checkpoint_id: object) -> int:
     return s
 
 
+#: a checkpoint location as ``TierWriter`` reports it (``Metadata.storage_meta.checkpoint_id``):
+#: ``<tier URL>/steps/<12 digits>`` and ``.t<6 digits>`` on a timeline >= 1
+_LOCATION = re.compile(r"^(?P<url>.*)/steps/(?P<step>[0-9]{12})(?:\.t(?P<tl>[0-9]{6}))?/?$")
+
+
+def _parse_location(checkpoint_id: object) -> tuple[str, CheckpointId] | None:
+    """``(tier URL, checkpoint)`` of a location ``TierWriter`` reported, else None."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return None
+    m = _LOCATION.match(str(os.fspath(checkpoint_id)))
+    if m is None:
+        return None
+    tl = m.group("tl")
+    if tl == "000000":
+        return None  # timeline 0 has the suffix-free name
+    cid = CheckpointId(int(m.group("step")), int(tl) if tl else 0)
+    return m.group("url").rstrip("/"), cid
+
+
 def _runtimes(policy: TierPolicy) -> list[Tier]:
     return open_tiers(policy)
+
+
+#: the checkpoint this process's latest DCP load read, by tier URL (see :func:`take_loaded`)
+_LOADED: dict[str, CheckpointId] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def note_loaded(urls: Iterable[str], cid: CheckpointId) -> None:
+    """A ``TierReader`` of tiers ``urls`` read ``cid``."""
+    with _LOADED_LOCK:
+        for url in urls:
+            _LOADED[url] = cid
+
+
+def take_loaded(urls: Iterable[str]) -> CheckpointId | None:
+    """The oldest checkpoint this process loaded from any of ``urls`` since the previous
+    call for them (each is told once): the coordinator of a DCP save asks at each save, so a
+    load between two saves is seen by the second (a rollback: see ``choose_timeline``)."""
+    with _LOADED_LOCK:
+        got = [c for url in urls if (c := _LOADED.pop(url, None)) is not None]
+    return min(got, default=None)

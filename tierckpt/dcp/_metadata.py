@@ -52,6 +52,8 @@ class _PlanInfo:
     save_id: str
     #: the timeline the coordinator chose for this save (every rank writes the same id)
     timeline: int = 0
+    #: the step of this save (each rank checks it is the step it saves: see ``_saves``)
+    step: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,8 @@ class _RankShards:
     rank: int
     tiers: dict[str, _ShardOnTier]
     errors: dict[str, str]
+    #: the save these shards belong to (the coordinator's ``_PlanInfo.save_id``)
+    save_id: str = ""
 
 
 # -- Metadata <-> JSON (no pickle) --------------------------------------------------------

@@ -27,7 +27,8 @@ class ParkingWriter(Protocol):
     _pipeline: Pipeline | None
     _hook: HookTarget | None
     _closed: bool
-    _in_save: bool
+    #: saves of the writer between their shard and their commit (overlapping saves: several)
+    _in_save: int
     _taken_over: bool
 
     def _config(self) -> tuple[Any, ...]: ...
@@ -76,7 +77,8 @@ MAX_PARKED = 2
 
 def take_over(w: ParkingWriter) -> None:
     """Take ``w``'s locations over from older, idle writers of this process, and adopt a
-    pipeline parked for its tiers and settings (see ``TierWriter._take_over``)."""
+    pipeline parked for its tiers and settings (see ``TierWriter._take_over``). Once it
+    returns, the save that called it counts in ``w._in_save`` until :func:`save_ended`."""
     olds: list[ParkingWriter] = []
     stale: list[Parked] = []
     urls = {t.backend.url for t in w._tiers}
@@ -86,7 +88,7 @@ def take_over(w: ParkingWriter) -> None:
                 "this TierWriter was closed: a newer TierWriter of this process took its "
                 "location over (save through the newest writer)"
             )
-        w._in_save = True
+        w._in_save += 1  # until save_ended(w)
         for p in list(PARKED):
             if not urls & p.urls:
                 continue
@@ -107,11 +109,21 @@ def take_over(w: ParkingWriter) -> None:
                 if old not in olds:
                     olds.append(old)
             LOCATIONS[t.backend.url] = w
-    for old in olds:
-        log.info("a newer TierWriter of this process takes over; closing the older one")
-        old.close()
-    for p in stale:
-        p.close()
+    try:
+        for old in olds:
+            log.info("a newer TierWriter of this process takes over; closing the older one")
+            old.close()
+        for p in stale:
+            p.close()
+    except BaseException:
+        save_ended(w)  # counted only when this returns
+        raise
+
+
+def save_ended(w: ParkingWriter) -> None:
+    """A save of ``w`` counted by :func:`take_over` is over (committed or failed)."""
+    with LOCATIONS_LOCK:
+        w._in_save -= 1
 
 
 def park(w: ParkingWriter) -> bool:

@@ -22,8 +22,10 @@ from tierckpt.catalog import list_tiers, unreadable
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
     TiersArg,
+    _parse_location,
     _parse_step,
     _runtimes,
+    note_loaded,
 )
 from tierckpt.dcp._metadata import ItemLocation, decode_metadata
 from tierckpt.dcp._shardfile import _ShardFile
@@ -53,6 +55,12 @@ log = logging.getLogger("tierckpt")
 #: a single process's load of the newest step: how often it lists again when the step it
 #: chose was deleted before its metadata was read (as Checkpointer.load)
 LIST_ATTEMPTS = 5
+#: a load of the newest step: how many of the newest checkpoints are checked to be DCP ones
+#: (a native checkpoint among them is skipped; older ones are offered to the agreement as
+#: they are listed)
+DCP_CHECKED = 3
+#: what a TiersUnreadable of a DCP load advises besides restoring access to the store
+_REMEDY = "pass TierReader only the tiers you can read"
 
 
 class TierReader(StorageReader):
@@ -63,7 +71,11 @@ class TierReader(StorageReader):
         step: the step to load; ``None``: the newest DCP checkpoint committed on some tier
             that every rank sees (one ``all_gather`` on the default process group in
             ``read_metadata`` when it is initialized — name the step when only some ranks
-            load, e.g. ``no_dist=True`` inside a multi-rank job).
+            load, e.g. ``no_dist=True`` inside a multi-rank job); native checkpoints
+            (``Checkpointer``'s) on the same tiers are passed over. Or the location a
+            ``TierWriter`` reported (``dcp.save(...).storage_meta.checkpoint_id``, e.g.
+            ``/ck/steps/000000000100``): that step of that timeline. DCP's
+            ``checkpoint_id`` takes the same.
         io_threads: shards read in parallel (default 4).
 
     Each item is read from the fastest tier that holds the step; a corrupt or missing shard
@@ -76,10 +88,14 @@ class TierReader(StorageReader):
     def __init__(self, tiers: TiersArg, step: int | str | None = None, *, io_threads: int = 4):
         super().__init__()
         self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
-        self.step: int | None = None if step is None else _parse_step(step)
         self.io_threads = max(1, io_threads)
         self.load_id = uuid.uuid4().hex
         self._tiers = _runtimes(self.policy)
+        #: the timeline a location names (None: the newest holding the step)
+        self.step: int | None = None
+        self.timeline: int | None = None
+        if step is not None:
+            self.step, self.timeline = self._checkpoint_of(step)
         self._holders: list[tuple[Tier, Manifest]] = []
         #: the last listing: what each tier that could be listed holds, and why the others
         #: could not be
@@ -90,7 +106,7 @@ class TierReader(StorageReader):
         #: the checkpoint read (its step and timeline)
         self.loaded_id: CheckpointId | None = None
 
-    _PICKLED = ("policy", "step", "io_threads", "loaded_step", "loaded_id")
+    _PICKLED = ("policy", "step", "timeline", "io_threads", "loaded_step", "loaded_id")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self._PICKLED}
@@ -101,24 +117,51 @@ class TierReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._tiers = _runtimes(self.policy)
         self._holders = []
+        self._listed = {}
+        self._unlisted = {}
         self.storage_data = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.step = _parse_step(checkpoint_id)
+            self.step, self.timeline = self._checkpoint_of(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self._holders = []
 
+    def _checkpoint_of(self, checkpoint_id: object) -> tuple[int, int | None]:
+        """The step and timeline (None: the newest holding it) ``checkpoint_id`` names: a
+        step, or a location ``TierWriter`` reported on one of this reader's tiers."""
+        loc = _parse_location(checkpoint_id)
+        if loc is None:
+            return _parse_step(checkpoint_id), None
+        url, cid = loc
+        urls = [t.backend.url.rstrip("/") for t in self._tiers]
+        if url not in urls:
+            raise ValueError(
+                f"checkpoint_id {str(checkpoint_id)!r} is {cid} on {url}, which is not "
+                f"one of this TierReader's tiers ({', '.join(urls)})"
+            )
+        return cid.step, cid.timeline
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return TierWriter.validate_checkpoint_id(checkpoint_id)
+        return _parse_location(checkpoint_id) is not None or TierWriter.validate_checkpoint_id(
+            checkpoint_id
+        )
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
+    # named ``**options``, not ``**kwargs``: DCP asks a reader whose read_metadata has a
+    # parameter called "kwargs" for per-rank metadata (read_metadata(rank=r)) after the
+    # global read failed, and adds that second failure to the error; tierckpt DCP
+    # checkpoints hold global metadata only, so the first error is the one to read
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        if options.get("rank") is not None:
             raise CheckpointNotFound("tierckpt DCP checkpoints hold global metadata only")
         for attempt in range(LIST_ATTEMPTS):
-            cid = self._newest_id() if self.step is None else self._id_of_step(self.step)
+            cid = (
+                self._newest_id()
+                if self.step is None
+                else self._id_of_step(self.step, self.timeline)
+            )
             md, errors = self._metadata_of(cid)
             if md is not None:
                 break
@@ -136,6 +179,9 @@ class TierReader(StorageReader):
         md.storage_meta.load_id = self.load_id
         self.loaded_step = cid.step
         self.loaded_id = cid
+        # the next DCP save of these tiers in this process sees the load (a rollback to an
+        # older checkpoint saves on a new timeline: see choose_timeline)
+        note_loaded((t.backend.url for t in self._tiers), cid)
         return md
 
     def _metadata_of(self, cid: CheckpointId) -> tuple[Metadata | None, list[str]]:
@@ -185,17 +231,53 @@ class TierReader(StorageReader):
         self._listed = {n: set(ids) for n, ids in listing.items() if n not in self._unlisted}
         return sorted({c for ids in listing.values() for c in ids}, reverse=True)
 
-    def _id_of_step(self, step: int) -> CheckpointId:
-        """``step`` of the newest timeline holding it (timeline 0 if none: not found later;
-        ``TiersUnreadable`` where a tier that could not be listed may hold it)."""
-        found = next((c for c in self._listing() if c.step == step), None)
+    def _id_of_step(self, step: int, timeline: int | None = None) -> CheckpointId:
+        """``step`` of ``timeline``, or of the newest timeline holding it (timeline 0 if none:
+        not found later; ``TiersUnreadable`` where a tier that could not be listed may hold
+        it)."""
+        listing = self._listing()
+        if timeline is not None:
+            found: CheckpointId | None = CheckpointId(step, timeline)
+            found = found if found in listing else None
+        else:
+            found = next((c for c in listing if c.step == step), None)
         if found is None and self._unlisted:
             names = [t.name for t in self._tiers]
-            raise unreadable(self._unlisted, names, f"step {step} is not committed")
-        return found or CheckpointId(step)
+            what = f"{CheckpointId(step, timeline or 0)} is not committed"
+            raise unreadable(self._unlisted, names, what, remedy=_REMEDY)
+        return found or CheckpointId(step, timeline or 0)
+
+    def _is_dcp(self, cid: CheckpointId) -> bool:
+        """Whether ``cid`` is a DCP checkpoint (its metadata file is there), asked of the
+        tiers whose listing holds it; True where none can tell, or where it was deleted since
+        it was listed (its read says so: see read_metadata)."""
+        for t in self._tiers:
+            if cid not in self._listed.get(t.name, ()):
+                continue
+            b = t.backend
+            try:
+                if b.exists(dcp_metadata_name(cid.step, timeline=cid.timeline)):
+                    return True
+                return not b.exists(manifest_name(cid.step, timeline=cid.timeline))
+            except BaseException as exc:
+                if not is_recoverable(exc):
+                    raise
+        return True
+
+    def _dcp_ids(self, ids: list[CheckpointId]) -> list[CheckpointId]:
+        """``ids`` (newest first) without native checkpoints among the newest ones: checked
+        until ``DCP_CHECKED`` DCP checkpoints are found; the older ones as they are."""
+        out: list[CheckpointId] = []
+        for i, c in enumerate(ids):
+            if len(out) >= DCP_CHECKED:
+                return out + ids[i:]
+            if self._is_dcp(c):
+                out.append(c)
+        return out
 
     def _newest_id(self) -> CheckpointId:
-        newest = self._listing()
+        listed = self._listing()
+        newest = self._dcp_ids(listed)
         import torch.distributed as dist
 
         if _distributed():
@@ -212,10 +294,18 @@ class TierReader(StorageReader):
             newest = sorted((checkpoint_of_key(v) for v in common), reverse=True)
         if not newest and self._unlisted:  # it may be on a tier that could not be listed
             names = [t.name for t in self._tiers]
-            raise unreadable(self._unlisted, names, "no checkpoint is committed")
+            what = "no DCP checkpoint is committed"
+            raise unreadable(self._unlisted, names, what, remedy=_REMEDY)
         if not newest:
+            native = (
+                f"; the checkpoints there ({len(listed)}, newest {listed[0]}) are native ones: "
+                "load them with Checkpointer.load"
+                if listed
+                else ""
+            )
             raise CheckpointNotFound(
-                f"no committed checkpoint on any tier ({', '.join(t.name for t in self._tiers)})"
+                f"no committed {'DCP ' if listed else ''}checkpoint on any tier "
+                f"({', '.join(t.name for t in self._tiers)}){native}"
             )
         return newest[0]
 

@@ -4,72 +4,54 @@ coordinator writes DCP's metadata and, last, each tier's manifest (see :mod:`tie
 from __future__ import annotations
 
 import dataclasses
-import io
+import functools
 import logging
 import os
 import threading
 import uuid
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import config
-from tierckpt.capture import record_ready_events
 from tierckpt.config import resolve_writer_config
 from tierckpt.dcp._commit import choose_timeline, commit_all, gather_reports
-from tierckpt.dcp._common import _DCP_VERSION, _SHARDS_FQN, TiersArg, _parse_step, _runtimes
-from tierckpt.dcp._metadata import (
-    ItemLocation,
-    _PlanInfo,
-    _RankShards,
-    _ShardOnTier,
-    encode_metadata,
+from tierckpt.dcp._common import _DCP_VERSION, TiersArg, _parse_step, _runtimes, take_loaded
+from tierckpt.dcp._metadata import _PlanInfo, _ShardOnTier, encode_metadata
+from tierckpt.dcp._parking import HookTarget, park, save_ended
+from tierckpt.dcp._saves import (
+    GLOBAL,
+    LOCAL,
+    META,
+    RESET,
+    SETUP,
+    WRITTEN,
+    LocalPlanInfo,
+    Saves,
+    SaveState,
+    mixed,
+    need_step,
 )
-from tierckpt.dcp._parking import HookTarget, park, take_over
+from tierckpt.dcp._shardjob import ShardSaving, collect_items, shards_result
 from tierckpt.distributed import is_private_tier
-from tierckpt.errors import (
-    CheckpointFailed,
-    FormatError,
-    SaveDeadlineExceeded,
-    StaleTimeline,
-    TierCkptError,
-    UnsupportedObject,
-)
+from tierckpt.errors import FormatError, StaleTimeline, TierCkptError
 from tierckpt.format import CheckpointId, ShardRef, step_prefix
-from tierckpt.handle import SaveHandle
-from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
-from tierckpt.plan import build_plan
+from tierckpt.pipeline import Pipeline, PipelineHooks, SaveJob, Tier
 from tierckpt.policy import TierPolicy
-from tierckpt.reported import DCP_PRIVATE, report_once
 
 log = logging.getLogger("tierckpt")
 
 
-def _plain_tensor(data: Any) -> torch.Tensor:
-    t = data.to_local() if hasattr(data, "to_local") else data
-    if not isinstance(t, torch.Tensor):
-        raise UnsupportedObject(f"DCP resolved a {type(t).__name__} for a tensor item")
-    t = t.detach()
-    if type(t) is not torch.Tensor:
-        t = t.as_subclass(torch.Tensor)
-    return t
-
-
-def _bytes_tensor(data: io.BytesIO) -> torch.Tensor:
-    buf = bytearray(data.getbuffer())
-    return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-
-
-class TierWriter(PipelineOwner, StorageWriter):
+class TierWriter(ShardSaving, StorageWriter):
     """A DCP ``StorageWriter`` that saves through tierckpt tiers (see the module docstring).
 
     Args:
-        tiers: tier specs fastest first, or a :class:`TierPolicy` (``every`` counts the saves
-            of this writer; ``keep_last`` is applied after each commit).
+        tiers: tier specs fastest first, or a :class:`TierPolicy` (a tier's ``every=N`` takes
+            the steps that are multiples of ``N``, as for :class:`~tierckpt.Checkpointer`:
+            with ``every=2``, steps 3, 5, 7, 8 put only step 8 there; ``keep_last`` is applied
+            after each commit).
         step: the step to save; or pass it as DCP's ``checkpoint_id``.
         chunk_bytes, host_buffer_bytes, io_threads: as for :class:`~tierckpt.Checkpointer`.
         overwrite: what a save of a step that is already committed does. ``False`` (default):
@@ -77,9 +59,16 @@ class TierWriter(PipelineOwner, StorageWriter):
             says "Checkpoint already exists", as ``FileSystemWriter(overwrite=False)``'s).
             ``True``: saved again on a new timeline; a load of that step (or of the newest)
             then reads the new save, and the committed one stays until retention removes it —
-            nothing committed is lost or overwritten in place.
+            nothing committed is lost or overwritten in place. Neither applies to a rollback:
+            after this process loaded an older checkpoint of these tiers than the newest
+            (``TierReader``), the next saves go on a new timeline, as for ``Checkpointer``.
 
-    Reuse one writer for every save of a run: its host buffer and threads stay warm. It
+    Reuse one writer for every save of a run: its host buffer and threads stay warm. Saves
+    through it may overlap (a ``dcp.async_save`` started before the previous one's future is
+    done): each keeps its own step and plan from start to commit (see
+    :mod:`tierckpt.dcp._saves`); give each its own process group, as DCP's collectives of two
+    saves in flight must not share one (a save whose collectives were matched with another's
+    fails on every rank, nothing of it committed). It
     holds threads, and its writer lease on every tier it wrote to, until :meth:`close` (or
     garbage collection); another writer on the same location is refused with
     :class:`~tierckpt.WriterConflict` meanwhile.
@@ -122,29 +111,34 @@ class TierWriter(PipelineOwner, StorageWriter):
 
     def _runtime_state(self) -> None:
         """What lives in one process only (tiers with their clients, pipeline, lock), fresh."""
+        #: the id, rank and role of the latest save begun (each save keeps its own: _saves)
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
         self._tiers: list[Tier] = _runtimes(self.policy)
         self._pipeline: Pipeline | None = None
-        self._save_count = 0
         self._lock = threading.Lock()
+        #: one save at a time takes the location over, starts the pipeline, takes the leases
+        #: and submits its job (overlapping saves must not start two pipelines)
+        self._start_lock = threading.Lock()
+        #: the coordinator's timeline choice, one save at a time (reentrant: a save that ends
+        #: meanwhile updates _last_saved under it)
+        self._plan_lock = threading.RLock()
+        self._saves = Saves(self._save_ended)
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
-        self._info: _PlanInfo | None = None
         self._closed = False
         self._hook: HookTarget | None = None
-        #: a save of this writer is between its shard and its commit (see _take_over)
-        self._in_save = False
+        #: saves of this writer between their shard and their commit (see _take_over)
+        self._in_save = 0
         self._taken_over = False
         #: the coordinator's timeline (None: chosen from the tiers at the next save) and the
-        #: newest checkpoint this writer saved; as for Checkpointer
+        #: newest checkpoint of this writer's saves that ended; as for Checkpointer (a save in
+        #: flight beside another is not "the previous save": see prepare_global_plan)
         self._timeline: int | None = None
         self._last_saved: CheckpointId | None = None
         #: the coordinator's tiers that could not be listed when its timeline was chosen:
         #: checked before each commit there, until one passes (see confirm_timeline)
         self._unconfirmed: frozenset[str] = frozenset()
-        #: this rank's job of the save in progress (retention protects it, see _retain)
-        self._job: SaveJob | None = None
 
     #: what a pickled writer carries: its configuration, not its threads, lock or clients
     _PICKLED = (
@@ -171,11 +165,12 @@ class TierWriter(PipelineOwner, StorageWriter):
         return (_unpickle_writer, (self.__getstate__(),))
 
     # -- DCP protocol ------------------------------------------------------------------
+    # Each save's calls read only that save's SaveState (the one of the calling thread), so
+    # saves that overlap on one writer never see each other's step, plan or job.
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.step = _parse_step(checkpoint_id)
-        self.save_id = uuid.uuid4().hex
-        self._info = None
+        step = self.step if checkpoint_id is None else _parse_step(checkpoint_id)
+        self.step = step  # the step of later saves made without a checkpoint_id
+        self.save_id = self._saves.begin(step).save_id
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -191,26 +186,34 @@ class TierWriter(PipelineOwner, StorageWriter):
                 "tierckpt.dcp.TierWriter commits one manifest per checkpoint and needs DCP's "
                 "collectives (use_collectives=True)"
             )
-        self.is_coordinator = is_coordinator
+        s = self._saves.current(self.step, RESET, META)
+        s.stage = SETUP
         rank = kwargs.get("rank")
-        self.rank = int(rank) if rank is not None else _dist_rank()
+        s.is_coordinator = self.is_coordinator = is_coordinator
+        s.rank = self.rank = int(rank) if rank is not None else _dist_rank()
 
     def storage_meta(self) -> StorageMeta | None:
         """``checkpoint_id`` is where the checkpoint lives (as ``FileSystemWriter``'s path):
         the step's folder on the first tier every rank shares, e.g. ``/ck/steps/000000000100``
-        or ``s3://b/run/steps/000000000100.t000001`` once the timeline is chosen."""
-        return StorageMeta(checkpoint_id=self._location(self._timeline or 0), save_id=self.save_id)
+        or ``s3://b/run/steps/000000000100.t000001`` once the timeline is chosen (the
+        ``Metadata`` ``dcp.save`` returns has it); ``TierReader`` takes it as a
+        ``checkpoint_id``."""
+        s = self._saves.current(self.step, RESET, RESET)
+        s.stage = META
+        location = self._location(need_step(s.step), self._timeline or 0)
+        return StorageMeta(checkpoint_id=location, save_id=s.save_id)
 
-    def _location(self, timeline: int) -> str:
-        step = self._require_step()
+    def _location(self, step: int, timeline: int) -> str:
         shared = [t for t in self._tiers if not is_private_tier(t)] or self._tiers
         if not shared:
             return step_prefix(step, timeline=timeline).rstrip("/")
         return f"{shared[0].backend.url.rstrip('/')}/{step_prefix(step, timeline=timeline)}"[:-1]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._require_step()
-        return plan
+        s = self._saves.current(self.step, RESET, SETUP)
+        step = need_step(s.step)
+        s.stage = LOCAL
+        return dataclasses.replace(plan, storage_data=LocalPlanInfo(step))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: choose the timeline (as :class:`~tierckpt.Checkpointer` does:
@@ -221,92 +224,109 @@ class TierWriter(PipelineOwner, StorageWriter):
         A step already committed where this save would go (the timeline this writer goes on
         with, or else the newest timeline: the checkpoint ``TierReader(step)`` reads) is the
         checkpoint ``checkpoint_id`` names: refused with :class:`CheckpointExists`, or with
-        ``overwrite=True`` saved again on a new timeline."""
-        step = self._require_step()
-        timeline, self._unconfirmed = choose_timeline(
-            self._tiers,
-            step,
-            self._timeline,
-            self._last_saved,
-            overwrite=self.overwrite,
-            unconfirmed=self._unconfirmed,
-        )
-        cid = CheckpointId(step, timeline)
-        self._timeline = timeline
-        self._last_saved = cid
+        ``overwrite=True`` saved again on a new timeline — unless this process loaded an
+        older checkpoint of these tiers since this writer's previous save (a rollback:
+        a new timeline, as for ``Checkpointer``).
+
+        A save that overlaps another of this writer goes on the timeline that one is on (it
+        is not a rollback of it, whichever of the two DCP plans first); one of a step another
+        save of this writer has in flight is refused."""
+        s = self._saves.current(self.step, RESET, LOCAL)
+        step = need_step(s.step)
+        for p in plans:
+            got = p.storage_data
+            if isinstance(got, LocalPlanInfo) and got.step != step:
+                raise mixed("a rank's plan", f"step {got.step}", f"step {step}")
+        with self._plan_lock:
+            busy = [o.cid for o in self._saves.others(s) if o.cid is not None]
+            if any(c.step == step for c in busy):
+                raise TierCkptError(
+                    f"step {step} is being saved already by another save of this TierWriter "
+                    "(still in flight): wait for that save's future"
+                )
+            timeline, self._unconfirmed = choose_timeline(
+                self._tiers,
+                step,
+                self._timeline,
+                self._last_saved,
+                overwrite=self.overwrite,
+                unconfirmed=self._unconfirmed,
+                loaded=take_loaded(t.backend.url for t in self._tiers),
+            )
+            self._timeline = timeline
+            s.cid = CheckpointId(step, timeline)
+        s.stage = GLOBAL
         world = len(plans)
         return [
-            dataclasses.replace(p, storage_data=_PlanInfo(i, world, self.save_id, timeline))
+            dataclasses.replace(p, storage_data=_PlanInfo(i, world, s.save_id, timeline, step))
             for i, p in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        info = plan.storage_data
-        if not isinstance(info, _PlanInfo):
-            raise TierCkptError("TierWriter.write_data got a plan its prepare_global_plan did not")
-        self._info = info
-        step = self._require_step()
-        state: dict[str, torch.Tensor] = {}
-        results: list[WriteResult] = []
-        for i, item in enumerate(plan.items):
-            data = planner.resolve_data(item)
-            key = str(i)
-            t = _bytes_tensor(data) if isinstance(data, io.BytesIO) else _plain_tensor(data)
-            state[key] = t
-            results.append(
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=t.numel() * t.element_size(),
-                    storage_data=ItemLocation(info.rank, key),
-                )
-            )
+        s = self._saves.current(self.step, LOCAL, GLOBAL)
         try:
-            shards = self._save_shard(state, step, info)
+            results = self._write(s, plan, planner)
         except BaseException:
-            self._in_save = False  # nothing of it to commit: the location may be taken over
+            self._saves.end(s)  # nothing of it to commit: the location may be taken over
             raise
-        results.append(
-            WriteResult(
-                index=MetadataIndex(f"{_SHARDS_FQN}{info.rank}"),
-                size_in_bytes=0,
-                storage_data=shards,
-            )
-        )
-        if not self.is_coordinator:
-            self._in_save = False  # the coordinator commits; this rank's part is done
+        if s.is_coordinator:
+            s.stage = WRITTEN  # finish() commits it
+        else:
+            self._saves.end(s)  # the coordinator commits; this rank's part is done
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        try:
-            self._finish(metadata, results)
-        finally:
-            self._in_save = False
+    def _write(self, s: SaveState, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        info = plan.storage_data
+        if not isinstance(info, _PlanInfo):
+            raise TierCkptError("TierWriter.write_data got a plan its prepare_global_plan did not")
+        if info.step != s.step:
+            raise mixed("the coordinator's plan", f"step {info.step}", f"step {s.step}")
+        if s.cid is not None and info.save_id != s.save_id:
+            raise mixed("a plan", f"save {info.save_id}", f"save {s.save_id}")
+        s.info = info
+        state, results = collect_items(plan, planner, info.rank)
+        results.append(shards_result(self._save_shard(state, info, s)))
+        return results
 
-    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        step = self._require_step()
-        info = self._info
-        world = info.world_size if info is not None else len(results)
-        shards, storage = gather_reports(step, world, results)
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        s = self._saves.of_thread(WRITTEN, "finish")
+        try:
+            self._finish(s, metadata, results)
+        finally:
+            self._saves.end(s)
+
+    def _finish(self, s: SaveState, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        info = s.info
+        assert info is not None  # set by write_data (stage WRITTEN)
+        cid = CheckpointId(info.step, info.timeline)
+        shards, storage = gather_reports(cid.step, info.world_size, results, info.save_id)
         metadata.version = metadata.version or _DCP_VERSION
         metadata.storage_data = storage
-        timeline = info.timeline if info is not None else 0
         metadata.storage_meta = StorageMeta(
-            checkpoint_id=self._location(timeline), save_id=self.save_id
+            checkpoint_id=self._location(cid.step, cid.timeline), save_id=info.save_id
         )
         blob = encode_metadata(metadata)
-        cid = CheckpointId(step, timeline)
         commit_all(
             self._tiers,
             cid,
-            world,
+            info.world_size,
             shards,
             blob,
-            self._retain,
+            functools.partial(self._retain, job=s.job),
             self._unconfirmed,
             self._confirmed,
         )
+
+    def _save_ended(self, s: SaveState) -> None:
+        """``s`` is over on this rank (called once, by :class:`Saves`)."""
+        if s.counted:
+            save_ended(self)
+        if s.cid is not None:
+            with self._plan_lock:
+                last = self._last_saved
+                self._last_saved = s.cid if last is None or s.cid > last else last
 
     def _confirmed(self, tier: str, refused: BaseException | None) -> None:
         """What the check of a tier not listed when the timeline was chosen found."""
@@ -316,11 +336,6 @@ class TierWriter(PipelineOwner, StorageWriter):
             self._timeline = None  # chosen again at the next save, with that tier in view
 
     # -- internals -------------------------------------------------------------------
-    def _require_step(self) -> int:
-        if self.step is None:
-            raise ValueError("TierWriter needs a step: TierWriter(tiers, step) or checkpoint_id")
-        return self.step
-
     def _pipeline_hooks(self) -> PipelineHooks:
         # through a weak reference: the pipeline must not keep its writer alive, so that a
         # writer dropped after dcp.save (DCP's idiom: a new writer per save) is collected at
@@ -339,6 +354,7 @@ class TierWriter(PipelineOwner, StorageWriter):
         # dropped without close() after its saves (DCP's idiom: a new writer per dcp.save):
         # park the warm pipeline for the next writer of the same tiers in this process
         try:
+            self._saves.others(None)  # saves whose thread ended are over (not in _in_save)
             if not self._closed and self._pipeline is not None and park(self):
                 return
         except Exception:
@@ -350,90 +366,6 @@ class TierWriter(PipelineOwner, StorageWriter):
             if _ADOPTED.get(self._key) is self:
                 del _ADOPTED[self._key]
 
-    def _on_shard_durable(
-        self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
-    ) -> None:
-        # no manifest here: finish() on the coordinator commits once every rank is durable
-        with self._lock:
-            self._shards.setdefault(id(job), {})[tier.name] = _ShardOnTier(
-                ref, raw, stored, tier.codec.codec_id
-            )
-
-    def _save_shard(
-        self, state: dict[str, torch.Tensor], step: int, info: _PlanInfo
-    ) -> _RankShards:
-
-        self._take_over()
-        self._save_count += 1
-        tiers = [
-            t
-            for t in self._tiers
-            if t.spec.receives(step) and not (info.world_size > 1 and is_private_tier(t))
-        ]
-        for t in self._tiers:
-            if t not in tiers and t.spec.receives(step):  # once per tier (handed on, parked)
-                report_once(
-                    t.backend,
-                    "private",
-                    "DCP save skips tier %s: it is private to each process (every DCP save "
-                    "skips it; said once)",
-                    t.name,
-                    topic=DCP_PRIVATE,
-                )
-        if not tiers:
-            return _RankShards(info.rank, {}, {})
-        pipeline = self._get_pipeline()
-        plan = build_plan(state, self.chunk_bytes)
-        handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=info.timeline)
-        job = SaveJob(
-            step=step,
-            plan=plan,
-            tiers=tiers,
-            handle=handle,
-            rank=info.rank,
-            world_size=info.world_size,
-            ready_events=record_ready_events(plan),
-            metadata={},
-            attempt=info.save_id,
-            timeline=info.timeline,
-        )
-        self._job = job
-        # WriterConflict when another live writer is there
-        silent = pipeline.acquire_leases(job)
-        pipeline.submit(job)
-        if silent:  # dcp.save waits for its shards: not behind a take its store never answers
-            pipeline.give_up(
-                [(t, job, _lease_unanswered(job, t)) for t in tiers if t.name in silent]
-            )
-        # DCP's save returns once the shards are written: a tier that makes no progress for
-        # save_deadline (a short grace if it failed before) has its copy given up meanwhile,
-        # as in Checkpointer.wait(), so an outage of one tier does not hold the others'
-        pipeline.wait_job(job)
-        errors: dict[str, str] = {}
-        for t in tiers:
-            try:
-                handle.wait(t.name)
-            except CheckpointFailed as exc:
-                errors[t.name] = str(exc)
-        with self._lock:
-            done = self._shards.pop(id(job), {})
-        return _RankShards(info.rank, done, errors)
-
-    def _take_over(self) -> None:
-        """Take this writer's locations over from older, idle TierWriters of this process.
-
-        DCP's idiom is a new storage writer per ``dcp.save``. A dropped writer is normally
-        collected at once (and releases its leases), but one still referenced somewhere (a
-        traceback kept after a failed save, a debugger) would hold the lease and refuse the
-        new writer with WriterConflict. So in one process the newest writer of a location
-        wins: an older one that is not inside a save is closed (its leases released) and
-        refuses later saves; one inside a save keeps the location (WriterConflict here).
-
-        A pipeline parked by a dropped writer of the same tiers and settings is adopted (its
-        threads, host buffer and leases stay warm: no setup per save); one parked for other
-        settings on these locations is closed, releasing its leases."""
-        take_over(self)
-
     def _config(self) -> tuple[Any, ...]:
         return (
             self.policy,
@@ -444,22 +376,19 @@ class TierWriter(PipelineOwner, StorageWriter):
             self.exit_timeout_s,
         )
 
-    def _retain(self, t: Tier) -> None:
-        """Apply ``t``'s retention after a commit there, on the pipeline's thread for ``t``
-        (off the save's critical path, as :class:`~tierckpt.Checkpointer`'s): only while
-        this writer holds the location's lease, never deleting a save in flight."""
-        job = self._job
+    def _retain(self, t: Tier, job: SaveJob | None) -> None:
+        """Apply ``t``'s retention after ``job``'s save committed there, on the pipeline's
+        thread for ``t`` (off the save's critical path, as :class:`~tierckpt.Checkpointer`'s):
+        only while this writer holds the location's lease, never deleting a save in flight
+        (the steps of this writer's other saves are kept: :meth:`_protected_steps`)."""
         if self._pipeline is not None and job is not None:
             self._pipeline.retain_later(t, job)
 
-
-def _lease_unanswered(job: SaveJob, tier: Tier) -> SaveDeadlineExceeded:
-    return SaveDeadlineExceeded(
-        f"{job.id}: tier {tier.name!r} ({tier.backend.url}) did not answer this writer's lease "
-        f"take within {config.lease_wait_s():g} s (TIERCKPT_LEASE_WAIT_S): its copy of this "
-        "step is given up (never committed there) so dcp.save returns with the other tiers; "
-        "the next save tries the tier again"
-    )
+    def _protected_steps(self) -> frozenset[int]:
+        """The steps of this writer's saves in progress in this process: retention keeps
+        them (and does not sweep their shards as leftovers) until they commit or fail — an
+        overlapping save of a lower step commits after a higher one."""
+        return self._saves.steps()
 
 
 def _dist_rank() -> int:
