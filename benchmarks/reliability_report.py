@@ -453,6 +453,18 @@ FIXED += [
         ],
     ),
     (
+        "DCP: two async_save calls in flight on one reused TierWriter lost a checkpoint or "
+        "committed step 1's data as step 2 (the writer kept one save's step and plan); a "
+        "rollback after a load was refused with CheckpointExists; TierReader failed on a "
+        "newer native checkpoint instead of loading the newest DCP one",
+        "tierckpt/dcp/_saves.py, _shardjob.py, _writer.py, _commit.py, _reader.py",
+        [
+            "test_two_async_saves_in_flight_on_one_writer_both_commit_their_own_data",
+            "test_a_save_after_a_load_of_an_older_step_starts_a_new_timeline",
+            "test_the_newest_dcp_checkpoint_is_loaded_when_a_native_one_is_newer",
+        ],
+    ),
+    (
         "A plain tensor that requires grad (SAC's log_alpha) loaded without requires_grad, "
         "so an optimizer over it never stepped it",
         "tierckpt/plan.py, restore/_index.py (index field requires_grad)",
@@ -495,6 +507,8 @@ EVERYDAY_TESTS = [
     "tests/test_memory_pool_bound.py",
     "tests/test_lightning_field_fixes.py",
     "tests/test_hf_field_fixes.py",
+    "tests/test_dcp_overlap.py",
+    "tests/test_dcp_field_fixes.py",
     "tests/test_failed_copies_release_their_job.py",
     "tests/test_native_parity.py",
 ]
