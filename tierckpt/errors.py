@@ -8,9 +8,11 @@ built-in exception a caller would naturally catch (``FileNotFoundError``,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "chained",
     "BackendError",
     "CheckpointExists",
     "CheckpointFailed",
@@ -197,3 +199,16 @@ class StaleTimeline(TierCkptError, RuntimeError):
     there (that tier's retention would remove it as the older one, and a load from there
     would give the other checkpoint). The save commits on the other tiers; the next save
     chooses its timeline again, with that tier in view."""
+
+
+def chained(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception chained to it (causes and contexts), each once."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tierckpt.errors import CheckpointFailed, CheckpointSkipped
+from tierckpt.errors import CheckpointFailed, CheckpointSkipped, chained
 
 __all__ = ["SaveHandle", "TierResult"]
 
@@ -44,15 +44,8 @@ def _drop_locals(error: BaseException) -> None:
     and context too): a handle keeps its tiers' errors, the stats keep the last handles, and
     those frames held the whole save job (its plan and encoded tree, ~350 KB a save of 1,000
     tensors) for every copy that failed or was skipped. File and line stay."""
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in chained(error):
         traceback.clear_frames(e.__traceback__)
-        stack += [e.__cause__, e.__context__]
 
 
 class SaveHandle:

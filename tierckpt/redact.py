@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
-from tierckpt.errors import FormatError
+from tierckpt.errors import FormatError, chained
 
 __all__ = [
     "redact",
@@ -52,13 +52,7 @@ def scrub_exception(exc: BaseException) -> BaseException:
     botocore builds its messages from keyword arguments (``endpoint_url=...``) at
     construction, so both ``args`` and ``kwargs`` are cleaned. Returns ``exc``.
     """
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in chained(exc):
         try:
             if any(isinstance(a, str) and redact(a) != a for a in e.args):
                 e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
@@ -69,7 +63,6 @@ def scrub_exception(exc: BaseException) -> BaseException:
                         kwargs[k] = redact(v)
         except Exception:  # an exotic exception type: its message stays as it is
             pass
-        todo.extend((e.__cause__, e.__context__))
     return exc
 
 
