@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
-    "chained",
     "BackendError",
     "CheckpointExists",
     "CheckpointFailed",
@@ -202,7 +201,8 @@ class StaleTimeline(TierCkptError, RuntimeError):
 
 
 def chained(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and every exception chained to it (causes and contexts), each once."""
+    """``exc`` and every exception chained to it (causes and contexts), each once. Not in
+    ``__all__``, which lists the error classes only."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
