@@ -1,8 +1,7 @@
 """Checkpointer: save / load / wait / close — what users touch.
 
-The facade: the public API and its documentation. A save's machinery is in :mod:`._saving`
-(a base class), loads run in :mod:`._loading`, what ``guard()`` learns lives in
-:mod:`._guarded`, pins and protected steps in :mod:`._retention`."""
+The facade: the public API and its documentation. Saves are in :mod:`._saving`, loads in
+:mod:`._loading`, ``guard()`` in :mod:`._guarded`, pins and protectors in :mod:`._retention`."""
 
 from __future__ import annotations
 
@@ -352,9 +351,9 @@ class Checkpointer(SavePath):
 
     def protect_steps(self, fn: Callable[[], Iterable[int]]) -> Callable[[], None]:
         """Ask ``fn()`` at every retention which steps it must keep on every tier (an
-        integration's live pointers, e.g. Lightning's ``ModelCheckpoint`` files): those are
-        never removed. ``fn`` runs on a background thread; if it raises, that retention is
-        skipped (logged) rather than guessing. Returns a function that removes ``fn``."""
+        integration's live pointers, e.g. Lightning's ``ModelCheckpoint`` files; a load's step
+        while it is read). ``fn`` runs on a background thread; if it raises, that retention
+        is skipped (logged). Returns a function that removes ``fn``."""
         return self._protectors.add(fn)
 
     def _protected_steps(self) -> Collection[int]:
@@ -392,10 +391,10 @@ class Checkpointer(SavePath):
         The next ``save()`` after a load chooses its timeline again: a step after the newest
         committed one continues its timeline; an older or equal one starts a new timeline.
 
-        Loading the newest checkpoint beside a writer (an evaluator next to a trainer with a
-        small ``keep_last``): when retention removes the chosen checkpoint while it is being
-        read, the tiers are listed again and the newest committed one is loaded instead (up to
-        ``LOAD_ATTEMPTS`` times; all ranks together).
+        This Checkpointer's own saves keep the checkpoint a load reads until it is read. Beside
+        another process's writer (an evaluator by a trainer with a small ``keep_last``): when its
+        retention removes the chosen checkpoint mid-read, the tiers are listed again and the
+        newest is loaded instead (up to ``LOAD_ATTEMPTS`` times; all ranks together).
 
         A top-level value of ``into`` with ``state_dict()`` / ``load_state_dict()`` (DCP's
         ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
@@ -444,6 +443,7 @@ class Checkpointer(SavePath):
             forget_timeline=self._forget_timeline,
             staging=self._arena_for_load,
             prepare_load=self._peer.prepare_load if self._peer is not None else None,
+            protect=self._protectors.add,
         )
 
     def _get_read_pool(self) -> ThreadPoolExecutor:

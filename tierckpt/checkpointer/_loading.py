@@ -11,7 +11,7 @@ through pinned staging straight onto the device (:mod:`tierckpt.restore_gpu`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -80,6 +80,9 @@ class LoadContext:
     #: the host arena as it is now (None: not built yet), whose free slots a load onto a
     #: GPU stages chunks in
     staging: Callable[[], HostArena | None] | None = None
+    #: ``Checkpointer.protect_steps``: the step being read is kept from this process's own
+    #: retention while it is read (a save committing beside the load would delete it)
+    protect: Callable[[Callable[[], Iterable[int]]], Callable[[], None]] | None = None
 
 
 def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
@@ -128,6 +131,39 @@ def load(
     failed so) when retention removed the chosen checkpoint while it was being read. Every
     rank ends the load alike: all return, or all raise. ``device``: a CUDA device to restore
     onto where it has room (the device of ``Stateful`` targets), else the host."""
+    reading: set[int] = set()  # the step being read, kept from this process's retention
+    unprotect = ctx.protect(lambda: tuple(reading)) if ctx.protect is not None else None
+    try:
+        return _load_attempts(
+            ctx,
+            step,
+            into=into,
+            tier=tier,
+            map_location=map_location,
+            fallback=fallback,
+            timeline=timeline,
+            strict=strict,
+            device=device,
+            reading=reading,
+        )
+    finally:
+        if unprotect is not None:
+            unprotect()
+
+
+def _load_attempts(
+    ctx: LoadContext,
+    step: int | None,
+    *,
+    into: Any,
+    tier: str | None,
+    map_location: str | torch.device | None,
+    fallback: Literal["error", "previous"],
+    timeline: int | None,
+    strict: bool,
+    device: torch.device | None,
+    reading: set[int],
+) -> Any:
     seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
     ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
     for attempt in range(LOAD_ATTEMPTS):
@@ -143,6 +179,7 @@ def load(
                 fallback=fallback,
                 timeline=timeline,
                 device=device,
+                reading=reading,
             )
             if into is not None:  # checked here, copied once every rank's load worked
                 check_into(into, got, strict=strict)
@@ -191,9 +228,11 @@ def _load_once(
     fallback: Literal["error", "previous"],
     timeline: int | None,
     device: torch.device | None = None,
+    reading: set[int] | None = None,
 ) -> Any:
     """One listing of the tiers and one load of the step chosen from it (``into`` chooses
-    the device; the caller copies into it once every rank's load worked)."""
+    the device; the caller copies into it once every rank's load worked). The steps chosen
+    are added to ``reading`` before they are read."""
     if fallback not in ("error", "previous"):
         raise ValueError("fallback must be 'error' or 'previous'")
     ctx.forget_timeline()  # the run may have gone back: the next save decides again
@@ -236,6 +275,8 @@ def _load_once(
     try:
         # every rank must load the same checkpoint: the newest all ranks can read
         candidates = ctx.strategy.agree_on_step(candidates)
+        if reading is not None:
+            reading.update(c.step for c in candidates)
         target = target_for(into, map_location)
         if target is None and device is not None and map_location is None:
             target = DeviceTarget(device, optional=True)
