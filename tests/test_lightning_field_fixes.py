@@ -215,3 +215,30 @@ def test_after_a_rollback_an_old_pointer_loads_the_old_runs_checkpoint(tmp_path:
     got = io.load_checkpoint(str(tmp_path / "ckpts" / step12))  # run A's step-12 pointer
     assert torch.equal(got["state_dict"]["net.weight"], a_weights)
     io.close()
+
+
+def test_a_fit_whose_last_checkpoint_committed_nowhere_fails_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every save of the fit fails (a full disk): the fit trains on (each failure logged),
+    and ends with ``CheckpointFailed`` naming the lost step, not as if its state were saved —
+    as Lightning's ``AsyncCheckpointIO`` and ``TorchCheckpointIO`` raise a failed save."""
+    from tierckpt.backends.local import LocalBackend
+
+    def full(self: Any, *a: Any, **kw: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    io = _io(tmp_path)
+    callbacks = [
+        L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4)
+    ]
+    try:
+        monkeypatch.setattr(LocalBackend, "open_writer", full)
+        with pytest.raises(tierckpt.CheckpointFailed, match="step 8, was committed on no tier"):
+            _fit(tmp_path, io, 8, callbacks)
+        monkeypatch.undo()  # the disk has room again: a fit whose saves commit ends quietly
+        trainer, _ = _fit(tmp_path, io, 12, callbacks, ckpt_path=None)
+        assert trainer.global_step == 12
+        assert [c.step for c in io.checkpointer.checkpoints()][-1] == 12
+    finally:
+        io.close()

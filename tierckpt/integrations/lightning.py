@@ -42,6 +42,9 @@ How it maps Lightning onto tierckpt:
   previous run's pointers too), and those steps are kept on every tier until Lightning
   removes their pointers. With ``save_top_k=-1`` Lightning keeps every pointer, and so
   tierckpt keeps every step: use ``save_top_k=k`` for retention.
+* A failed save does not stop training (it is logged); where the fit's last checkpoint was
+  committed on no tier, :meth:`TierCkptIO.teardown` raises ``CheckpointFailed`` at the end of
+  the fit, as Lightning's ``AsyncCheckpointIO`` does.
 * Preemption: at SIGTERM Lightning ends the step with ``SIGTERMException``; Lightning's own
   ``OnExceptionCheckpoint(dirpath)`` then saves that step through this plugin, and
   :meth:`TierCkptIO.teardown` waits until it is committed on every tier before the process
@@ -58,6 +61,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -65,8 +69,9 @@ import torch
 
 from tierckpt.catalog import lineage
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import CheckpointFailed, CheckpointNotFound, TierCkptError
 from tierckpt.format import CheckpointId
+from tierckpt.handle import SaveHandle
 from tierckpt.integrations._common import closure_guard_hook, sanitize_state
 from tierckpt.integrations._same_step import Described, describe, restore
 from tierckpt.policy import TierPolicy, TierSpec
@@ -154,6 +159,8 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         # the checkpoint this plugin last stored: (step, timeline, its description); a save at
         # that step with the same tensors shares it (tierckpt.integrations._same_step)
         self._last: tuple[int, int, Described] | None = None
+        #: the newest save of this fit, checked at teardown (committed on some tier?)
+        self._newest: SaveHandle | None = None
         self._fallback = TorchCheckpointIO()
         #: folders holding this run's pointers: the steps they name are kept by retention
         self._pointer_dirs: set[str] = set()
@@ -198,6 +205,7 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             state = sanitize_state(checkpoint, unsupported=self.unsupported)
             handle = self.checkpointer.save(state, step, metadata={"lightning_path": str(path)})
             self._last = (step, handle.timeline, described)
+            self._newest = handle
             overrides = {}
         timeline = self._last[1]
         fs = get_filesystem(path)
@@ -302,9 +310,33 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         return steps
 
     def teardown(self) -> None:
-        """End of a fit: wait until every checkpoint is committed on every tier."""
+        """End of a fit: wait until every checkpoint is committed on every tier.
+
+        Raises :class:`~tierckpt.errors.CheckpointFailed` where the fit's newest checkpoint
+        was committed on no tier (every tier failed it, as when every save of the run
+        failed), as Lightning's ``AsyncCheckpointIO`` raises a failed save here: the job must
+        not end as if its final state were saved. Not while the fit is failing already (its
+        own error goes on; this one is logged)."""
         self.checkpointer.wait()
         self._remove_guard()
+        newest, self._newest = self._newest, None
+        if newest is None or not newest.tiers or any(newest.committed(t) for t in newest.tiers):
+            return
+        causes = "; ".join(f"{t}: {e}" for t, e in newest.errors.items()) or "skipped"
+        try:
+            held = [c.step for c in self.checkpointer.checkpoints()]
+            before = f"step {held[-1]}" if held else "none"
+        except TierCkptError as exc:
+            before = f"unknown ({exc})"
+        msg = (
+            f"the last checkpoint of this fit, step {newest.step}, was committed on no tier "
+            f"({causes}); the newest committed checkpoint is {before}, so a resume starts "
+            "there. Fix the tiers (each failure was logged at its save) and save again"
+        )
+        if sys.exc_info()[1] is not None:
+            log.error("%s", msg)
+            return
+        raise CheckpointFailed(msg, newest.errors)
 
     def close(self) -> None:
         """Wait for pending saves and release the checkpointer (threads, host buffer)."""
