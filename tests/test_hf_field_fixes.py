@@ -300,3 +300,29 @@ def test_stored_trainer_state_is_the_trainers_own(tmp_path: Path) -> None:
         for key in ("log_history", "total_flos", "global_step", "stateful_callbacks"):
             assert ours[key] == native[key], key
     cb.close()
+
+
+# -- 5. every save failing ---------------------------------------------------------------------
+def test_a_train_whose_last_checkpoint_committed_nowhere_fails_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every save fails (a full disk): training runs to its end (each failure logged), then
+    ``train()`` raises ``CheckpointFailed`` naming the lost step, as a failed ``torch.save`` of
+    the ``Trainer``'s own would; it returned as if the state were saved."""
+    from tierckpt.backends.local import LocalBackend
+
+    def full(self: Any, *a: Any, **kw: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    cb = _callback(tmp_path / "tier")
+    try:
+        monkeypatch.setattr(LocalBackend, "open_writer", full)
+        trainer = _trainer(tmp_path / "out", cb)
+        with pytest.raises(tierckpt.CheckpointFailed, match="step 8, was committed on no tier"):
+            trainer.train()
+        assert trainer.state.global_step == 8  # training was not stopped by the failures
+        monkeypatch.undo()
+        _trainer(tmp_path / "out2", cb).train()  # saves that commit: it ends quietly
+        assert cb.checkpointer.checkpoints()[-1].step == 8
+    finally:
+        cb.close()

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import CheckpointFailed, CheckpointNotFound, TierCkptError
+from tierckpt.handle import SaveHandle
 from tierckpt.restore import read_manifest
 from tierckpt.tree import numpy_storable
 
@@ -246,3 +247,22 @@ def write_checkpoint(ck: Checkpointer, folder: str, ident: dict[str, Any]) -> No
         )
         shutil.rmtree(folder)
     write_trainer_folder(folder, ckpt, ident)
+
+
+def lost_save(newest: SaveHandle | None, ck: Checkpointer, run: str) -> CheckpointFailed | None:
+    """Where ``newest`` (a run's last save, finished) was committed on no tier: the error that
+    ends the run (naming the newest committed checkpoint a resume starts from), else None."""
+    if newest is None or not newest.tiers or any(newest.committed(t) for t in newest.tiers):
+        return None
+    causes = "; ".join(f"{t}: {e}" for t, e in newest.errors.items()) or "skipped"
+    try:
+        held = [c.step for c in ck.checkpoints()]
+        before = f"step {held[-1]}" if held else "none"
+    except TierCkptError as exc:
+        before = f"unknown ({exc})"
+    return CheckpointFailed(
+        f"the last checkpoint of this {run}, step {newest.step}, was committed on no tier "
+        f"({causes}); the newest committed checkpoint is {before}, so a resume starts there. "
+        "Fix the tiers (each failure was logged at its save) and save again",
+        newest.errors,
+    )

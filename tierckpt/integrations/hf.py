@@ -15,18 +15,16 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
     trainer.train(resume_from_checkpoint=cb.materialize("out"))
 
-On each save (whenever the ``Trainer`` would save: every event that sets
-``control.should_save``, so ``save_strategy="steps"``, ``"epoch"`` and ``"best"``, and the end
-of training) the callback starts ``Checkpointer.save()`` with the model, optimizer and
-scheduler state, the ``TrainerState`` and every RNG state, and returns at once; the optimizer
-waits only if the copy is still unfinished at the next update. The save starts where the
-``Trainer``'s own would, after it logged and evaluated that step (before the next update), so
-the stored ``TrainerState`` holds the step's log entry and metrics; ``total_flos`` too where
-the step is logged (else it lacks the flos since the last log, which the ``Trainer`` adds at
-its own save only). Two save events of one step (step end and epoch end) share a checkpoint:
-no update runs between them. Each ``train()`` saves its own steps: a callback reused for a new
-run saves them again, on a new timeline where a step was saved before. With
-``replace_hf_save=True`` (default) it also tells the ``Trainer`` to skip its own synchronous
+On each save (every event that sets ``control.should_save``: ``save_strategy="steps"``,
+``"epoch"``, ``"best"``, the end of training) the callback starts ``Checkpointer.save()`` of
+the model, optimizer and scheduler state, the ``TrainerState`` and every RNG state, and returns
+at once; the optimizer waits only for a copy unfinished at the next update. The save starts
+where the ``Trainer``'s own would, after it logged and evaluated that step, so the stored
+``TrainerState`` holds the step's log entry and metrics (``total_flos`` only where the step is
+logged). Two save events of one step share a checkpoint. Each ``train()`` saves its own steps
+(a reused callback saves them again, on a new timeline). A failed save is logged and training
+goes on; a ``train()`` whose last checkpoint was committed on no tier ends with
+``CheckpointFailed``. ``replace_hf_save=True`` (default) makes the ``Trainer`` skip its own
 ``torch.save`` of the same state; set it False to keep both.
 
 ``load_best_model_at_end=True`` works as with the ``Trainer``'s own saves: the callback tracks
@@ -69,9 +67,11 @@ import torch
 
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.errors import CheckpointNotFound
+from tierckpt.handle import SaveHandle
 from tierckpt.integrations._common import (
     checkpoint_identity,
     folder_holds,
+    lost_save,
     rng_states,
     sanitize_state,
     set_rng_states,
@@ -141,8 +141,8 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         self._pending_until: str | None = None
         #: the Trainer's output_dir (absolute), recorded with each save
         self._output_dir: str | None = None
-        #: whether the best checkpoint was materialized for the Trainer's load at the end
-        self._best_ready = False
+        self._best_ready = False  # the best checkpoint materialized for the Trainer's load
+        self._newest: SaveHandle | None = None  # this train()'s last save, checked at its end
         #: the best step before the newest best (unpinned once the new one is pinned)
         self._previous_best: int | None = None
         self._stop_signals: tuple[int, ...] = (
@@ -288,6 +288,10 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
                 best = self.checkpointer.load(int(best_step))
                 model.load_state_dict(best["model"], strict=False)
         self._best_ready = False
+        newest, self._newest = self._newest, None
+        lost = lost_save(newest, self.checkpointer, "train()")  # as a failed torch.save would
+        if lost is not None:
+            raise lost
 
     # -- the best checkpoint (load_best_model_at_end) -------------------------------------------
     def _track_best(
@@ -386,9 +390,8 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         meta = {"framework": "transformers", "save_id": uuid.uuid4().hex}
         if self._output_dir is not None:
             meta["output_dir"] = self._output_dir
-        self.checkpointer.save(
-            sanitize_state(ckpt, unsupported=self.unsupported), step, metadata=meta
-        )
+        clean = sanitize_state(ckpt, unsupported=self.unsupported)
+        self._newest = self.checkpointer.save(clean, step, metadata=meta)
         self._saved.add(step)
 
     # -- resuming -------------------------------------------------------------------------------

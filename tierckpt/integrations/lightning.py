@@ -69,10 +69,10 @@ import torch
 
 from tierckpt.catalog import lineage
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.errors import CheckpointFailed, CheckpointNotFound, TierCkptError
+from tierckpt.errors import CheckpointNotFound
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle
-from tierckpt.integrations._common import closure_guard_hook, sanitize_state
+from tierckpt.integrations._common import closure_guard_hook, lost_save, sanitize_state
 from tierckpt.integrations._same_step import Described, describe, restore
 from tierckpt.policy import TierPolicy, TierSpec
 
@@ -320,23 +320,11 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         self.checkpointer.wait()
         self._remove_guard()
         newest, self._newest = self._newest, None
-        if newest is None or not newest.tiers or any(newest.committed(t) for t in newest.tiers):
-            return
-        causes = "; ".join(f"{t}: {e}" for t, e in newest.errors.items()) or "skipped"
-        try:
-            held = [c.step for c in self.checkpointer.checkpoints()]
-            before = f"step {held[-1]}" if held else "none"
-        except TierCkptError as exc:
-            before = f"unknown ({exc})"
-        msg = (
-            f"the last checkpoint of this fit, step {newest.step}, was committed on no tier "
-            f"({causes}); the newest committed checkpoint is {before}, so a resume starts "
-            "there. Fix the tiers (each failure was logged at its save) and save again"
-        )
-        if sys.exc_info()[1] is not None:
-            log.error("%s", msg)
-            return
-        raise CheckpointFailed(msg, newest.errors)
+        lost = lost_save(newest, self.checkpointer, "fit")
+        if lost is not None and sys.exc_info()[1] is not None:
+            log.error("%s", lost)
+        elif lost is not None:
+            raise lost
 
     def close(self) -> None:
         """Wait for pending saves and release the checkpointer (threads, host buffer)."""
