@@ -4,7 +4,8 @@ A rank's tensors are stored as *storage spans*: for every storage the state refe
 smallest byte range covering all tensors that view it. A span is copied as plain bytes, so
 non-contiguous tensors (transposed, strided slices) need no temporary on the device, and two
 views of one storage stay views of one storage after loading. Spans are laid end to end in a
-logical byte stream, grouped by dtype, and the stream is cut into chunks of about
+logical byte stream, grouped by dtype (a group's spans whose size is a multiple of
+:data:`SPAN_ALIGN` first, so each starts aligned), and the stream is cut into chunks of about
 ``chunk_bytes``: many small tensors share a chunk (one copy), a large one spans several.
 """
 
@@ -22,6 +23,7 @@ from tierckpt.format import EncodedTable
 from tierckpt.tree import dtype_name, encode_tree
 
 __all__ = [
+    "SPAN_ALIGN",
     "ChunkPlan",
     "CollectedState",
     "Piece",
@@ -35,6 +37,16 @@ __all__ = [
 
 #: start of a span is aligned down to this when tensors of different dtypes share a storage
 _MIXED_ALIGN = 16
+#: within a dtype group, the spans whose size is a multiple of this come first (in order of
+#: appearance), then the others (largest first): every span of the first kind, and the first
+#: of the others, starts at a multiple of it from the group's start, which is a chunk's start,
+#: at a multiple of 4096 in the file, as are the chunk starts after it (``chunk_bytes``
+#: apart). 16 is the largest itemsize (complex128) and what a node-RAM restore needs to map a
+#: storage rather than copy it (``noderam_map.MAP_ALIGNMENT``): in order of appearance, one
+#: 4-byte Adam ``step`` before the fp32 moments left every later fp32 span unaligned, so the
+#: whole optimizer state was copied. An order, not padding: the stream stays gapless (readers
+#: before this handle gaps only partly), no byte is added
+SPAN_ALIGN = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,14 +292,9 @@ def layout_plan(collected: CollectedState, chunk_bytes: int) -> ShardLayout:
 
     spans: list[SpanPlan] = []
     sources: list[torch.Tensor] = []
-    # order spans by dtype (first appearance) so chunks hold one dtype each
-    order = sorted(groups.values(), key=lambda g: str(tensors[g[0]].dtype))
     first_seen: dict[str, int] = {}
-    for g in groups.values():
-        first_seen.setdefault(str(tensors[g[0]].dtype), len(first_seen))
-    order.sort(key=lambda g: first_seen[str(tensors[g[0]].dtype)])
-    logical = 0
-    for members in order:
+    laid: list[tuple[tuple[int, bool, int], list[int], list[tuple[int, int]], int, int]] = []
+    for members in groups.values():
         ranges = [_extent(tensors[i]) for i in members]
         start = min(r[0] for r in ranges)
         end = max(r[1] for r in ranges)
@@ -295,6 +302,14 @@ def layout_plan(collected: CollectedState, chunk_bytes: int) -> ShardLayout:
             (r[0] - start) % tensors[i].element_size() for i, r in zip(members, ranges, strict=True)
         ):
             start -= start % _MIXED_ALIGN
+        group = first_seen.setdefault(str(tensors[members[0]].dtype), len(first_seen))
+        odd = (end - start) % SPAN_ALIGN != 0
+        laid.append(((group, odd, start - end if odd else 0), members, ranges, start, end))
+    # by dtype (first appearance) so chunks hold one dtype each; in a group, the spans of a
+    # size that keeps the next one aligned first (see SPAN_ALIGN; a stable sort)
+    laid.sort(key=lambda x: x[0])
+    logical = 0
+    for _key, members, ranges, start, end in laid:
         span_idx = len(spans)
         lead = tensors[members[0]]
         spans.append(SpanPlan(logical, end - start, dtype_name(lead.dtype)))
