@@ -138,8 +138,7 @@ class Checkpointer(SavePath):
             self._stats.add_event_callback(self._peer.on_event)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
-        #: callables naming steps retention must keep (protect_steps)
-        self._protectors = Protectors()
+        self._protectors = Protectors()  # callables naming steps retention must keep
         # last: nothing after this may fail and leave the arena's thread behind
         self._start_arena_prebuild()
 
@@ -444,6 +443,7 @@ class Checkpointer(SavePath):
             staging=self._arena_for_load,
             prepare_load=self._peer.prepare_load if self._peer is not None else None,
             protect=self._protectors.add,
+            protected_steps=self._protectors.steps,
         )
 
     def _get_read_pool(self) -> ThreadPoolExecutor:

@@ -11,7 +11,7 @@ through pinned staging straight onto the device (:mod:`tierckpt.restore_gpu`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,6 +39,7 @@ from tierckpt.errors import (
     WorldSizeMismatch,
 )
 from tierckpt.format import CheckpointId, manifest_name
+from tierckpt.lease import judge_holder, lease_name, list_leases
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
 from tierckpt.restore import (
@@ -51,6 +52,7 @@ from tierckpt.restore import (
     start_tail,
 )
 from tierckpt.restore_gpu import DeviceTarget, read_shard_to_device, target_for
+from tierckpt.retention import gc_tier
 
 __all__ = ["LOAD_ATTEMPTS", "LoadContext", "list_checkpoints", "list_each_tier", "load"]
 
@@ -83,6 +85,9 @@ class LoadContext:
     #: ``Checkpointer.protect_steps``: the step being read is kept from this process's own
     #: retention while it is read (a save committing beside the load would delete it)
     protect: Callable[[Callable[[], Iterable[int]]], Callable[[], None]] | None = None
+    #: the steps retention keeps besides the rules (``protect_steps``, pins aside): applied
+    #: when a load's copies to faster tiers commit there (:func:`retain_repopulated`)
+    protected_steps: Callable[[], Collection[int]] = frozenset
 
 
 def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
@@ -287,6 +292,8 @@ def _load_once(
             # once every rank's file is in: a collective, reached by every rank whether its
             # load worked or not
             ctx.strategy.publish_repopulated(got)
+        if got is not None and got.repopulated:
+            retain_repopulated(ctx, got)
     except CheckpointNotFound as exc:
         if unlisted:  # a readable copy may be on a tier that could not be listed
             if any(step is None or c.step == step for c in all_ids):
@@ -301,6 +308,40 @@ def _load_once(
     if on_target or map_location is None:
         return got.state
     return to_device(got.state, torch.device(map_location))
+
+
+def retain_repopulated(ctx: LoadContext, loaded: LoadedShard) -> None:
+    """Apply the rules of each tier a load copied its checkpoint onto (``repopulate``): that
+    copy committed there, and a process that only loads (an evaluator with a local cache in
+    front of S3) never saves, so no commit of its own would ever apply them: it kept every
+    checkpoint it loaded. The loaded one is kept; a tier a live writer holds is left to that
+    writer's retention (a trainer sharing the folder, this process once it saves), and so is
+    a multi-rank job's (its retention is per rank, after its own commits)."""
+    if ctx.world_size != 1:
+        return
+    for tier in ctx.tiers:
+        backend = tier.backend
+        if backend not in loaded.repopulated:
+            continue
+        try:
+            held = [
+                rec is None or judge_holder(backend, lease_name(rank), rec)[0]
+                for rank, rec, _why in list_leases(backend)
+            ]
+            if any(held):
+                continue  # a writer's own retention runs after its next commit
+            gone = gc_tier(
+                backend,
+                tier.spec.retention,
+                protect={loaded.manifest.id},
+                protect_steps=ctx.protected_steps(),
+                sweep=False,  # leftovers of writers are their business, or gc's
+            )
+        except (OSError, TierCkptError) as exc:
+            log.warning("retention on tier %s after a load's copy failed: %s", tier.name, exc)
+            continue
+        if gone:
+            log.info("tier %s: removed %s after the load's copy", tier.name, steps_of(gone))
 
 
 def _load_candidates(
