@@ -257,8 +257,9 @@ def test_a_store_that_keeps_failing_gets_max_attempts_reads(
         gets = [r for r in proxy.requests if r.method == "GET"]
         backend.close()
     assert not isinstance(err.value, AssertionError)
-    # attempt 1 direct; attempt 2 obstore, which retries inside object_store (max_attempts - 1)
-    assert len(gets) == 1 + 2
+    # attempt 1 direct; attempt 2 obstore, without object_store's own retries (they made it
+    # max_attempts attempts on the store per attempt here: 1 + 2 GETs)
+    assert len(gets) == 2
 
 
 def test_off_where_obstore_would_send_other_requests(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from tierckpt.backends.base import Backend, Range
 from tierckpt.backends.objstore._direct import Unusable
-from tierckpt.backends.objstore._errors import short
+from tierckpt.backends.objstore._errors import backoff, short, transient
 from tierckpt.backends.objstore._spread import _Spread
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 
@@ -44,7 +44,9 @@ def fetch(backend: Any, key: str, pieces: list[Range]) -> None:
     concurrently (one Rust call, GIL released) and each copied into its view; a single range
     (a load's scatter reads) read straight into its view: on the first attempt by the direct
     reads where the backend has them (:mod:`._direct`), else streamed (:func:`stream_into`). A
-    failed read is made again, up to ``max_attempts`` times."""
+    failed read is made again, up to ``max_attempts`` times in all: each attempt is sent on
+    the store without object_store's own retries (on the retrying store a store that stopped
+    answering cost ``max_attempts`` squared timeouts per read, not ``max_attempts``)."""
     import obstore
 
     where = backend._where(key)
@@ -56,11 +58,9 @@ def fetch(backend: Any, key: str, pieces: list[Range]) -> None:
                 view = pieces[0][1]
                 if attempt == 1 and _direct(backend, key, starts[0], view, where):
                     return
-                stream_into(obstore, backend._store, key, starts[0], view, where)
+                stream_into(obstore, backend._once, key, starts[0], view, where)
                 return
-            got = obstore.get_ranges(
-                backend._store, key, starts=starts, lengths=lengths, coalesce=0
-            )
+            got = obstore.get_ranges(backend._once, key, starts=starts, lengths=lengths, coalesce=0)
         except Exception as exc:
             err = backend._translate(exc, "read", where)
             if (
@@ -71,6 +71,7 @@ def fetch(backend: Any, key: str, pieces: list[Range]) -> None:
             if attempt == 1:
                 _check_end(backend, obstore, key, starts[-1] + lengths[-1], err)
             log.debug("%s: ranged read failed (%s); again", where, short(exc))
+            backoff(attempt)
             continue
         for (start, view), part in zip(pieces, got, strict=True):
             n = len(part)
@@ -159,6 +160,8 @@ def read_tail(backend: Any, name: str, length: int) -> tuple[int, bytes]:
     except CheckpointNotFound:
         raise
     except (FormatError, BackendError) as exc:
+        if exc.__cause__ is not None and transient(exc.__cause__):
+            raise  # no answer after every attempt (a timeout, 5xx): asking again would wait again
         # an empty object has no suffix to satisfy (416); some stores answer a suffix
         # longer than the object with all of it, unasked (moto): HEAD and ranged GET
         log.debug("%s: suffix read failed (%s); HEAD and read", backend._where(key), exc)
