@@ -185,10 +185,17 @@ class ChunkReader:
             return rec.stored_size
         if codec.is_passthrough and parts is not None and self.scatter:
             # across spans, raw: scatter the read into every storage it touches
-            views = [
-                self._dest(si, a, b) if si >= 0 else self.scratch.get("gap", b - a)
-                for si, a, b in parts  # a gap: bytes no storage holds, read, checked, dropped
-            ]
+            # a gap: bytes no storage holds, read, checked, dropped; each its own part of one
+            # buffer (one buffer for every gap made them overwrite each other before the
+            # checksum saw them: a chunk with two gaps of different bytes never verified)
+            gaps = self.scratch.get("gap", sum(b - a for si, a, b in parts if si < 0))
+            views, at = [], 0
+            for si, a, b in parts:
+                if si >= 0:
+                    views.append(self._dest(si, a, b))
+                else:
+                    views.append(gaps[at : at + b - a])
+                    at += b - a
             read_verified_pieces(
                 self.backend, self.file, rec, ci, views, tier=self.tier, where=self.where
             )
