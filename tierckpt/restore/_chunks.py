@@ -188,7 +188,8 @@ class ChunkReader:
             # a gap: bytes no storage holds, read, checked, dropped; each its own part of one
             # buffer (one buffer for every gap made them overwrite each other before the
             # checksum saw them: a chunk with two gaps of different bytes never verified)
-            gaps = self.scratch.get("gap", sum(b - a for si, a, b in parts if si < 0))
+            gap = sum(b - a for si, a, b in parts if si < 0)
+            gaps = self.scratch.get("gap", gap) if gap else memoryview(b"")
             views, at = [], 0
             for si, a, b in parts:
                 if si >= 0:
