@@ -73,6 +73,18 @@ def _check_into(target: Any, loaded: Any, path: str, strict: bool, skipped: list
                     else ""
                 )
             )
+        if target.is_meta:  # copy_ into it does nothing, silently
+            raise StateMismatch(
+                f"{path}: the target tensor is on the meta device (it has no memory to load "
+                "into): materialize the model first (model.to_empty(device=...)), or load "
+                "without into= and use load_state_dict(..., assign=True)"
+            )
+        if target.numel() > 1 and torch._debug_has_internal_overlap(target) == 1:
+            raise StateMismatch(
+                f"{path}: the target tensor's elements share memory (an expand()ed or "
+                "as_strided view), so it cannot hold the checkpoint's values: give it a tensor "
+                "of its own (x.clone())"
+            )
         return
     if isinstance(target, np.ndarray):
         if not isinstance(loaded, np.ndarray):
