@@ -250,6 +250,7 @@ LAYERS: dict[str, int] = {
             "lease_refusal",
             "liveness",
             "retention",
+            "retention_scan",
             "policy",
             "locations",
             "urls",

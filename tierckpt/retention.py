@@ -27,10 +27,13 @@ from writers killed before this one took the tier and from this process's own fa
 (no other writer runs under its lease). So the sweep (a listing of the objects and one of the
 unfinished uploads) runs at this writer's first pass on a backend and after each failed save
 (:func:`note_failed_save`) until one spares nothing, whatever the rules (a killed writer's
-uploads are billed storage). Otherwise a pass lists the tier only if its rules may remove one,
-and then once: that listing of every object gives the manifests, the pins and the files to
-delete; after a pass that kept ``MANIFESTS_FIRST`` or more and removed none, the next asks the
-manifests alone first. ``sweep=True`` (``tierckpt gc``) always sweeps fully.
+uploads are billed storage). Otherwise a pass lists the tier only if its rules may remove one:
+while a listing of every object is short (one page on S3), that one listing gives the
+manifests, the pins and the files to delete (after a pass that kept ``MANIFESTS_FIRST`` or more
+and removed none, the next asks the manifests alone first); past that, the pass lists the
+manifests and finds each checkpoint it deletes from its manifest, listing only that
+checkpoint's folders, and a full sweep follows every so many such passes
+(:mod:`tierckpt.retention_scan`). ``sweep=True`` (``tierckpt gc``) always sweeps fully.
 """
 
 from __future__ import annotations
@@ -53,12 +56,18 @@ from tierckpt.format import (
     CheckpointId,
     decode_manifest,
     manifest_name,
-    parse_data_folder,
     parse_manifest_id,
-    step_prefix,
 )
-from tierckpt.layout import data_folder_part
 from tierckpt.reported import RETENTION, report_once
+from tierckpt.retention_scan import (
+    ScanState,
+    checkpoint_folders,
+    delete_in_folders,
+    delete_listed,
+    has_upload,
+    scan_state,
+    sweep_leftovers,
+)
 from tierckpt.sweep import SWEEP_LOCK, Listing, note_failed_save, sweep_state
 
 __all__ = [
@@ -324,24 +333,9 @@ def delete_checkpoint(
     ``listing``: the pass's listings, reused (default: list now). ``uploads=False``: its
     writes are known to have finished (a commit of this process, no failure since), so its
     unfinished uploads are not looked for."""
-    listing = listing if listing is not None else Listing(backend)
-    backend.delete(manifest_name(cid.step, timeline=cid.timeline))
-    prefix = step_prefix(cid.step, timeline=cid.timeline)
-    # format v1 keeps a step's files in one folder; v2 (tierckpt.layout) also under hashed
-    # prefixes <hh>/ whose number may have changed between runs: one listing of the tier
-    # finds both
-    folders = {prefix}
-    for name in listing.objects():
-        if data_folder_part(name).startswith(prefix):
-            backend.delete(name)
-            folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
-    if not uploads:
-        return
-    for name in listing.uploads():
-        if data_folder_part(name).startswith(prefix):
-            folders.add(name[: len(name) - len(data_folder_part(name))] + prefix)
-    for folder in sorted(folders):
-        backend.cleanup_incomplete(folder)
+    delete_listed(
+        backend, cid, listing if listing is not None else Listing(backend), uploads=uploads
+    )
 
 
 def delete_step(backend: Backend, step: int, *, timeline: int = 0) -> None:
@@ -366,59 +360,81 @@ def gc_tier(
     still be running) and not pinned. ``protect_steps``: steps kept on any timeline (an
     integration's live pointers). ``sweep``: True, look for leftovers of saves that never
     committed (and unfinished uploads) every time; None, only when this process has not
-    swept ``backend`` clean since it started using it or since :func:`note_failed_save`.
+    swept ``backend`` clean since it started using it or since :func:`note_failed_save`,
+    or after many passes that deleted from scoped listings (:mod:`tierckpt.retention_scan`).
     """
     rule = keep_last if isinstance(keep_last, Retention) else Retention(keep_last=keep_last)
-    state = sweep_state(backend)
+    state, scan = sweep_state(backend), scan_state(backend)
     with SWEEP_LOCK:
         failures = state.failures
         if sweep is None:
-            sweep = not state.clean
+            sweep = not state.clean or scan.sweep_due()
         # a sweep looks for unfinished uploads too, whatever the rules: a killed writer's
         # parts are billed storage that nothing else would ever remove
         uploads = sweep
+        # a listing of every object finds the files of what goes while it is short
+        full = sweep or scan.lists_everything(backend.is_remote)
     in_flight = set(protect)
     deleted: list[CheckpointId] = []
     many = state.kept_all >= MANIFESTS_FIRST  # and nothing removed: ask the manifests first
+    listed = None if sweep or not rule.removes or (full and not many) else _manifests(backend)
     if not sweep and (
         not rule.removes
-        or (many and not _rules_remove_any(backend, rule, protect, set(protect_steps)))
+        or (many and not _rules_remove_any(backend, rule, listed, protect, set(protect_steps)))
     ):
+        _scanned(scan, listed, deleted, scoped=False)
         return deleted
     listing = Listing(backend)
-    # one listing of the whole tier serves the pass: what is committed, the pins, the data
-    names = listing.objects()
-    committed = manifest_ids(names)
+    # one listing of the whole tier serves the pass (what is committed, the pins, the data),
+    # or, for a tier past one page of it, the manifests and each deleted checkpoint's folders
+    names = listing.objects() if full else []
+    committed = manifest_ids(names) if full or listed is None else listed
+    if full:
+        with SWEEP_LOCK:
+            scan.per_checkpoint = len(names) / max(1, len(committed))
     if protect_steps:
         steps = set(protect_steps)
         # leftovers are looked at only while sweeping: only then their ids are needed
         pool = [*committed, *(listing.data_ids(uploads) if sweep else ())]
         protect = {*protect, *(c for c in pool if c.step in steps)}
     if not committed:
+        _scanned(scan, committed, deleted, scoped=False)
         return deleted
     newest = committed[-1]
     if rule.removes:
         keep = _kept_by_rules(backend, committed, rule)
         if any(c not in keep and c not in protect for c in committed):
-            keep |= set(_pinned_in(names))  # read only when something is about to go
+            # read only when something is about to go
+            keep |= set(_pinned_in(names) if full else pinned_ids(backend))
         for cid in committed:
             if cid in keep or cid == newest or cid in protect:
                 continue
-            delete_checkpoint(backend, cid, listing=listing, uploads=sweep or cid in state.stale)
+            up = sweep or cid in state.stale
+            folders = None if full or up else checkpoint_folders(backend, cid)
+            if folders is not None and not scan.scoped_pays(len(folders), backend.is_remote):
+                folders = None  # fewer requests in the listing of every object
+            if folders is None:
+                delete_checkpoint(backend, cid, listing=listing, uploads=up)
+            else:
+                delete_in_folders(backend, cid, folders)
             _forget(backend, cid)
             state.stale.discard(cid)
             deleted.append(cid)
         protect = {*protect, *keep}
     if sweep:
-        clean = _sweep(backend, committed, newest, protect, in_flight, listing, deleted, uploads)
+        clean = sweep_leftovers(
+            backend, committed, newest, protect, in_flight, listing, deleted, uploads
+        )
         with SWEEP_LOCK:
             # a save that failed while this pass ran marked it unclean: that stays
             state.clean = clean and state.failures == failures
+            scan.scoped = 0
             if uploads:
                 state.stale = {
-                    c for c in committed if c not in deleted and _has_upload(listing.uploads(), c)
+                    c for c in committed if c not in deleted and has_upload(listing.uploads(), c)
                 }
     state.kept_all = 0 if deleted else len(committed)
+    _scanned(scan, committed, deleted, scoped=not full)
     if deleted:
         log.debug("gc on %s removed %s", backend.url, ", ".join(map(str, deleted)))
     return deleted
@@ -428,73 +444,38 @@ def gc_tier(
 MANIFESTS_FIRST = 64
 
 
+def _manifests(backend: Backend) -> list[CheckpointId]:
+    return manifest_ids(backend.list(f"{MANIFEST_DIR}/"))
+
+
+def _scanned(
+    scan: ScanState,
+    committed: list[CheckpointId] | None,
+    deleted: list[CheckpointId],
+    *,
+    scoped: bool,
+) -> None:
+    """Note what a pass saw: the checkpoints it left, and whether it deleted from scoped
+    listings (after :data:`~tierckpt.retention_scan.FULL_SWEEP_EVERY` of those, a sweep)."""
+    with SWEEP_LOCK:
+        if committed is not None:
+            gone = set(deleted)
+            scan.committed = sum(c not in gone for c in committed)
+        scan.scoped += scoped and bool(deleted)
+
+
 def _rules_remove_any(
-    backend: Backend, rule: Retention, protect: Collection[CheckpointId], steps: Collection[int]
+    backend: Backend,
+    rule: Retention,
+    committed: list[CheckpointId] | None,
+    protect: Collection[CheckpointId],
+    steps: Collection[int],
 ) -> bool:
-    """Whether ``rule`` removes a committed checkpoint, from the manifests alone (rules that
-    keep all of 1,100 checkpoints on S3 listed every object at each save: 35x slower)."""
-    committed = manifest_ids(backend.list(f"{MANIFEST_DIR}/"))
+    """Whether ``rule`` removes one of ``committed`` (default: list the manifests), from the
+    manifests alone (rules that keep all of 1,100 checkpoints on S3 listed every object at
+    each save: 35x slower)."""
+    committed = _manifests(backend) if committed is None else committed
     if not committed:
         return False
     keep = _kept_by_rules(backend, committed, rule)
     return any(c not in keep and c not in protect and c.step not in steps for c in committed)
-
-
-def _has_upload(uploads: list[str], cid: CheckpointId) -> bool:
-    prefix = step_prefix(cid.step, timeline=cid.timeline)
-    return any(data_folder_part(n).startswith(prefix) for n in uploads)
-
-
-def _sweep(
-    backend: Backend,
-    committed: list[CheckpointId],
-    newest: CheckpointId,
-    protect: Collection[CheckpointId],
-    in_flight: Collection[CheckpointId],
-    listing: Listing,
-    deleted: list[CheckpointId],
-    uploads: bool,
-) -> bool:
-    """Remove the leftovers of saves that never committed; appends them to ``deleted``.
-    Returns whether none was spared (newer than ``newest``, pinned, a protected step: a later
-    sweep removes them); the saves of this process in flight (``in_flight``) do not count,
-    as their failure is noted (:func:`note_failed_save`)."""
-    clean = True
-    committed_set = set(committed)
-    for cid in listing.data_ids(uploads):
-        if cid in committed_set or cid in in_flight:
-            continue
-        if cid < newest and cid not in protect:
-            # a save that never committed (killed, failed): its leftovers go
-            delete_checkpoint(backend, cid, listing=listing, uploads=uploads)
-            deleted.append(cid)
-        else:
-            clean = False
-    for name in listing.uploads() if uploads else ():
-        # a manifest put killed halfway leaves a temporary file: dead once a newer one is in
-        pending = parse_manifest_id(name) if name.startswith(f"{MANIFEST_DIR}/") else None
-        under = pending if pending is not None else parse_data_folder(name)
-        if under in committed_set:
-            # an unfinished file under a committed checkpoint (a writer killed midway: a
-            # shard file, a rank record, a peer pull or receive): the checkpoint's folder
-            # may still be written (another rank's pull into it, this process's own), so
-            # only what the store proves dead goes (a local file no live writer holds the
-            # lock of); S3's uploads there go with the checkpoint (``state.stale``)
-            if backend.remove_dead_incomplete(name):
-                clean = False  # a live writer's: looked at again by a later sweep
-            continue
-        if pending is None:
-            # an unfinished file of a save not committed that is newer than the newest (or in
-            # flight, or protected): a killed writer's goes now, as the store proves it dead.
-            # Left there, it filled a node-RAM budget or a disk that the retry of that step
-            # needed, and every later save failed
-            if under is not None and backend.remove_dead_incomplete(name):
-                clean = False
-            continue
-        if pending in in_flight:
-            continue
-        if pending < newest and pending not in protect:
-            backend.cleanup_incomplete(name)
-        elif pending not in committed_set:
-            clean = False
-    return clean
