@@ -203,24 +203,63 @@ def _load_attempts(
             if worst == 1 and step is None and not last:
                 log.info("load: a rank's chosen step vanished (retention?); listing again")
                 continue  # the newest again, on every rank together
-            if error is not None:
-                raise error
-            raise (CheckpointNotFound if worst == 1 else TierCkptError)(
-                f"rank {ctx.rank} loaded its shard, but another rank's load failed (see its "
-                "error): the load fails on every rank, so that none goes on alone"
-            )
+            if error is None:
+                error = (CheckpointNotFound if worst == 1 else TierCkptError)(
+                    f"rank {ctx.rank} loaded its shard, but another rank's load failed (see "
+                    "its error): the load fails on every rank, so that none goes on alone"
+                )
+            raise _committed_yet_unread(ctx, error, step, timeline, tier)
         assert error is not None  # one rank: the outcome is its own
         if code != 1 or step is not None or last:
-            raise error
+            raise _committed_yet_unread(ctx, error, step, timeline, tier)
         try:
             newest = max(list_checkpoints(ctx, tier), default=None)
         except TierCkptError:
             newest = None
-        if newest is None or newest == seen:
-            raise error  # nothing newer appeared: the step is really unreadable
+        if newest is None or newest == seen:  # nothing newer appeared: really unreadable
+            raise _committed_yet_unread(ctx, error, step, timeline, tier)
         seen = newest
         log.info("load: the chosen step vanished (retention?); listing again")
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _committed_yet_unread(
+    ctx: LoadContext,
+    error: BaseException,
+    step: int | None,
+    timeline: int | None,
+    tier: str | None,
+) -> BaseException:
+    """The error a failed load raises. ``CheckpointNotFound`` says that nothing is committed
+    (the ``except CheckpointNotFound: start from scratch`` idiom, whose saves on a new timeline
+    then let retention delete the run's checkpoints): where the checkpoint asked for is
+    committed on a tier but no rank or tier could read it whole (a shard file missing or
+    damaged on one rank), :class:`CorruptCheckpoint` instead, naming the older committed
+    steps and how to load them."""
+    if not isinstance(error, CheckpointNotFound):
+        return error
+    try:
+        ids = list_checkpoints(ctx, tier)
+    except TierCkptError:
+        return error
+    ids = [c for c in ids if timeline is None or c.timeline == timeline]
+    held = [c for c in ids if step is None or c.step == step]
+    if not held:
+        return error
+    older = steps_of([c for c in ids if c < held[-1]])[-10:]
+    out = CorruptCheckpoint(
+        f"checkpoint {held[-1]} is committed but could not be read (damaged, or deleted while "
+        f"it was read): {error}. "
+        + (
+            f"Older committed steps: {older}; load(fallback='previous') loads the newest one "
+            "every rank can read"
+            if older
+            else "No older checkpoint is committed"
+        )
+        + "; `tierckpt verify <url> --step N` says what is damaged"
+    )
+    out.__cause__ = error
+    return out
 
 
 def _load_once(
