@@ -178,3 +178,16 @@ def test_every_error_is_in_the_family() -> None:
         assert issubclass(cls, TierCkptError)
     assert issubclass(UnsupportedObject, TypeError)
     assert issubclass(CorruptChunk, ValueError)
+
+
+def test_a_file_that_cannot_be_read_is_not_called_unwritable() -> None:
+    """EACCES on a read said "not writable by this user ... give the tier a writable
+    folder", sending the operator to the wrong fix."""
+    import errno as _errno
+
+    from tierckpt.backends.local import _os_error
+
+    denied = PermissionError(_errno.EACCES, "Permission denied")
+    read = str(_os_error("/ck", "de/steps/1/rank-000000.tck", "open", denied))
+    assert "not readable by this user" in read and "writable" not in read
+    assert "not writable by this user" in str(_os_error("/ck", "x", "create", denied))

@@ -75,6 +75,11 @@ def _os_error(url: str, name: str, what: str, exc: OSError) -> BackendError:
         hint = " (disk full: free space or lower keep_last)"
     elif exc.errno == errno.EROFS:
         hint = " (the location is read-only: a read-only mount; give the tier a writable folder)"
+    elif exc.errno in (errno.EACCES, errno.EPERM) and what in ("open", "read"):
+        hint = (
+            " (not readable by this user: check the file's and its folders' owner and mode, "
+            "or read as the user that wrote it)"
+        )
     elif exc.errno in (errno.EACCES, errno.EPERM):
         hint = (
             " (not writable by this user: the folder is read-only or owned by someone else; "
