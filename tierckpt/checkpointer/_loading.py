@@ -139,87 +139,60 @@ def load(
     reading: set[int] = set()  # the step being read, kept from this process's retention
     unprotect = ctx.protect(lambda: tuple(reading)) if ctx.protect is not None else None
     try:
-        return _load_attempts(
-            ctx,
-            step,
-            into=into,
-            tier=tier,
-            map_location=map_location,
-            fallback=fallback,
-            timeline=timeline,
-            strict=strict,
-            device=device,
-            reading=reading,
-        )
+        seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
+        ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
+        for attempt in range(LOAD_ATTEMPTS):
+            got: Any = None
+            error: BaseException | None = None
+            try:
+                got = _load_once(
+                    ctx,
+                    step,
+                    into=into,
+                    tier=tier,
+                    map_location=map_location,
+                    fallback=fallback,
+                    timeline=timeline,
+                    device=device,
+                    reading=reading,
+                )
+                if into is not None:  # checked here, copied once every rank's load worked
+                    check_into(into, got, strict=strict)
+                code = 0
+            except CheckpointNotFound as exc:
+                error, code = exc, 1
+            except BaseException as exc:
+                error, code = exc, 2
+            # every rank ends the load alike: none goes on with a state while another raised
+            # (retention deleted its shard after the ranks agreed on the step, say)
+            worst = ctx.strategy.agree_on_outcome(code)
+            if worst == 0:
+                return got if into is None else restore_into(into, got, strict=strict)
+            last = attempt == LOAD_ATTEMPTS - 1
+            if ctx.world_size != 1:
+                if worst == 1 and step is None and not last:
+                    log.info("load: a rank's chosen step vanished (retention?); listing again")
+                    continue  # the newest again, on every rank together
+                if error is None:
+                    error = (CheckpointNotFound if worst == 1 else TierCkptError)(
+                        f"rank {ctx.rank} loaded its shard, but another rank's load failed (see "
+                        "its error): the load fails on every rank, so that none goes on alone"
+                    )
+                raise _committed_yet_unread(ctx, error, step, timeline, tier)
+            assert error is not None  # one rank: the outcome is its own
+            if code != 1 or step is not None or last:
+                raise _committed_yet_unread(ctx, error, step, timeline, tier)
+            try:
+                newest = max(list_checkpoints(ctx, tier), default=None)
+            except TierCkptError:
+                newest = None
+            if newest is None or newest == seen:  # nothing newer appeared: really unreadable
+                raise _committed_yet_unread(ctx, error, step, timeline, tier)
+            seen = newest
+            log.info("load: the chosen step vanished (retention?); listing again")
     finally:
         if unprotect is not None:
             unprotect()
-
-
-def _load_attempts(
-    ctx: LoadContext,
-    step: int | None,
-    *,
-    into: Any,
-    tier: str | None,
-    map_location: str | torch.device | None,
-    fallback: Literal["error", "previous"],
-    timeline: int | None,
-    strict: bool,
-    device: torch.device | None,
-    reading: set[int],
-) -> Any:
-    seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
-    ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
-    for attempt in range(LOAD_ATTEMPTS):
-        got: Any = None
-        error: BaseException | None = None
-        try:
-            got = _load_once(
-                ctx,
-                step,
-                into=into,
-                tier=tier,
-                map_location=map_location,
-                fallback=fallback,
-                timeline=timeline,
-                device=device,
-                reading=reading,
-            )
-            if into is not None:  # checked here, copied once every rank's load worked
-                check_into(into, got, strict=strict)
-            code = 0
-        except CheckpointNotFound as exc:
-            error, code = exc, 1
-        except BaseException as exc:
-            error, code = exc, 2
-        # every rank ends the load alike: none goes on with a state while another raised
-        # (retention deleted its shard after the ranks agreed on the step, say)
-        worst = ctx.strategy.agree_on_outcome(code)
-        if worst == 0:
-            return got if into is None else restore_into(into, got, strict=strict)
-        last = attempt == LOAD_ATTEMPTS - 1
-        if ctx.world_size != 1:
-            if worst == 1 and step is None and not last:
-                log.info("load: a rank's chosen step vanished (retention?); listing again")
-                continue  # the newest again, on every rank together
-            if error is None:
-                error = (CheckpointNotFound if worst == 1 else TierCkptError)(
-                    f"rank {ctx.rank} loaded its shard, but another rank's load failed (see "
-                    "its error): the load fails on every rank, so that none goes on alone"
-                )
-            raise _committed_yet_unread(ctx, error, step, timeline, tier)
-        assert error is not None  # one rank: the outcome is its own
-        if code != 1 or step is not None or last:
-            raise _committed_yet_unread(ctx, error, step, timeline, tier)
-        try:
-            newest = max(list_checkpoints(ctx, tier), default=None)
-        except TierCkptError:
-            newest = None
-        if newest is None or newest == seen:  # nothing newer appeared: really unreadable
-            raise _committed_yet_unread(ctx, error, step, timeline, tier)
-        seen = newest
-        log.info("load: the chosen step vanished (retention?); listing again")
     raise AssertionError("unreachable")  # pragma: no cover
 
 
