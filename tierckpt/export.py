@@ -354,8 +354,10 @@ def export_safetensors(
                 for name, _t in items:
                     if name in names:
                         raise FormatError(
-                            f"two tensors flatten to the same name {name!r} in "
-                            f"{fname}; export with --single-file or rename keys"
+                            f"two tensors flatten to the same name {name!r} in {fname} (as 1 "
+                            "and '1', or 'a.b' and a nested a.b do); --single-file joins names "
+                            "alike: rename one of those keys (in the state saved, or after "
+                            "Checkpointer.load, then write it with safetensors yourself)"
                         )
                     names.add(name)
                 written = _write_group(

@@ -70,6 +70,7 @@ def _near_hint(args: argparse.Namespace, backend: Any) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     from tierckpt.cli._hints import stored_codecs
     from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
+    from tierckpt.offline._listing import foreign_note
     from tierckpt.retention import pinned_ids
 
     with opened(args, args.url) as backend:
@@ -84,6 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         # nothing here: a prefix or folder a level off is the usual reason (inside a tier,
         # whose data then lists as uncommitted saves, or above tiers)
         hint = _near_hint(args, backend) if not listed and not args.json else ""
+        foreign = foreign_note(backend) if not listed and not args.json else ""
     newest = listed[-1].id if listed else None
     if args.json:
         doc = [
@@ -129,7 +131,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return _unreadable(listed)
     if not listed:
-        print(f"{backend.url}: no committed checkpoint")
+        print(f"{backend.url}: no committed checkpoint{foreign}")
         if hint:
             print(hint)
     else:
@@ -313,6 +315,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tierckpt.catalog import committed_ids
     from tierckpt.offline import checkpoint_bytes, resolve_id, verify_checkpoint
+    from tierckpt.offline._listing import foreign_note
 
     with opened(args, args.url) as backend:
         if args.latest or args.step is not None:
@@ -324,7 +327,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 if args.timeline is None or c.timeline == args.timeline
             ]
         if not ids:
-            print(f"{backend.url}: no committed checkpoint to verify", file=sys.stderr)
+            print(
+                f"{backend.url}: no committed checkpoint to verify{foreign_note(backend)}",
+                file=sys.stderr,
+            )
             return 1
         for cid in ids:
             bar = progress_bar(checkpoint_bytes(backend, cid), f"verify {cid}")

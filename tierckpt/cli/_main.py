@@ -210,15 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         cmd_gc,
         "retention: keep the newest N checkpoints, remove leftovers",
-        "Delete committed checkpoints beyond the newest N (manifest first, then data; the "
-        "newest is never deleted) and the data of saves that never committed.",
+        "Delete committed checkpoints beyond the newest N intact ones (manifest first, then "
+        "data; the newest is never deleted) and the data of saves that never committed. "
+        "Before deleting, the checkpoints it keeps are checked, newest first: manifest, each "
+        "shard file's size, footer and index checksum (--verify: every chunk read and "
+        "checked, as `tierckpt verify` does). A damaged one does not count toward N and is "
+        "kept too (gc never deletes damage); gc then says which, and exits 1 after doing its "
+        "safe work (as it does when it refuses or fails; 0: done, nothing damaged found).",
     )
     sp.add_argument("url", help="tier URL")
     sp.add_argument(
         "--keep-last",
         type=int,
         metavar="N",
-        help="committed checkpoints to keep (>= 1)",
+        help="intact committed checkpoints to keep (>= 1); damaged ones are kept besides",
     )
     sp.add_argument(
         "--dead-runs",
@@ -234,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --dead-runs: only runs unchanged for S seconds (default 600)",
     )
     sp.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    sp.add_argument(
+        "--verify",
+        action="store_true",
+        help="read the checkpoints kept whole and check every chunk (finds a flipped byte "
+        "in a chunk's data, which the default check of sizes and indexes does not; reads "
+        "N checkpoints' bytes)",
+    )
     sp.add_argument(
         "--abort-incomplete",
         action="store_true",
@@ -325,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             func=cmd_bench if argv[0] == "bench" else cmd_demo,
         )
     else:
-        ns = parser.parse_args(argv)
+        ns, extra = parser.parse_known_args(argv)
+        if extra:  # said by the command's parser: its usage, and the option meant
+            _unrecognized(parser, ns.command, extra)
     try:
         wire = wire_debug_requested(ns.debug_botocore)
     except ValueError as exc:
@@ -356,6 +370,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hint:
             print(hint, file=sys.stderr)
         return 1
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> NoReturn:
+    """Exit 2 with ``command``'s usage for arguments it does not take; for an option close to
+    one it takes, "did you mean --step?"."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    cmd_parser: argparse.ArgumentParser = sub.choices[command]
+    options = [o for a in cmd_parser._actions for o in a.option_strings if o.startswith("--")]
+    meant = []
+    for arg in extra:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6)
+            meant += [f"{arg!r}: did you mean {close[0]}?"] if close else []
+    more = f" ({'; '.join(meant)})" if meant else ""
+    cmd_parser.error(f"unrecognized arguments: {' '.join(extra)}{more}")
 
 
 def _run(ns: argparse.Namespace) -> int:

@@ -166,10 +166,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             abort_incomplete=args.abort_incomplete,
             force=args.force,
+            read_whole=args.verify,
         )
     verb = "would delete" if args.dry_run else "deleted"
-    kept = [id_text(c) + (" (pinned)" if c in plan.kept_pinned else "") for c in plan.retained]
+    bad = dict(plan.damaged)
+    kept = [
+        id_text(c)
+        + (" (pinned)" if c in plan.kept_pinned else "")
+        + (" (DAMAGED)" if c in bad else "")
+        for c in plan.retained
+    ]
     print(f"{backend.url}: keeping step(s) {', '.join(kept) or 'none'}")
+    for cid, why in plan.damaged:
+        print(f"DAMAGED {id_text(cid)}: {why}")
     if plan.kept_pinned:
         print(
             f"{len(plan.kept_pinned)} older than --keep-last {args.keep_last} kept because pinned "
@@ -196,7 +205,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"{'would abort' if args.dry_run else 'aborted'} every unfinished write (temporary "
             "files, open multipart uploads)" + (f", those of {ids} included" if ids else "")
         )
-    return 0
+    if not plan.damaged:
+        return 0
+    how = "every chunk read: --verify" if args.verify else "sizes and indexes checked"
+    older = ", ".join(map(id_text, plan.kept_for_damage))
+    print(
+        f"tierckpt gc: {len(plan.damaged)} damaged checkpoint(s) found ({how}): "
+        f"{', '.join(id_text(c) for c, _ in plan.damaged)}. They were not counted toward "
+        f"--keep-last {args.keep_last} and were not deleted"
+        + (f"; older intact checkpoint(s) kept because of them: {older}" if older else "")
+        + ". Deleting damage is yours to decide: `tierckpt verify URL --step N` says more; "
+        'load(fallback="previous") loads the newest intact one. Exit status 1',
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _gc_dead_runs(args: argparse.Namespace) -> int:

@@ -1,5 +1,13 @@
 """Garbage collection of a tier: keep the newest checkpoints, remove older ones and the
-leftovers of saves that never committed (refused while a live writer holds the lease)."""
+leftovers of saves that never committed (refused while a live writer holds the lease).
+
+A manifest's name commits a checkpoint, but says nothing of its bytes: before deleting, gc
+checks the checkpoints it would keep, newest first (:func:`quick_check`: the manifest parses
+and validates, each rank's shard file is there at the size the manifest says, with its footer
+and index checksum; or, with ``read_whole``, every chunk as ``tierckpt verify`` does). A
+damaged or unreadable one does not count toward ``keep_last`` and is kept (removing damage is
+the operator's call), so the newest ``keep_last`` *intact* checkpoints stay.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +23,9 @@ from tierckpt.format import (
     CheckpointId,
 )
 from tierckpt.layout import data_folder_part
-from tierckpt.offline._leases import leases
+from tierckpt.offline._leases import LeaseInfo, leases
+from tierckpt.offline._verify import verify_checkpoint
+from tierckpt.restore import read_index, read_manifest
 from tierckpt.retention import gc_tier, pinned_ids
 
 
@@ -33,6 +43,29 @@ class GcPlan:
     kept_uncommitted: list[CheckpointId] = field(default_factory=list)
     #: the retained checkpoints kept only because they are pinned (``Checkpointer.pin``)
     kept_pinned: list[CheckpointId] = field(default_factory=list)
+    #: the checkpoints gc kept that failed its check, with why (newest first): they do not
+    #: count toward ``keep_last`` and are not deleted
+    damaged: list[tuple[CheckpointId, str]] = field(default_factory=list)
+    #: intact checkpoints kept beyond the newest ``keep_last`` because newer ones are damaged
+    kept_for_damage: list[CheckpointId] = field(default_factory=list)
+
+
+def quick_check(backend: Backend, cid: CheckpointId, *, read_whole: bool = False) -> str:
+    """Why ``cid`` on ``backend`` is damaged or unreadable ("": it passed). Its manifest
+    parses and validates, and each rank's shard file is there at the size the manifest says,
+    with its footer and index checksum (a byte flipped in a chunk's data passes: only
+    ``read_whole``, which reads and checks every chunk as ``tierckpt verify`` does, finds it).
+    Any error reading it counts (a store unreachable now too): gc keeps what it cannot judge."""
+    try:
+        if read_whole:
+            verify_checkpoint(backend, cid)
+            return ""
+        manifest = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
+        for ref in manifest.shards:
+            read_index(backend, ref, backend.url)  # the size, the footer, the index checksum
+    except Exception as exc:  # damage of any kind (or unreadable): reported, never deleted
+        return str(exc) or type(exc).__name__
+    return ""
 
 
 def gc(
@@ -42,14 +75,24 @@ def gc(
     dry_run: bool = False,
     abort_incomplete: bool = False,
     force: bool = False,
+    read_whole: bool = False,
 ) -> GcPlan:
-    """Keep the newest ``keep_last`` committed checkpoints; remove older ones and leftovers.
+    """Keep the newest ``keep_last`` intact committed checkpoints; remove older ones and
+    leftovers.
 
     Newest means by timeline, then step: checkpoints of a timeline a run abandoned (it went
     back to an older step) are older than every checkpoint of the newer timeline. Leftovers are
     data folders without a manifest older than the newest committed checkpoint (saves that
     never committed). ``abort_incomplete`` also discards unfinished writes (temporary files,
     open multipart uploads) — only when no job is writing to this location.
+
+    Intact means that its manifest parses and validates and each rank's shard file is there
+    at the size the manifest says, with its footer and index checksum (``read_whole``: every
+    chunk read and checked, as :func:`verify_checkpoint` does), checked on the checkpoints gc
+    would keep, newest first: a damaged or unreadable one does not count toward ``keep_last``
+    and is kept too (``damaged`` in the returned plan). After a real run the plan says what
+    this call removed, not what it meant to: another gc at the same time may have removed
+    the rest.
 
     While a live writer holds the location's lease this raises :class:`WriterConflict`
     (its saves in progress look like leftovers) unless ``force``; ``dry_run`` never refuses.
@@ -58,38 +101,47 @@ def gc(
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
     live = [info for info in leases(backend) if info.alive]
     if live and not dry_run and not force:
-        first = live[0]
         raise WriterConflict(
-            f"{backend.url} has a live writer: rank {first.rank}'s lease is held by "
-            f"{first.describe()}. Its own retention runs after every commit; a gc now could "
-            "delete its saves in progress. Stop that job first, or pass --force (force=True)",
-            url=backend.url,
-            holder=first.record,
+            _live_writer(backend.url, live), url=backend.url, holder=live[0].record
         )
     committed = committed_ids(backend)
     newest = committed[-1] if committed else None
     pinned = set(pinned_ids(backend))  # never removed (Checkpointer.pin)
-    expired = [c for c in committed[: max(len(committed) - keep_last, 0)] if c not in pinned]
+    keep, damaged = _kept(backend, committed, keep_last, read_whole)
+    expired = [c for c in committed if c not in keep and c not in pinned]
     committed_set = set(committed)
     uncommitted = [c for c in data_ids(backend) if c not in committed_set]
     leftovers = [c for c in uncommitted if newest is not None and c < newest]
     kept = [c for c in uncommitted if c not in leftovers]
     by_rule = committed[: max(len(committed) - keep_last, 0)]
+    bad = {c for c, _ in damaged}
     plan = GcPlan(
         [c for c in committed if c not in expired],
         expired,
         leftovers,
         kept,
-        [c for c in by_rule if c in pinned],
+        [c for c in by_rule if c in pinned and c not in keep],
+        damaged,
+        [c for c in by_rule if c in keep and c not in bad],
     )
     if dry_run:
         return plan
-    gc_tier(backend, keep_last)
+    # what gc keeps beyond the newest keep_last by name (the intact ones older than damaged
+    # ones, and the damaged ones) goes to retention as protected: it deletes nothing else
+    removed = gc_tier(backend, keep_last, protect=keep)
+    gone_now = set(removed)
+    plan = dataclasses.replace(
+        plan,
+        expired=[c for c in removed if c in committed_set],
+        leftovers=[c for c in removed if c not in committed_set],
+    )
     if kept:  # a killed writer's temporaries go whatever their step (no live lock holds them)
         still = set(data_ids(backend))
-        gone = [c for c in kept if c not in still]
+        gone = [c for c in kept if c not in still and c not in gone_now]
         plan = dataclasses.replace(
-            plan, leftovers=[*leftovers, *gone], kept_uncommitted=[c for c in kept if c in still]
+            plan,
+            leftovers=[*plan.leftovers, *gone],
+            kept_uncommitted=[c for c in kept if c in still],
         )
     if abort_incomplete:
         backend.cleanup_incomplete("steps/")
@@ -98,3 +150,41 @@ def gc(
             if data_folder_part(name) != name:
                 backend.cleanup_incomplete(name)
     return plan
+
+
+def _kept(
+    backend: Backend, committed: list[CheckpointId], keep_last: int, read_whole: bool
+) -> tuple[set[CheckpointId], list[tuple[CheckpointId, str]]]:
+    """The checkpoints gc keeps by ``keep_last``: newest first until ``keep_last`` of them
+    pass :func:`quick_check`, the damaged ones among them kept too; and those damaged ones."""
+    keep: set[CheckpointId] = set()
+    damaged: list[tuple[CheckpointId, str]] = []
+    intact = 0
+    for cid in reversed(committed):
+        if intact >= keep_last:
+            break
+        keep.add(cid)
+        why = quick_check(backend, cid, read_whole=read_whole)
+        if why:
+            damaged.append((cid, why))
+        else:
+            intact += 1
+    return keep, damaged
+
+
+def _live_writer(url: str, live: list[LeaseInfo]) -> str:
+    """Why gc refuses while ``live`` writers hold ``url``'s lease, and what to do."""
+    known = [info for info in live if info.known_live]
+    first = known[0] if known else live[0]
+    text = (
+        f"{url} has a live writer: rank {first.rank}'s lease is held by {first.describe()}. "
+        "Its own retention runs after every commit; a gc now could delete its saves in "
+        "progress. "
+    )
+    if known:
+        return text + "Stop that job first (it runs on this machine), or pass --force (force=True)"
+    return text + (
+        "Nothing on this machine can tell whether that job still runs: if it is dead, wait "
+        f"for its lease to expire (ttl) or run `tierckpt unlock {url}`, then gc again; or "
+        "pass --force (force=True)"
+    )

@@ -46,6 +46,13 @@ def tensor_paths(tree: Any) -> dict[int, str]:
                 out.setdefault(v, path or "<root>")
             elif tag == "$ndarray" and isinstance(v, list) and v and type(v[0]) is int:
                 out.setdefault(v[0], path or "<root>")  # a NumPy array: a tensor of the file
+            elif tag == "$qtensor" and isinstance(v, list) and v and type(v[0]) is int:
+                # a quantized tensor: its integer representation; per channel also its
+                # scales and zero points ([n, dtype, qscheme, scales, zero points, axis])
+                out.setdefault(v[0], path or "<root>")
+                if len(v) == 6 and type(v[3]) is int and type(v[4]) is int:
+                    out.setdefault(v[3], f"{path or '<root>'}.<scales>")
+                    out.setdefault(v[4], f"{path or '<root>'}.<zero_points>")
             elif tag == "$tuple" and isinstance(v, list):
                 walk(v, path, depth + 1)
             elif tag in ("$dict", "$odict") and isinstance(v, list):

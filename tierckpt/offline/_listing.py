@@ -58,6 +58,11 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
         )
     path = local_folder(url, "tier URL")  # file://tmp/x is refused: a host, not tmp/x
     if not create and not os.path.isdir(path):
+        if os.path.exists(path):
+            raise CheckpointNotFound(
+                f"{path}: is a file, not a folder: a tier URL names the tier's folder (the "
+                "one holding manifests/)"
+            )
         raise CheckpointNotFound(f"{path}: no such folder")
     return LocalBackend(path)  # creates the folder; a read-only location raises BackendError
 
@@ -125,6 +130,7 @@ def resolve_id(
             raise CheckpointNotFound(
                 f"{backend.url}: no committed checkpoint{of} here"
                 + _uncommitted_note(backend, ids, None, timeline)
+                + (foreign_note(backend) if not ids else "")
             )
         return pool[-1]
     holding = [c for c in pool if c.step == step]
@@ -176,8 +182,10 @@ def _uncommitted_note(
         partial = saves_in(backend.incomplete(""))
         live = [w for w in leases(backend) if w.alive] if complete | partial else []
     except Exception:  # the first listing worked: say what it told, not a second error
-        return f". {_committed_text(ids)}"
+        return f". {_committed_text(ids)}" if ids or step is not None else ""
     if not complete | partial:
+        if not ids and step is None:
+            return ""  # "no committed checkpoint here" said it
         nor = " and no save of it is either" if step is not None else ""
         return f"{nor}. {_committed_text(ids)}"
     save = max(complete | partial)
@@ -209,6 +217,47 @@ def _uncommitted_note(
     return f". {which} an uncommitted save here ({files}, no manifest): {what}. " + (
         f"{_committed_text(ids)}. {fix}"
     )
+
+
+#: what files of other tools' checkpoints end with (torch.save, Lightning)
+FOREIGN_SUFFIXES = (".pt", ".pth", ".ckpt")
+#: files a "this is another tool's checkpoint" note names at most
+FOREIGN_SHOWN = 3
+
+
+def foreign_note(backend: Backend) -> str:
+    """Where a location with no committed checkpoint holds another tool's checkpoint files
+    (``torch.save``'s ``*.pt`` / ``*.pth`` / ``*.ckpt``, a DCP folder's ``.metadata``; here or
+    a folder down), a
+    sentence saying so (starting with ". "); else "". The tierckpt command reads tiers only."""
+    try:
+        names = backend.list("")
+    except Exception:  # a hint only: never a second error
+        return ""
+    near = [n for n in names if n.count("/") <= 1]  # here or a folder down (DCP's step_<n>/)
+    dcp = sorted(n for n in near if n.rsplit("/", 1)[-1] == ".metadata")
+    pt = sorted(n for n in near if n.lower().endswith(FOREIGN_SUFFIXES))
+
+    def shown(found: list[str]) -> str:
+        more = f", ... ({len(found)} in all)" if len(found) > FOREIGN_SHOWN else ""
+        return ", ".join(found[:FOREIGN_SHOWN]) + more
+
+    if dcp:
+        return (
+            f". It holds {shown(dcp)}: a PyTorch Distributed Checkpoint (DCP) that dcp.save "
+            "wrote to a plain folder, not a tierckpt tier (a folder holding "
+            "manifests/), which is all the tierckpt command reads: read it with "
+            "torch.distributed.checkpoint (dcp.load, or dcp_to_torch_save then torch.load). "
+            "Saving DCP through tierckpt.dcp.TierWriter stores it in tiers "
+            "(docs/coming-from.md)"
+        )
+    if pt:
+        return (
+            f". It holds {shown(pt)}: files of another tool's checkpoint (torch.save, "
+            "Lightning), not a tierckpt tier (a folder holding manifests/), which is all the "
+            "tierckpt command reads: load those with torch.load"
+        )
+    return ""
 
 
 def resolve_step(backend: Backend, step: int | None) -> int:
