@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tierckpt._version import __version__
@@ -27,13 +27,48 @@ if TYPE_CHECKING:
     from tierckpt.pipeline import SaveJob, Tier
     from tierckpt.restore import LoadedShard
 
-__all__ = ["CommitStrategy", "Defer", "SaveStart", "SingleRankCommit"]
+__all__ = [
+    "CommitStrategy",
+    "Defer",
+    "Earlier",
+    "EarlierSave",
+    "SaveStart",
+    "SingleRankCommit",
+    "being_saved",
+]
 
 log = logging.getLogger("tierckpt")
 
 #: runs a commit's waiting part on the pipeline's commit threads and returns its Future
 #: (None: it ran inline, there being no pipeline)
 Defer = Callable[[Callable[[], None]], "Future[None] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class EarlierSave:
+    """What this rank knows of its own earlier save of the checkpoint a save names (the same
+    step on the same timeline: a retry, or the step saved twice)."""
+
+    #: that save is still in flight on this rank
+    in_flight: bool = False
+    #: the tiers where this rank's part of it finished without error: committed there (one
+    #: rank; rank 0; any rank on a private tier), or, for another rank on a tier all ranks
+    #: share, its shard file durable there, which rank 0 may have committed
+    done: frozenset[str] = frozenset()
+
+
+#: the owner's answer for ``(step, timeline)``: its own earlier save of that checkpoint
+Earlier = Callable[[int, int], EarlierSave]
+
+
+def being_saved(step: int, where: str = "") -> str:
+    """The message of a save refused because the same checkpoint is still being saved."""
+    return (
+        f"step {step} is already being saved{where}: wait for that save (its handle's wait(), "
+        "or ck.wait()) instead of saving the step again, or save other state under another "
+        "step (a loop that saves at a preemption checks stop.check() before its periodic "
+        "save, so that one step is saved once)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +82,11 @@ class SaveStart:
     busy: bool
     #: the checkpoint's timeline, the same on every rank
     timeline: int
+    #: tier name -> why this save must not write there (e.g. "is already committed"): an
+    #: earlier save of the same checkpoint committed there. The save's copy on such a tier
+    #: fails with ``CheckpointExists`` before anything is written; the same tiers on every
+    #: rank wherever the ranks could agree
+    refused: Mapping[str, str] = field(default_factory=dict)
 
 
 class CommitStrategy(Protocol):
@@ -62,6 +102,12 @@ class CommitStrategy(Protocol):
     1. :meth:`begin_save` — training thread, every rank, before anything is captured: the
        save's attempt id, whether some rank is still busy flushing, and its timeline (this
        rank's proposal, agreed with the others where ``agree_timeline``). May run a collective.
+       A save of a checkpoint saved before by this owner (the same step on the same timeline:
+       the owner's :data:`Earlier` says what became of it) is refused with ``ValueError``
+       while that save is still in flight, and may not write on the tiers where it committed
+       (:attr:`SaveStart.refused`) — on every rank alike: no rank may replace a shard file a
+       manifest names, or that rank 0 may still name in one. A retry after a failure writes
+       again.
     2. :meth:`commit` — a tier's writer thread, once per tier the save reaches, once this
        rank's shard file is durable there: make the checkpoint committed on the tier (its
        manifest, create-only and last). Returns None once done, or the Future of a waiting part
@@ -140,16 +186,22 @@ class SingleRankCommit:
 
     A save commits as soon as its one shard file is durable: the manifest, written last and
     create-only. ``repopulate``: loads from a remote tier copy the checkpoint onto the local
-    durable tiers (``Checkpointer(repopulate=...)``).
+    durable tiers (``Checkpointer(repopulate=...)``). ``earlier``: the owner's own earlier
+    save of a checkpoint (a save of it still in flight is refused; the tiers where it
+    committed are refused to the new save).
     """
 
-    def __init__(self, *, repopulate: bool) -> None:
+    def __init__(self, *, repopulate: bool, earlier: Earlier | None = None) -> None:
         self._repopulate = repopulate
+        self._earlier = earlier
 
     def begin_save(
         self, step: int, busy: bool, *, timeline: int, agree_timeline: bool
     ) -> SaveStart:
-        return SaveStart("", busy, timeline)
+        mine = EarlierSave() if self._earlier is None else self._earlier(step, timeline)
+        if mine.in_flight:
+            raise ValueError(being_saved(step))
+        return SaveStart("", busy, timeline, {t: "is already committed" for t in mine.done})
 
     def commit(
         self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int

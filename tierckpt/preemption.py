@@ -16,6 +16,8 @@ so every rank gets the same answer as soon as any rank got a signal::
             if stop.check():                       # the same answer on every rank
                 ck.save(state, step).wait(tier="local")   # within the grace period
                 break
+            if step % every == 0:                  # after the check: each step saved once
+                ck.save(state, step)
     ck.close(timeout=stop.time_left())   # the slower tiers get the rest of the grace period;
                                          # what they have not committed then is given up
 

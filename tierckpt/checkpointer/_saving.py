@@ -29,9 +29,9 @@ from tierckpt.catalog import (
 )
 from tierckpt.checkpointer._guarded import GuardedSources
 from tierckpt.checkpointer._stateful import expand_stateful
-from tierckpt.commit import CommitStrategy, SingleRankCommit
+from tierckpt.commit import CommitStrategy, EarlierSave, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import CheckpointFailed
+from tierckpt.errors import CheckpointExists, CheckpointFailed
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
@@ -77,7 +77,7 @@ class SavePath(PipelineOwner):
         """Set this part's fields; ``Checkpointer.__init__`` calls it once the tiers are open
         and ``rank``, ``world_size``, ``on_busy`` and ``repopulate`` are set."""
         self._strategy = (
-            SingleRankCommit(repopulate=self.repopulate)
+            SingleRankCommit(repopulate=self.repopulate, earlier=self._earlier_save)
             if self.world_size == 1
             else MultiRankCommit(
                 self._tiers,
@@ -86,6 +86,7 @@ class SavePath(PipelineOwner):
                 on_busy=self.on_busy,
                 repopulate=self.repopulate,
                 defer=self._defer,
+                earlier=self._earlier_save,
             )
         )
         self._save_count = 0
@@ -157,16 +158,16 @@ class SavePath(PipelineOwner):
             raise
         pipeline = self._get_pipeline()
         with self._lock:
-            for job in pipeline.in_flight():
-                if job.step == step and not self._again:  # _save_again: another timeline
-                    raise ValueError(f"step {step} is already being saved")
             self._save_count += 1
         tiers = [t for t in self._tiers if t.spec.receives(step)]
         busy = bool(pipeline.in_flight())
         timeline, choose = self._propose_timeline(step, pipeline, tiers)
         # with several ranks: an attempt id for the completion records (one all-reduce at the
         # first save; at every save with on_busy="skip", so that all ranks skip together; and
-        # wherever the timeline is chosen from the tiers, so that all ranks take the same one)
+        # wherever the timeline is chosen from the tiers, so that all ranks take the same one).
+        # A save of the checkpoint saved before (same step and timeline) is refused while that
+        # save is in flight (ValueError), and kept off the tiers where it committed: on every
+        # rank alike (see _earlier_save)
         start = self._strategy.begin_save(step, busy, timeline=timeline, agree_timeline=choose)
         attempt, busy, timeline = start.attempt, start.busy, start.timeline
         self._timeline = timeline
@@ -208,6 +209,11 @@ class SavePath(PipelineOwner):
                 timeline=timeline,
                 confirm_on=self._unconfirmed.intersection(t.name for t in tiers),
                 confirm=self._confirm_timeline,
+                refused={
+                    t.name: _exists(step, timeline, t, start.refused[t.name])
+                    for t in tiers
+                    if t.name in start.refused
+                },
             )
             # one writer per location: refused here, before anything is written, when another
             # live writer holds a tier (tierckpt.lease)
@@ -261,6 +267,20 @@ class SavePath(PipelineOwner):
                     self._stats.record_failure(outcome_of(error), step, t.name, error, timeline=tl)
         except Exception as exc:  # pragma: no cover - reporting must not mask the error
             log.warning("step %d: could not report the failed save (%s)", step, exc)
+
+    def _earlier_save(self, step: int, timeline: int) -> EarlierSave:
+        """This object's own earlier save of checkpoint ``(step, timeline)`` (the strategy's
+        ``earlier``): whether it is still in flight, and the tiers where its copy finished
+        without error. Only the latest save can be of the same checkpoint as a new one (a save
+        below the previous one's step, or after a load, chooses its timeline anew)."""
+        cid = CheckpointId(step, timeline)
+        pipeline = self._pipeline
+        if pipeline is not None and any(j.id == cid for j in pipeline.in_flight()):
+            return EarlierSave(in_flight=True)
+        last = self._last  # done once out of the pipeline: its tiers' outcomes are final
+        if last is None or (last.step, last.timeline) != (step, timeline):
+            return EarlierSave()
+        return EarlierSave(done=frozenset(t for t in last.tiers if last.committed(t)))
 
     def _propose_timeline(
         self, step: int, pipeline: Pipeline, tiers: list[Tier]
@@ -368,6 +388,15 @@ class SavePath(PipelineOwner):
                 pass
             finally:
                 job.handle.blocked_seconds += time.perf_counter() - t0
+
+
+def _exists(step: int, timeline: int, tier: Tier, why: str) -> CheckpointExists:
+    """A save's refusal on ``tier``, where an earlier save of the same checkpoint committed."""
+    return CheckpointExists(
+        f"{CheckpointId(step, timeline)} {why} on tier {tier.name!r} ({tier.backend.url}) by "
+        "an earlier save of this step; refusing to overwrite it — save under another step, or "
+        "delete the old one first (tierckpt gc)"
+    )
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

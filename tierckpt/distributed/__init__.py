@@ -42,7 +42,10 @@ Attempt ids
     this rank's tries of that step and timeline (a rank that skipped a save costs that step
     only). Later
     saves need no collective — except with ``on_busy="skip"``, where every save runs that
-    all-reduce so that all ranks skip together.
+    all-reduce so that all ranks skip together, and a save of the step saved just before
+    (``k`` > 1), where one all-reduce decides alike on every rank: refused while the earlier
+    save is in flight on any rank, kept off the tiers where it committed (no rank replaces a
+    shard a manifest names, or that rank 0 may still name), written again after a failure.
 
 Private tiers
     A tier whose storage other ranks cannot see (a RAM tier: each process has its own; node

@@ -185,16 +185,43 @@ def _compose(tier: Tier, job: SaveJob, nodes: NodeStores, deadline: float) -> by
 
     def missing() -> str:
         absent = [n for n, key in enumerate(keys) if not g.check([key])]
-        ranks = sorted(r for n in absent for r in nodes.ranks_of(n))
+        known: list[int] = []  # ranks whose record is not in rank 0's own node's store
+        unsure: list[int] = []  # the ranks of other nodes whose item did not come
+        for n in absent:
+            ranks = nodes.ranks_of(n)
+            here = _unpublished(nodes, p, ranks) if n == nodes.node else None
+            if here:
+                known += here
+            elif len(ranks) == 1:
+                known += ranks
+            else:
+                unsure += ranks
+        why = (
+            f"; of ranks {_ranks(sorted(unsure))} at least one did not publish: their nodes' "
+            "items did not come, and a node's last rank forwards all of its node's records"
+            if unsure
+            else ""
+        )
         return (
             f"not every rank published its completion record in time: none from ranks "
-            f"{_ranks(ranks)} (of {job.world_size}; the node's last rank forwards all of a "
-            "node's records); nothing committed"
+            f"{_ranks(sorted(known + unsure))} (of {job.world_size}{why}); nothing committed"
         )
 
     _store_wait(g, keys, where, missing, deadline, f"{p}failed")
     records = _decode_items(g.multi_get(keys), keys, job, where)
     return encode_manifest(_manifest(tier.name, job, records))
+
+
+def _unpublished(nodes: NodeStores, prefix: str, ranks: tuple[int, ...]) -> list[int]:
+    """Of ``ranks`` (this rank's node), those whose record is not in the node's store; empty
+    where that cannot be told (no node store, or it does not answer)."""
+    ns = nodes.node_store
+    if ns is None:
+        return []
+    try:
+        return [r for r in ranks if not ns.check([f"{prefix}rec/{r}"])]
+    except (RuntimeError, TierCkptError):
+        return []
 
 
 def _commit_private(tier: Tier, job: SaveJob, nodes: NodeStores) -> None:

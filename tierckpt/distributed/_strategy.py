@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from tierckpt import config
-from tierckpt.commit import Defer, SaveStart
+from tierckpt.commit import Defer, Earlier, EarlierSave, SaveStart, being_saved
 from tierckpt.distributed._agree import agree_on_step
 from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
 from tierckpt.distributed._listcommit import (
@@ -44,7 +44,7 @@ from tierckpt.distributed._records import (
 )
 from tierckpt.distributed._repopulate import publish_repopulated
 from tierckpt.distributed._shared import _manifest, _put_manifest, _write_record, wait_for_records
-from tierckpt.errors import CommitTimeout, RankFailed
+from tierckpt.errors import CheckpointExists, CommitTimeout, RankFailed
 from tierckpt.format import CheckpointId, Manifest, ShardRef, rank_failure_name
 from tierckpt.restore import read_manifest
 
@@ -71,6 +71,12 @@ def report_failure(
     """
     if isinstance(error, (CommitTimeout, RankFailed)):
         return  # a verdict on other ranks, not a failure of this rank's own part
+    if (
+        isinstance(error, CheckpointExists)
+        and tier.name in job.refused
+        and _group_ok(job.rank, job.world_size)
+    ):
+        return  # every rank refused this tier at save(), alike: nobody waits for this rank
     try:
         if is_private_tier(tier):
             _report_private_failure(tier, job, _describe(error), nodes)
@@ -110,9 +116,10 @@ class MultiRankCommit:
     (the owner's tiers, fastest first, for the load agreement and repopulation), ``rank`` and
     ``world_size``, ``on_busy`` (with ``"skip"`` every save runs the handshake's all-reduce so
     that all ranks skip together), ``repopulate`` (loads copy onto faster tiers where every
-    rank can take part) and ``defer`` (the pipeline's commit threads, where rank 0's waiting
-    part of a commit runs). It owns the handshake's state: the session id agreed at the first
-    save and the count of saves, which every rank makes in the same order.
+    rank can take part), ``defer`` (the pipeline's commit threads, where rank 0's waiting
+    part of a commit runs) and ``earlier`` (the owner's own earlier save of a checkpoint, for a
+    save of the same checkpoint again). It owns the handshake's state: the session id agreed
+    at the first save and the count of saves, which every rank makes in the same order.
     """
 
     def __init__(
@@ -124,8 +131,10 @@ class MultiRankCommit:
         on_busy: Literal["block", "skip"],
         repopulate: bool,
         defer: Defer,
+        earlier: Earlier | None = None,
     ) -> None:
         self._tiers = tuple(tiers)
+        self._earlier = earlier
         self._rank = rank
         self._world_size = world_size
         self._on_busy = on_busy
@@ -163,6 +172,11 @@ class MultiRankCommit:
         (the first save, the first after a load, a step below the previous save's — the same
         saves on every rank); the ranks take the largest, in the same all-reduce, so that every
         rank writes the same checkpoint id. Otherwise ``timeline`` is returned as it is.
+
+        A save of a checkpoint these ranks saved before (``k`` > 1: the same step on the same
+        timeline, a retry or the step saved twice) is decided alike on every rank, by
+        :meth:`_again`: refused while that save is in flight on any rank, and kept off the
+        tiers where it committed.
         """
         if not _group_ok(self._rank, self._world_size):
             _warn_once(
@@ -172,9 +186,9 @@ class MultiRankCommit:
                 "together",
             )
             attempt = config.attempt_id()
-            return SaveStart(
-                f"{attempt}-{self._count(step, timeline)}" if attempt else "", busy, timeline
-            )
+            count = self._count(step, timeline)
+            refused = self._again(step, timeline) if self._saves[(step, timeline)] > 1 else {}
+            return SaveStart(f"{attempt}-{count}" if attempt else "", busy, timeline, refused)
         skip_mode = self._on_busy == "skip"
         if self._session == 0 or skip_mode or agree_timeline:
             import torch.distributed as dist
@@ -199,12 +213,60 @@ class MultiRankCommit:
                     "must call save() with the same step"
                 )
             busy = bool(any_busy)
-        return SaveStart(f"{self._session:016x}-{self._count(step, timeline)}", busy, timeline)
+        count = self._count(step, timeline)
+        refused = self._again(step, timeline) if self._saves[(step, timeline)] > 1 else {}
+        return SaveStart(f"{self._session:016x}-{count}", busy, timeline, refused)
 
     def _count(self, step: int, timeline: int) -> str:
         """``<step>.<timeline>.<k>``: this process's ``k``-th save of that step and timeline."""
         k = self._saves[(step, timeline)] = self._saves.get((step, timeline), 0) + 1
         return f"{step}.{timeline}.{k}"
+
+    def _again(self, step: int, timeline: int) -> dict[str, str]:
+        """A save of checkpoint ``(step, timeline)`` again: raise ``ValueError`` while its
+        earlier save is in flight on any rank; else the tiers where it committed, which this
+        save must not write (:attr:`SaveStart.refused`).
+
+        With a process group, one all-reduce (MAX) of 1 + one int64 per tier on every rank
+        alike (every rank saves the same steps in the same order, so every rank is here): a
+        rank whose earlier save is in flight, and per tier whether the checkpoint is committed
+        there, as rank 0 knows it for a tier all ranks share (a manifest is rank 0's to write:
+        another rank's finished part there says only that its shard is durable) and as any
+        rank knows it on a private tier. So a rank that finished its part never replaces its
+        shard while rank 0 may still commit the earlier attempt, or after it did; after a
+        failure (rank 0's commit of the earlier attempt is over and wrote nothing) every rank
+        writes again. Without a process group each rank knows only its own part: it refuses
+        a tier where its shard of the earlier save is durable (rank 0 may have committed it).
+        """
+        mine = EarlierSave() if self._earlier is None else self._earlier(step, timeline)
+        if not _group_ok(self._rank, self._world_size):
+            if mine.in_flight:
+                raise ValueError(being_saved(step))
+            sure = "is already committed"
+            unsure = (
+                "may already be committed (this rank's shard of it is durable there from an "
+                "earlier save, and without a process group the ranks cannot tell whether rank "
+                "0 committed it)"
+            )
+            return {
+                t.name: sure if self._rank == 0 or is_private_tier(t) else unsure
+                for t in self._tiers
+                if t.name in mine.done
+            }
+        import torch.distributed as dist
+
+        flags = [int(mine.in_flight)] + [
+            int(t.name in mine.done and (self._rank == 0 or is_private_tier(t)))
+            for t in self._tiers
+        ]
+        v = torch.tensor(flags, dtype=torch.int64, device=collective_device())
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        agreed = [int(x) for x in v.tolist()]
+        if agreed[0]:
+            where = "" if mine.in_flight else " (by another rank of this job)"
+            raise ValueError(being_saved(step, where))
+        committed = zip(self._tiers, agreed[1:], strict=True)
+        return {t.name: "is already committed" for t, f in committed if f}
 
     def commit(
         self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int

@@ -19,7 +19,7 @@ import torch
 
 from tierckpt._types import BytesLike
 from tierckpt.codecs import SupportsObserve, codec_from_config
-from tierckpt.errors import FormatError, TierCkptError
+from tierckpt.errors import CheckpointExists, FormatError, TierCkptError
 from tierckpt.format import (
     CHECKSUM_ALGO,
     FOOTER_SIZE,
@@ -144,12 +144,15 @@ class _TiersMixin(_RetainMixin, _StallMixin):
                 self._follow_active[tier.name] = job
         if err is not None:
             raise err
+        refused = job.refused.get(tier.name)
+        if refused is not None:  # committed there by an earlier save: nothing is written
+            raise refused
         lease_error = job.lease_errors.get(tier.name)
         if lease_error is not None:
             raise lease_error
         self._leases.get(tier, job.rank).acquire()  # a no-op while held; raises once lost
         if tier.backend.exists(manifest_name(job.step, timeline=job.timeline)):
-            raise FileExistsError(
+            raise CheckpointExists(
                 f"{job.id} is already committed on tier {tier.name!r} "
                 f"({tier.backend.url}); refusing to overwrite it — save under another step or "
                 "delete the old one first (tierckpt gc)"

@@ -167,6 +167,10 @@ class SaveJob:
     confirm: Callable[[Tier, SaveJob], None] | None = None
     #: tier name -> why this writer could not take its lease there for this job
     lease_errors: dict[str, BaseException] = field(default_factory=dict)
+    #: tier name -> why this job must not write there (``CheckpointExists``: an earlier save
+    #: of the same checkpoint committed there, see ``CommitStrategy.begin_save``); that
+    #: tier's copy fails before anything is written
+    refused: dict[str, BaseException] = field(default_factory=dict)
     #: tier name -> why its copy was given up (deadline, follower behind); set under the
     #: pipeline's lock, only before the tier starts committing; such a copy never commits
     given_up: dict[str, BaseException] = field(default_factory=dict)
