@@ -8,6 +8,7 @@ export's advice on names that collide."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -300,3 +301,29 @@ def test_export_name_collision_advises_renaming_not_single_file(
     assert rc == 1, (out, err)
     assert "same name" in err and "rename" in err, err
     assert "export with --single-file" not in err, err
+
+
+def test_ls_check_marks_a_damaged_newest_checkpoint_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Plain ``ls`` reads manifests only (a missing shard file goes unseen, exit 0); with
+    ``--check`` the step is marked DAMAGED in the table and the JSON, the reason and what to
+    do go to stderr, and the exit status is 1. A truncated file is found too."""
+    root = _tier(tmp_path / "t")
+    _shard(root, 30).unlink()
+    with open(_shard(root, 10), "r+b") as f:
+        f.truncate(1000)
+    rc, out, _ = _run(["ls", str(root)], capsys)
+    assert rc == 0 and "DAMAGED" not in out
+    rc, out, err = _run(["ls", str(root), "--check"], capsys)
+    assert rc == 1
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:2].isdigit()}
+    assert "DAMAGED, newest" in rows["30"] and "DAMAGED" in rows["10"], out
+    assert "DAMAGED" not in rows["20"], out
+    assert "step 30 is DAMAGED" in err and "does not exist" in err, err
+    assert "step 10 is DAMAGED" in err and 'fallback="previous"' in err, err
+    rc, out, _ = _run(["ls", str(root), "--check", "--json"], capsys)
+
+    doc = {c["step"]: c for c in json.loads(out)["checkpoints"]}
+    assert rc == 1 and doc[20]["damaged"] is None
+    assert "does not exist" in doc[30]["damaged"] and doc[10]["damaged"], doc

@@ -44,10 +44,14 @@ def _lease_doc(info: Any) -> dict[str, Any]:
     return doc
 
 
-def _status(c: Any, newest: Any, pinned: set[Any]) -> str:
-    """``newest`` (what a load returns) or ``abandoned`` (an older timeline's), and
-    ``pinned`` (retention keeps it until unpinned); or empty."""
-    words = ["newest" if c.id == newest else "abandoned" if c.abandoned else ""]
+def _status(c: Any, newest: Any, pinned: set[Any], damaged: dict[Any, str]) -> str:
+    """``DAMAGED`` (``--check`` found it so), ``newest`` (what a load returns) or
+    ``abandoned`` (an older timeline's), and ``pinned`` (retention keeps it until unpinned);
+    or empty."""
+    words = [
+        "DAMAGED" if c.id in damaged else "",
+        "newest" if c.id == newest else "abandoned" if c.abandoned else "",
+    ]
     return ", ".join(w for w in [*words, "pinned" if c.id in pinned else ""] if w)
 
 
@@ -70,6 +74,7 @@ def _near_hint(args: argparse.Namespace, backend: Any) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     from tierckpt.cli._hints import stored_codecs
     from tierckpt.offline import id_text, leases, list_checkpoints, uncommitted_ids
+    from tierckpt.offline._gc import quick_check
     from tierckpt.offline._listing import foreign_note
     from tierckpt.retention import pinned_ids
 
@@ -86,6 +91,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         # whose data then lists as uncommitted saves, or above tiers)
         hint = _near_hint(args, backend) if not listed and not args.json else ""
         foreign = foreign_note(backend) if not listed and not args.json else ""
+        # --check: each shard file there, at its size, with its footer and index (as gc checks)
+        damaged = {
+            c.id: why
+            for c in (listed if args.check else [])
+            if c.manifest is not None and (why := quick_check(backend, c.id))
+        }
     newest = listed[-1].id if listed else None
     if args.json:
         doc = [
@@ -102,6 +113,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "timeline": c.timeline,
                 "abandoned": c.abandoned,
                 "pinned": c.id in pinned,
+                **({"damaged": damaged.get(c.id)} if args.check else {}),
                 "created": c.manifest.created,
                 "tier": c.manifest.tier,
                 "world_size": c.manifest.world_size,
@@ -129,7 +141,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             indent=1,
         )
         sys.stdout.write("\n")
-        return _unreadable(listed)
+        return _unreadable(listed, damaged)
     if not listed:
         print(f"{backend.url}: no committed checkpoint{foreign}")
         if hint:
@@ -150,7 +162,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "",
                         c.error,
                         c.timeline,
-                        _status(c, newest, pinned),
+                        _status(c, newest, pinned, damaged),
                     ]
                 )
                 continue
@@ -166,7 +178,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     m.tier or "?",
                     ",".join(codecs[c.id]) or "?",
                     c.timeline,
-                    _status(c, newest, pinned),
+                    _status(c, newest, pinned, damaged),
                 ]
             )
         table(
@@ -200,15 +212,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     for w in writers:
         print(f"writer lease of rank {w.rank}: {w.describe()}")
-    return _unreadable(listed)
+    return _unreadable(listed, damaged)
 
 
-def _unreadable(listed: Sequence[Any]) -> int:
-    """Exit status of ``ls``: 1, with the reasons on stderr, when a manifest is unreadable."""
+def _unreadable(listed: Sequence[Any], damaged: dict[Any, str]) -> int:
+    """Exit status of ``ls``: 1, with the reasons on stderr, when a manifest is unreadable or
+    ``--check`` found a checkpoint damaged."""
+    from tierckpt.offline import id_text
+
     bad = [c for c in listed if c.manifest is None]
     for c in bad:
         print(f"tierckpt ls: step {c.step} is unreadable: {c.error}", file=sys.stderr)
-    return 1 if bad else 0
+    for cid, why in damaged.items():
+        print(f"tierckpt ls: step {id_text(cid)} is DAMAGED: {why}", file=sys.stderr)
+    if damaged:
+        print(
+            "tierckpt ls: load() raises CorruptCheckpoint for a damaged newest checkpoint; "
+            'load(fallback="previous") loads the newest intact one; `tierckpt verify URL '
+            "--step N` says more",
+            file=sys.stderr,
+        )
+    return 1 if bad or damaged else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -114,16 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
         "list committed checkpoints: step, created, sizes, tier, codecs",
         "List committed checkpoints, oldest first: step, created, sizes, tier, codecs, "
         "timeline. A run resumed from an older step saves on a new timeline; the older "
-        "timeline's checkpoints are marked abandoned until retention removes them.",
+        "timeline's checkpoints are marked abandoned until retention removes them. Reads the "
+        "manifests only: --check also checks each shard file; verify reads every chunk.",
     )
     sp.add_argument("url", help="tier URL")
+    sp.add_argument(
+        "--check",
+        action="store_true",
+        help="also check every listed checkpoint's shard files (there, at their size, with "
+        "footer and index intact: what gc checks; one read of each file's tail); damaged ones "
+        "are marked DAMAGED and the exit status is 1. A flipped byte in a chunk's data needs "
+        "tierckpt verify",
+    )
     sp.add_argument(
         "--json",
         action="store_true",
         help="machine-readable output; per checkpoint: step, timeline, created, raw_bytes and "
         "stored_bytes (of the chunks), file_count and file_bytes (its shard files: how many, "
         "their total size in bytes; files is file_bytes under its earlier name), codecs, "
-        "world_size, tier, pinned, abandoned",
+        "world_size, tier, pinned, abandoned; with --check, damaged (why, or null)",
     )
 
     sp = add(
