@@ -140,6 +140,13 @@ class SavePath(PipelineOwner):
         self._timeline = None
         self._has_loaded = True
 
+    def _new_run(self) -> None:
+        """A new training run of this object begins (an integration's train() start): its
+        first save chooses its timeline from the tiers, as the first save after a load does
+        (a step not after the newest goes on a new timeline)."""
+        with self._lock:
+            self._timeline = None
+
     def _save_again(self) -> None:
         """The next save, of the step just saved but with other content, is a checkpoint of
         its own on a new timeline, not a retry of that one (an integration saving several

@@ -168,11 +168,9 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
         resumed = int(getattr(state, "global_step", 0) or 0)
         self._saved = {resumed} if resumed else set()
         self._pending = None
-        ck = self.checkpointer
-        with ck._lock:
-            # its first save chooses its timeline as after a load(): a step not after the newest
-            # (an earlier run's last one too) goes on a new timeline
-            ck._timeline = None
+        # its first save chooses its timeline as after a load(): a step not after the newest
+        # (an earlier run's last one too) goes on a new timeline
+        self.checkpointer._new_run()
         optimizer = kwargs.get("optimizer")
         # Accelerate wraps the optimizer; the hook goes on the one whose step() updates
         inner = getattr(optimizer, "optimizer", optimizer)
