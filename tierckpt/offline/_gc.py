@@ -12,6 +12,7 @@ the operator's call), so the newest ``keep_last`` *intact* checkpoints stay.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tierckpt.backends.base import Backend
@@ -27,6 +28,10 @@ from tierckpt.offline._leases import LeaseInfo, leases
 from tierckpt.offline._verify import verify_checkpoint
 from tierckpt.restore import read_index, read_manifest
 from tierckpt.retention import gc_tier, pinned_ids
+
+#: shard files whose tails :func:`quick_check` reads at once (one small read each: on an
+#: object store with many ranks, one after another took a round trip per rank)
+CHECK_THREADS = 16
 
 
 # -- gc ----------------------------------------------------------------------------------------
@@ -61,8 +66,11 @@ def quick_check(backend: Backend, cid: CheckpointId, *, read_whole: bool = False
             verify_checkpoint(backend, cid)
             return ""
         manifest = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
-        for ref in manifest.shards:
-            read_index(backend, ref, backend.url)  # the size, the footer, the index checksum
+        refs = manifest.shards
+        with ThreadPoolExecutor(min(CHECK_THREADS, len(refs)) or 1, "tierckpt-check") as pool:
+            # the size, the footer, the index checksum; the first failure (in rank order) raises
+            for _ in pool.map(lambda ref: read_index(backend, ref, backend.url), refs):
+                pass
     except Exception as exc:  # damage of any kind (or unreadable): reported, never deleted
         return str(exc) or type(exc).__name__
     return ""
