@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                 if step % args.every == 0:
                     ck.save(state(step), step)
                     print(f"step {step}: loss {loss.item():.5f}, checkpoint started")
-        # leaving the `with` block waits for every tier to commit
-    print(f"done at step {last}; committed: {ck.tier_steps()}")
+        ck.wait()  # every tier commits (leaving the `with` block would wait too)
+        committed = ck.tier_steps()  # before close(): a closed S3 tier cannot be listed
+    print(f"done at step {last}; committed: {committed}")
     return 0
 
 
