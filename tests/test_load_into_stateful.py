@@ -100,3 +100,27 @@ def test_strict_false_applies_to_stateful_targets(tmp_path: Path) -> None:
         bigger.register_buffer("extra", torch.zeros(3))
         ck.load(into={"model": bigger}, strict=False)
         assert torch.equal(bigger[0].weight, m[0].weight)
+
+
+def test_a_module_or_optimizer_saved_as_the_whole_state(tmp_path: Path) -> None:
+    """``save(model, step)`` saves ``model.state_dict()``, as ``load(into=model)`` takes it
+    (it raised AttributeError: 'Linear' object has no attribute 'items')."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with Checkpointer([LocalTier(tmp_path / "m", keep_last=None)]) as ck:
+        ck.guard(opt, model)
+        ck.save(model, 1).wait(timeout=60)
+        ck.save(opt, 2).wait(timeout=60)
+        plain = ck.load(step=1)
+        assert set(plain) == {"weight", "bias"} and torch.equal(plain["weight"], model.weight)
+        fresh = torch.nn.Linear(4, 3)
+        assert ck.load(step=1, into=fresh) is fresh
+        assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+        ck.load(step=2, into=fresh_opt)
+        assert fresh_opt.param_groups[0]["lr"] == 0.1
+        state = fresh_opt.state_dict()["state"][0]
+        assert torch.equal(state["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

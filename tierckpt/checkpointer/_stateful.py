@@ -38,22 +38,26 @@ def has_stateful(state: Any) -> bool:
 
 def expand_stateful(state: Any) -> Any:
     """``state`` with each top-level ``Stateful`` value replaced by its ``state_dict()`` (a new
-    dict; ``state`` itself is not changed). Anything else is returned as it is."""
+    dict; ``state`` itself is not changed); a ``Stateful`` ``state`` itself (``save(model)``,
+    as ``load(into=model)`` takes it) by its ``state_dict()``. Anything else is returned as it
+    is."""
+    if is_stateful(state):
+        return _state_dict_of(state, "state")
     if not has_stateful(state):
         return state
-    out: dict[Any, Any] = {}
-    for k, v in state.items():
-        if is_stateful(v):
-            sd = v.state_dict()
-            if is_stateful(sd):
-                raise UnsupportedObject(
-                    f"state[{k!r}].state_dict() returned another stateful object "
-                    f"({type(sd).__qualname__}); it must return a dict of tensors and plain values"
-                )
-            out[k] = sd
-        else:
-            out[k] = v
-    return out
+    return {
+        k: _state_dict_of(v, f"state[{k!r}]") if is_stateful(v) else v for k, v in state.items()
+    }
+
+
+def _state_dict_of(obj: Any, path: str) -> Any:
+    sd = obj.state_dict()
+    if is_stateful(sd):
+        raise UnsupportedObject(
+            f"{path}.state_dict() returned another stateful object "
+            f"({type(sd).__qualname__}); it must return a dict of tensors and plain values"
+        )
+    return sd
 
 
 def load_stateful(into: Any, load: Callable[[], Any], *, strict: bool = True) -> Any:
