@@ -191,3 +191,21 @@ def test_a_file_that_cannot_be_read_is_not_called_unwritable() -> None:
     read = str(_os_error("/ck", "de/steps/1/rank-000000.tck", "open", denied))
     assert "not readable by this user" in read and "writable" not in read
     assert "not writable by this user" in str(_os_error("/ck", "x", "create", denied))
+
+
+@pytest.mark.parametrize("driver", ["obstore", "boto3"])
+def test_a_mistyped_store_option_is_refused_by_the_tier_naming_the_right_one(driver: str) -> None:
+    """``S3Tier(..., endpoint=...)`` (for ``endpoint_url``) was accepted and failed only at the
+    Checkpointer, as ``TypeError: ObjectStoreBackend.__init__() got an unexpected keyword
+    argument 'endpoint'``; now the tier refuses it and suggests the name."""
+    from tierckpt import AzureTier, GCSTier, S3Tier
+
+    with pytest.raises(TypeError, match=r"S3Tier\(\) got unexpected .*endpoint \(did you mean "):
+        S3Tier("s3://bucket/p", endpoint="http://127.0.0.1:9", driver=driver)
+    with pytest.raises(TypeError, match=r"evry \(did you mean every\?\)"):
+        S3Tier("s3://bucket/p", evry=2, driver=driver)
+    tier = S3Tier("s3://bucket/p", endpoint_url="http://127.0.0.1:9", every=2, driver=driver)
+    assert tier.options == {"endpoint_url": "http://127.0.0.1:9"} and tier.every == 2
+    for cls, url in ((GCSTier, "gs://b/p"), (AzureTier, "az://c/p")):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got .*endpont_url \(did you"):
+            cls(url, endpont_url="http://127.0.0.1:9")

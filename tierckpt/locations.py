@@ -18,13 +18,16 @@ tiers that may be different stores are refused.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence, Set
 from typing import Any, Protocol
 
 from tierckpt.redact import redact
 
 __all__ = [
+    "refuse_unknown_store_options",
     "Located",
     "folder_location",
     "local_folder",
@@ -149,3 +152,37 @@ def local_folder(path: str, who: str = "LocalTier") -> str:
         f"use tierckpt.tier({redact(path)!r}) (or the tier class of that store, e.g. S3Tier) "
         "to write there"
     )
+
+
+def refuse_unknown_store_options(
+    store: Mapping[str, Any], tier: str, driver: str, shared: Set[str]
+) -> None:
+    """``TypeError`` naming ``tier`` (and the nearest right name) for a keyword that neither
+    the tier (``shared``) nor ``driver``'s backend takes: refused when the tier is made, not
+    later, by the backend, when the ``Checkpointer`` opens it."""
+    taken = _backend_options(driver)
+    unknown = sorted(store.keys() - taken) if taken else []
+    if unknown:
+        names = taken | shared
+        near = [m for k in unknown for m in difflib.get_close_matches(k, names, 1)]
+        raise TypeError(
+            f"{tier}() got unexpected keyword arguments: {', '.join(unknown)}"
+            + (f" (did you mean {', '.join(near)}?)" if near else "")
+            + f"; with driver {driver!r} it takes: {', '.join(sorted(names))}"
+        )
+
+
+def _backend_options(driver: str) -> frozenset[str]:
+    """The keyword arguments ``driver``'s backend takes besides its URL (empty where that
+    cannot be told: the driver's package is not installed, which opening the tier reports)."""
+    try:
+        if driver == "boto3":
+            from tierckpt.backends.s3 import S3Backend as cls
+        else:
+            from tierckpt.backends.objstore import ObjectStoreBackend as cls  # type: ignore[assignment]
+    except ImportError:
+        return frozenset()
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, the URL
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return frozenset()
+    return frozenset(p.name for p in params)

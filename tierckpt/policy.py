@@ -67,6 +67,7 @@ from tierckpt.locations import (
     folder_location,
     local_folder,
     refuse_shared_locations,
+    refuse_unknown_store_options,
     store_location,
 )
 from tierckpt.redact import (
@@ -218,11 +219,16 @@ class TierSpec:
         TierSpec.__post_init__(self)
 
 
-def _split_options(options: dict[str, Any]) -> tuple[TierOptions, dict[str, Any]]:
+def _split_options(
+    options: dict[str, Any], tier: str, driver: str = "obstore"
+) -> tuple[TierOptions, dict[str, Any]]:
     """A store tier's keyword arguments: the shared tier options, and the store's own
-    (endpoint, credentials profile, client...) that go to its backend."""
+    (endpoint, credentials profile, client...) that go to its backend (``driver``'s). A name
+    that is neither is refused here, naming ``tier`` (:func:`refuse_unknown_store_options`)."""
     shared = {k: v for k, v in options.items() if k in TIER_OPTIONS}
-    return cast(TierOptions, shared), {k: v for k, v in options.items() if k not in TIER_OPTIONS}
+    store = {k: v for k, v in options.items() if k not in TIER_OPTIONS}
+    refuse_unknown_store_options(store, tier, driver, TIER_OPTIONS)
+    return cast(TierOptions, shared), store
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,16 +307,16 @@ class S3Tier(TierSpec):
         driver: str | None = None,
         **options: Any,
     ) -> None:
-        shared, store = _split_options(options)
         # which S3 client moves the bytes: "obstore" or "boto3" (a boto3 client= implies it)
-        driver = driver or ("boto3" if "client" in store else s3_driver())
+        driver = driver or ("boto3" if "client" in options else s3_driver())
         if driver not in S3_DRIVERS:
             raise ValueError(f"S3Tier: driver must be one of {S3_DRIVERS}, got {driver!r}")
-        if driver == "obstore" and "client" in store:
+        if driver == "obstore" and "client" in options:
             raise ValueError(
                 "S3Tier(client=...) takes a boto3 client: it works with the boto3 driver only; "
                 "leave driver unset (a client selects boto3) or pass driver='boto3'"
             )
+        shared, store = _split_options(options, "S3Tier", driver)
         self._init_fields(
             shared, url=url, name=name, keep_last=keep_last, driver=driver, options=store
         )
@@ -425,7 +431,7 @@ class _CloudTier(TierSpec):
         name: str = "",
         **options: Any,
     ) -> None:
-        shared, store = _split_options(options)
+        shared, store = _split_options(options, type(self).__name__)
         scheme, label = self._scheme()
         self._init_fields(shared, url=url, name=name or label, keep_last=keep_last, options=store)
         if not url.startswith(f"{scheme}://"):
