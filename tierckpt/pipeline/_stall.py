@@ -53,7 +53,7 @@ class _StallMixin(_PipelineBase):
                     for n in st.holders
                     if n in stalled
                 ]
-                what = "training waited for host arena space it holds"
+                what = "the capture of a save waited for host arena slots this tier still holds"
             seen: set[tuple[str, int]] = set()
             for tier, job in pairs:
                 if (tier.name, id(job)) in seen:
