@@ -209,3 +209,15 @@ def test_a_mistyped_store_option_is_refused_by_the_tier_naming_the_right_one(dri
     for cls, url in ((GCSTier, "gs://b/p"), (AzureTier, "az://c/p")):
         with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got .*endpont_url \(did you"):
             cls(url, endpont_url="http://127.0.0.1:9")
+
+
+def test_a_file_given_for_a_local_tier_folder_says_so(tmp_path: Path) -> None:
+    """A file where the tier's folder (or one above it) should be: the error says that a
+    folder is needed (it said only "[Errno 17] ...: create folder failed: File exists")."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for where in (afile, afile / "sub"):
+        with pytest.raises(TierCkptError, match="where a folder is needed") as ei:
+            Checkpointer([LocalTier(where)])
+        assert str(where) in str(ei.value)
+    assert afile.read_text() == "x"

@@ -85,6 +85,11 @@ def _os_error(url: str, name: str, what: str, exc: OSError) -> BackendError:
             " (not writable by this user: the folder is read-only or owned by someone else; "
             "check its owner and mode, or give the tier a writable folder)"
         )
+    elif exc.errno in (errno.EEXIST, errno.ENOTDIR) and what == "create folder":
+        hint = (
+            " (a file is there, or on the way there, where a folder is needed: a local tier or "
+            "destination names a folder; give a folder's path)"
+        )
     where = f"{url}/{name}" if name else url
     err = BackendError(exc.errno or 0, f"{where}: {what} failed: {exc.strerror}{hint}")
     return err
