@@ -187,8 +187,8 @@ class SingleRankCommit:
     A save commits as soon as its one shard file is durable: the manifest, written last and
     create-only. ``repopulate``: loads from a remote tier copy the checkpoint onto the local
     durable tiers (``Checkpointer(repopulate=...)``). ``earlier``: the owner's own earlier
-    save of a checkpoint (a save of it still in flight is refused; the tiers where it
-    committed are refused to the new save).
+    save of a checkpoint (a save of it still in flight is refused; on a tier where it
+    committed, the copy finds the manifest there and refuses to overwrite it).
     """
 
     def __init__(self, *, repopulate: bool, earlier: Earlier | None = None) -> None:
@@ -198,10 +198,11 @@ class SingleRankCommit:
     def begin_save(
         self, step: int, busy: bool, *, timeline: int, agree_timeline: bool
     ) -> SaveStart:
-        mine = EarlierSave() if self._earlier is None else self._earlier(step, timeline)
-        if mine.in_flight:
+        if self._earlier is not None and self._earlier(step, timeline).in_flight:
             raise ValueError(being_saved(step))
-        return SaveStart("", busy, timeline, {t: "is already committed" for t in mine.done})
+        # where it committed, the tier's copy finds the manifest and refuses (pipeline): one
+        # process needs no list of its own
+        return SaveStart("", busy, timeline)
 
     def commit(
         self, tier: Tier, job: SaveJob, ref: ShardRef, raw: int, stored: int
