@@ -4,6 +4,7 @@ save that commits beside the load never deletes the step under it."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,67 @@ def test_a_step_read_while_this_process_commits_a_newer_one_is_not_deleted(
         assert during == [[1, 2]]  # step 1 was kept while it was read
         for k, v in _state(1.0).items():
             assert torch.equal(got[k], v)
+        monkeypatch.setattr(loading, "_load_from", original)
+        ck.save(_state(3.0), 3).wait()
+        ck.wait(retention=True)
+        assert [c.step for c in ck.checkpoints()] == [3]  # kept only while it was read
+    finally:
+        ck.close()
+
+
+def test_a_pass_that_chose_the_step_before_the_load_named_it_spares_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retention pass of step 2 asks which steps to keep (none: no load yet), then a load
+    of step 1 begins and reads it; the pass must not delete step 1 under the load, although
+    step 1 was not protected when the pass chose what to delete."""
+    ck = Checkpointer([LocalTier(tmp_path / "ck", keep_last=1)])
+    try:
+        ck.save(_state(1.0), 1).wait()
+        ck.wait(retention=True)
+        asked, go_on = threading.Event(), threading.Event()
+        calls: list[int] = []
+
+        def protector() -> tuple[int, ...]:
+            calls.append(1)
+            if len(calls) == 1:  # the pass's first question: it chose step 1 to go
+                asked.set()
+                go_on.wait(10)
+            return ()
+
+        ck.protect_steps(protector)
+        reading, read_on = threading.Event(), threading.Event()
+        original = loading._load_from
+
+        def slow_read(ctx: Any, t: Any, cid: Any, target: Any = None) -> Any:
+            reading.set()
+            read_on.wait(10)
+            return original(ctx, t, cid, target)
+
+        monkeypatch.setattr(loading, "_load_from", slow_read)
+        ck.save(_state(2.0), 2).wait()
+        assert asked.wait(10)
+        out: dict[str, Any] = {}
+
+        def load() -> None:
+            try:
+                out["got"] = ck.load(1)
+            except BaseException as exc:  # reported below
+                out["error"] = exc
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        assert reading.wait(10)  # the load named step 1 and is reading it
+        go_on.set()  # the pass goes on to what it chose
+        ck.wait(retention=True)
+        during = [c.step for c in ck.checkpoints()]
+        read_on.set()
+        loader.join(10)
+        assert "error" not in out, out.get("error")
+        assert during == [1, 2]  # spared by the pass that had chosen it
+        for k, v in _state(1.0).items():
+            assert torch.equal(out["got"][k], v)
+        assert len(calls) >= 2  # asked again right before the deletion
         monkeypatch.setattr(loading, "_load_from", original)
         ck.save(_state(3.0), 3).wait()
         ck.wait(retention=True)

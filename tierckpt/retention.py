@@ -44,7 +44,8 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -350,6 +351,7 @@ def gc_tier(
     protect: Collection[CheckpointId] = (),
     protect_steps: Collection[int] = (),
     sweep: bool | None = True,
+    deleting: Callable[[CheckpointId], AbstractContextManager[bool]] | None = None,
 ) -> list[CheckpointId]:
     """Apply retention; returns the checkpoints deleted. ``protect``: those being saved now.
 
@@ -362,6 +364,8 @@ def gc_tier(
     committed (and unfinished uploads) every time; None, only when this process has not
     swept ``backend`` clean since it started using it or since :func:`note_failed_save`,
     or after many passes that deleted from scoped listings (:mod:`tierckpt.retention_scan`).
+    ``deleting(cid)``: held around each deletion; it yields True when ``cid`` must be kept
+    after all (a load of its step began after ``protect_steps`` was asked).
     """
     rule = keep_last if isinstance(keep_last, Retention) else Retention(keep_last=keep_last)
     state, scan = sweep_state(backend), scan_state(backend)
@@ -409,14 +413,18 @@ def gc_tier(
         for cid in committed:
             if cid in keep or cid == newest or cid in protect:
                 continue
-            up = sweep or cid in state.stale
-            folders = None if full or up else checkpoint_folders(backend, cid)
-            if folders is not None and not scan.scoped_pays(len(folders), backend.is_remote):
-                folders = None  # fewer requests in the listing of every object
-            if folders is None:
-                delete_checkpoint(backend, cid, listing=listing, uploads=up)
-            else:
-                delete_in_folders(backend, cid, folders)
+            with deleting(cid) if deleting is not None else nullcontext(False) as spare:
+                if spare:
+                    keep.add(cid)
+                    continue
+                up = sweep or cid in state.stale
+                folders = None if full or up else checkpoint_folders(backend, cid)
+                if folders is not None and not scan.scoped_pays(len(folders), backend.is_remote):
+                    folders = None  # fewer requests in the listing of every object
+                if folders is None:
+                    delete_checkpoint(backend, cid, listing=listing, uploads=up)
+                else:
+                    delete_in_folders(backend, cid, folders)
             _forget(backend, cid)
             state.stale.discard(cid)
             deleted.append(cid)

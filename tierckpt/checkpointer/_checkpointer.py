@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -138,7 +138,7 @@ class Checkpointer(SavePath):
             self._stats.add_event_callback(self._peer.on_event)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
-        self._protectors = Protectors()  # callables naming steps retention must keep
+        self._protectors: Protectors = Protectors()  # callables naming steps to keep
         # last: nothing after this may fail and leave the arena's thread behind
         self._start_arena_prebuild()
 
@@ -355,9 +355,6 @@ class Checkpointer(SavePath):
         is skipped (logged). Returns a function that removes ``fn``."""
         return self._protectors.add(fn)
 
-    def _protected_steps(self) -> Collection[int]:
-        return self._protectors.steps()
-
     # -- load --------------------------------------------------------------------------
     def load(
         self,
@@ -442,8 +439,7 @@ class Checkpointer(SavePath):
             forget_timeline=self._forget_timeline,
             staging=self._arena_for_load,
             prepare_load=self._peer.prepare_load if self._peer is not None else None,
-            protect=self._protectors.add,
-            protected_steps=self._protectors.steps,
+            protectors=self._protectors,
         )
 
     def _get_read_pool(self) -> ThreadPoolExecutor:

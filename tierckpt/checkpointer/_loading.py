@@ -11,7 +11,7 @@ through pinned staging straight onto the device (:mod:`tierckpt.restore_gpu`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +29,7 @@ from tierckpt.catalog import (
     unreadable,
 )
 from tierckpt.checkpointer._auto_feedback import feed_policy
+from tierckpt.checkpointer._retention import Protectors
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
 from tierckpt.commit import CommitStrategy
@@ -82,12 +83,10 @@ class LoadContext:
     #: the host arena as it is now (None: not built yet), whose free slots a load onto a
     #: GPU stages chunks in
     staging: Callable[[], HostArena | None] | None = None
-    #: ``Checkpointer.protect_steps``: the step being read is kept from this process's own
-    #: retention while it is read (a save committing beside the load would delete it)
-    protect: Callable[[Callable[[], Iterable[int]]], Callable[[], None]] | None = None
-    #: the steps retention keeps besides the rules (``protect_steps``, pins aside): applied
-    #: when a load's copies to faster tiers commit there (:func:`retain_repopulated`)
-    protected_steps: Callable[[], Collection[int]] = frozenset
+    #: ``Checkpointer.protect_steps``: the steps being read are kept from this process's own
+    #: retention while they are read (a save committing beside the load would delete them),
+    #: and applied when a load's copies to faster tiers commit there (:func:`retain_repopulated`)
+    protectors: Protectors | None = None
 
 
 def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
@@ -136,8 +135,12 @@ def load(
     failed so) when retention removed the chosen checkpoint while it was being read. Every
     rank ends the load alike: all return, or all raise. ``device``: a CUDA device to restore
     onto where it has room (the device of ``Stateful`` targets), else the host."""
-    reading: set[int] = set()  # the step being read, kept from this process's retention
-    unprotect = ctx.protect(lambda: tuple(reading)) if ctx.protect is not None else None
+    # the steps being read, kept from this process's retention: a step asked for from before
+    # the tiers are listed (a pass that chose it before spares it if it has not begun to
+    # delete it), the newest once chosen (if it vanishes first, the tiers are listed again)
+    hold, unprotect = ctx.protectors.reading() if ctx.protectors is not None else (None, None)
+    if hold is not None and step is not None:
+        hold((step,))
     try:
         seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
         ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
@@ -154,7 +157,7 @@ def load(
                     fallback=fallback,
                     timeline=timeline,
                     device=device,
-                    reading=reading,
+                    hold=hold,
                 )
                 if into is not None:  # checked here, copied once every rank's load worked
                     check_into(into, got, strict=strict)
@@ -245,11 +248,11 @@ def _load_once(
     fallback: Literal["error", "previous"],
     timeline: int | None,
     device: torch.device | None = None,
-    reading: set[int] | None = None,
+    hold: Callable[[Iterable[int]], None] | None = None,
 ) -> Any:
     """One listing of the tiers and one load of the step chosen from it (``into`` chooses
     the device; the caller copies into it once every rank's load worked). The steps chosen
-    are added to ``reading`` before they are read."""
+    are passed to ``hold`` (kept from retention) before they are read."""
     if fallback not in ("error", "previous"):
         raise ValueError("fallback must be 'error' or 'previous'")
     ctx.forget_timeline()  # the run may have gone back: the next save decides again
@@ -292,8 +295,8 @@ def _load_once(
     try:
         # every rank must load the same checkpoint: the newest all ranks can read
         candidates = ctx.strategy.agree_on_step(candidates)
-        if reading is not None:
-            reading.update(c.step for c in candidates)
+        if hold is not None:
+            hold(c.step for c in candidates)
         target = target_for(into, map_location)
         if target is None and device is not None and map_location is None:
             target = DeviceTarget(device, optional=True)
@@ -346,7 +349,8 @@ def retain_repopulated(ctx: LoadContext, loaded: LoadedShard) -> None:
                 backend,
                 tier.spec.retention,
                 protect={loaded.manifest.id},
-                protect_steps=ctx.protected_steps(),
+                protect_steps=ctx.protectors.steps() if ctx.protectors is not None else (),
+                deleting=ctx.protectors.deleting if ctx.protectors is not None else None,
                 sweep=False,  # leftovers of writers are their business, or gc's
             )
         except (OSError, TierCkptError) as exc:

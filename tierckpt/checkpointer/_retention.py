@@ -5,7 +5,8 @@ The pin markers and the rules themselves are :mod:`tierckpt.retention`'s."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from tierckpt.errors import BackendError, CheckpointNotFound
 from tierckpt.format import CheckpointId
@@ -17,10 +18,14 @@ __all__ = ["Protectors", "pin_target"]
 class Protectors:
     """The callables that name steps retention must keep on every tier (``protect_steps``).
 
-    Added and removed from any thread; asked on the pipeline's commit threads."""
+    Added and removed from any thread; asked on the pipeline's commit threads. A retention
+    pass asks again right before each deletion, holding this object's lock through it
+    (:meth:`deleting`); a load names the steps it reads under the same lock (:meth:`reading`),
+    so a step named before its deletion starts is never deleted, whatever the pass chose
+    before."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # held around each deletion (reentrant: steps())
         self._fns: list[Callable[[], Iterable[int]]] = []
 
     def add(self, fn: Callable[[], Iterable[int]]) -> Callable[[], None]:
@@ -48,6 +53,26 @@ class Protectors:
                     f"cannot tell which steps {fn!r} protects ({exc}); retention skipped"
                 ) from exc
         return steps
+
+    def reading(self) -> tuple[Callable[[Iterable[int]], None], Callable[[], None]]:
+        """A load's protection: ``(hold, remove)``. ``hold(steps)`` keeps ``steps`` from
+        this process's retention from its return on (it waits for a deletion in progress);
+        ``remove()`` ends it."""
+        held: set[int] = set()
+        remove = self.add(lambda: tuple(held))
+
+        def hold(steps: Iterable[int]) -> None:
+            with self._lock:
+                held.update(steps)
+
+        return hold, remove
+
+    @contextmanager
+    def deleting(self, cid: CheckpointId) -> Iterator[bool]:
+        """Held around the deletion of ``cid``: yields True when its step is protected now
+        (the pass must keep it after all). ``BackendError`` as :meth:`steps`."""
+        with self._lock:
+            yield cid.step in self.steps()
 
 
 def pin_target(

@@ -13,11 +13,13 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 from tierckpt.arena import HostArena
 from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
+from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._layoutcache import LayoutCache
 from tierckpt.pipeline._leases import Leases
@@ -40,6 +42,9 @@ class _PipelineBase:
     #: steps retention keeps on every tier besides its rules (an integration's live pointers),
     #: asked at each retention; if it raises, that retention is skipped (set by the owner)
     protect_steps: Callable[[], Collection[int]] = frozenset
+    #: held around each deletion of a retention pass; yields True when the checkpoint must
+    #: be kept after all (a load of its step began during the pass; set by the owner)
+    deleting: Callable[[CheckpointId], AbstractContextManager[bool]] | None = None
     tiers: list[Tier]
     on_result: Callable[[TierResult, SaveHandle], None] | None
     on_failure: Callable[[Tier, SaveJob, BaseException], None] | None

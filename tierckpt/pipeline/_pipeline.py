@@ -11,7 +11,8 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from contextlib import AbstractContextManager
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -19,6 +20,7 @@ from tierckpt import _native, config
 from tierckpt.arena import HostArena
 from tierckpt.capture import CaptureStreams
 from tierckpt.errors import TierCkptError
+from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._capture import _CaptureMixin
 from tierckpt.pipeline._close import _CloseMixin, check_close_timeout
@@ -237,6 +239,14 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
 _Owner = TypeVar("_Owner", bound="PipelineOwner")
 
 
+class Protecting(Protocol):
+    """What names the steps a retention pass must keep (``Checkpointer``'s protectors)."""
+
+    def steps(self) -> Collection[int]: ...
+
+    def deleting(self, cid: CheckpointId) -> AbstractContextManager[bool]: ...
+
+
 class PipelineOwner:
     """Lifecycle shared by the objects that own a :class:`Pipeline` and its tiers
     (``Checkpointer``, ``dcp.TierWriter``): ``close()`` once, context manager, and a
@@ -254,6 +264,9 @@ class PipelineOwner:
     save_deadline: float | None = None
     #: the host arena being built since construction (handed to the pipeline when made)
     _arena_prebuild: ArenaPrebuild | None = None
+    #: the steps retention must keep besides its rules, asked at each pass and held around
+    #: each deletion (None: none)
+    _protectors: Protecting | None = None
 
     def _start_arena_prebuild(self) -> None:
         """At construction: build the host arena on a background thread (CUDA available, or
@@ -309,12 +322,18 @@ class PipelineOwner:
                 return frozenset() if fn is None else fn()
 
             self._pipeline.protect_steps = protect_steps
+            self._pipeline.deleting = self._deleting_hook()
             self._pipeline._prebuilt, self._arena_prebuild = self._arena_prebuild, None
         return self._pipeline
 
     def _protected_steps(self) -> Collection[int]:
         """Steps retention must keep besides its rules (see ``Checkpointer.protect_steps``)."""
-        return frozenset()
+        return frozenset() if self._protectors is None else self._protectors.steps()
+
+    def _deleting_hook(self) -> Callable[[CheckpointId], AbstractContextManager[bool]] | None:
+        """What a retention pass holds around each deletion (``gc_tier(deleting=...)``); it
+        refers to the protectors, not to the owner."""
+        return None if self._protectors is None else self._protectors.deleting
 
     def _release(self) -> None:
         """Extra resources of the owner, released by ``close()`` after the pipeline."""

@@ -70,6 +70,7 @@ class _RetainMixin(_PipelineBase):
                 tier.spec.retention,
                 protect=protect,
                 protect_steps=self.protect_steps(),
+                deleting=self.deleting,
                 sweep=None,  # leftovers: at this writer's first pass and after a failed save
             )
         except (BackendError, OSError) as exc:  # at every commit while it lasts: once
