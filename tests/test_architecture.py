@@ -237,7 +237,9 @@ LAYERS: dict[str, int] = {
         0,
     ),
     **dict.fromkeys(["backends", "codecs"], 1),
-    **dict.fromkeys(["tree", "format", "layout", "verify", "catalog", "sweep", "reported"], 2),
+    **dict.fromkeys(
+        ["tree", "format", "layout", "verify", "catalog", "sweep", "reported", "near"], 2
+    ),
     **dict.fromkeys(
         [
             "plan",

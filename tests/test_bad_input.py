@@ -221,3 +221,27 @@ def test_a_file_given_for_a_local_tier_folder_says_so(tmp_path: Path) -> None:
             Checkpointer([LocalTier(where)])
         assert str(where) in str(ei.value)
     assert afile.read_text() == "x"
+
+
+def test_a_load_from_a_folder_one_level_off_names_the_tier_folder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The resume idiom (``except CheckpointNotFound: start afresh``) given the folder above
+    the one the saves went to, or one inside it: the error and a warning name the tier
+    folder, so the job that starts from step 0 says why."""
+    run = tmp_path / "runs" / "ck"
+    _save(run)
+    caplog.set_level("WARNING", logger="tierckpt")
+    with pytest.raises(CheckpointNotFound, match="has tier folders below it") as above:
+        _load(tmp_path / "runs")
+    assert str(run) in str(above.value)
+    assert str(run) in caplog.text
+    with pytest.raises(CheckpointNotFound, match="is inside the tier folder") as inside:
+        _load(run / "manifests")
+    assert f"inside the tier folder {run}" in str(inside.value)
+    with pytest.raises(CheckpointNotFound, match=r"step 3 is not committed.*inside the tier"):
+        _load(run / "sub", step=3)
+    caplog.clear()
+    with pytest.raises(CheckpointNotFound) as fresh:  # a first start: nothing near, no warning
+        _load(tmp_path / "elsewhere")
+    assert "tier folder" not in str(fresh.value) and "tier folder" not in caplog.text

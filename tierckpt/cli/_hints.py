@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 WAIT_NOTICE_S = 2.0
 #: and another one this often while it goes on waiting
 WAIT_REPEAT_S = 5.0
-#: how many tier folders / prefixes a hint names at most
+#: how many tier prefixes a hint names at most
 NEAR_SHOWN = 5
 
 
@@ -179,37 +179,16 @@ def stored_codecs(backend: Backend, manifest: Manifest) -> list[str]:
 
 
 def tier_folders_near(url: str) -> str:
-    """Where a local folder with no checkpoint is near tier folders (one that has
-    ``manifests/``): the tier folder it lies inside, or those below it (two levels); a hint
-    line, or empty. A mistyped level is the usual reason ``ls`` finds nothing."""
-    import os
+    """Where a local folder with no checkpoint is near tier folders
+    (:func:`tierckpt.near.folders_near`); a hint line, or empty."""
+    from tierckpt.near import folders_near
 
     if "://" in url and not url.startswith("file://"):
         return ""
-    path = os.path.abspath(url.removeprefix("file://"))
-    up = os.path.dirname(path)
-    while up and up != os.path.dirname(up):
-        if os.path.isdir(os.path.join(up, "manifests")):
-            return f"hint: this folder is inside the tier folder {up}: tierckpt ls {up}"
-        up = os.path.dirname(up)
-    below: list[str] = []
-    try:
-        for entry in sorted(os.scandir(path), key=lambda e: e.name):
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            inner = [entry.path]
-            try:
-                inner += sorted(e.path for e in os.scandir(entry.path) if e.is_dir())
-            except OSError:
-                pass
-            below += [p for p in inner if os.path.isdir(os.path.join(p, "manifests"))]
-            if len(below) >= NEAR_SHOWN:
-                break
-    except OSError:
-        return ""
-    if not below:
-        return ""
-    return "hint: tier folders below this one: " + ", ".join(below[:NEAR_SHOWN])
+    inside, below = folders_near(url.removeprefix("file://"))
+    if inside is not None:
+        return f"hint: this folder is inside the tier folder {inside}: tierckpt ls {inside}"
+    return "hint: tier folders below this one: " + ", ".join(below) if below else ""
 
 
 def tier_prefixes_near(backend: Backend, url: str, list_root: Callable[[str], list[str]]) -> str:
