@@ -268,3 +268,24 @@ def test_a_create_sent_again_after_a_lost_answer_finds_its_own_bytes(
     with pytest.raises(FileExistsError):
         b.put_atomic(name, b"theirs")
     b.close()
+
+
+@pytest.mark.parametrize("driver", ["obstore", "boto3"])
+def test_after_close_what_is_committed_can_still_be_listed_and_loaded(
+    moto_server: S3Server, s3_bucket: BucketFactory, driver: str
+) -> None:
+    """A report after training (``with Checkpointer(...) as ck: ...``, then ``ck.steps()``)
+    worked on boto3 and local tiers, while obstore's tier raised "backend is closed" and
+    dropped out of ``tier_steps()``. Reads go on after ``close()`` on both drivers; writes
+    to the closed backend are refused (the writer let go of its lease)."""
+    bucket = s3_bucket(moto_server)
+    tier = S3Tier(f"s3://{bucket}/run", endpoint_url=moto_server.endpoint_url, driver=driver)
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    with Checkpointer([tier]) as ck:
+        ck.save(state, 4).wait()
+        backend = ck.backend("s3")
+    assert ck.steps() == [4] and ck.tier_steps() == {"s3": [4]}
+    assert torch.equal(ck.load(tier="s3")["w"], state["w"])
+    if driver == "obstore":
+        with pytest.raises(BackendError, match="closed; open a new one to write"):
+            backend.put_atomic("x", b"1")

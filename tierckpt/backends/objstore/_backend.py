@@ -173,9 +173,15 @@ class ObjectStoreBackend(RemoteBackend):
 
     # -- plumbing --------------------------------------------------------------------------
     def _key(self, name: str) -> str:
-        if self._closed:
-            raise BackendError(f"{self.url}: backend is closed")
         return self._root + validate_name(name)
+
+    def _write_key(self, name: str) -> str:
+        """:meth:`_key` of an object to write or delete: refused once the backend is closed
+        (its writer let go of the location's lease). Reads and listings go on working, as on
+        the other backends (a report of what is committed after ``close()``)."""
+        if self._closed:
+            raise BackendError(f"{self.url}: backend is closed; open a new one to write")
+        return self._key(name)
 
     def _where(self, key: str) -> str:
         return f"{self.scheme}://{self.bucket}/{key}"
@@ -221,13 +227,13 @@ class ObjectStoreBackend(RemoteBackend):
 
     # -- writing ---------------------------------------------------------------------------
     def open_writer(self, name: str) -> ObjectWriter:
-        key = self._key(name)
+        key = self._write_key(name)
         return _Writer(self, name, key)
 
     def put_atomic(self, name: str, data: BytesLike, *, overwrite: bool = False) -> None:
         import obstore
 
-        key = self._key(name)
+        key = self._write_key(name)
         body = bytes(memoryview(data).cast("B"))
         if overwrite:
             self._call("put", key, obstore.put, key, body, use_multipart=False)
@@ -404,8 +410,6 @@ class ObjectStoreBackend(RemoteBackend):
         it (S3 ``start-after``; object_store's list offset)."""
         import obstore
 
-        if self._closed:
-            raise BackendError(f"{self.url}: backend is closed")
         full = self._root + prefix
         offset = {"offset": self._root + start_after} if start_after else {}
         # object_store lists whole path segments: list the folder, keep the names that match
@@ -435,7 +439,7 @@ class ObjectStoreBackend(RemoteBackend):
     def delete(self, name: str) -> None:
         import obstore
 
-        key = self._key(name)
+        key = self._write_key(name)
         try:
             self._call("delete", key, obstore.delete, key)
         except CheckpointNotFound:
