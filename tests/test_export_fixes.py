@@ -245,3 +245,16 @@ def test_max_shard_size_in_bare_bytes_and_binary_units_splits_the_export(
         err = capsys.readouterr().err
         assert rc == 2 and ("500MB, 5GB, 2GiB" in err or "above 0" in err), (bad, err)
     assert not (tmp_path / "bad").exists()
+
+
+def test_an_export_onto_a_file_says_a_folder_is_needed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tierckpt export ck model.safetensors`` said only "[Errno 17] ...: File exists"."""
+    src = _save(tmp_path / "src", {"w": torch.ones(8)})
+    (tmp_path / "afile").write_text("mine")
+    for out in ("afile", "afile/sub"):
+        rc = main(["export", src, str(tmp_path / out)])
+        err = capsys.readouterr().err
+        assert rc == 1 and "where a folder is needed" in err and "give a folder's path" in err, err
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -228,6 +228,11 @@ def _ensure_writable(where: str) -> None:
         hint = ""
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             hint = " (the folder is read-only or not writable by this user: pick a writable one)"
+        elif exc.errno in (errno.EEXIST, errno.ENOTDIR):
+            hint = (
+                " (a file is there, or on the way there, where a folder is needed: the export "
+                "goes into a folder of its own; give a folder's path)"
+            )
         raise BackendError(
             exc.errno or 0, f"{where}: cannot write the export there: {exc.strerror}{hint}"
         ) from exc
