@@ -418,7 +418,8 @@ def resolve_codec(spec: CodecSpec, backend: Backend) -> Codec:
 class _CloudTier(TierSpec):
     """A bucket of a cloud object store reached through obstore (``gs://``, ``az://``);
     ``options``: the shared tier options (:class:`TierOptions`, listed in :class:`TierSpec`);
-    the others go to the store's backend."""
+    the others go to the store's backend. ``keep_last`` defaults to None: every checkpoint
+    is kept (unlike :class:`S3Tier`'s 5); give a number to bound what the bucket bills."""
 
     url: str = ""
     options: dict[str, Any] = field(default_factory=dict)
@@ -469,7 +470,8 @@ class _CloudTier(TierSpec):
 @dataclass(frozen=True, slots=True, init=False, repr=False, eq=False)
 class GCSTier(_CloudTier):
     """A Google Cloud Storage bucket: ``GCSTier("gs://bucket/prefix")``; credentials from
-    Google's standard chain, ``endpoint_url=`` (or ``STORAGE_EMULATOR_HOST``) for an emulator."""
+    Google's standard chain, ``endpoint_url=`` (or ``STORAGE_EMULATOR_HOST``) for an emulator.
+    Keeps every checkpoint unless ``keep_last`` is given (``S3Tier`` keeps 5)."""
 
     @classmethod
     def _scheme(cls) -> tuple[str, str]:
@@ -480,7 +482,8 @@ class GCSTier(_CloudTier):
 class AzureTier(_CloudTier):
     """An Azure Blob Storage container: ``AzureTier("az://container/prefix")``; the account and
     credentials from Azure's standard chain (``AZURE_STORAGE_ACCOUNT_NAME``, a key, SAS or an
-    identity), ``endpoint_url=`` for the blob endpoint (Azurite, sovereign clouds)."""
+    identity), ``endpoint_url=`` for the blob endpoint (Azurite, sovereign clouds). Keeps
+    every checkpoint unless ``keep_last`` is given (``S3Tier`` keeps 5)."""
 
     @classmethod
     def _scheme(cls) -> tuple[str, str]:
