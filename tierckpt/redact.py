@@ -77,10 +77,23 @@ def refuse_credentials(url: str) -> None:
     if "@" in netloc or ("@" in path and ":" in netloc):
         raise FormatError(
             f"{redact(url)}: credentials do not belong in an {scheme}:// URL (they would end up "
-            "in logs and process listings); give them through the environment "
-            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), a profile (AWS_PROFILE, "
-            "~/.aws/credentials) or an instance role, and use s3://bucket/prefix"
+            f"in logs and process listings); {_CREDENTIALS.get(scheme, _CREDENTIALS['http'])}"
         )
+
+
+#: per URL scheme, where credentials go instead of the URL
+_CREDENTIALS = {
+    "s3": "give them through the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), a "
+    "profile (AWS_PROFILE, ~/.aws/credentials) or an instance role, and use s3://bucket/prefix",
+    "gs": "give them through Google's standard chain (GOOGLE_APPLICATION_CREDENTIALS, "
+    "gcloud auth application-default login, or the instance's service account), and use "
+    "gs://bucket/prefix",
+    "az": "give them through Azure's standard chain (AZURE_STORAGE_ACCOUNT_NAME with "
+    "AZURE_STORAGE_ACCOUNT_KEY or a SAS token, or a managed identity), and use "
+    "az://container/prefix",
+    "http": "give them through the store's own credentials (the environment, a profile or an "
+    "instance role) and the endpoint as http(s)://host:port",
+}
 
 
 def refuse_bad_endpoint(endpoint: str, who: str = "endpoint_url") -> None:

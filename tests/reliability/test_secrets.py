@@ -159,6 +159,26 @@ def test_s3_url_with_credentials_is_refused(url: str, record: Recorder) -> None:
     assert SECRET not in out and KEY not in out
 
 
+def test_credentials_in_a_gs_az_or_endpoint_url_are_refused_with_that_clouds_advice() -> None:
+    """The refusal told every cloud to use AWS variables and ``s3://bucket/prefix``."""
+    from tierckpt import AzureTier, GCSTier
+
+    cases = [
+        (lambda: GCSTier(f"gs://{KEY}:{SECRET}@bucket/run"), "GOOGLE_APPLICATION_CREDENTIALS"),
+        (lambda: AzureTier(f"az://{KEY}:{SECRET}@box/run"), "AZURE_STORAGE_ACCOUNT_KEY"),
+        (
+            lambda: GCSTier("gs://bucket/run", endpoint_url=f"http://{KEY}:{SECRET}@127.0.0.1:9"),
+            "http(s)://host:port",
+        ),
+    ]
+    for make, advice in cases:
+        with pytest.raises(FormatError) as info:
+            make()
+        msg = str(info.value)
+        assert advice in msg and "s3://" not in msg and "AWS_" not in msg, msg
+        assert SECRET not in msg and KEY not in msg
+
+
 def test_cli_never_prints_endpoint_credentials(record: Recorder) -> None:
     """`tierckpt ls` failing to connect: plain and with --debug (a traceback), the endpoint
     given by flag and by environment. Run side by side: each waits out botocore's retries."""
