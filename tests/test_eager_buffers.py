@@ -288,6 +288,23 @@ def test_no_guard_stays_lazy_and_says_what_to_pass(caplog: pytest.LogCaptureFixt
     assert "BatchNorm" in msg
 
 
+def test_no_guard_warning_only_for_a_modules_state(caplog: pytest.LogCaptureFixture) -> None:
+    """A plain dict of tensors (no module, so no buffers a forward pass writes) was told to
+    call guard() for its "BatchNorm statistics"; a module's state_dict(), nested or given as
+    the module, still is."""
+    model, _opt = _bn_model()
+    with caplog.at_level(logging.WARNING, "tierckpt"):
+        with Checkpointer([MemoryTier(namespace="eager-plain")]) as ck:
+            ck.save({"w": torch.ones(64), "runs": [{"b": torch.zeros(8)}]}, 1).wait()
+        assert _messages(caplog) == []
+        for i, state in enumerate(({"nets": [{"g": model.state_dict()}]}, model)):
+            with Checkpointer([MemoryTier(namespace=f"eager-nested-{i}")]) as ck:
+                ck.save(state, 1).wait()
+            (msg,) = _messages(caplog)
+            assert "without guard()" in msg
+            caplog.clear()
+
+
 def test_guard_of_the_optimizer_only_copies_buffers_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -5,7 +5,8 @@ parameters that should have stayed lazy."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -32,14 +33,24 @@ class GuardedSources:
         self._lazy.add(optimizer, modules)
 
     def snapshot(
-        self, tensors: list[torch.Tensor], handle: SaveHandle, copies: list[int] | None = None
+        self,
+        tensors: list[torch.Tensor],
+        handle: SaveHandle,
+        copies: list[int] | None = None,
+        state: Any = None,
     ) -> list[torch.Tensor]:
         """Copy what the next forward pass may write (see :mod:`tierckpt.snapshot`).
-        ``copies``: indices of tensors that are private copies already (NumPy arrays)."""
+        ``copies``: indices of tensors that are private copies already (NumPy arrays).
+        ``state``: what was saved (modules as their state_dict()), asked whether it holds a
+        module's state, the only state a forward pass writes."""
         if not self._lazy.guarded:
             # nothing tells parameters from buffers: copying all would copy the model at
             # every save, so the whole state stays lazy, as the caller's wait_captured() implies
-            if len(tensors) > len(copies or ()):
+            if (
+                "no-guard" not in self._warned
+                and len(tensors) > len(copies or ())
+                and holds_module_state(state)
+            ):
                 self._warn_once(
                     "no-guard",
                     "save() without guard(): tierckpt cannot tell parameters from buffers, so "
@@ -89,6 +100,27 @@ class GuardedSources:
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning("%s", message)
+
+
+#: how deep :func:`holds_module_state` looks into nested containers
+MODULE_STATE_DEPTH = 3
+
+
+def holds_module_state(state: Any, depth: int = MODULE_STATE_DEPTH) -> bool:
+    """Whether ``state`` holds a module's ``state_dict()`` (which carries ``_metadata``: a
+    forward pass writes its buffers) within ``depth`` levels of containers; a plain dict of
+    tensors does not, and gets no warning about buffers."""
+    if isinstance(state, Mapping):
+        if hasattr(state, "_metadata"):
+            return True
+        values: Iterable[Any] = state.values()
+    elif isinstance(state, (list, tuple)):
+        values = state
+    else:
+        return False
+    return depth > 0 and any(
+        holds_module_state(v, depth - 1) for v in values if isinstance(v, (Mapping, list, tuple))
+    )
 
 
 def as_modules(

@@ -195,12 +195,15 @@ class SavePath(PipelineOwner):
             # by the capture thread, so training pays microseconds per tensor, not the whole
             # plan; top-level Stateful objects (a module, an optimizer) give their
             # state_dict(), as in DCP
-            collected = collect_state(expand_stateful(state))
+            expanded = expand_stateful(state)
+            collected = collect_state(expanded)
             if not tiers:
                 return handle
             # before the ready events: on CUDA the copies are queued ahead of the capture's
             # wait
-            collected.tensors = self._guarded.snapshot(collected.tensors, handle, collected.copies)
+            collected.tensors = self._guarded.snapshot(
+                collected.tensors, handle, collected.copies, expanded
+            )
             job = SaveJob(
                 step=step,
                 plan=None,
