@@ -109,3 +109,40 @@ def test_a_pass_that_chose_the_step_before_the_load_named_it_spares_it(
         assert [c.step for c in ck.checkpoints()] == [3]  # kept only while it was read
     finally:
         ck.close()
+
+
+def test_a_slow_deletion_holds_up_only_a_load_of_its_own_step() -> None:
+    """A deletion on a store that hangs must not stall other tiers' retention (which asks
+    ``steps()``) or loads of other steps; a load of the step being deleted waits for it."""
+    from tierckpt.checkpointer._retention import Protectors
+    from tierckpt.format import CheckpointId
+
+    protectors = Protectors()
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_pass() -> None:
+        with protectors.deleting(CheckpointId(5, 0)) as spare:
+            assert not spare
+            inside.set()
+            release.wait(10)
+
+    deleter = threading.Thread(target=slow_pass)
+    deleter.start()
+    assert inside.wait(10)
+    hold, remove = protectors.reading()
+    assert protectors.steps() == set()  # another tier's pass: no wait
+    hold([6])  # a load of another step: no wait
+    assert protectors.steps() == {6}
+    waited = threading.Event()
+    loader = threading.Thread(target=lambda: (hold([5]), waited.set()))
+    loader.start()
+    assert not waited.wait(0.3)  # the load of step 5 waits for its deletion
+    release.set()
+    assert waited.wait(10)
+    deleter.join(10)
+    loader.join(10)
+    assert protectors.steps() == {5, 6}
+    with protectors.deleting(CheckpointId(5, 1)) as spare:
+        assert spare  # named before this deletion began: kept
+    remove()
+    assert protectors.steps() == set()

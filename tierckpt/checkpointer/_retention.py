@@ -5,6 +5,7 @@ The pin markers and the rules themselves are :mod:`tierckpt.retention`'s."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -19,14 +20,18 @@ class Protectors:
     """The callables that name steps retention must keep on every tier (``protect_steps``).
 
     Added and removed from any thread; asked on the pipeline's commit threads. A retention
-    pass asks again right before each deletion, holding this object's lock through it
-    (:meth:`deleting`); a load names the steps it reads under the same lock (:meth:`reading`),
-    so a step named before its deletion starts is never deleted, whatever the pass chose
-    before."""
+    pass asks again right before each deletion (:meth:`deleting`), and a load that names a
+    step it reads (:meth:`reading`) while that step's deletion is under way waits for it to
+    end: a step named before its deletion begins is never deleted, whatever the pass chose
+    before. Only a load of the step being deleted waits; other tiers' passes and other
+    loads never wait for a deletion (a hung store's)."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # held around each deletion (reentrant: steps())
+        self._lock = threading.Lock()
+        self._deleted = threading.Condition(self._lock)
         self._fns: list[Callable[[], Iterable[int]]] = []
+        #: step -> how many deletions of a checkpoint of that step are under way
+        self._deleting: Counter[int] = Counter()
 
     def add(self, fn: Callable[[], Iterable[int]]) -> Callable[[], None]:
         """Ask ``fn`` from now on; returns a function that removes it."""
@@ -56,23 +61,37 @@ class Protectors:
 
     def reading(self) -> tuple[Callable[[Iterable[int]], None], Callable[[], None]]:
         """A load's protection: ``(hold, remove)``. ``hold(steps)`` keeps ``steps`` from
-        this process's retention from its return on (it waits for a deletion in progress);
-        ``remove()`` ends it."""
+        this process's retention from its return on (it first waits for a deletion of one
+        of them that is under way); ``remove()`` ends it."""
         held: set[int] = set()
-        remove = self.add(lambda: tuple(held))
+
+        def named() -> tuple[int, ...]:
+            with self._lock:
+                return tuple(held)
 
         def hold(steps: Iterable[int]) -> None:
+            wanted = set(steps)
             with self._lock:
-                held.update(steps)
+                while any(self._deleting[s] for s in wanted):
+                    self._deleted.wait()
+                held.update(wanted)
 
-        return hold, remove
+        return hold, self.add(named)
 
     @contextmanager
     def deleting(self, cid: CheckpointId) -> Iterator[bool]:
-        """Held around the deletion of ``cid``: yields True when its step is protected now
-        (the pass must keep it after all). ``BackendError`` as :meth:`steps`."""
+        """Around the deletion of ``cid``: yields True when its step is protected now (the
+        pass must keep it after all). ``BackendError`` as :meth:`steps`."""
         with self._lock:
-            yield cid.step in self.steps()
+            self._deleting[cid.step] += 1
+        try:
+            yield cid.step in self.steps()  # asked once the step is marked: no load slips by
+        finally:
+            with self._lock:
+                self._deleting[cid.step] -= 1
+                if not self._deleting[cid.step]:
+                    del self._deleting[cid.step]
+                self._deleted.notify_all()
 
 
 def pin_target(
