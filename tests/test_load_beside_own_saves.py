@@ -19,6 +19,19 @@ def _state(value: float) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.full((4096,), value + i) for i in range(8)}
 
 
+def _step_1_then_gone(
+    ck: Checkpointer, got: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, read: Any
+) -> None:
+    """``got`` is step 1's state; once the load is over (``read``: the real shard read put
+    back), the next save's retention removes step 1 and 2: it was kept only while read."""
+    for k, v in _state(1.0).items():
+        assert torch.equal(got[k], v)
+    monkeypatch.setattr(loading, "_load_from", read)
+    ck.save(_state(3.0), 3).wait()
+    ck.wait(retention=True)
+    assert [c.step for c in ck.checkpoints()] == [3]
+
+
 @pytest.mark.parametrize("kind", ["local", "memory"])
 def test_a_step_read_while_this_process_commits_a_newer_one_is_not_deleted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -40,12 +53,7 @@ def test_a_step_read_while_this_process_commits_a_newer_one_is_not_deleted(
         monkeypatch.setattr(loading, "_load_from", save_beside)
         got = ck.load(1)  # an explicit step: no second listing may hide a deletion
         assert during == [[1, 2]]  # step 1 was kept while it was read
-        for k, v in _state(1.0).items():
-            assert torch.equal(got[k], v)
-        monkeypatch.setattr(loading, "_load_from", original)
-        ck.save(_state(3.0), 3).wait()
-        ck.wait(retention=True)
-        assert [c.step for c in ck.checkpoints()] == [3]  # kept only while it was read
+        _step_1_then_gone(ck, got, monkeypatch, original)
     finally:
         ck.close()
 
@@ -100,13 +108,8 @@ def test_a_pass_that_chose_the_step_before_the_load_named_it_spares_it(
         loader.join(10)
         assert "error" not in out, out.get("error")
         assert during == [1, 2]  # spared by the pass that had chosen it
-        for k, v in _state(1.0).items():
-            assert torch.equal(out["got"][k], v)
         assert len(calls) >= 2  # asked again right before the deletion
-        monkeypatch.setattr(loading, "_load_from", original)
-        ck.save(_state(3.0), 3).wait()
-        ck.wait(retention=True)
-        assert [c.step for c in ck.checkpoints()] == [3]  # kept only while it was read
+        _step_1_then_gone(ck, out["got"], monkeypatch, original)
     finally:
         ck.close()
 
