@@ -267,7 +267,18 @@ LAYERS: dict[str, int] = {
     ),
     **dict.fromkeys(["commit", "distributed", "peer", "checkpointer", "preemption"], 4),
     **dict.fromkeys(
-        ["dcp", "integrations", "export", "offline", "tierckpt", "observe", "tools", "objects"], 5
+        [
+            "dcp",
+            "integrations",
+            "export",
+            "_export_folder",
+            "offline",
+            "tierckpt",
+            "observe",
+            "tools",
+            "objects",
+        ],
+        5,
     ),
 }
 #: the "never" lines of docs/architecture.md within a layer

@@ -29,20 +29,18 @@ dtype``); a NumPy scalar is written to ``state.json`` as its Python value.
 An export replaces the previous one in the same folder: the files an earlier export recorded
 in its ``state.json`` (there or in its ``rank-NNNNNN/`` folders) are removed before anything
 is written, so a folder never mixes two exports; other files stay, except those named like
-a file (or shard, or index) the new export writes.
+a file (or shard, or index) the new export writes (:mod:`tierckpt._export_folder`).
 """
 
 from __future__ import annotations
 
 import base64
-import errno
 import functools
 import json
 import logging
 import math
 import os
 import re
-import stat
 import tempfile
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -52,8 +50,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierckpt._export_folder import ensure_writable, remove_previous_export
 from tierckpt.backends.base import Backend
-from tierckpt.errors import BackendError, FormatError
+from tierckpt.errors import FormatError
 from tierckpt.format import FORMAT_VERSION
 from tierckpt.restore import read_manifest, read_shard
 from tierckpt.tree import dtype_name
@@ -84,7 +83,6 @@ SAFETENSORS_DTYPES = frozenset(
     }
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_RANK_DIR = re.compile(r"rank-\d{6}")
 log = logging.getLogger("tierckpt")
 
 
@@ -215,81 +213,6 @@ def _file_name(key: str) -> str:
     return f"{name}.safetensors"
 
 
-def _ensure_writable(where: str) -> None:
-    """Create ``where`` and check that files can be written there: a read-only location gets
-    a clear error before anything is written, instead of a raw OSError (or safetensors' own
-    error) halfway through."""
-    try:
-        os.makedirs(where, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".tierckpt-probe-", dir=where)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        hint = ""
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            hint = " (the folder is read-only or not writable by this user: pick a writable one)"
-        elif exc.errno in (errno.EEXIST, errno.ENOTDIR):
-            hint = (
-                " (a file is there, or on the way there, where a folder is needed: the export "
-                "goes into a folder of its own; give a folder's path)"
-            )
-        raise BackendError(
-            exc.errno or 0, f"{where}: cannot write the export there: {exc.strerror}{hint}"
-        ) from exc
-
-
-def _remove_previous_export(out_dir: str) -> list[str]:
-    """Remove the export already in ``out_dir`` (its ``state.json`` or the ones in its
-    ``rank-NNNNNN/`` folders): only the files its ``state.json`` lists, then that
-    ``state.json`` (and the rank folders left empty). Files tierckpt did not write stay."""
-    docs = [os.path.join(out_dir, "state.json")]
-    if os.path.isdir(out_dir):
-        docs += [
-            os.path.join(out_dir, d, "state.json")
-            for d in sorted(os.listdir(out_dir))
-            if _RANK_DIR.fullmatch(d) and os.path.isdir(os.path.join(out_dir, d))
-        ]
-    removed: list[str] = []
-    for doc_path in docs:
-        try:
-            with open(doc_path, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError):  # none there, or not ours
-            continue
-        if not isinstance(doc, dict) or "tierckpt_export" not in doc:
-            continue
-        folder = os.path.dirname(doc_path)
-        names: list[Any] = doc["files"] if isinstance(doc.get("files"), list) else []
-        paths = [
-            os.path.join(folder, n)
-            for n in names
-            if isinstance(n, str)
-            and n == os.path.basename(n)
-            and n.endswith((".safetensors", ".safetensors.index.json"))
-        ]
-        for path in [*paths, doc_path]:
-            try:
-                if stat.S_ISREG(os.lstat(path).st_mode):  # never a link or folder
-                    os.unlink(path)
-                    removed.append(path)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise BackendError(
-                    exc.errno or 0,
-                    f"{path}: cannot remove this file of the previous export in "
-                    f"{out_dir} (an export replaces it): {exc.strerror}",
-                ) from exc
-        if folder != out_dir:
-            try:
-                os.rmdir(folder)  # only when empty
-            except OSError:
-                pass
-    if removed:
-        log.info("export: removed the previous export in %s (%d files)", out_dir, len(removed))
-    return removed
-
-
 def export_safetensors(
     backend: Backend,
     step: int,
@@ -320,13 +243,13 @@ def export_safetensors(
 
     manifest = read_manifest(backend, step, backend.url, timeline=timeline)
     ranks = [s.rank for s in manifest.shards] if rank is None else [rank]
-    _remove_previous_export(out_dir)  # the checkpoint exists: replace what is there
+    remove_previous_export(out_dir)  # the checkpoint exists: replace what is there
     results = []
     with ThreadPoolExecutor(4, thread_name_prefix="tierckpt-export") as pool:
         for r in ranks:
             loaded = read_shard(backend, backend.url, manifest, r, pool)
             where = out_dir if len(ranks) == 1 else os.path.join(out_dir, f"rank-{r:06d}")
-            _ensure_writable(where)
+            ensure_writable(where)
             res = ExportResult(step, r, where)
             arrays: dict[int, str] = {}  # tensors that were NumPy arrays: their dtypes
             state = _arrays_as_tensors(loaded.state, arrays)
