@@ -13,6 +13,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, TextIO
 from urllib.parse import urlsplit
 
+from tierckpt.near import NEAR_SHOWN  # how many tier folders / prefixes a hint names
+
 if TYPE_CHECKING:
     from tierckpt.backends.base import Backend
     from tierckpt.format import Manifest
@@ -21,8 +23,6 @@ if TYPE_CHECKING:
 WAIT_NOTICE_S = 2.0
 #: and another one this often while it goes on waiting
 WAIT_REPEAT_S = 5.0
-#: how many tier prefixes a hint names at most
-NEAR_SHOWN = 5
 
 
 class WaitNotice:

@@ -322,18 +322,16 @@ class PipelineOwner:
                 return frozenset() if fn is None else fn()
 
             self._pipeline.protect_steps = protect_steps
-            self._pipeline.deleting = self._deleting_hook()
+            # the protectors' method: it refers to them, not to the owner
+            self._pipeline.deleting = (
+                None if self._protectors is None else self._protectors.deleting
+            )
             self._pipeline._prebuilt, self._arena_prebuild = self._arena_prebuild, None
         return self._pipeline
 
     def _protected_steps(self) -> Collection[int]:
         """Steps retention must keep besides its rules (see ``Checkpointer.protect_steps``)."""
         return frozenset() if self._protectors is None else self._protectors.steps()
-
-    def _deleting_hook(self) -> Callable[[CheckpointId], AbstractContextManager[bool]] | None:
-        """What a retention pass holds around each deletion (``gc_tier(deleting=...)``); it
-        refers to the protectors, not to the owner."""
-        return None if self._protectors is None else self._protectors.deleting
 
     def _release(self) -> None:
         """Extra resources of the owner, released by ``close()`` after the pipeline."""
