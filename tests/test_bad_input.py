@@ -16,6 +16,7 @@ from tierckpt import (
     CorruptChunk,
     FormatError,
     LocalTier,
+    S3Tier,
     TierCkptError,
     UnknownCodec,
     UnsupportedObject,
@@ -245,3 +246,36 @@ def test_a_load_from_a_folder_one_level_off_names_the_tier_folder(
     with pytest.raises(CheckpointNotFound) as fresh:  # a first start: nothing near, no warning
         _load(tmp_path / "elsewhere")
     assert "tier folder" not in str(fresh.value) and "tier folder" not in caplog.text
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("driver", ["obstore", "boto3"])
+def test_a_load_from_a_prefix_one_level_off_names_the_tier_prefix(
+    s3_server,  # type: ignore[no-untyped-def]
+    s3_bucket,  # type: ignore[no-untyped-def]
+    caplog: pytest.LogCaptureFixture,
+    driver: str,
+) -> None:
+    """The object-store form, for the job restored on a new cluster from the prefix above
+    the one its saves went to, or one inside it: the error and a warning name the tier
+    prefix (listed from the bucket's root with the tier's own endpoint and driver)."""
+    ep = s3_server.endpoint_url
+    run = f"s3://{s3_bucket(s3_server)}/jobs/run-7"
+    with Checkpointer([S3Tier(run, endpoint_url=ep, driver=driver)]) as ck:
+        ck.save({"w": torch.ones(10)}, step=1).wait()
+
+    def load(url: str) -> None:
+        with Checkpointer([S3Tier(url, endpoint_url=ep, driver=driver)]) as ck:
+            ck.load()
+
+    caplog.set_level("WARNING", logger="tierckpt")
+    with pytest.raises(CheckpointNotFound, match="has tier prefixes below it") as above:
+        load(run.rsplit("/", 1)[0])
+    assert run in str(above.value) and run in caplog.text
+    with pytest.raises(CheckpointNotFound, match="is inside the tier prefix") as inside:
+        load(f"{run}/manifests")
+    assert f"inside the tier prefix {run}" in str(inside.value)
+    caplog.clear()
+    with pytest.raises(CheckpointNotFound) as fresh:  # a first start: nothing near, no warning
+        load(run + "-new")
+    assert "tier prefix" not in str(fresh.value) and "tier prefix" not in caplog.text

@@ -238,6 +238,11 @@ class Backend(ABC):
         growing folder reads only what is new (the multi-rank commit's LIST-only wait)."""
         return [n for n in self.list(prefix) if n > start_after]
 
+    def list_first(self, prefix: str, limit: int) -> builtins.list[str]:
+        """At most ``limit`` of the names under ``prefix`` (sorted): a store that can stops
+        listing there (a hint's look around a prefix that may hold a dataset's objects)."""
+        return self.list(prefix)[:limit]
+
     @abstractmethod
     def delete(self, name: str) -> None:
         """Delete ``name``; a missing object is not an error."""

@@ -20,7 +20,6 @@ import torch
 
 from tierckpt import config
 from tierckpt.arena import HostArena
-from tierckpt.backends.local import LocalBackend
 from tierckpt.catalog import (
     committed_ids,
     lineage,
@@ -30,6 +29,7 @@ from tierckpt.catalog import (
     unreadable,
 )
 from tierckpt.checkpointer._auto_feedback import feed_policy
+from tierckpt.checkpointer._near import near_tiers
 from tierckpt.checkpointer._retention import Protectors
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
@@ -42,7 +42,6 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.lease import judge_holder, lease_name, list_leases
-from tierckpt.near import folders_near
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
 from tierckpt.restore import (
@@ -294,7 +293,7 @@ def _load_once(
         )
         candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
     if not all_ids:
-        missing += near_tier_folders(tiers)
+        missing += near_tiers(tiers, listing.keys(), ctx.rank)
     got: LoadedShard | None = None
     try:
         # every rank must load the same checkpoint: the newest all ranks can read
@@ -327,27 +326,6 @@ def _load_once(
     if on_target or map_location is None:
         return got.state
     return to_device(got.state, torch.device(map_location))
-
-
-def near_tier_folders(tiers: Sequence[Tier]) -> str:
-    """Where a local tier holds no checkpoint but lies inside a tier folder or above some:
-    those, for the error (and logged as a warning, as a job that starts afresh when nothing
-    is found would otherwise say nothing); empty when there are none."""
-    said = []
-    for t in tiers:
-        b = t.backend
-        if not isinstance(b, LocalBackend) or b.is_node_local:
-            continue
-        inside, below = folders_near(b.root)
-        if inside is not None:
-            said.append(f"tier {t.name}'s folder {b.root} is inside the tier folder {inside}")
-        elif below:
-            said.append(f"tier {t.name}'s folder {b.root} has tier folders below it: {below}")
-    if not said:
-        return ""
-    hint = "; ".join(said) + " (is the folder given to the tier the one the saves went to?)"
-    log.warning("load found no checkpoint: %s", hint)
-    return "; " + hint
 
 
 def retain_repopulated(ctx: LoadContext, loaded: LoadedShard) -> None:

@@ -8,12 +8,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, TextIO
 from urllib.parse import urlsplit
-
-from tierckpt.near import NEAR_SHOWN  # how many tier folders / prefixes a hint names
 
 if TYPE_CHECKING:
     from tierckpt.backends.base import Backend
@@ -191,36 +188,12 @@ def tier_folders_near(url: str) -> str:
     return "hint: tier folders below this one: " + ", ".join(below) if below else ""
 
 
-def tier_prefixes_near(backend: Backend, url: str, list_root: Callable[[str], list[str]]) -> str:
-    """The object-store form of :func:`tier_folders_near`: where a prefix with no checkpoint
-    (``backend``, opened at ``url``) is inside a tier's prefix (one that holds
-    ``manifests/``), or above tier prefixes; a hint line, or empty. ``list_root(p)``: the
-    names under ``p`` from the bucket's root (the prefixes above ``url`` are outside
-    ``backend``)."""
-    from tierckpt.format import MANIFEST_DIR, parse_manifest_id
+def tier_prefixes_near(backend: Backend, root: Backend) -> str:
+    """The object-store form of :func:`tier_folders_near`
+    (:func:`tierckpt.near.prefixes_near`); a hint line, or empty."""
+    from tierckpt.near import prefixes_near
 
-    parts = urlsplit(url)
-    base = f"{parts.scheme}://{parts.netloc}"
-    segs = [p for p in parts.path.split("/") if p]
-    for i in range(len(segs) - 1, -1, -1):  # the prefixes above this one, nearest first
-        up = "/".join(segs[:i])
-        if any(parse_manifest_id(n) for n in _below(list_root, up, MANIFEST_DIR)):
-            where = f"{base}/{up}" if up else base
-            return f"hint: this prefix is inside the tier prefix {where}: tierckpt ls {where}"
-    below: list[str] = []
-    for name in backend.list(""):  # the tiers below: a manifest's name ends <tier>/manifests/..
-        head, sep, tail = name.rpartition(f"/{MANIFEST_DIR}/")
-        tier = f"{backend.url.rstrip('/')}/{head}"
-        if sep and parse_manifest_id(f"{MANIFEST_DIR}/{tail}") and tier not in below:
-            below.append(tier)
-            if len(below) >= NEAR_SHOWN:
-                break
-    if not below:
-        return ""
-    return "hint: tier prefixes below this one: " + ", ".join(below)
-
-
-def _below(list_root: Callable[[str], list[str]], up: str, folder: str) -> list[str]:
-    """The names in ``up/folder/`` (from the bucket's root), relative to ``up``."""
-    cut = len(up) + 1 if up else 0
-    return [n[cut:] for n in list_root(f"{up}/{folder}/" if up else f"{folder}/")]
+    inside, below = prefixes_near(backend, root)
+    if inside is not None:
+        return f"hint: this prefix is inside the tier prefix {inside}: tierckpt ls {inside}"
+    return "hint: tier prefixes below this one: " + ", ".join(below) if below else ""

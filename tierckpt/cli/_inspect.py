@@ -65,7 +65,7 @@ def _near_hint(args: argparse.Namespace, backend: Any) -> str:
     parts = urlsplit(url)
     try:
         with opened(args, f"{parts.scheme}://{parts.netloc}") as root:
-            return tier_prefixes_near(backend, url, root.list)
+            return tier_prefixes_near(backend, root)
     except Exception as exc:  # e.g. no right to list above the prefix: ls lists what it can
         log.debug("ls: no hint for %s: %s", redact(url), exc)
         return ""

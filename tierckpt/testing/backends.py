@@ -292,6 +292,10 @@ class BackendTests:
             assert backend.list("d") == ["d/a", "d/e/f", "d/z", "da"]
             assert backend.list("d/e") == ["d/e/f"]
             assert backend.list("nothing") == []
+            # the first names only (a store stops listing there): the sorted list's head
+            assert backend.list_first("d", 2) == ["d/a", "d/e/f"]
+            assert backend.list_first("", 100) == sorted(names)
+            assert backend.list_first("nothing", 5) == []
         finally:
             writer.abort()
 

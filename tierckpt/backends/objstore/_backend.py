@@ -408,7 +408,21 @@ class ObjectStoreBackend(RemoteBackend):
     def list_after(self, prefix: str, start_after: str = "") -> builtins.list[str]:
         """The names under ``prefix`` past ``start_after``: the store skips every key up to
         it (S3 ``start-after``; object_store's list offset)."""
+        return self._listed(prefix, start_after, None)
+
+    def list_first(self, prefix: str, limit: int) -> builtins.list[str]:
+        return self._listed(prefix, "", limit)
+
+    def _listed(self, prefix: str, start_after: str, limit: int | None) -> builtins.list[str]:
         import obstore
+
+        def pages(store: Any) -> builtins.list[Any]:
+            out: builtins.list[Any] = []
+            for page in obstore.list(store, folder or None, chunk_size=1000, **offset):
+                out += page
+                if limit is not None and len(out) >= limit:
+                    break  # the store's order: what a hint needs, not every name
+            return out
 
         full = self._root + prefix
         offset = {"offset": self._root + start_after} if start_after else {}
@@ -416,13 +430,7 @@ class ObjectStoreBackend(RemoteBackend):
         folder = full if full.endswith("/") or not full else full.rpartition("/")[0]
         cut = len(self._root)
         names = []
-        listing = self._call(
-            "list",
-            full,
-            lambda store: [
-                m for b in obstore.list(store, folder or None, chunk_size=1000, **offset) for m in b
-            ],
-        )
+        listing = self._call("list", full, pages)
         for meta in listing:
             path = str(meta["path"])
             if not path.startswith(full):
@@ -434,7 +442,7 @@ class ObjectStoreBackend(RemoteBackend):
                 names.append(validate_name(rel))
             except FormatError:
                 log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
-        return sorted(names)
+        return sorted(names)[:limit]
 
     def delete(self, name: str) -> None:
         import obstore

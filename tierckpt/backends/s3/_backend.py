@@ -336,9 +336,15 @@ class S3Backend(S3Connection, RemoteBackend):
         return float(self._call("head_object", self._key(name))["LastModified"].timestamp())
 
     def list(self, prefix: str = "") -> list[str]:
+        return self._names(prefix, None)
+
+    def list_first(self, prefix: str, limit: int) -> builtins.list[str]:
+        return self._names(prefix, limit)
+
+    def _names(self, prefix: str, limit: int | None) -> builtins.list[str]:
         cut = len(self._root)
         names = []
-        for obj in self._paginate("list_objects_v2", self._root + prefix, "Contents"):
+        for obj in self._paginate("list_objects_v2", self._root + prefix, "Contents", limit):
             rel = str(obj["Key"])[cut:]
             if rel.startswith(PROBE_PREFIX):
                 continue

@@ -224,8 +224,12 @@ class S3Connection:
         except (ClientError, BotoCoreError) as exc:
             raise self._translate(exc, op, key) from exc
 
-    def _paginate(self, op: str, prefix: str, item: str) -> Iterable[dict[str, Any]]:
+    def _paginate(
+        self, op: str, prefix: str, item: str, limit: int | None = None
+    ) -> Iterable[dict[str, Any]]:
         config = {"PageSize": self._page_size} if self._page_size else {}
+        if limit is not None:
+            config["MaxItems"] = limit
         try:
             pages = self._client.get_paginator(op).paginate(
                 Bucket=self.bucket, Prefix=prefix, PaginationConfig=config
