@@ -43,6 +43,12 @@ __all__ = ["is_private_tier"]
 #: the longest pause between two polls of the node's store (a store on the node: polling it
 #: costs rank 0's host nothing, and a rank hears of its node's manifest soon after its leader)
 _NODE_POLL_MAX_S = 0.1
+#: who waits for rank 0's word (a node's leader, then the node's other ranks) waits this much
+#: longer than rank 0 waits for the records, per hop, at least: rank 0's verdict (the commit,
+#: or a timeout naming the missing ranks) arrives, not a timeout of one's own that names
+#: nobody (each rank counts from its own commit's start, and ranks start seconds apart on a
+#: busy node)
+_VERDICT_GRACE_S = 5.0
 #: a node's item in rank 0's store is at most this large per record (records are ~300 bytes)
 _MAX_ITEM_BYTES_PER_RANK = 64 << 10
 _FAILED = b"FAILED "
@@ -228,7 +234,9 @@ def _commit_private(tier: Tier, job: SaveJob, nodes: NodeStores) -> None:
     """The waiting part (commit thread): rank 0 composes the manifest, each node's leader
     fetches it once for its node, every rank writes it onto its own copy of the tier."""
     k = get_knobs()
-    deadline = time.monotonic() + k.commit_timeout
+    grace = max(_VERDICT_GRACE_S, 0.1 * k.commit_timeout)
+    hops = 0 if job.rank == 0 else 1 if nodes.is_leader else 2
+    deadline = time.monotonic() + k.commit_timeout + hops * grace
     p = _prefix(tier, job)
     m_key, failed_key, done_key = f"{p}manifest", f"{p}failed", f"{p}done"
     where = f"step {job.step} tier {tier.name!r}"
