@@ -386,6 +386,19 @@ FIXED += [
 
 FIXED += [
     (
+        "A second multi-rank job on a live job's folder was refused only on the ranks whose "
+        "leases the live job held: with more ranks than it, the extra ranks' saves went on and "
+        "wrote stray shard files there, and every refused rank wrote a failure record into "
+        "the live job's folder; a rank whose first save raised for any reason left the others "
+        "writing a step that could never commit",
+        "tierckpt/checkpointer/_saving.py (_agree_to_write), pipeline/_pipeline.py "
+        "(give_back_leases)",
+        [
+            "test_second_multi_rank_job_is_refused_on_every_rank",
+            "test_a_first_save_that_fails_on_one_rank_fails_on_every_rank",
+        ],
+    ),
+    (
         "Another job's NodeRamTier (or gc --dead-runs) deleted a restarted run's node-RAM "
         "folder between its load and its first save (a dead predecessor's lease, no lease of "
         "its own yet); its next crash found no checkpoint",

@@ -925,6 +925,27 @@ def w_one_writer(rank: int, world: int, root: str, gate: str, role: str) -> dict
     return {"committed": committed}
 
 
+def w_first_save_fails_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1's first save holds what cannot be saved: it raises, and every other rank's
+    first save raises too (none writes; none hangs). The next save, good on every rank,
+    commits."""
+    ck = Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    state: dict[str, Any] = rank_state(rank, 1)
+    if rank == 1:
+        state["bad"] = object()
+    error = None
+    try:
+        ck.save(state, 1)
+    except Exception as exc:
+        error = type(exc).__name__
+    dist.barrier()
+    ck.save(rank_state(rank, 2), 2).wait(timeout=120)
+    tdist.wait_committed(ck.backend("local"), 2, timeout=120)
+    steps = ck.steps()
+    ck.close()
+    return {"error": error, "steps": steps}
+
+
 # -- command line: the blocking measurement -----------------------------------------------
 
 

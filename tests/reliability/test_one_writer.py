@@ -686,7 +686,13 @@ def test_cli_unlock_gc_and_ls(
 
 
 @pytest.mark.distributed
-def test_second_multi_rank_job_is_refused_on_every_rank(tmp_path: Path, record: Recorder) -> None:
+@pytest.mark.parametrize("second_world", [2, 4])
+def test_second_multi_rank_job_is_refused_on_every_rank(
+    tmp_path: Path, record: Recorder, second_world: int
+) -> None:
+    """A second job on a live 2-rank job's folder is refused on every rank before any rank
+    writes: with 4 ranks, ranks 2 and 3 find their leases free, and are refused because
+    ranks 0 and 1 were (they wrote stray shard files there before)."""
     import dist_workers
 
     root = tmp_path / "run"
@@ -710,22 +716,49 @@ def test_second_multi_rank_job_is_refused_on_every_rank(tmp_path: Path, record: 
         while not all((gate / f"held-{r}").exists() for r in (0, 1)) and "err" not in first:
             assert time.monotonic() < deadline, "the first job did not commit its first step"
             time.sleep(0.1)
+        before = set(LocalBackend(root).list())
         second = dist_workers.run(
-            "w_one_writer", 2, timeout=300, root=str(root), gate=str(gate), role="second"
+            "w_one_writer",
+            second_world,
+            timeout=300,
+            root=str(root),
+            gate=str(gate),
+            role="second",
         )
+        written = set(LocalBackend(root).list()) - before
     finally:
         (gate / "go").touch()
         t.join(300)
     assert "err" not in first, first.get("err")
-    assert [r["error"] for r in second] == ["WriterConflict", "WriterConflict"], second
+    assert [r["error"] for r in second] == ["WriterConflict"] * second_world, second
+    assert not written, f"the second job wrote {sorted(written)[:5]}"
     committed = first["res"][0]["committed"]
     assert committed == [1, 2, 3]
     assert sorted(int(n[15:27]) for n in LocalBackend(root).list("manifests/")) == committed
     record(
         "one_writer",
-        "second 2-rank job on a 2-rank job's folder",
-        "refused with WriterConflict on both ranks; the first job committed all its steps",
+        f"second {second_world}-rank job on a 2-rank job's folder",
+        f"refused with WriterConflict on all {second_world} ranks before any wrote; the first "
+        "job committed all its steps",
     )
+
+
+@pytest.mark.distributed
+def test_a_first_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    """The agreement of a job's first save (every rank reaches it, whatever went wrong on
+    one): a rank whose state cannot be saved raises, the others raise instead of writing
+    (or waiting in the agreement for ever), and the next save commits on every rank."""
+    import dist_workers
+
+    res = dist_workers.run("w_first_save_fails_on_one_rank", 3, timeout=300, root=str(tmp_path))
+    assert [r["error"] for r in res] == [
+        "CheckpointFailed",
+        "UnsupportedObject",
+        "CheckpointFailed",
+    ]
+    assert [r["steps"] for r in res] == [[2], [2], [2]]
+    step1 = [n for n in LocalBackend(tmp_path).list() if "000000000001" in n]
+    assert not step1, f"step 1 was written: {step1[:5]}"
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ from tierckpt.checkpointer._guarded import GuardedSources
 from tierckpt.checkpointer._stateful import expand_stateful
 from tierckpt.commit import CommitStrategy, EarlierSave, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
-from tierckpt.errors import CheckpointExists, CheckpointFailed
+from tierckpt.errors import CheckpointExists, CheckpointFailed, WriterConflict
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
@@ -70,6 +70,8 @@ class SavePath(PipelineOwner):
     #: whether a load() ran through this object (a save that goes back without one warns)
     _has_loaded: bool
     _again: bool
+    #: whether a save of every rank has started: until then, each save's start is agreed
+    _writers_agreed: bool
     #: what guard() named: its tensors are captured lazily, the rest copied at save()
     _guarded: GuardedSources
 
@@ -98,6 +100,8 @@ class SavePath(PipelineOwner):
         self._unconfirmed = frozenset()
         self._has_loaded = False
         self._again = False
+        # one process agrees with nobody; ranks agree at their first save (_agree_to_write)
+        self._writers_agreed = self.world_size == 1
         self._last_saved = None
         self._guarded = GuardedSources()
 
@@ -190,6 +194,7 @@ class SavePath(PipelineOwner):
             )
             return handle
         handle = SaveHandle(step, tuple(t.name for t in tiers), timeline=timeline)
+        agreed = False  # this save took part in _agree_to_write
         try:
             # only the walk (validation + tensor references) runs here; the layout is computed
             # by the capture thread, so training pays microseconds per tensor, not the whole
@@ -227,14 +232,58 @@ class SavePath(PipelineOwner):
             )
             # one writer per location: refused here, before anything is written, when another
             # live writer holds a tier (tierckpt.lease)
-            pipeline.acquire_leases(job)
+            refused: Exception | None = None
+            try:
+                pipeline.acquire_leases(job)
+            except Exception as exc:
+                refused = exc
+            if not self._writers_agreed:
+                agreed = True
+                refused = self._agree_to_write(refused)
+                if refused is not None:
+                    attempt = ""  # every rank knows: no failure record for any to wait on
+            if refused is not None:
+                raise refused
             self._last = handle
             self._last_saved = job.id
             pipeline.submit(job)
         except BaseException as exc:
+            if tiers and not agreed and not self._writers_agreed and isinstance(exc, Exception):
+                # the other ranks wait in the agreement: they are told, and write nothing
+                try:
+                    self._agree_to_write(exc)
+                    attempt = ""
+                except Exception as also:  # pragma: no cover - a broken process group
+                    log.warning("step %d: could not tell the other ranks: %s", step, also)
             self._save_not_started(step, exc, attempt=attempt, timeline=timeline)
             raise
         return handle
+
+    def _agree_to_write(self, error: Exception | None) -> Exception | None:
+        """A multi-rank job's saves until one that every rank may write (its first, usually):
+        one all-reduce of whether each rank's save could start (``error``: why not, a
+        :class:`WriterConflict` from its leases most often). Without it, a second job with
+        more ranks than a live one's on its folder wrote stray shard files there: its extra
+        ranks found their leases free. Returns the error this rank's save raises (None: it
+        goes on); one that another rank's failure refused gives back its leases first."""
+        code = 0 if error is None else 1 if isinstance(error, WriterConflict) else 2
+        worst = self._strategy.agree_on_outcome(code)
+        if worst == 0:
+            self._writers_agreed = True
+            return None
+        if error is not None:
+            return error
+        if self._pipeline is not None:
+            self._pipeline.give_back_leases()
+        if worst == 1:
+            return WriterConflict(
+                "another rank of this job found another live writer holding a tier location "
+                "of this save (see that rank's error); no rank of this job writes it"
+            )
+        return CheckpointFailed(
+            "another rank of this job could not start this save (see that rank's error); no "
+            "rank of this job writes it"
+        )
 
     def _save_not_started(
         self, step: int, error: BaseException, *, attempt: str = "", timeline: int | None = None

@@ -26,7 +26,7 @@ from tierckpt.pipeline._capture import _CaptureMixin
 from tierckpt.pipeline._close import _CloseMixin, check_close_timeout
 from tierckpt.pipeline._exit import _ExitMixin, _track
 from tierckpt.pipeline._layoutcache import LayoutCache
-from tierckpt.pipeline._leases import Leases
+from tierckpt.pipeline._leases import RELEASE_WAIT_S, Leases
 from tierckpt.pipeline._prebuild import ArenaPrebuild
 from tierckpt.pipeline._tiers import _TiersMixin
 from tierckpt.pipeline._values import (
@@ -164,6 +164,12 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
         background, and its failure fails only that tier's copy (``job.lease_errors``).
         Returns the tiers whose first take had not ended by then (their store is silent)."""
         return self._leases.acquire(job, self._queue_take)
+
+    def give_back_leases(self) -> None:
+        """Give back every lease this writer holds, waiting at most ``RELEASE_WAIT_S`` (a
+        multi-rank job's first save that another rank's conflict refused: this rank writes
+        nothing either, and the next save takes them again)."""
+        self._leases.release_all(RELEASE_WAIT_S)
 
     def take_leases_early(self, tiers: list[Tier], rank: int, step: int) -> None:
         """At a save's start, before it lists the tiers: queue the first take of this
