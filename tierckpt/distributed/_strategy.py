@@ -16,7 +16,12 @@ import torch
 from tierckpt import config
 from tierckpt.commit import Defer, Earlier, EarlierSave, SaveStart, being_saved
 from tierckpt.distributed._agree import agree_on_step
-from tierckpt.distributed._collectives import _group_ok, _warn_once, collective_device
+from tierckpt.distributed._collectives import (
+    _group_ok,
+    _warn_once,
+    all_reduce_max_patiently,
+    collective_device,
+)
 from tierckpt.distributed._listcommit import (
     listed_failure_name,
     tier_prefixes,
@@ -199,7 +204,10 @@ class MultiRankCommit:
                 dtype=torch.int64,
                 device=collective_device(),
             )
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if self._session == 0:  # the first save: a rank alone in it says so
+                all_reduce_max_patiently(t, self._rank)
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
             drawn, hi, neg_lo, any_busy, timeline = (int(v) for v in t.tolist())
             if self._session == 0:
                 self._session = drawn
