@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt import Checkpointer, LocalTier
+from tierckpt import distributed as tdist
 from tierckpt.distributed import _collectives
 
 
@@ -41,9 +42,10 @@ def test_only_rank_0_saves_and_every_rank_loads(tmp_path: Any) -> None:
 
 
 def w_late_rank(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Rank 1 comes to the first save 2.5 s late, with a patience of 1 s: rank 0 says what it
-    waits for (the hang of a rank-0-only save says the same, after 30 s), then both save."""
-    _collectives.FIRST_SAVE_PATIENCE_S = 1.0
+    """Rank 1 comes to the first save and to the load 2.5 s late, with a patience of 1 s: rank
+    0 says what it waits for (the hang of a rank-0-only save or load says the same, after
+    30 s), then both save, and load."""
+    _collectives.PATIENCE_S = 1.0
     said: list[str] = []
 
     class Keep(logging.Handler):
@@ -55,13 +57,22 @@ def w_late_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 1:
         time.sleep(2.5)
     ck.save({"w": torch.ones(4) * rank}, 1).wait(timeout=60)
+    tdist.wait_committed(ck.backend("local"), 1, timeout=60)
+    if rank == 1:
+        time.sleep(2.5)
+    got = ck.load()
     ck.close()
-    return {"waited": [m for m in said if "first save()" in m]}
+    return {
+        "waited": [m for m in said if "in save()" in m],
+        "waited_load": [m for m in said if "in load()" in m],
+        "loaded": got["w"].tolist(),
+    }
 
 
 @pytest.mark.distributed
 def test_a_rank_alone_in_the_first_save_says_what_it_waits_for(tmp_path: Any) -> None:
     res = dist_workers.run("test_rank0_only:w_late_rank", 2, timeout=120, root=str(tmp_path))
-    assert len(res[0]["waited"]) == 1, res
+    assert len(res[0]["waited"]) == 1 and len(res[0]["waited_load"]) == 1, res
     assert "rank=0, world_size=1" in res[0]["waited"][0]
-    assert res[1]["waited"] == []
+    assert res[1]["waited"] == res[1]["waited_load"] == []
+    assert [r["loaded"] for r in res] == [[0.0] * 4, [1.0] * 4]

@@ -4,7 +4,9 @@ the job, and the device a collective's tensors live on."""
 from __future__ import annotations
 
 import logging
-import time
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,31 +53,33 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
         log.warning(msg, *args)
 
 
-#: how long a rank waits in its first save's all-reduce before it says what it waits for
-FIRST_SAVE_PATIENCE_S = 30.0
+#: how long a rank may be in the collectives of its first save, or of a load, before it says
+#: what it waits for
+PATIENCE_S = 30.0
 
 
-def all_reduce_max_patiently(t: torch.Tensor, rank: int) -> None:
-    """``dist.all_reduce(t, MAX)`` for a job's first save: a rank still waiting for the others
-    after :data:`FIRST_SAVE_PATIENCE_S` logs what it waits for, once, and waits on. The usual
-    cause is ``save()`` called on rank 0 only (the ``torch.save`` habit with a replicated
-    model), which a checkpointer of the process group cannot do."""
-    import torch.distributed as dist
+@contextmanager
+def patience(rank: int, call: str) -> Iterator[None]:
+    """Around the collectives of ``call`` (a first ``save()``, a ``load()``): a rank still in
+    them after :data:`PATIENCE_S` logs what it waits for (once; it waits on). The usual cause
+    is ``call`` made on rank 0 only (the ``torch.save`` habit with a replicated model), which
+    a checkpointer of the process group cannot do: the other ranks never come."""
 
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
-    assert work is not None
-    end = time.monotonic() + FIRST_SAVE_PATIENCE_S
-    pause = 0.0005
-    while not work.is_completed():
-        if time.monotonic() >= end:
-            log.warning(
-                "rank %d has waited %.0f s in its first save() for the job's other ranks: every "
-                "rank must call save() with the same steps. To save on rank 0 alone (a "
-                "replicated model), give that checkpointer rank=0, world_size=1 (docs/faq.md)",
-                rank,
-                FIRST_SAVE_PATIENCE_S,
-            )
-            break
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-    work.wait()
+    def say() -> None:
+        log.warning(
+            "rank %d has waited %.0f s in %s for the job's other ranks: every rank must call "
+            "%s together. To use one on rank 0 alone (a replicated model), give that "
+            "checkpointer rank=0, world_size=1 (docs/faq.md)",
+            rank,
+            PATIENCE_S,
+            call,
+            call,
+        )
+
+    timer = threading.Timer(PATIENCE_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

@@ -19,8 +19,8 @@ from tierckpt.distributed._agree import agree_on_step
 from tierckpt.distributed._collectives import (
     _group_ok,
     _warn_once,
-    all_reduce_max_patiently,
     collective_device,
+    patience,
 )
 from tierckpt.distributed._listcommit import (
     listed_failure_name,
@@ -205,7 +205,8 @@ class MultiRankCommit:
                 device=collective_device(),
             )
             if self._session == 0:  # the first save: a rank alone in it says so
-                all_reduce_max_patiently(t, self._rank)
+                with patience(self._rank, "save()"):
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
             else:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
             drawn, hi, neg_lo, any_busy, timeline = (int(v) for v in t.tolist())
@@ -359,7 +360,12 @@ class MultiRankCommit:
     def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
         """See :func:`agree_on_step`. With a process group, manifests on shared tiers are read
         once per node (:mod:`._nodeshare`) and kept for this load's :meth:`read_manifest`: the
-        newest candidate's first, the others' only where the ranks' newest readable differ."""
+        newest candidate's first, the others' only where the ranks' newest readable differ.
+        A rank in it for long says what it waits for (:func:`patience`)."""
+        with patience(self._rank, "load()"):
+            return self._agree_on_step(candidates)
+
+    def _agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
         self._manifests = None
         prefetch = None
         # only the shared tiers listed before any private one: where a node-local tier
