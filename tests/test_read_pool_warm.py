@@ -34,6 +34,12 @@ def test_reader_threads_start_while_the_tiers_are_listed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = {"w": torch.arange(1000, dtype=torch.float32)}
+    # reader threads of other tests' checkpointers may be alive still: count this one's
+    others = set(_read_threads())
+
+    def ours() -> set[threading.Thread]:
+        return set(_read_threads()) - others
+
     with Checkpointer([LocalTier(tmp_path / "t")]) as ck:
         ck.save(state, 1).wait()
     gate, listing = threading.Event(), threading.Event()
@@ -53,13 +59,13 @@ def test_reader_threads_start_while_the_tiers_are_listed(
     try:
         assert listing.wait(30)
         # no read has been submitted yet: the threads are there before the first one is
-        assert _wait_for(lambda: len(_read_threads()) >= 4), _read_threads()
+        assert _wait_for(lambda: len(ours()) >= 4), _read_threads()
     finally:
         gate.set()
         loader.join(60)
     assert torch.equal(got["w"], state["w"])
     ck.close()
-    assert _wait_for(lambda: not _read_threads())
+    assert _wait_for(lambda: not ours()), ours()
 
 
 def test_warm_starts_the_threads_and_submits_still_run() -> None:

@@ -67,6 +67,7 @@ _PUBLIC = (
     "exists",
     "list",
     "list_after",
+    "list_first",
     "delete",
     "incomplete",
     "remove_dead_incomplete",
