@@ -58,8 +58,8 @@ def _around_prefix(spec: TierSpec, backend: Backend) -> tuple[str | None, list[s
     """:func:`tierckpt.near.prefixes_near` for an object-store tier: its bucket's root is
     opened with the tier's own options (endpoint, credentials, driver)."""
     parts = urlsplit(getattr(spec, "url", ""))
-    if not parts.scheme or not parts.netloc:
-        return None, []
+    if not parts.scheme or not parts.netloc or "store" in getattr(spec, "options", {}):
+        return None, []  # a store object the caller made is bound to its own prefix
     at_root = copy.copy(spec)  # the spec at the bucket's root, every other field the same
     object.__setattr__(at_root, "url", f"{parts.scheme}://{parts.netloc}")
     root = at_root.make_backend()
