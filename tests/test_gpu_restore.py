@@ -156,7 +156,7 @@ def test_read_threads_select_the_load_s_device_whatever_they_did_before(
     state = _state()
     with Checkpointer([MemoryTier(namespace=uuid.uuid4().hex)], chunk_bytes=8192) as ck:
         ck.save(state, step=1).wait()
-        pool = ck._get_read_pool()
+        pool = ck._read_pool.get()
         n = pool._max_workers
         barrier = threading.Barrier(n)
 

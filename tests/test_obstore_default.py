@@ -285,7 +285,10 @@ def test_after_close_what_is_committed_can_still_be_listed_and_loaded(
         ck.save(state, 4).wait()
         backend = ck.backend("s3")
     assert ck.steps() == [4] and ck.tier_steps() == {"s3": [4]}
+    readers = {t for t in threading.enumerate() if t.name.startswith("tierckpt-read")}
     assert torch.equal(ck.load(tier="s3")["w"], state["w"])
+    # its reader threads ended with the load (nobody would end them after close())
+    assert {t for t in threading.enumerate() if t.name.startswith("tierckpt-read")} <= readers
     if driver == "obstore":
         with pytest.raises(BackendError, match="closed; open a new one to write"):
             backend.put_atomic("x", b"1")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -17,7 +16,7 @@ from tierckpt import config
 from tierckpt.catalog import steps_of
 from tierckpt.checkpointer._guarded import as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, list_each_tier, load
-from tierckpt.checkpointer._readpool import warm as warm_read_pool
+from tierckpt.checkpointer._readpool import ReadPool
 from tierckpt.checkpointer._retention import Protectors, pin_target
 from tierckpt.checkpointer._saving import SavePath, as_step, resolve_rank
 from tierckpt.checkpointer._stateful import has_stateful, load_stateful
@@ -137,7 +136,7 @@ class Checkpointer(SavePath):
         if self._peer is not None:
             self._stats.add_event_callback(self._peer.on_event)
         self._closed = False
-        self._read_pool: ThreadPoolExecutor | None = None
+        self._read_pool = ReadPool(max(2, self.io_threads * 2))
         self._protectors: Protectors = Protectors()  # callables naming steps to keep
         # last: nothing after this may fail and leave the arena's thread behind
         self._start_arena_prebuild()
@@ -400,32 +399,36 @@ class Checkpointer(SavePath):
         step = None if step is None else as_step(step)
         if tier is not None and self._peer is not None:
             self._peer.release_spare()  # a load of one tier pulls nothing from partners
-        if has_stateful(into):
-            return load_stateful(
-                into,
-                lambda: load(
-                    self._load_context(),
-                    step,
-                    into=None,
-                    tier=tier,
-                    map_location=map_location,
-                    fallback=fallback,
-                    timeline=timeline,
-                    # restored onto the targets' GPU where it has room, then handed over
-                    device=stateful_device(into) if map_location is None else None,
-                ),
+        try:
+            if has_stateful(into):
+                return load_stateful(
+                    into,
+                    lambda: load(
+                        self._load_context(),
+                        step,
+                        into=None,
+                        tier=tier,
+                        map_location=map_location,
+                        fallback=fallback,
+                        timeline=timeline,
+                        # restored onto the targets' GPU where it has room, then handed over
+                        device=stateful_device(into) if map_location is None else None,
+                    ),
+                    strict=strict,
+                )
+            return load(
+                self._load_context(),
+                step,
+                into=into,
+                tier=tier,
+                map_location=map_location,
+                fallback=fallback,
+                timeline=timeline,
                 strict=strict,
             )
-        return load(
-            self._load_context(),
-            step,
-            into=into,
-            tier=tier,
-            map_location=map_location,
-            fallback=fallback,
-            timeline=timeline,
-            strict=strict,
-        )
+        finally:
+            if self._closed:  # a load after close(): its reader threads end with it
+                self._read_pool.release()
 
     def _load_context(self) -> LoadContext:
         """What a load needs from this object, as it is now."""
@@ -435,19 +438,12 @@ class Checkpointer(SavePath):
             world_size=self.world_size,
             strategy=self._strategy,
             tier_named=self._tier,
-            read_pool=self._get_read_pool,
+            read_pool=self._read_pool.get,
             forget_timeline=self._forget_timeline,
             staging=self._arena_for_load,
             prepare_load=self._peer.prepare_load if self._peer is not None else None,
             protectors=self._protectors,
         )
-
-    def _get_read_pool(self) -> ThreadPoolExecutor:
-        if self._read_pool is None:
-            threads = max(2, self.io_threads * 2)
-            self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-read")
-            warm_read_pool(self._read_pool, threads)
-        return self._read_pool
 
     # -- stats / lifecycle ------------------------------------------------------------
     def tier_counts(self) -> dict[str, dict[str, int]]:
@@ -491,6 +487,4 @@ class Checkpointer(SavePath):
     def _release(self) -> None:
         if self._peer is not None:
             self._peer.close()
-        if self._read_pool is not None:
-            self._read_pool.shutdown()
-            self._read_pool = None
+        self._read_pool.release()

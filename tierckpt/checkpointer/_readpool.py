@@ -12,6 +12,33 @@ threads waiting.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 from tierckpt.restore._fetch import warm
 
-__all__ = ["warm"]
+__all__ = ["ReadPool", "warm"]
+
+
+class ReadPool:
+    """A checkpointer's reader threads: made (and warmed) at its first load, ended at
+    ``close()``, and after each load that runs once it is closed (a report after training:
+    nobody would end them then)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tierckpt-read")
+                warm(self._pool, self.threads)
+            return self._pool
+
+    def release(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()

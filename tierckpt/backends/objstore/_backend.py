@@ -404,7 +404,7 @@ class ObjectStoreBackend(RemoteBackend):
         return float(self._call("head", key, obstore.head, key)["last_modified"].timestamp())
 
     def list(self, prefix: str = "") -> builtins.list[str]:
-        return self.list_after(prefix)
+        return self._listed(prefix, "", None)
 
     def list_after(self, prefix: str, start_after: str = "") -> builtins.list[str]:
         """The names under ``prefix`` past ``start_after``: the store skips every key up to
@@ -431,8 +431,7 @@ class ObjectStoreBackend(RemoteBackend):
         folder = full if full.endswith("/") or not full else full.rpartition("/")[0]
         cut = len(self._root)
         names = []
-        listing = self._call("list", full, pages)
-        for meta in listing:
+        for meta in self._call("list", full, pages):
             path = str(meta["path"])
             if not path.startswith(full):
                 continue
