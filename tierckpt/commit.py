@@ -170,9 +170,10 @@ class CommitStrategy(Protocol):
         ...
 
     def agree_on_outcome(self, code: int) -> int:
-        """The worst of every rank's load outcome (0: loaded; 1: the checkpoint was not found,
-        e.g. retention deleted it while it was read; 2: another error), so that every rank
-        ends a load alike (may run a collective)."""
+        """The worst of every rank's outcome code, so that every rank ends alike (may run a
+        collective): of a load (0: loaded; 1: the checkpoint was not found, e.g. retention
+        deleted it while it was read; 2: another error), and of a first save's start
+        (0: it may write; 1: another live writer; 2: another error)."""
         ...
 
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:

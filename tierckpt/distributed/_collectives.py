@@ -77,7 +77,7 @@ def patience(rank: int, call: str) -> Iterator[None]:
         )
 
     timer = threading.Timer(PATIENCE_S, say)
-    timer.daemon = True
+    timer.name, timer.daemon = "tierckpt-patience", True
     timer.start()
     try:
         yield

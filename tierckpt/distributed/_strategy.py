@@ -403,7 +403,7 @@ class MultiRankCommit:
 
     def agree_on_outcome(self, code: int) -> int:
         """See :meth:`CommitStrategy.agree_on_outcome`: one all-reduce (MAX) of one int64 per
-        load; none without a process group (each rank ends its own load)."""
+        load (and per first save); none without a process group (each rank ends alone)."""
         if not _group_ok(self._rank, self._world_size):
             return code
         import torch.distributed as dist
