@@ -399,33 +399,27 @@ class Checkpointer(SavePath):
         step = None if step is None else as_step(step)
         if tier is not None and self._peer is not None:
             self._peer.release_spare()  # a load of one tier pulls nothing from partners
-        try:
-            if has_stateful(into):
-                return load_stateful(
-                    into,
-                    lambda: load(
-                        self._load_context(),
-                        step,
-                        into=None,
-                        tier=tier,
-                        map_location=map_location,
-                        fallback=fallback,
-                        timeline=timeline,
-                        # restored onto the targets' GPU where it has room, then handed over
-                        device=stateful_device(into) if map_location is None else None,
-                    ),
-                    strict=strict,
-                )
+
+        def read(**kw: Any) -> Any:
             return load(
                 self._load_context(),
                 step,
-                into=into,
                 tier=tier,
                 map_location=map_location,
                 fallback=fallback,
                 timeline=timeline,
-                strict=strict,
+                **kw,
             )
+
+        try:
+            if has_stateful(into):
+                # restored onto the targets' GPU where it has room, then handed over (the
+                # device is looked at once load_stateful has checked the targets)
+                def device() -> Any:
+                    return stateful_device(into) if map_location is None else None
+
+                return load_stateful(into, lambda: read(into=None, device=device()), strict=strict)
+            return read(into=into, strict=strict)
         finally:
             if self._closed:  # a load after close(): its reader threads end with it
                 self._read_pool.release()
