@@ -9,6 +9,7 @@ import logging
 import secrets
 from collections.abc import Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -204,10 +205,8 @@ class MultiRankCommit:
                 dtype=torch.int64,
                 device=collective_device(),
             )
-            if self._session == 0:  # the first save: a rank alone in it says so
-                with patience(self._rank, "save()"):
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            else:
+            # the first save: a rank alone in it says so
+            with patience(self._rank, "save()") if self._session == 0 else nullcontext():
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
             drawn, hi, neg_lo, any_busy, timeline = (int(v) for v in t.tolist())
             if self._session == 0:
