@@ -226,7 +226,13 @@ def test_lazy_save_blocks_training_little(tmp_path: Path) -> None:
     with Checkpointer([LocalTier(tmp_path)], chunk_bytes=1 << 20) as ck:
         ck.save(state, step=0).wait()  # warm the arena
         h = ck.save(state, step=1)
-        time.sleep(0.5)  # "forward/backward"
-        assert h.captured
+        # "forward/backward": the training thread never waits, yet the capture finishes on
+        # its own. Polled, not slept for a fixed time (a busy machine can stall a thread for
+        # longer than any fixed sleep; CI once took over 0.5 s).
+        deadline = time.monotonic() + 60
+        while not h.captured and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert h.captured, "the lazy capture did not finish in the background in 60 s"
+        assert not h.capture_awaited.is_set()  # nobody waited for it
         ck.wait_captured()
         h.wait()
