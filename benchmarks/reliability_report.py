@@ -399,6 +399,13 @@ FIXED += [
         ],
     ),
     (
+        "The same through DCP: a second job's dcp.save through a TierWriter on a live job's "
+        "folder, with more ranks than the live job, wrote stray shard files there with its "
+        "extra ranks (each rank took its leases in write_data, after the plans were agreed)",
+        "tierckpt/dcp/_shardjob.py (_claim, _refuse), pipeline/_leases.py (claim)",
+        ["test_second_multi_rank_job_is_refused_on_every_rank"],
+    ),
+    (
         "Another job's NodeRamTier (or gc --dead-runs) deleted a restarted run's node-RAM "
         "folder between its load and its first save (a dead predecessor's lease, no lease of "
         "its own yet); its next crash found no checkpoint",

@@ -898,10 +898,15 @@ def w_stale_timeline(rank: int, world: int, root: str, phase: str) -> dict[str, 
     return out
 
 
-def w_one_writer(rank: int, world: int, root: str, gate: str, role: str) -> dict[str, Any]:
+def w_one_writer(
+    rank: int, world: int, root: str, gate: str, role: str, api: str = "checkpointer"
+) -> dict[str, Any]:
     """One writer per location (tests/reliability/test_one_writer.py). ``first`` commits step
     1, touches ``gate/held-<rank>``, waits for ``gate/go`` and commits steps 2 and 3;
-    ``second`` tries to save step 1 on the same folder and reports how it was refused."""
+    ``second`` tries to save step 1 on the same folder and reports how it was refused (with
+    ``api="dcp"``: twice, through one ``dcp.save`` TierWriter)."""
+    if role == "second" and api == "dcp":
+        return _second_dcp_writer(rank, root)
     ck = Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
     if role == "second":
         error = None
@@ -923,6 +928,25 @@ def w_one_writer(rank: int, world: int, root: str, gate: str, role: str) -> dict
                 time.sleep(0.05)
     ck.close()
     return {"committed": committed}
+
+
+def _second_dcp_writer(rank: int, root: str) -> dict[str, Any]:
+    """A second job's DCP saves on a live job's folder: what each raised, on this rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    writer = TierWriter([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    errors = []
+    for step in (100, 100):  # a step the first job never saves; tried again after a refusal
+        try:
+            dcp.save({"w": rank_state(rank, step)}, storage_writer=writer, checkpoint_id=step)
+            errors.append(None)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            errors.append(f"{type(exc).__name__}: {'WriterConflict' in str(exc)}")
+    leases = writer._pipeline is not None and writer._pipeline.holds_leases(rank)
+    writer.close()
+    return {"errors": errors, "holds_leases": leases}
 
 
 def w_first_save_fails_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:

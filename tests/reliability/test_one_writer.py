@@ -686,13 +686,16 @@ def test_cli_unlock_gc_and_ls(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("api", ["checkpointer", "dcp"])
 @pytest.mark.parametrize("second_world", [2, 4])
 def test_second_multi_rank_job_is_refused_on_every_rank(
-    tmp_path: Path, record: Recorder, second_world: int
+    tmp_path: Path, record: Recorder, second_world: int, api: str
 ) -> None:
     """A second job on a live 2-rank job's folder is refused on every rank before any rank
     writes: with 4 ranks, ranks 2 and 3 find their leases free, and are refused because
-    ranks 0 and 1 were (they wrote stray shard files there before)."""
+    ranks 0 and 1 were (they wrote stray shard files there before). The same for a second
+    job that saves with ``dcp.save`` through a TierWriter, twice (its retry is refused as
+    well, and no rank keeps a lease)."""
     import dist_workers
 
     root = tmp_path / "run"
@@ -724,20 +727,26 @@ def test_second_multi_rank_job_is_refused_on_every_rank(
             root=str(root),
             gate=str(gate),
             role="second",
+            api=api,
         )
         written = set(LocalBackend(root).list()) - before
     finally:
         (gate / "go").touch()
         t.join(300)
     assert "err" not in first, first.get("err")
-    assert [r["error"] for r in second] == ["WriterConflict"] * second_world, second
+    if api == "dcp":  # DCP wraps each rank's error in its CheckpointException
+        want = {"errors": ["CheckpointException: True"] * 2, "holds_leases": False}
+        assert second == [want] * second_world, second
+    else:
+        assert [r["error"] for r in second] == ["WriterConflict"] * second_world, second
     assert not written, f"the second job wrote {sorted(written)[:5]}"
     committed = first["res"][0]["committed"]
     assert committed == [1, 2, 3]
     assert sorted(int(n[15:27]) for n in LocalBackend(root).list("manifests/")) == committed
     record(
         "one_writer",
-        f"second {second_world}-rank job on a 2-rank job's folder",
+        f"second {second_world}-rank job on a 2-rank job's folder"
+        + (" (dcp.save through a TierWriter, twice)" if api == "dcp" else ""),
         f"refused with WriterConflict on all {second_world} ranks before any wrote; the first "
         "job committed all its steps",
     )

@@ -54,6 +54,9 @@ class _PlanInfo:
     timeline: int = 0
     #: the step of this save (each rank checks it is the step it saves: see ``_saves``)
     step: int = -1
+    #: why ranks were refused their leases (another live writer holds the location): every
+    #: rank then refuses the save in write_data, none writes (see ``TierWriter``)
+    refused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,14 +50,18 @@ class SaveState:
     job: SaveJob | None = None
     #: counted in the writer's saves in flight (``_in_save``, see ``take_over``)
     counted: bool = False
+    #: this rank held no lease before this save took its own (given back if it is refused)
+    fresh_leases: bool = False
     ended: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class LocalPlanInfo:
-    """What each rank's local plan tells the coordinator: the step it saves."""
+    """What each rank's local plan tells the coordinator: the step it saves, and why its
+    leases were refused (another live writer holds the location) if they were."""
 
     step: int
+    refused: str | None = None
 
 
 class Saves:

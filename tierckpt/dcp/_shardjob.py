@@ -20,7 +20,12 @@ from tierckpt.dcp._metadata import ItemLocation, _PlanInfo, _RankShards, _ShardO
 from tierckpt.dcp._parking import HookTarget, take_over
 from tierckpt.dcp._saves import SaveState
 from tierckpt.distributed import is_private_tier
-from tierckpt.errors import CheckpointFailed, SaveDeadlineExceeded, UnsupportedObject
+from tierckpt.errors import (
+    CheckpointFailed,
+    SaveDeadlineExceeded,
+    UnsupportedObject,
+    WriterConflict,
+)
 from tierckpt.format import ShardRef
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Pipeline, PipelineOwner, SaveJob, Tier
@@ -76,8 +81,7 @@ class ShardSaving(PipelineOwner):
         """Take the location over, and submit this rank's shard of ``s`` to the pipeline
         (None: no tier takes it)."""
         step = info.step
-        self._take_over()
-        s.counted = True  # in _in_save until the save ends (Saves -> _save_ended)
+        self._begin(s)
         tiers = [
             t
             for t in self._tiers
@@ -119,6 +123,42 @@ class ShardSaving(PipelineOwner):
                 [(t, job, _lease_unanswered(job, t)) for t in tiers if t.name in silent]
             )
         return pipeline, job
+
+    def _claim(self, s: SaveState, step: int) -> str | None:
+        """In the local plan, before any rank writes: take the location over and this rank's
+        leases on the tiers every rank shares. Why another live writer refused them (None:
+        taken, or left to the write's own take). The coordinator sees every rank's answer;
+        where one was refused, every rank refuses the save in write_data and none writes
+        (a second job with more ranks than a live one wrote stray shards with its extra
+        ranks before)."""
+        with self._start_lock:
+            self._begin(s)
+            tiers = [t for t in self._tiers if t.spec.receives(step) and not is_private_tier(t)]
+            if not tiers:
+                return None
+            pipeline = self._get_pipeline()
+            s.fresh_leases = not pipeline.holds_leases(s.rank)
+            refused = pipeline.claim_leases(tiers, s.rank, step)
+        return None if refused is None else f"rank {s.rank}: {refused}"
+
+    def _refuse(self, s: SaveState, refused: tuple[str, ...]) -> None:
+        """Every rank's side of a save that some rank's lease take refused: leases this
+        save took are given back, and it raises (DCP fails the save on every rank)."""
+        if s.fresh_leases and self._pipeline is not None:
+            self._pipeline.give_back_leases()
+        raise WriterConflict(
+            f"step {s.step}: another live writer holds this TierWriter's location, so this "
+            f"DCP save is refused on every rank and nothing of it was written ("
+            + "; ".join(refused)
+            + "). Save to a folder or prefix of this job's own, or stop the other job first"
+        )
+
+    def _begin(self, s: SaveState) -> None:
+        """Count ``s`` in this writer's saves in flight, taking the location over first
+        (once per save: its local plan, or its write when DCP made no plan through us)."""
+        if not s.counted:
+            self._take_over()
+            s.counted = True  # in _in_save until the save ends (Saves -> _save_ended)
 
     def _take_over(self) -> None:
         """Take this writer's locations over from older, idle TierWriters of this process.

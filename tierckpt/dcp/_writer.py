@@ -213,7 +213,12 @@ class TierWriter(ShardSaving, StorageWriter):
         s = self._saves.current(self.step, RESET, SETUP)
         step = need_step(s.step)
         s.stage = LOCAL
-        return dataclasses.replace(plan, storage_data=LocalPlanInfo(step))
+        try:
+            refused = self._claim(s, step)
+        except BaseException:
+            self._saves.end(s)
+            raise
+        return dataclasses.replace(plan, storage_data=LocalPlanInfo(step, refused))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: choose the timeline (as :class:`~tierckpt.Checkpointer` does:
@@ -233,10 +238,22 @@ class TierWriter(ShardSaving, StorageWriter):
         save of this writer has in flight is refused."""
         s = self._saves.current(self.step, RESET, LOCAL)
         step = need_step(s.step)
+        refused: list[str] = []
         for p in plans:
             got = p.storage_data
             if isinstance(got, LocalPlanInfo) and got.step != step:
                 raise mixed("a rank's plan", f"step {got.step}", f"step {step}")
+            if isinstance(got, LocalPlanInfo) and got.refused:
+                refused.append(got.refused)
+        world = len(plans)
+        if refused:  # another live writer: every rank refuses it in write_data
+            s.stage = GLOBAL
+            return [
+                dataclasses.replace(
+                    p, storage_data=_PlanInfo(i, world, s.save_id, 0, step, tuple(refused))
+                )
+                for i, p in enumerate(plans)
+            ]
         with self._plan_lock:
             busy = [o.cid for o in self._saves.others(s) if o.cid is not None]
             if any(c.step == step for c in busy):
@@ -256,7 +273,6 @@ class TierWriter(ShardSaving, StorageWriter):
             self._timeline = timeline
             s.cid = CheckpointId(step, timeline)
         s.stage = GLOBAL
-        world = len(plans)
         return [
             dataclasses.replace(p, storage_data=_PlanInfo(i, world, s.save_id, timeline, step))
             for i, p in enumerate(plans)
@@ -286,6 +302,8 @@ class TierWriter(ShardSaving, StorageWriter):
         if s.cid is not None and info.save_id != s.save_id:
             raise mixed("a plan", f"save {info.save_id}", f"save {s.save_id}")
         s.info = info
+        if info.refused:
+            self._refuse(s, info.refused)
         state, results = collect_items(plan, planner, info.rank)
         results.append(shards_result(self._save_shard(state, info, s)))
         return results

@@ -79,6 +79,11 @@ class Leases:
     def _local_path(self, name: str) -> str | None:
         return None if self._locks_on is None else self._locks_on.local_path(name)
 
+    def holds(self, rank: int) -> bool:
+        """Whether this writer holds a lease for ``rank`` on any tier."""
+        with self._lock:
+            return any(x.held for (_, r), x in self._table.items() if r == rank)
+
     def of_tier(self, tier: str) -> list[WriterLease]:
         with self._lock:
             return [lease for (name, _), lease in self._table.items() if name == tier]
@@ -98,6 +103,57 @@ class Leases:
                 fut: Future[BaseException | None] = Future()
                 self._early[(t.name, rank)] = (step, fut, time.monotonic())
             request(t, rank, step, fut)
+
+    def claim(
+        self, tiers: Sequence[Tier], rank: int, step: int, request: LeaseRequest
+    ) -> WriterConflict | None:
+        """Take this writer's lease for ``rank`` on each of ``tiers`` not held yet, ahead of
+        the save of ``step``, and wait for the takes (at most the lease wait): the refusal
+        of a writer known live when one answers so (what this call took is given back),
+        else None. Takes that had not ended by then, or that failed otherwise, are left
+        for :meth:`acquire`, which fails that tier's copy as it would have."""
+        futs: dict[str, Future[BaseException | None]] = {}
+        now = time.monotonic()
+        for t in tiers:
+            lease = self.get(t, rank)
+            if lease.held or lease.lost is not None:
+                continue
+            with self._lock:
+                early = self._early.get((t.name, rank))
+                if early is not None and early[0] == step:
+                    futs[t.name] = early[1]
+                    continue
+                fut: Future[BaseException | None] = Future()
+                self._early[(t.name, rank)] = (step, fut, now)
+            futs[t.name] = fut
+            request(t, rank, step, fut)
+        if not futs:
+            return None
+        done, _ = wait_futures(futs.values(), timeout=acquire_wait())
+        conflicts = [
+            r for f in done if isinstance(r := f.result(), WriterConflict) and not r.presumed
+        ]
+        if not conflicts:
+            return None
+        with self._lock:
+            for name in futs:
+                self._early.pop((name, rank), None)
+        self._give_back_taken(tiers, rank, {n: f for n, f in futs.items() if f in done})
+        return conflicts[0]
+
+    def _give_back_taken(
+        self, tiers: Sequence[Tier], rank: int, takes: dict[str, Future[BaseException | None]]
+    ) -> None:
+        """Give back the leases ``takes`` took (a save refused: it writes nothing), and the
+        rank's lock file once it holds no lease (taken again at the next attempt)."""
+        for t in tiers:
+            got = takes.get(t.name)
+            if got is not None and got.done() and got.result() is None:
+                self.get(t, rank).release()
+        with self._lock:
+            live = self._live.get(rank)
+        if live is not None and not self.holds(rank):
+            live.release()
 
     def acquire(self, job: SaveJob, request: LeaseRequest) -> set[str]:
         """See :meth:`Pipeline.acquire_leases`; ``request`` queues a take on a tier's thread.
@@ -135,15 +191,8 @@ class Leases:
         conflicts = [r for r in refused if not r.presumed]
         if not conflicts:
             return {name for name, fut in waits.items() if fut not in done}
-        for t in job.tiers:  # give back what this call took: this save writes nothing
-            got = waits.get(t.name)
-            if got is not None and got in done and got.result() is None:
-                self.get(t, job.rank).release()
-        with self._lock:
-            live = self._live.get(job.rank)
-            idle = not any(x.held for (_, r), x in self._table.items() if r == job.rank)
-        if live is not None and idle:
-            live.release()  # taken again at the next attempt
+        # give back what this call took: this save writes nothing
+        self._give_back_taken(job.tiers, job.rank, {n: f for n, f in waits.items() if f in done})
         raise conflicts[0]  # type: ignore[misc]
 
     def take(self, tier: Tier, rank: int, step: int, fut: Future[BaseException | None]) -> bool:

@@ -19,7 +19,7 @@ import torch
 from tierckpt import _native, config
 from tierckpt.arena import HostArena
 from tierckpt.capture import CaptureStreams
-from tierckpt.errors import TierCkptError
+from tierckpt.errors import TierCkptError, WriterConflict
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._capture import _CaptureMixin
@@ -164,6 +164,18 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
         background, and its failure fails only that tier's copy (``job.lease_errors``).
         Returns the tiers whose first take had not ended by then (their store is silent)."""
         return self._leases.acquire(job, self._queue_take)
+
+    def claim_leases(self, tiers: list[Tier], rank: int, step: int) -> WriterConflict | None:
+        """Before a save that learns only later whether every rank may write (a DCP save's
+        local plan): take this writer's lease for ``rank`` on each of ``tiers`` not held yet
+        and wait for the takes; the refusal of another live writer, or None. What is not
+        settled by then is left to :meth:`acquire_leases` (see ``Leases.claim``)."""
+        return self._leases.claim(tiers, rank, step, self._queue_take)
+
+    def holds_leases(self, rank: int) -> bool:
+        """Whether this writer holds a lease for ``rank`` on any tier (a save before this
+        one took it)."""
+        return self._leases.holds(rank)
 
     def give_back_leases(self) -> None:
         """Give back every lease this writer holds, waiting at most ``RELEASE_WAIT_S`` (a
