@@ -949,6 +949,33 @@ def _second_dcp_writer(rank: int, root: str) -> dict[str, Any]:
     return {"errors": errors, "holds_leases": leases}
 
 
+def w_dcp_refused_then_free(rank: int, world: int, root: str, gate: str) -> dict[str, Any]:
+    """A DCP job refused while another writer holds rank 0's lease on its folder (rank 1's
+    lease was free: taken, then given back), saving again through the same writer once that
+    writer has gone: every rank must take its lease again before it writes."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    writer = TierWriter([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    errors = []
+    for _ in range(2):
+        try:
+            dcp.save({"w": rank_state(rank, 100)}, storage_writer=writer, checkpoint_id=100)
+            errors.append(None)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            errors.append("WriterConflict" in str(exc))
+        if errors[-1] is None:
+            break
+        Path(gate, f"refused-{rank}").touch()
+        deadline = time.monotonic() + 120
+        while not Path(gate, "free").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    leases = writer._pipeline is not None and writer._pipeline.holds_leases(rank)
+    writer.close()
+    return {"errors": errors, "holds_leases": leases}
+
+
 def w_first_save_fails_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     """Rank 1's first save holds what cannot be saved: it raises, and every other rank's
     first save raises too (none writes; none hangs). The next save, good on every rank,

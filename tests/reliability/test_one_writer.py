@@ -753,6 +753,54 @@ def test_second_multi_rank_job_is_refused_on_every_rank(
 
 
 @pytest.mark.distributed
+def test_a_refused_dcp_job_takes_every_lease_again_once_the_location_is_free(
+    tmp_path: Path,
+) -> None:
+    """A 2-rank DCP job refused because another writer holds rank 0's lease (rank 1 took
+    its free lease, then gave it back) saves through the same TierWriter once that writer
+    closed: it commits, and every rank holds its lease again (none writes without one)."""
+    import dist_workers
+
+    root = tmp_path / "run"
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    held = Checkpointer([LocalTier(root, keep_last=None)], chunk_bytes=64 << 10)
+    held.save(_state(1, "A"), 1).wait(timeout=60)  # holds rank 0's lease
+    out: dict[str, Any] = {}
+
+    def second() -> None:
+        try:
+            out["res"] = dist_workers.run(
+                "w_dcp_refused_then_free", 2, timeout=300, root=str(root), gate=str(gate)
+            )
+        except BaseException as exc:
+            out["err"] = exc
+
+    t = threading.Thread(target=second)
+    t.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not all((gate / f"refused-{r}").exists() for r in (0, 1)) and t.is_alive():
+            assert time.monotonic() < deadline, "the second job was not refused"
+            time.sleep(0.1)
+        # refused: nothing of step 100 written
+        assert not [n for n in LocalBackend(root).list() if "000000000100" in n]
+    finally:
+        held.close()
+        (gate / "free").touch()
+        t.join(300)
+    assert "err" not in out, out.get("err")
+    assert out["res"] == [{"errors": [True, None], "holds_leases": True}] * 2, out["res"]
+    assert _committed_steps(root) == [1, 100]
+
+
+def _committed_steps(root: Path) -> list[int]:
+    """The steps committed in ``root`` (read as a fresh Checkpointer sees them)."""
+    with Checkpointer([LocalTier(root, keep_last=None)]) as ck:
+        return ck.steps()
+
+
+@pytest.mark.distributed
 def test_a_first_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
     """The agreement of a job's first save (every rank reaches it, whatever went wrong on
     one): a rank whose state cannot be saved raises, the others raise instead of writing

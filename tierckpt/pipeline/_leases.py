@@ -120,8 +120,8 @@ class Leases:
                 continue
             with self._lock:
                 early = self._early.get((t.name, rank))
-                if early is not None and early[0] == step:
-                    futs[t.name] = early[1]
+                if early is not None and early[0] == step and not early[1].done():
+                    futs[t.name] = early[1]  # a take of this save still going on
                     continue
                 fut: Future[BaseException | None] = Future()
                 self._early[(t.name, rank)] = (step, fut, now)
@@ -269,6 +269,9 @@ class Leases:
         with self._lock:
             leases = [x for (name, _), x in self._table.items() if tiers is None or name in tiers]
             held = list(self._live.values()) if locks else []
+            # a take queued ahead of a save (take_early, claim) is no lease once given back
+            for key in [k for k in self._early if tiers is None or k[0] in tiers]:
+                del self._early[key]
         if wait is None:
             for lease in leases:
                 lease.release()
