@@ -144,3 +144,72 @@ def test_exit_with_save_in_flight(
         assert 2 not in committed["s3"]  # abandoned: never committed
         assert 1 in committed["local"] and 1 in committed["s3"]
         assert got["newest"] in (1, 2)
+
+
+DCP_CHILD = """
+import sys, tempfile, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from tierckpt import LocalTier
+from tierckpt.dcp import TierReader, TierWriter
+
+mode, root = sys.argv[1:3]
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+
+def state(step):
+    return {"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(step))}
+
+if mode == "check":  # a fresh process: which steps load, bit-exact
+    exact = []
+    for step in (1, 2):
+        got = {"w": torch.zeros(1 << 20)}
+        try:
+            dcp.load(got, storage_reader=TierReader([LocalTier(root)]), checkpoint_id=step)
+        except BaseException:
+            continue
+        exact.append(step if torch.equal(got["w"], state(step)["w"]) else -step)
+    print(exact)
+    sys.exit(0)
+writer = TierWriter([LocalTier(root, keep_last=None)])
+if mode == "second":  # a first save waited for, then one the script does not wait for
+    dcp.async_save(state(1), storage_writer=writer, checkpoint_id=1).result()
+fut = dcp.async_save(state(2), storage_writer=writer, checkpoint_id=2)
+print("step 2 in flight", flush=True)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["second", "first"])
+def test_a_script_ending_with_a_dcp_async_save_in_flight_commits_it(
+    mode: str, tmp_path: Path, record: Recorder
+) -> None:
+    """``dcp.async_save`` through a TierWriter, then the script ends without waiting for the
+    future (as it may with DCP's FileSystemWriter, whose save completes at exit): the exit
+    waits for DCP's save thread (bounded by the exit timeout), so the step commits. Before,
+    the exit drain closed the idle pipeline first and the save failed unseen ("the
+    checkpointer is closed"), exit status 0. ``first``: the writer's first save, whose
+    pipeline did not exist yet when the script ended."""
+
+    def child(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(DCP_CHILD), *args],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=REPO,
+            timeout=300,
+        )
+
+    root = tmp_path / "ck"
+    p = child(mode, str(root))
+    assert p.returncode == 0, p.stderr[-3000:]
+    check = child("check", str(root))
+    assert check.returncode == 0, check.stderr[-3000:]
+    loaded = json.loads(check.stdout.strip().splitlines()[-1])
+    want = [1, 2] if mode == "second" else [2]
+    record(
+        "exit",
+        f"script ends with a dcp.async_save in flight ({mode} save of its TierWriter)",
+        f"exit status {p.returncode}; steps that load bit-exact {loaded}",
+        loaded == want,
+    )
+    assert loaded == want, p.stderr[-3000:]
+    assert "waiting up to" in p.stderr and "AsyncCheckpointExecutor" in p.stderr, p.stderr

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import uuid
+import weakref
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -38,7 +39,7 @@ from tierckpt.dcp._shardjob import ShardSaving, collect_items, shards_result
 from tierckpt.distributed import is_private_tier
 from tierckpt.errors import FormatError, StaleTimeline, TierCkptError
 from tierckpt.format import CheckpointId, ShardRef, step_prefix
-from tierckpt.pipeline import Pipeline, PipelineHooks, SaveJob, Tier
+from tierckpt.pipeline import Pipeline, PipelineHooks, SaveJob, Tier, wait_at_exit_for
 from tierckpt.policy import TierPolicy
 
 log = logging.getLogger("tierckpt")
@@ -139,6 +140,8 @@ class TierWriter(ShardSaving, StorageWriter):
         #: the coordinator's tiers that could not be listed when its timeline was chosen:
         #: checked before each commit there, until one passes (see confirm_timeline)
         self._unconfirmed: frozenset[str] = frozenset()
+        _WRITERS.add(self)
+        wait_at_exit_for(_async_save_threads)
 
     #: what a pickled writer carries: its configuration, not its threads, lock or clients
     _PICKLED = (
@@ -407,6 +410,23 @@ class TierWriter(ShardSaving, StorageWriter):
         them (and does not sweep their shards as leftovers) until they commit or fail — an
         overlapping save of a lower step commits after a higher one."""
         return self._saves.steps()
+
+
+#: the writers of this process (weakly): while one is open, interpreter exit waits for DCP's
+#: async_save threads (see _async_save_threads)
+_WRITERS: weakref.WeakSet[TierWriter] = weakref.WeakSet()
+#: the name of the threads DCP's thread-based async_save runs its saves on
+_DCP_ASYNC_THREAD = "AsyncCheckpointExecutor"
+
+
+def _async_save_threads() -> list[threading.Thread]:
+    """DCP's async_save threads, while a writer of this process is open: a script that ends
+    without waiting for an async_save's future would otherwise lose that save (the exit
+    drain closed the idle pipeline before the save reached it; FileSystemWriter's is written
+    while concurrent.futures' exit waits for the thread)."""
+    if not any(not w._closed for w in list(_WRITERS)):
+        return []
+    return [th for th in threading.enumerate() if th.name.startswith(_DCP_ASYNC_THREAD)]
 
 
 def _dist_rank() -> int:

@@ -24,7 +24,9 @@ by :func:`_drain_at_exit`: each live pipeline gets ``exit_timeout_s`` (default 6
 ``TIERCKPT_EXIT_TIMEOUT_S``) to finish; what is still unfinished then is abandoned — never
 committed, its partial files removed by the writers' ``abort()`` — and the threads are stopped
 before the interpreter tears down, so a daemon thread is never frozen inside a tensor copy
-(which aborted the process with SIGABRT, exit status 134).
+(which aborted the process with SIGABRT, exit status 134). Before that, exit waits (within the
+same bound) for the threads owners name with :func:`wait_at_exit_for` — DCP's ``async_save``
+threads, whose saves reach a pipeline only when they write.
 
 One writer per location (:mod:`tierckpt.lease`): before a job is submitted, ``acquire_leases``
 has each tier's thread take this writer's lease there (the first time: a live other writer
@@ -57,7 +59,7 @@ exit) and ``_pipeline`` (:class:`Pipeline` assembled from them, and
 
 from __future__ import annotations
 
-from tierckpt.pipeline._exit import exit_timeout_s
+from tierckpt.pipeline._exit import exit_timeout_s, wait_at_exit_for
 from tierckpt.pipeline._pipeline import Pipeline, PipelineOwner
 from tierckpt.pipeline._values import (
     DEFAULT_EXIT_TIMEOUT_S,
@@ -85,6 +87,7 @@ __all__ = [
     "Tier",
     "open_tiers",
     "exit_timeout_s",
+    "wait_at_exit_for",
     "default_save_deadline",
     # what the owners (Checkpointer, dcp.TierWriter) and the benchmark use too
     "OUTCOMES",

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 from tierckpt import config
 from tierckpt.pipeline._base import _PipelineBase
@@ -110,8 +111,12 @@ _exit_hook_installed = False
 
 def _track(pipeline: _ExitMixin) -> None:
     """Remember a live pipeline; install the exit handler on first use."""
-    global _exit_hook_installed
     _live.add(pipeline)
+    _install_exit_hook()
+
+
+def _install_exit_hook() -> None:
+    global _exit_hook_installed
     with _exit_hook_lock:
         if _exit_hook_installed:
             return
@@ -130,6 +135,46 @@ def _track(pipeline: _ExitMixin) -> None:
         pass
 
 
+#: what else exit waits for before the drain: callables giving threads that may still submit
+#: saves to a live pipeline (``tierckpt.dcp``'s: DCP's ``async_save`` threads, whose save
+#: reaches the pipeline only in ``write_data``); see :func:`wait_at_exit_for`
+_EXIT_WAITS: list[Callable[[], list[threading.Thread]]] = []
+
+
+def wait_at_exit_for(threads: Callable[[], list[threading.Thread]]) -> None:
+    """Have interpreter exit wait for the threads ``threads()`` names (bounded by the exit
+    timeout, before the drain): a save they are about to submit must find its pipeline open,
+    not closed by the drain as idle (or, for a first save, one that concurrent.futures' exit
+    no longer lets schedule work). ``threads()`` names only threads that may save through
+    this library (it is asked at every exit)."""
+    if threads not in _EXIT_WAITS:
+        _EXIT_WAITS.append(threads)
+    _install_exit_hook()
+
+
+def _wait_for_submitters(started: float, pipelines: list[_ExitMixin]) -> None:
+    """Wait until the threads of :data:`_EXIT_WAITS` end, at most the longest exit timeout
+    (of ``pipelines``, or the default one) from ``started``."""
+    me = threading.current_thread()
+    threads = [th for get in _EXIT_WAITS for th in get() if th is not me and th.is_alive()]
+    if not threads:
+        return
+    timeout = max((exit_timeout_s(p.exit_timeout_s) for p in pipelines), default=exit_timeout_s())
+    log.warning(
+        "interpreter exit with %d save thread(s) still running (%s): waiting up to %.0f s "
+        "for them (TIERCKPT_EXIT_TIMEOUT_S); wait for a dcp.async_save's future before "
+        "exiting to wait for it yourself",
+        len(threads),
+        ", ".join(th.name for th in threads),
+        timeout,
+    )
+    for th in threads:
+        th.join(max(0.0, started + timeout - time.monotonic()))
+    late = [th.name for th in threads if th.is_alive()]
+    if late:
+        log.warning("at exit: save thread(s) %s still running after %.0f s", late, timeout)
+
+
 def _drain_at_exit() -> None:
     """Interpreter exit: finish or abandon every live pipeline's in-flight saves (bounded).
 
@@ -137,6 +182,7 @@ def _drain_at_exit() -> None:
     """
     try:
         started = time.monotonic()
+        _wait_for_submitters(started, [p for p in list(_live) if not p._closed])
         pipelines = [p for p in list(_live) if not p._closed]
         busy = [(p, p.in_flight()) for p in pipelines]
         steps = sorted({j.step for _p, jobs in busy for j in jobs})
