@@ -193,7 +193,7 @@ def test_checkpoint_ids() -> None:
 
 
 def test_reader_says_what_is_missing(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointException, match="not readable on any tier"):
+    with pytest.raises(CheckpointException, match="step 9 is not committed on any tier"):
         dcp.load(_model_state(1), storage_reader=TierReader([LocalTier(tmp_path)], 9), no_dist=True)
 
 

@@ -86,7 +86,7 @@ def test_a_failed_load_says_only_what_failed(
     not offered), and no advice to pass ``tier=``, which TierReader does not take."""
     with pytest.raises(CheckpointException) as ei:
         _load([LocalTier(tmp_path)], 9)
-    assert "not readable on any tier" in str(ei.value)
+    assert "DCP step 9 is not committed on any tier (local: " in str(ei.value)
     assert "rank local metadata" not in str(ei.value)
 
     def unlisted(
@@ -127,3 +127,28 @@ def test_the_location_dcp_save_reports_loads_back(tmp_path: Path) -> None:
 def test_writer_docstring_says_every_takes_multiples_of_the_step() -> None:
     doc = TierWriter.__doc__ or ""
     assert "counts the saves" not in doc and "multiples of ``N``" in doc
+
+
+def test_a_load_from_a_location_one_level_off_names_the_tier_location(tmp_path: Path) -> None:
+    """A TierReader given the folder above the run's (or one inside it) names the tier's
+    folder and the tier folder nearby, as ``Checkpointer.load`` does; a step never saved
+    names the newest one there instead of saying "not readable"."""
+    run = tmp_path / "run" / "ck"
+    with TierWriter([LocalTier(run)]) as w:
+        dcp.save(_sd(1), storage_writer=w, checkpoint_id=1, no_dist=True)
+    above, inside = tmp_path / "run", run / "manifests"
+    with pytest.raises(CheckpointException) as info:
+        _load([LocalTier(above)])
+    msg = str(info.value)
+    assert f"no committed checkpoint on any tier (local: {above})" in msg, msg
+    assert f"has tier folders below it: ['{run}']" in msg, msg
+    with pytest.raises(CheckpointException) as info:
+        _load([LocalTier(inside)])
+    assert f"is inside the tier folder {run}" in str(info.value), str(info.value)
+    with pytest.raises(CheckpointException) as info:
+        _load([LocalTier(run)], 5)
+    msg = str(info.value)
+    assert (
+        f"DCP step 5 is not committed on any tier (local: {run}); the newest there: step 1" in msg
+    )
+    assert _load([LocalTier(run)]) == (1.0, CheckpointId(1))

@@ -19,6 +19,7 @@ from torch.futures import Future
 
 from tierckpt import config
 from tierckpt.catalog import list_tiers, unreadable
+from tierckpt.checkpointer._near import near_tiers
 from tierckpt.dcp._common import (
     MAX_METADATA_BYTES,
     TiersArg,
@@ -44,6 +45,7 @@ from tierckpt.errors import (
 from tierckpt.format import CheckpointId, Manifest, checksum, dcp_metadata_name, manifest_name
 from tierckpt.pipeline import Tier
 from tierckpt.policy import TierPolicy
+from tierckpt.redact import redact
 from tierckpt.restore import (
     is_recoverable,
     read_manifest,
@@ -245,7 +247,25 @@ class TierReader(StorageReader):
             names = [t.name for t in self._tiers]
             what = f"{CheckpointId(step, timeline or 0)} is not committed"
             raise unreadable(self._unlisted, names, what, remedy=_REMEDY)
-        return found or CheckpointId(step, timeline or 0)
+        if found is None:
+            there = f"; the newest there: {listing[0]}" if listing else self._near(listing)
+            raise CheckpointNotFound(
+                f"DCP {CheckpointId(step, timeline or 0)} is not committed on any tier "
+                f"({self._where()}){there}"
+            )
+        return found
+
+    def _where(self) -> str:
+        """The tiers and their locations, for an error."""
+        return ", ".join(f"{t.name}: {redact(t.backend.url)}" for t in self._tiers)
+
+    def _near(self, listing: list[CheckpointId]) -> str:
+        """Where no checkpoint at all was found: the tier locations nearby, if any (a folder
+        or prefix one level off; see ``tierckpt.checkpointer._near``)."""
+        if listing:
+            return ""
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        return near_tiers(self._tiers, self._listed.keys(), rank)
 
     def _is_dcp(self, cid: CheckpointId) -> bool:
         """Whether ``cid`` is a DCP checkpoint (its metadata file is there), asked of the
@@ -305,7 +325,7 @@ class TierReader(StorageReader):
             )
             raise CheckpointNotFound(
                 f"no committed {'DCP ' if listed else ''}checkpoint on any tier "
-                f"({', '.join(t.name for t in self._tiers)}){native}"
+                f"({self._where()}){native}{self._near(listed)}"
             )
         return newest[0]
 
