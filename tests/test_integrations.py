@@ -59,9 +59,12 @@ def test_sanitize_state() -> None:
     assert type(out["p"]) is tuple and out["p"] == (1, 2)
     assert out["path"] == "/x" and out["s"] == [3] and out["t"] is t
     assert out["obj"] == "Color(red)" and out["i"] is True
-    with pytest.raises(tierckpt.UnsupportedObject):
+    with (
+        pytest.raises(tierckpt.UnsupportedObject),
+        tierckpt.Checkpointer([tierckpt.MemoryTier(namespace="sanitize")]) as ck,
+    ):
         state = sanitize_state({"obj": Color()}, unsupported="error")
-        tierckpt.Checkpointer([tierckpt.MemoryTier(namespace="sanitize")]).save(state, 1)
+        ck.save(state, 1)
 
 
 def test_closure_guard_hook_waits_after_the_closure() -> None:
@@ -159,9 +162,9 @@ def test_hf_trainer_callback_resume_bit_identical(tmp_path: Path) -> None:
     ):
         assert (folder / name).exists(), name
     assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
-    ck = tierckpt.Checkpointer([tierckpt.LocalTier(tmp_path / "tier")])
-    assert ck.steps() == [2, 4, 6]
-    state: Any = ck.load(6)
+    with tierckpt.Checkpointer([tierckpt.LocalTier(tmp_path / "tier")]) as ck:
+        assert ck.steps() == [2, 4, 6]
+        state: Any = ck.load(6)
     assert set(state) == {
         "model",
         "optimizer",

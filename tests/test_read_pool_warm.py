@@ -86,3 +86,40 @@ def test_warm_on_a_pool_already_shut_down_is_harmless() -> None:
     warm(pool, 2)  # the starter finds the pool closed and ends quietly
     time.sleep(0.2)
     assert not pool._threads
+
+
+def test_a_close_from_another_thread_during_a_load_lets_the_load_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` while a load on another thread reads (an evaluator thread, a signal
+    handler): the load finishes bit-exact and the reader threads end after it. Before, the
+    close shut the pool the load was reading with down, and the load failed with "cannot
+    schedule new futures after shutdown"."""
+    from tierckpt.checkpointer import _loading
+
+    state = {f"w{i}": torch.randn(1 << 16) for i in range(8)}
+    with Checkpointer([LocalTier(tmp_path)], chunk_bytes=64 << 10) as ck:
+        ck.save(state, 1).wait(timeout=60)
+    ck = Checkpointer([LocalTier(tmp_path)], chunk_bytes=64 << 10)
+    real = _loading.read_shard
+
+    def read_shard(*args: Any, **kwargs: Any) -> Any:
+        closer = threading.Thread(target=ck.close)  # closes while this load holds its pool
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_loading, "read_shard", read_shard)
+    before = {t for t in threading.enumerate() if t.name.startswith("tierckpt-read")}
+    got = ck.load()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert _wait_for(
+        lambda: (
+            not [
+                t
+                for t in threading.enumerate()
+                if t.name.startswith("tierckpt-read") and t not in before
+            ]
+        )
+    )

@@ -411,18 +411,21 @@ class Checkpointer(SavePath):
                 **kw,
             )
 
-        try:
-            if has_stateful(into):
-                # restored onto the targets' GPU where it has room, then handed over (the
-                # device is looked at once load_stateful has checked the targets)
-                def device() -> Any:
-                    return stateful_device(into) if map_location is None else None
+        with self._read_pool.in_use():  # a close() meanwhile ends them after this load
+            try:
+                if has_stateful(into):
+                    # restored onto the targets' GPU where it has room, then handed over (the
+                    # device is looked at once load_stateful has checked the targets)
+                    def device() -> Any:
+                        return stateful_device(into) if map_location is None else None
 
-                return load_stateful(into, lambda: read(into=None, device=device()), strict=strict)
-            return read(into=into, strict=strict)
-        finally:
-            if self._closed:  # a load after close(): its reader threads end with it
-                self._read_pool.release()
+                    return load_stateful(
+                        into, lambda: read(into=None, device=device()), strict=strict
+                    )
+                return read(into=into, strict=strict)
+            finally:
+                if self._closed:  # a load after close(): its reader threads end with it
+                    self._read_pool.release()
 
     def _load_context(self) -> LoadContext:
         """What a load needs from this object, as it is now."""

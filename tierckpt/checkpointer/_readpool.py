@@ -13,7 +13,9 @@ threads waiting.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from tierckpt.restore._fetch import warm
 
@@ -23,12 +25,33 @@ __all__ = ["ReadPool", "warm"]
 class ReadPool:
     """A checkpointer's reader threads: made (and warmed) at its first load, ended at
     ``close()``, and after each load that runs once it is closed (a report after training:
-    nobody would end them then)."""
+    nobody would end them then). Never under a load: a ``close()`` from another thread
+    while one reads ends them once the loads in :meth:`in_use` are over (it failed them
+    with "cannot schedule new futures after shutdown")."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._users = 0
+        self._end_when_idle = False
+
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """A load: the threads end only after it (see :meth:`release`)."""
+        with self._lock:
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                ending = self._users == 0 and self._end_when_idle
+                pool = self._pool if ending else None
+                if ending:
+                    self._pool, self._end_when_idle = None, False
+            if pool is not None:
+                pool.shutdown()
 
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -38,7 +61,11 @@ class ReadPool:
             return self._pool
 
     def release(self) -> None:
+        """End the threads: now, or when the last load in use ends."""
         with self._lock:
+            if self._users:
+                self._end_when_idle = True
+                return
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown()
