@@ -50,6 +50,7 @@ save waits for the first acquisition before going on without an answer, default 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import re
@@ -65,6 +66,7 @@ from tierckpt.liveness import (
     HostIdentity,
     LeaseRecord,
     LiveLock,
+    in_this_process,
     owner_status,
     owner_verdict,
     process_start,
@@ -308,6 +310,7 @@ class WriterLease:
     def _acquire(self) -> None:
         b, name = self.backend, self.name
         live = self.live.take() if self.live is not None else None
+        collected = False
         for _ in range(5):
             mine = LeaseRecord.mine(self.owner, self.ttl, live=live)
             self._started = mine.started
@@ -333,6 +336,11 @@ class WriterLease:
             if rec.owner == self.owner:
                 return
             alive, why, presumed = judge_holder(b, name, rec, self.owner)
+            if alive and not collected and in_this_process(rec):
+                # a writer of this process dropped unclosed in a cycle: collected, it closes
+                collected = True
+                gc.collect()
+                continue
             if alive:
                 raise self._conflict(rec, why, presumed)
             again = read_lease(b, self.rank)

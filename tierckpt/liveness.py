@@ -357,6 +357,17 @@ def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]
     return alive, why
 
 
+def in_this_process(rec: LeaseRecord) -> bool:
+    """Whether ``rec``'s writer is (was) an object of this very process."""
+    me = HostIdentity.current()
+    return (
+        rec.host == me.host
+        and bool(rec.boot_id)
+        and (rec.boot_id, rec.pid_ns) == (me.boot_id, me.pid_ns)
+        and rec.pid == os.getpid()
+    )
+
+
 def owner_verdict(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str, bool]:
     """:func:`owner_status` and whether the lease's age decided it (its holder's clock
     against this machine's: no process or lock file here could answer)."""

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tierckpt import config, devices
 from tierckpt.capture import record_ready_events
@@ -33,8 +33,8 @@ from tierckpt.commit import CommitStrategy, EarlierSave, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
 from tierckpt.errors import CheckpointExists, CheckpointFailed, WriterConflict
 from tierckpt.format import CheckpointId, manifest_name
-from tierckpt.handle import SaveHandle
-from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier
+from tierckpt.handle import SaveHandle, TierResult
+from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier, weakly
 from tierckpt.plan import collect_state
 from tierckpt.stats import StatsRecorder, outcome_of
 from tierckpt.tree import encode_metadata
@@ -78,8 +78,11 @@ class SavePath(PipelineOwner):
     def _init_save_path(self, stats_history: int) -> None:
         """Set this part's fields; ``Checkpointer.__init__`` calls it once the tiers are open
         and ``rank``, ``world_size``, ``on_busy`` and ``repopulate`` are set."""
+        # the strategy's calls back into this object are weak, as the pipeline's (weakly);
+        # it asks for the earlier save at a save's start only, when this object lives
+        earlier = cast(Callable[[int, int], EarlierSave], weakly(self._earlier_save))
         self._strategy = (
-            SingleRankCommit(repopulate=self.repopulate, earlier=self._earlier_save)
+            SingleRankCommit(repopulate=self.repopulate, earlier=earlier)
             if self.world_size == 1
             else MultiRankCommit(
                 self._tiers,
@@ -87,8 +90,8 @@ class SavePath(PipelineOwner):
                 world_size=self.world_size,
                 on_busy=self.on_busy,
                 repopulate=self.repopulate,
-                defer=self._defer,
-                earlier=self._earlier_save,
+                defer=weakly(self._defer),
+                earlier=earlier,
             )
         )
         self._save_count = 0
@@ -109,11 +112,16 @@ class SavePath(PipelineOwner):
     def _pipeline_hooks(self) -> PipelineHooks:
         return PipelineHooks(
             commit=self._strategy.commit,
-            on_result=self._stats.record,
-            on_failure=self._on_failure,
+            # through this object (weakly): the stats hold the user's callbacks, which may
+            # refer to it
+            on_result=weakly(self._on_result),
+            on_failure=weakly(self._on_failure),
             retains=self._strategy.retains,
             counts=self._counts,
         )
+
+    def _on_result(self, result: TierResult, handle: SaveHandle) -> None:
+        self._stats.record(result, handle)
 
     def _on_failure(self, tier: Tier, job: SaveJob, error: BaseException) -> None:
         """A tier's copy failed, was skipped or given up: to the strategy (other ranks),

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -255,6 +255,7 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
 
 
 _Owner = TypeVar("_Owner", bound="PipelineOwner")
+_T = TypeVar("_T")
 
 
 class Protecting(Protocol):
@@ -263,6 +264,22 @@ class Protecting(Protocol):
     def steps(self) -> Collection[int]: ...
 
     def deleting(self, cid: CheckpointId) -> AbstractContextManager[bool]: ...
+
+
+def weakly(method: Callable[..., _T]) -> Callable[..., _T | None]:
+    """``method``, bound to a pipeline's owner, through a weak reference: what the pipeline's
+    threads hold must not keep an owner dropped unclosed alive (its leases, threads and host
+    buffer would stay for good: a notebook cell run again was refused with WriterConflict by
+    its own dropped Checkpointer). A save in flight keeps its owner alive through its job
+    (``SaveJob.confirm``, until the job is done); a call once the owner is collected (its
+    close at collection: nothing in flight) does nothing and returns None."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> _T | None:
+        fn = ref()
+        return None if fn is None else fn(*args, **kwargs)
+
+    return call
 
 
 class PipelineOwner:

@@ -483,3 +483,5 @@ class _TiersMixin(_RetainMixin, _StallMixin):
             if job.plan is not None:
                 job.plan.sources.clear()
             job.collected = None
+            job.confirm = None  # its owner's method: a job kept by a thread's last item must
+            # not keep an owner dropped unclosed alive (see pipeline.weakly)
