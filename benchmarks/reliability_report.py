@@ -406,6 +406,31 @@ FIXED += [
         ["test_second_multi_rank_job_is_refused_on_every_rank"],
     ),
     (
+        "A script that ended right after dcp.async_save through a TierWriter lost that save "
+        "without a word (exit status 0): the exit drain closed the idle pipeline before DCP's "
+        "thread reached it ('the checkpointer is closed'; for a writer's first save, 'cannot "
+        "schedule new futures after interpreter shutdown')",
+        "tierckpt/pipeline/_exit.py (wait_at_exit_for), dcp/_writer.py (_async_save_threads)",
+        ["test_a_script_ending_with_a_dcp_async_save_in_flight_commits_it"],
+    ),
+    (
+        "A Checkpointer dropped without close() was never collected (the pipeline's threads "
+        "held its bound methods): it kept its leases, threads and host buffer, and a new "
+        "Checkpointer of the same folder in the process (a notebook cell run again) was "
+        "refused with WriterConflict until the process ended",
+        "tierckpt/pipeline/_pipeline.py (weakly), checkpointer/_saving.py, lease.py",
+        [
+            "test_a_cell_run_again_saves_with_a_new_checkpointer",
+            "test_a_checkpointer_dropped_with_a_save_in_flight_commits_it",
+        ],
+    ),
+    (
+        "close() from another thread during a load shut down the pool the load read with: "
+        "the load failed with 'cannot schedule new futures after shutdown'",
+        "tierckpt/checkpointer/_readpool.py (in_use)",
+        ["test_a_close_from_another_thread_during_a_load_lets_the_load_finish"],
+    ),
+    (
         "Another job's NodeRamTier (or gc --dead-runs) deleted a restarted run's node-RAM "
         "folder between its load and its first save (a dead predecessor's lease, no lease of "
         "its own yet); its next crash found no checkpoint",
@@ -531,6 +556,8 @@ EVERYDAY_TESTS = [
     "tests/test_dcp_field_fixes.py",
     "tests/test_failed_copies_release_their_job.py",
     "tests/test_native_parity.py",
+    "tests/test_dropped_checkpointer.py",
+    "tests/test_read_pool_warm.py",
 ]
 
 #: the rules operators rely on, written by hand; the report puts them first
