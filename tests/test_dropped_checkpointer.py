@@ -89,3 +89,29 @@ def test_a_second_checkpointer_still_referenced_is_still_refused(tmp_path: Path)
             second.save({"w": torch.ones(10)}, step=2)
         first.save({"w": torch.ones(10)}, step=3).wait(timeout=60)
         assert first.steps() == [1, 3]
+
+
+def test_a_collection_inside_one_of_its_own_threads_closes_it_from_another(
+    tmp_path: Path,
+) -> None:
+    """The cyclic GC may collect a dropped Checkpointer in any thread, one of its own
+    pipeline's included (a commit callback's allocations): its close then runs on another
+    thread. Run in the tier thread itself (as that GC pass would), the close waited for the
+    very commit it was called from, and the leases stayed."""
+    ck = Checkpointer([LocalTier(tmp_path)])
+    ck.save({"w": torch.ones(10)}, 1).wait(timeout=60)
+    pipeline = ck._pipeline
+    assert pipeline is not None
+    done = threading.Event()
+
+    def collected_here(result: object) -> None:
+        ck.__del__()  # what the GC does when it collects the dropped object in this thread
+        done.set()
+
+    ck.add_callback(collected_here)
+    ck.save({"w": torch.ones(10)}, 2)
+    assert done.wait(30), "the close ran in the thread it waited for"
+    assert _ended(set(pipeline._threads))
+    assert not list((tmp_path / "leases").iterdir())  # given back
+    with Checkpointer([LocalTier(tmp_path)]) as again:
+        assert again.steps() == [1, 2]  # the save it was called from committed

@@ -406,7 +406,14 @@ class PipelineOwner:
 
     def __del__(self) -> None:
         try:
-            if not self._closed and self._pipeline is not None:
-                self._pipeline.close()
+            pipeline = self._pipeline
+            if self._closed or pipeline is None:
+                return
+            if threading.current_thread() in pipeline._threads:
+                # collected by a GC pass that ran in one of its own threads: it cannot join
+                # itself, so another thread closes it
+                threading.Thread(target=pipeline.close, name="tierckpt-close", daemon=True).start()
+            else:
+                pipeline.close()
         except Exception:
             pass
