@@ -80,9 +80,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _child(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _child(*args: str, script: str = CHILD, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD), *args],
+        [sys.executable, "-c", textwrap.dedent(script), *args],
         capture_output=True,
         text=True,
         env=_env(**env),
@@ -187,21 +187,10 @@ def test_a_script_ending_with_a_dcp_async_save_in_flight_commits_it(
     the exit drain closed the idle pipeline first and the save failed unseen ("the
     checkpointer is closed"), exit status 0. ``first``: the writer's first save, whose
     pipeline did not exist yet when the script ended."""
-
-    def child(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(DCP_CHILD), *args],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            cwd=REPO,
-            timeout=300,
-        )
-
     root = tmp_path / "ck"
-    p = child(mode, str(root))
+    p = _child(mode, str(root), script=DCP_CHILD)
     assert p.returncode == 0, p.stderr[-3000:]
-    check = child("check", str(root))
+    check = _child("check", str(root), script=DCP_CHILD)
     assert check.returncode == 0, check.stderr[-3000:]
     loaded = json.loads(check.stdout.strip().splitlines()[-1])
     want = [1, 2] if mode == "second" else [2]
