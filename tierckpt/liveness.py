@@ -357,15 +357,16 @@ def owner_status(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str]
     return alive, why
 
 
+def _pids_comparable(rec: LeaseRecord, me: HostIdentity) -> bool:
+    """Whether ``rec``'s pid names a process of this host, kernel and PID namespace."""
+    return bool(
+        rec.host == me.host and rec.boot_id and (rec.boot_id, rec.pid_ns) == (me.boot_id, me.pid_ns)
+    )
+
+
 def in_this_process(rec: LeaseRecord) -> bool:
     """Whether ``rec``'s writer is (was) an object of this very process."""
-    me = HostIdentity.current()
-    return (
-        rec.host == me.host
-        and bool(rec.boot_id)
-        and (rec.boot_id, rec.pid_ns) == (me.boot_id, me.pid_ns)
-        and rec.pid == os.getpid()
-    )
+    return _pids_comparable(rec, HostIdentity.current()) and rec.pid == os.getpid()
 
 
 def owner_verdict(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str, bool]:
@@ -373,7 +374,7 @@ def owner_verdict(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str
     against this machine's: no process or lock file here could answer)."""
     now = time.time() if now is None else now
     me = HostIdentity.current()
-    if rec.host == me.host and rec.boot_id and (rec.boot_id, rec.pid_ns) == (me.boot_id, me.pid_ns):
+    if _pids_comparable(rec, me):
         start = process_start(rec.pid)
         if start is None:
             return False, f"its process {rec.pid} no longer runs on this host", False

@@ -350,11 +350,10 @@ class PipelineOwner:
             self._pipeline.exit_timeout_s = self.exit_timeout_s
             # weakly: a pipeline must not keep its owner alive (a dropped DCP writer parks
             # its pipeline for the next writer only once nothing refers to the writer)
-            protector = weakref.WeakMethod(self._protected_steps)
+            protector = weakly(self._protected_steps)
 
             def protect_steps() -> Collection[int]:
-                fn = protector()
-                return frozenset() if fn is None else fn()
+                return protector() or frozenset()
 
             self._pipeline.protect_steps = protect_steps
             # the protectors' method: it refers to them, not to the owner
