@@ -14,6 +14,7 @@ import torch
 import tierckpt
 from tierckpt import Checkpointer, LocalTier, MemoryTier, S3Tier
 from tierckpt.cli import main
+from tierckpt.urls import as_policy
 
 
 @pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run", "az://container/run"])
@@ -48,6 +49,50 @@ def test_tier_routes_each_scheme(tmp_path: Path) -> None:
     assert isinstance(mem, MemoryTier) and mem.namespace == "ns1"
     with pytest.raises(ValueError, match="no tier handles hdfs://"):
         tierckpt.tier("hdfs://nn/run")
+
+
+def test_checkpointer_takes_a_location_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what users pass from torch.save / DCP / Lightning habits: one path, a Path, a list that
+    # mixes locations and tiers; before, a bare string was iterated ("got '/'")
+    monkeypatch.chdir(tmp_path)
+    state = {"w": torch.arange(6.0)}
+    with Checkpointer(str(tmp_path / "a")) as ck:
+        assert [type(t) for t in ck.policy.tiers] == [LocalTier]
+        ck.save(state, step=3).wait()
+    with Checkpointer(tmp_path / "a") as ck:  # a pathlib.Path: the same folder
+        assert torch.equal(ck.load()["w"], state["w"])
+    with Checkpointer(["memory://habits", LocalTier(str(tmp_path / "b"), name="disk")]) as ck:
+        assert [t.name for t in ck.policy.tiers] == ["memory", "disk"]
+        assert ck.policy.tiers[0].namespace == "habits"  # type: ignore[attr-defined]
+    assert isinstance(as_policy("s3://bucket/run").tiers[0], S3Tier)
+    from tierckpt.dcp import TierReader
+
+    assert TierReader(str(tmp_path / "a")).policy.tiers[0].path == str(tmp_path / "a")  # type: ignore[attr-defined]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "tiers, shown",
+    [
+        (None, "got NoneType None"),
+        ({"local": "/tmp/x"}, "got dict"),  # its keys would have become folders
+        (b"/ckpt", "got bytes"),
+        (7, "got int 7"),
+        (["memory://m", 7], "got int 7 in the list"),
+    ],
+)
+def test_checkpointer_refuses_what_is_not_a_tier_or_a_location(
+    tiers: object, shown: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match="a folder path or URL") as info:
+        Checkpointer(tiers)  # type: ignore[arg-type]
+    assert shown in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written for a rejected argument
+    with pytest.raises(TypeError, match=r"tierckpt.tier\(location\)"):
+        tierckpt.TierPolicy(["/ckpt"])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("driver", ["obstore", "boto3"])

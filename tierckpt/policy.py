@@ -364,7 +364,11 @@ class TierPolicy:
             raise ValueError("a tier policy needs at least one tier")
         for t in tiers:
             if not isinstance(t, TierSpec):
-                raise TypeError(f"tiers must be MemoryTier/LocalTier/S3Tier, got {t!r}")
+                raise TypeError(
+                    "a TierPolicy takes tier objects (MemoryTier, LocalTier, S3Tier, ...), got "
+                    f"{type(t).__name__} {redact(repr(t))[:80]}; for a path or URL use "
+                    "tierckpt.tier(location), or pass the locations to Checkpointer as they are"
+                )
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(

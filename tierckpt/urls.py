@@ -5,18 +5,33 @@ as it is: ``s3://`` → :class:`~tierckpt.policy.S3Tier`, ``file:///path`` or a 
 :class:`~tierckpt.policy.LocalTier`, ``memory://namespace`` →
 :class:`~tierckpt.policy.MemoryTier`. Stores this version has no backend for are refused
 with the schemes it has, never written to a local folder named after the URL.
+
+:func:`as_policy` is what ``Checkpointer``, ``TierReader`` and ``TierWriter`` do with their
+``tiers``: a location alone (``Checkpointer("/nvme/run1")``, ``Checkpointer("s3://b/run1")``)
+is one tier, a list may mix tier objects and locations, fastest first.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeAlias
 
 from tierckpt import policy
-from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierSpec
+from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
 from tierckpt.redact import redact
 
-__all__ = ["tier"]
+__all__ = ["TiersLike", "as_policy", "tier"]
+
+#: one location or tier, or several fastest first, or a built policy
+TiersLike: TypeAlias = (
+    TierPolicy | TierSpec | str | os.PathLike[str] | Iterable[TierSpec | str | os.PathLike[str]]
+)
+
+_TAKES = (
+    "a tier (MemoryTier, LocalTier, S3Tier, ...), a folder path or URL such as "
+    "'/nvme/run1' or 's3://bucket/run1', or a list of them fastest first"
+)
 
 #: scheme -> the name of the tier class in tierckpt.policy that handles it (classes that a
 #: build does not have are refused with a message naming the schemes it does handle)
@@ -50,3 +65,33 @@ def tier(url: str | os.PathLike[str], **options: Any) -> TierSpec:
         return S3Tier(text, **options)
     built: TierSpec = cls(text, **options)
     return built
+
+
+def _one(item: object) -> TierSpec:
+    if isinstance(item, TierSpec):
+        return item
+    if isinstance(item, (str, os.PathLike)):
+        return tier(item)
+    raise TypeError(f"tiers takes {_TAKES}; got {_named(item)} in the list")
+
+
+def _named(value: object) -> str:
+    shown = redact(repr(value))
+    return f"{type(value).__name__} {shown[:80]}{'...' if len(shown) > 80 else ''}"
+
+
+def as_policy(tiers: TiersLike) -> TierPolicy:
+    """``tiers`` as a :class:`~tierckpt.policy.TierPolicy`: a policy as it is; a tier or a
+    location (a path, ``file://``, ``s3://``, ``gs://``, ``az://``, ``memory://``: see
+    :func:`tier`) as a policy of that one tier; a list of tiers and locations, fastest first.
+    Anything else (a dict, a DCP ``FileSystemWriter``, bytes, ``None``) is refused with what it
+    takes."""
+    if isinstance(tiers, TierPolicy):
+        return tiers
+    if isinstance(tiers, (TierSpec, str, os.PathLike)):
+        return TierPolicy([_one(tiers)])
+    if isinstance(tiers, (Mapping, bytes, bytearray, memoryview)) or not isinstance(
+        tiers, Iterable
+    ):
+        raise TypeError(f"tiers takes {_TAKES}; got {_named(tiers)}")
+    return TierPolicy([_one(t) for t in tiers])

@@ -32,10 +32,10 @@ from tierckpt.pipeline import (
     default_save_deadline,
     open_tiers,
 )
-from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.restore_gpu import stateful_device
 from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
 from tierckpt.stats import CheckpointEvent, CommitStats
+from tierckpt.urls import TiersLike, as_policy
 
 __all__ = ["Checkpointer"]
 
@@ -55,7 +55,9 @@ class Checkpointer(SavePath):
     that has it.
 
     Args:
-        tiers: tier specs fastest first, or a :class:`TierPolicy`.
+        tiers: tier specs fastest first, or a :class:`TierPolicy`; a folder path or URL
+            (``"/nvme/run1"``, ``"s3://bucket/run1"``) is that one tier (:func:`tierckpt.tier`),
+            and a list may mix tiers and locations.
         host_buffer_bytes: the host arena budget (default: 1/8 of RAM, at most 32 GiB;
             ``TIERCKPT_HOST_BUFFER_BYTES``). Peak extra host memory of a save is this, not
             the size of the state.
@@ -91,7 +93,7 @@ class Checkpointer(SavePath):
 
     def __init__(
         self,
-        tiers: Sequence[TierSpec] | TierPolicy,
+        tiers: TiersLike,
         *,
         host_buffer_bytes: int | None = None,
         chunk_bytes: int | None = None,
@@ -106,7 +108,7 @@ class Checkpointer(SavePath):
         exit_timeout_s: float | None = None,
         save_deadline: float | None = None,
     ) -> None:
-        self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
+        self.policy = as_policy(tiers)
         if on_busy not in ("block", "skip"):
             raise ValueError(f"on_busy must be 'block' or 'skip', got {on_busy!r}")
         self.on_busy = on_busy

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.pipeline import Tier, open_tiers
-from tierckpt.policy import TierPolicy, TierSpec
+from tierckpt.policy import TierPolicy
+from tierckpt.urls import TiersLike
 
 METADATA_FORMAT = "tierckpt-dcp-metadata"
 METADATA_VERSION = 1
@@ -33,7 +34,7 @@ _MEMORY_FORMATS = {
     )
 }
 
-TiersArg = Sequence[TierSpec] | TierPolicy
+TiersArg = TiersLike
 
 
 def _parse_step(checkpoint_id: object) -> int:

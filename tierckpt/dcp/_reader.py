@@ -44,12 +44,12 @@ from tierckpt.errors import (
 )
 from tierckpt.format import CheckpointId, Manifest, checksum, dcp_metadata_name, manifest_name
 from tierckpt.pipeline import Tier
-from tierckpt.policy import TierPolicy
 from tierckpt.redact import redact
 from tierckpt.restore import (
     is_recoverable,
     read_manifest,
 )
+from tierckpt.urls import as_policy
 
 log = logging.getLogger("tierckpt")
 
@@ -69,7 +69,9 @@ class TierReader(StorageReader):
     """A DCP ``StorageReader`` over tierckpt tiers (see the module docstring).
 
     Args:
-        tiers: tier specs fastest first, or a :class:`TierPolicy`.
+        tiers: tier specs fastest first, or a :class:`TierPolicy`; a folder path or URL
+            (``"/nvme/run1"``, ``"s3://bucket/run1"``) is that one tier (:func:`tierckpt.tier`),
+            and a list may mix tiers and locations.
         step: the step to load; ``None``: the newest DCP checkpoint committed on some tier
             that every rank sees (one ``all_gather`` on the default process group in
             ``read_metadata`` when it is initialized — name the step when only some ranks
@@ -89,7 +91,7 @@ class TierReader(StorageReader):
 
     def __init__(self, tiers: TiersArg, step: int | str | None = None, *, io_threads: int = 4):
         super().__init__()
-        self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
+        self.policy = as_policy(tiers)
         self.io_threads = max(1, io_threads)
         self.load_id = uuid.uuid4().hex
         self._tiers = _runtimes(self.policy)

@@ -40,7 +40,7 @@ from tierckpt.distributed import is_private_tier
 from tierckpt.errors import FormatError, StaleTimeline, TierCkptError
 from tierckpt.format import CheckpointId, ShardRef, step_prefix
 from tierckpt.pipeline import Pipeline, PipelineHooks, SaveJob, Tier, wait_at_exit_for
-from tierckpt.policy import TierPolicy
+from tierckpt.urls import as_policy
 
 log = logging.getLogger("tierckpt")
 
@@ -49,7 +49,9 @@ class TierWriter(ShardSaving, StorageWriter):
     """A DCP ``StorageWriter`` that saves through tierckpt tiers (see the module docstring).
 
     Args:
-        tiers: tier specs fastest first, or a :class:`TierPolicy` (a tier's ``every=N`` takes
+        tiers: tier specs fastest first, or a :class:`TierPolicy`; a folder path or URL
+            (``"/nvme/run1"``, ``"s3://bucket/run1"``) is that one tier (:func:`tierckpt.tier`),
+            and a list may mix tiers and locations (a tier's ``every=N`` takes
             the steps that are multiples of ``N``, as for :class:`~tierckpt.Checkpointer`:
             with ``every=2``, steps 3, 5, 7, 8 put only step 8 there; ``keep_last`` is applied
             after each commit).
@@ -99,7 +101,7 @@ class TierWriter(ShardSaving, StorageWriter):
         overwrite: bool = False,
     ) -> None:
         super().__init__()
-        self.policy = tiers if isinstance(tiers, TierPolicy) else TierPolicy(list(tiers))
+        self.policy = as_policy(tiers)
         self.step: int | None = None if step is None else _parse_step(step)
         sizes = resolve_writer_config(host_buffer_bytes, chunk_bytes, io_threads)
         self.host_buffer_bytes = sizes.host_buffer_bytes

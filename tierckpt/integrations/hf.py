@@ -78,9 +78,9 @@ from tierckpt.integrations._common import (
     write_checkpoint,
 )
 from tierckpt.integrations.sinks import OutcomeCounts, event_metrics
-from tierckpt.policy import TierPolicy, TierSpec
 from tierckpt.preemption import Preemption
 from tierckpt.stats import CheckpointEvent
+from tierckpt.urls import TiersLike
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -100,7 +100,8 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
     """Saves the ``Trainer``'s full training state through tierckpt on every save step.
 
     Args:
-        tiers: tier specs fastest first, or a :class:`TierPolicy` (or pass ``checkpointer``).
+        tiers: tier specs fastest first, a :class:`TierPolicy`, or folder paths and URLs
+            (``"/nvme/run1"``, ``"s3://bucket/run1"``; or pass ``checkpointer``).
         checkpointer: an existing :class:`Checkpointer` to use instead.
         replace_hf_save: skip the ``Trainer``'s own blocking save on those steps (default True).
         unsupported: values that cannot be stored without pickle: ``"repr"`` stores their
@@ -116,7 +117,7 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(
         self,
-        tiers: Sequence[TierSpec] | TierPolicy | None = None,
+        tiers: TiersLike | None = None,
         *,
         checkpointer: Checkpointer | None = None,
         replace_hf_save: bool = True,

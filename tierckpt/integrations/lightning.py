@@ -62,7 +62,6 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -74,7 +73,7 @@ from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle
 from tierckpt.integrations._common import closure_guard_hook, lost_save, sanitize_state
 from tierckpt.integrations._same_step import Described, describe, restore
-from tierckpt.policy import TierPolicy, TierSpec
+from tierckpt.urls import TiersLike
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -135,7 +134,8 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
     """Lightning ``CheckpointIO`` that saves through a tierckpt :class:`Checkpointer`.
 
     Args:
-        tiers: tier specs fastest first, or a :class:`TierPolicy` (or pass ``checkpointer``).
+        tiers: tier specs fastest first, a :class:`TierPolicy`, or folder paths and URLs
+            (``"/nvme/run1"``, ``"s3://bucket/run1"``; or pass ``checkpointer``).
         checkpointer: an existing :class:`Checkpointer` to use instead.
         unsupported: what to do with values that cannot be stored without pickle:
             ``"repr"`` (default) stores their text, ``"error"`` fails the save.
@@ -144,7 +144,7 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
 
     def __init__(
         self,
-        tiers: Sequence[TierSpec] | TierPolicy | None = None,
+        tiers: TiersLike | None = None,
         *,
         checkpointer: Checkpointer | None = None,
         unsupported: Literal["error", "repr"] = "repr",
