@@ -128,6 +128,17 @@ class _State:
 _state = _State()
 
 
+def _restart_in_child() -> None:
+    # forked while the helper was being built: that thread is not in the child, so the child
+    # builds (or loads) it again rather than wait for a thread that will never finish
+    global _state
+    if not _state.done.is_set():
+        _state = _State()
+
+
+os.register_at_fork(after_in_child=_restart_in_child)
+
+
 def _supported() -> str:
     """ "" when this platform can build the helper, else why not."""
     if not config.native_copy():

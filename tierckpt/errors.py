@@ -23,6 +23,7 @@ __all__ = [
     "CorruptCheckpoint",
     "CorruptChunk",
     "FormatError",
+    "InheritedThroughFork",
     "LeaseLost",
     "RankFailed",
     "SaveDeadlineExceeded",
@@ -185,6 +186,23 @@ class SaveDeadlineExceeded(TierCkptError, TimeoutError):
 class CloseTimeout(TierCkptError, TimeoutError):
     """A copy was still unfinished when ``close(timeout=)`` ran out: given up on that tier
     (never committed there); the checkpoints committed before are untouched."""
+
+
+class InheritedThroughFork(TierCkptError, RuntimeError):
+    """A ``Checkpointer`` (or ``dcp.TierWriter``) used in a process forked from the one that
+    made it (a DataLoader worker, ``multiprocessing`` with the fork start method): its
+    threads, leases and store connections are the parent's, so the child's copy refuses to
+    save, load or list. Make a new one in the child, or use it in the parent."""
+
+    def __init__(self, kind: str, parent: int, child: int) -> None:
+        super().__init__(
+            f"this {kind} was made in process {parent} and reached process {child} through "
+            f"fork (a DataLoader worker, multiprocessing with the fork start method): its "
+            f"threads, writer leases and store connections belong to process {parent}, so "
+            f"it is not used here. Make a new {kind} in this process to load or list "
+            "checkpoints (it must not save where the parent saves), or call it in the parent"
+        )
+        self.parent, self.child = parent, child
 
 
 class CopySkipped(TierCkptError, RuntimeError):

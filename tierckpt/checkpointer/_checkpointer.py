@@ -6,6 +6,7 @@ The facade: the public API and its documentation. Saves are in :mod:`._saving`, 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from tierckpt.pipeline import (
     Tier,
     check_save_deadline,
     default_save_deadline,
+    in_owner_process,
     open_tiers,
 )
 from tierckpt.restore_gpu import stateful_device
@@ -138,6 +140,7 @@ class Checkpointer(SavePath):
         if self._peer is not None:
             self._stats.add_event_callback(self._peer.on_event)
         self._closed = False
+        self._pid = os.getpid()
         self._read_pool = ReadPool(max(2, self.io_threads * 2))
         self._protectors: Protectors = Protectors()  # callables naming steps to keep
         # last: nothing after this may fail and leave the arena's thread behind
@@ -148,6 +151,7 @@ class Checkpointer(SavePath):
     def tier_names(self) -> list[str]:
         return [t.name for t in self._tiers]
 
+    @in_owner_process
     def backend(self, tier: str) -> Any:
         return self._tier(tier).backend
 
@@ -158,6 +162,7 @@ class Checkpointer(SavePath):
         raise KeyError(f"no tier named {name!r}; tiers are {self.tier_names}")
 
     # -- save ------------------------------------------------------------------------
+    @in_owner_process
     def save(
         self,
         state: Any,
@@ -195,6 +200,7 @@ class Checkpointer(SavePath):
         handle.blocked_seconds += time.perf_counter() - t0
         return handle
 
+    @in_owner_process
     def wait_captured(self, timeout: float | None = None) -> None:
         """Block until every pending save's bytes are in host memory.
 
@@ -237,6 +243,7 @@ class Checkpointer(SavePath):
         """What ``guard()`` learns, for integrations that install their own wait (Lightning)."""
         self._guarded.learn(optimizer, modules)
 
+    @in_owner_process
     def wait(self, timeout: float | None = None, *, retention: bool = False) -> None:
         """Wait for every in-flight save to finish on every tier (errors stay on handles).
 
@@ -261,6 +268,7 @@ class Checkpointer(SavePath):
             raise TimeoutError(f"retention still deleting old checkpoints after {timeout} s")
 
     # -- listing -----------------------------------------------------------------------
+    @in_owner_process
     def checkpoints(self, tier: str | None = None) -> list[CheckpointId]:
         """Committed checkpoints, oldest first: on ``tier``, or on any tier. The last one is
         the newest, what ``load()`` returns. After a rollback this includes the abandoned
@@ -274,6 +282,7 @@ class Checkpointer(SavePath):
         self._settle_retention()
         return list_checkpoints(self._load_context(), tier)
 
+    @in_owner_process
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps: on ``tier``, or on any tier; one entry per step.
 
@@ -286,6 +295,7 @@ class Checkpointer(SavePath):
         """
         return steps_of(self.checkpoints(tier))
 
+    @in_owner_process
     def latest_step(self, tier: str | None = None, *, timeline: int | None = None) -> int | None:
         """The newest committed step (on ``tier``, or on any tier); None when there is none.
 
@@ -298,6 +308,7 @@ class Checkpointer(SavePath):
             ids = [c for c in ids if c.timeline == timeline]
         return ids[-1].step if ids else None
 
+    @in_owner_process
     def tier_steps(self) -> dict[str, list[int]]:
         """Which steps are committed on which tier (each list in :meth:`steps` order). A
         tier that cannot be listed (down, or silent for ``TIERCKPT_LEASE_WAIT_S`` while
@@ -314,6 +325,7 @@ class Checkpointer(SavePath):
             pipeline.wait_retention()
 
     # -- pins --------------------------------------------------------------------------
+    @in_owner_process
     def pin(self, step: int, *, timeline: int | None = None, reason: str = "") -> CheckpointId:
         """Keep checkpoint ``step`` on every tier until :meth:`unpin`: retention never removes
         a pinned checkpoint. The pin is a small marker stored on each tier, so it survives
@@ -330,6 +342,7 @@ class Checkpointer(SavePath):
         pin_on_tiers([(t.name, t.backend) for t in self._tiers], cid, reason=reason)
         return cid
 
+    @in_owner_process
     def unpin(self, step: int, *, timeline: int | None = None) -> None:
         """Let retention remove checkpoint ``step`` again (it goes at the next commit if no
         other rule keeps it). Unpinning a step that is not pinned does nothing."""
@@ -342,6 +355,7 @@ class Checkpointer(SavePath):
         for cid in pinned:
             unpin_on_tiers([(t.name, t.backend) for t in self._tiers], cid)
 
+    @in_owner_process
     def pinned(self) -> list[CheckpointId]:
         """The checkpoints pinned on any tier, oldest first."""
         out: set[CheckpointId] = set()
@@ -357,6 +371,7 @@ class Checkpointer(SavePath):
         return self._protectors.add(fn)
 
     # -- load --------------------------------------------------------------------------
+    @in_owner_process
     def load(
         self,
         step: int | None = None,
@@ -445,6 +460,7 @@ class Checkpointer(SavePath):
         )
 
     # -- stats / lifecycle ------------------------------------------------------------
+    @in_owner_process
     def tier_counts(self) -> dict[str, dict[str, int]]:
         """Per tier, how many copies of saves this Checkpointer ``committed``, how many
         ``failed``, how many were ``skipped`` (a follower more than ``max_behind`` steps behind

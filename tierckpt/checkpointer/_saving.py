@@ -439,8 +439,8 @@ class SavePath(PipelineOwner):
         its handle). ``on_device`` (the optimizer step's wait): a save whose copies are all
         queued on one GPU makes the training stream wait for them there instead (the host
         goes on queueing the step's kernels, which run once the copies are done)."""
-        if self._pipeline is None:
-            return
+        if self._pipeline is None or self._inherited():
+            return  # a copy inherited through fork: the saves in flight are the parent's
         for job in self._pipeline.in_flight():
             queued = job.queued_events
             if on_device and queued is not None and not job.handle.captured:

@@ -33,6 +33,15 @@ def _helper_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool_in_child() -> None:
+    # a forked child has none of the pool's threads (nor, maybe, a free lock): a new pool
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _run_tasks(count: int, task: Callable[[int], None], threads: int) -> None:
     """Run ``task(i)`` for i in range(count) on the calling thread plus ``threads - 1`` helpers.
 

@@ -130,6 +130,7 @@ class TierWriter(ShardSaving, StorageWriter):
         self._saves = Saves(self._save_ended)
         self._shards: dict[int, dict[str, _ShardOnTier]] = {}
         self._closed = False
+        self._pid = os.getpid()
         self._hook: HookTarget | None = None
         #: saves of this writer between their shard and their commit (see _take_over)
         self._in_save = 0

@@ -60,7 +60,7 @@ exit) and ``_pipeline`` (:class:`Pipeline` assembled from them, and
 from __future__ import annotations
 
 from tierckpt.pipeline._exit import exit_timeout_s, wait_at_exit_for
-from tierckpt.pipeline._pipeline import Pipeline, PipelineOwner, weakly
+from tierckpt.pipeline._pipeline import Pipeline, PipelineOwner, in_owner_process, weakly
 from tierckpt.pipeline._values import (
     DEFAULT_EXIT_TIMEOUT_S,
     DEFAULT_SAVE_DEADLINE_S,
@@ -96,5 +96,6 @@ __all__ = [
     "Stage",
     "StageListener",
     "check_save_deadline",
+    "in_owner_process",
     "weakly",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -107,6 +108,16 @@ def exit_timeout_s(configured: float | None = None) -> float:
 _live: weakref.WeakSet[_ExitMixin] = weakref.WeakSet()
 _exit_hook_lock = threading.Lock()
 _exit_hook_installed = False
+
+
+def _forget_in_child() -> None:
+    """After fork, in the child: the live pipelines are the parent's, copies without their
+    threads; the child's exit (a DataLoader worker's, which runs threading's exit hooks)
+    must neither drain them nor give their leases back."""
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _track(pipeline: _ExitMixin) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -54,6 +55,9 @@ class Leases:
     def __init__(self, tiers: Sequence[Tier] = ()) -> None:
         #: one owner id per writer object (a pipeline lives as long as its owner's writing)
         self.owner = new_owner_id()
+        #: the process that takes and gives back these leases: a copy inherited through fork
+        #: never gives them back (they are the parent's, still writing)
+        self._pid = os.getpid()
         self.ttl = lease_ttl()
         self._lock = threading.Lock()
         self._table: dict[tuple[str, int], WriterLease] = {}
@@ -266,6 +270,8 @@ class Leases:
         and retries); one not given back by then is left to expire after its ttl (logged).
         ``tiers``: only the leases on these tiers (None: all); ``locks=False`` keeps the lock
         files (a tier still in a call: its lease must not be judged dead meanwhile)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             leases = [x for (name, _), x in self._table.items() if tiers is None or name in tiers]
             held = list(self._live.values()) if locks else []

@@ -4,6 +4,8 @@ docstring for how a save flows through it)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import queue
 import threading
 import time
@@ -19,7 +21,7 @@ import torch
 from tierckpt import _native, config
 from tierckpt.arena import HostArena
 from tierckpt.capture import CaptureStreams
-from tierckpt.errors import TierCkptError, WriterConflict
+from tierckpt.errors import InheritedThroughFork, TierCkptError, WriterConflict
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline._capture import _CaptureMixin
@@ -282,6 +284,22 @@ def weakly(method: Callable[..., _T]) -> Callable[..., _T | None]:
     return call
 
 
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def in_owner_process(method: _M) -> _M:
+    """Refuse ``method`` on a :class:`PipelineOwner` inherited through fork (see
+    :meth:`PipelineOwner._check_process`): its threads, leases and connections are the
+    parent's."""
+
+    @functools.wraps(method)
+    def checked(self: PipelineOwner, *args: Any, **kwargs: Any) -> Any:
+        self._check_process()
+        return method(self, *args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
 class PipelineOwner:
     """Lifecycle shared by the objects that own a :class:`Pipeline` and its tiers
     (``Checkpointer``, ``dcp.TierWriter``): ``close()`` once, context manager, and a
@@ -302,6 +320,19 @@ class PipelineOwner:
     #: the steps retention must keep besides its rules, asked at each pass and held around
     #: each deletion (None: none)
     _protectors: Protecting | None = None
+    #: the process that made this owner (set at construction); a process forked from it holds
+    #: a copy without its threads, whose leases and connections are that process's
+    _pid: int | None = None
+
+    def _inherited(self) -> bool:
+        """Whether this object reached this process through fork from the one that made it."""
+        return self._pid is not None and self._pid != os.getpid()
+
+    def _check_process(self) -> None:
+        """Refuse the use of a copy inherited through fork (:class:`InheritedThroughFork`)."""
+        if self._inherited():
+            assert self._pid is not None
+            raise InheritedThroughFork(type(self).__name__, self._pid, os.getpid())
 
     def _start_arena_prebuild(self) -> None:
         """At construction: build the host arena on a background thread (CUDA available, or
@@ -331,6 +362,7 @@ class PipelineOwner:
 
     def _get_pipeline(self) -> Pipeline:
         """The pipeline, started on first use."""
+        self._check_process()
         if self._closed:
             raise TierCkptError(f"this {type(self).__name__} is closed")
         if self._pipeline is None:
@@ -384,6 +416,11 @@ class PipelineOwner:
         if self._closed:
             return
         self._closed = True
+        if self._inherited():
+            # the parent's pipeline, leases and connections: a forked child lets them be
+            # (its exit, a DataLoader worker's, must not give the parent's leases back)
+            self._pipeline = self._arena_prebuild = None
+            return
         pipeline, self._pipeline = self._pipeline, None
         try:
             if pipeline is not None:
@@ -406,7 +443,7 @@ class PipelineOwner:
     def __del__(self) -> None:
         try:
             pipeline = self._pipeline
-            if self._closed or pipeline is None:
+            if self._closed or pipeline is None or self._inherited():
                 return
             if threading.current_thread() in pipeline._threads:
                 # collected by a GC pass that ran in one of its own threads: it cannot join
