@@ -78,7 +78,8 @@ KNOBS: tuple[Knob, ...] = (
         "TIERCKPT_IO_THREADS",
         "2",
         "int >= 1",
-        "encoder threads per tier and reader threads at load",
+        "threads that encode chunks at save (one pool, shared by the tiers); a Checkpointer's "
+        "loads read on max(2, 2 * io_threads) threads",
     ),
     Knob(
         "LocalBackend(direct_io=)",
