@@ -8,9 +8,11 @@
 
     io = TierCkptIO([MemoryTier(), LocalTier("/nvme/run1"), S3Tier("s3://bucket/run1")])
     trainer = L.Trainer(plugins=[io], callbacks=[L.pytorch.callbacks.ModelCheckpoint(
-        dirpath="ckpts", every_n_train_steps=500, save_top_k=-1)])
+        dirpath="ckpts", every_n_train_steps=500, save_top_k=-1, save_last=True)])
     trainer.fit(model)                                   # checkpoints cost training ~nothing
     trainer.fit(model, ckpt_path="ckpts/last.ckpt")      # resume (any node, from S3 if need be)
+
+(``save_last=True`` is what makes Lightning write ``ckpts/last.ckpt``.)
 
 How it maps Lightning onto tierckpt:
 
