@@ -41,3 +41,18 @@ def test_other_steps_are_refused_before_writing(tmp_path: Path, bad: Any) -> Non
             ck.load(step=bad)
         assert ck.steps() == []
     assert not any(p.suffix == ".tck" for p in tmp_path.rglob("*"))
+
+
+def test_a_state_given_where_the_step_goes_is_refused_in_a_few_words(tmp_path: Path) -> None:
+    # Orbax's save(step, state) and DCP's load(state) habits: the message names the order, and
+    # shows the state in a few words (it used to be the whole state's repr: ~100 KB)
+    state = {"model": torch.nn.Linear(256, 256).state_dict()}
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        with pytest.raises(ValueError, match="takes the state first") as saved:
+            ck.save(100, state)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"load\(into=state\)") as loaded:
+            ck.load(state)  # type: ignore[arg-type]
+        assert ck.steps() == []
+    for info in (saved, loaded):
+        assert len(str(info.value)) < 400, len(str(info.value))
+        assert "got dict {'model'" in str(info.value)

@@ -61,7 +61,7 @@ class Preemption:
         world_size: int | None = None,
         grace_s: float | None = None,
     ) -> None:
-        from tierckpt.checkpointer._saving import resolve_rank
+        from tierckpt.checkpointer._steps import resolve_rank
 
         if grace_s is not None and (
             isinstance(grace_s, bool)

@@ -19,8 +19,9 @@ from tierckpt.checkpointer._guarded import as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, list_each_tier, load
 from tierckpt.checkpointer._readpool import ReadPool
 from tierckpt.checkpointer._retention import Protectors, pin_target
-from tierckpt.checkpointer._saving import SavePath, as_step, resolve_rank
+from tierckpt.checkpointer._saving import SavePath
 from tierckpt.checkpointer._stateful import has_stateful, load_stateful
+from tierckpt.checkpointer._steps import as_step, resolve_rank
 from tierckpt.config import resolve_writer_config
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
@@ -413,7 +414,7 @@ class Checkpointer(SavePath):
         through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``; so does
         ``into`` itself where it is one (``load(into=model)``), all checked first.
         """
-        step = None if step is None else as_step(step)
+        step = None if step is None else as_step(step, "load")
         if tier is not None and self._peer is not None:
             self._peer.release_spare()  # a load of one tier pulls nothing from partners
 

@@ -5,15 +5,17 @@ parameters that should have stayed lazy."""
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tierckpt.handle import SaveHandle
 from tierckpt.snapshot import EAGER_WARN_BYTES, LazySources, Snapshot, snapshot_eager
 
-__all__ = ["GuardedSources", "as_modules"]
+__all__ = ["GuardedSources", "as_modules", "watch_unguarded"]
 
 log = logging.getLogger("tierckpt")
 
@@ -25,6 +27,11 @@ class GuardedSources:
         #: what guard() named: its tensors are captured lazily, the rest copied at save()
         self._lazy = LazySources()
         self._warned: set[str] = set()
+
+    @property
+    def guarded(self) -> bool:
+        """Whether ``guard()`` (or an integration) named an optimizer or a module."""
+        return self._lazy.guarded
 
     def learn(
         self, optimizer: torch.optim.Optimizer | None, modules: Sequence[torch.nn.Module] = ()
@@ -55,10 +62,11 @@ class GuardedSources:
                     "no-guard",
                     "save() without guard(): tierckpt cannot tell parameters from buffers, so "
                     "the whole state is captured lazily and must not change until "
-                    "wait_captured() returns — but the next forward pass writes module buffers "
-                    "(BatchNorm statistics, counters), which may then be saved with their values "
-                    "from after save(). Call ck.guard(optimizer, model) once: buffers are then "
-                    "copied at save(), parameters and optimizer state captured lazily",
+                    "wait_captured() returns (every optimizer's step() waits for it) — but the "
+                    "next forward pass writes module buffers (BatchNorm statistics, counters), "
+                    "which may then be saved with their values from after save(). Call "
+                    "ck.guard(optimizer, model) once: buffers are then copied at save(), "
+                    "parameters and optimizer state captured lazily",
                 )
             return tensors
         snap = snapshot_eager(tensors, self._lazy.storages(), copies)
@@ -139,3 +147,36 @@ def as_modules(
                 f"got {type(m).__qualname__} (pass the module, not its parameters)"
             )
     return modules
+
+
+class _Unguarded(Protocol):
+    def _wait_unguarded(self) -> None: ...
+
+
+#: writers whose saves were captured lazily without ``guard()`` (held weakly)
+_UNGUARDED: weakref.WeakSet[Any] = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook: Any = None
+
+
+def watch_unguarded(owner: _Unguarded) -> None:
+    """``owner`` saved without ``guard()``: from now on every optimizer's ``step()`` in this
+    process first waits for ``owner``'s pending captures (``owner._wait_unguarded()``). The
+    step is what changes parameters and optimizer state in place; without this, a
+    ``torch.save``-style loop (save, then step at once) raced the lazy copy, and a committed
+    checkpoint could mix two steps or fail its own checksums. One process-wide hook
+    (``register_optimizer_step_pre_hook``), installed at the first such save; a step with
+    nothing pending costs a pass over a (usually one-element) weak set."""
+    global _hook
+    _UNGUARDED.add(owner)
+    if _hook is None:
+        with _hook_lock:
+            if _hook is None:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+                _hook = register_optimizer_step_pre_hook(_before_any_step)
+
+
+def _before_any_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+    for owner in list(_UNGUARDED):
+        owner._wait_unguarded()

@@ -10,7 +10,6 @@ public API and its documentation stay on the facade in ``_checkpointer``.
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 import time
 from collections import Counter
@@ -27,7 +26,7 @@ from tierckpt.catalog import (
     stale_timeline,
     timeline_for,
 )
-from tierckpt.checkpointer._guarded import GuardedSources
+from tierckpt.checkpointer._guarded import GuardedSources, watch_unguarded
 from tierckpt.checkpointer._stateful import expand_stateful
 from tierckpt.commit import CommitStrategy, EarlierSave, SingleRankCommit
 from tierckpt.distributed import MultiRankCommit
@@ -39,7 +38,7 @@ from tierckpt.plan import collect_state
 from tierckpt.stats import StatsRecorder, outcome_of
 from tierckpt.tree import encode_metadata
 
-__all__ = ["SavePath", "resolve_rank"]
+__all__ = ["SavePath"]
 
 log = logging.getLogger("tierckpt")
 
@@ -217,6 +216,8 @@ class SavePath(PipelineOwner):
             collected.tensors = self._guarded.snapshot(
                 collected.tensors, handle, collected.copies, expanded
             )
+            if not self._guarded.guarded:
+                watch_unguarded(self)  # any optimizer's step waits for this lazy capture
             job = SaveJob(
                 step=step,
                 plan=None,
@@ -434,6 +435,11 @@ class SavePath(PipelineOwner):
         )
 
     # -- waiting for captures ----------------------------------------------------------
+    def _wait_unguarded(self) -> None:
+        """Any optimizer's step, while no ``guard()`` names this writer's (watch_unguarded)."""
+        if not self._guarded.guarded:
+            self._wait_captures(None, on_device=True)
+
     def _wait_captures(self, timeout: float | None, *, on_device: bool) -> None:
         """Wait until every pending save's bytes are in host memory (a failed capture stays on
         its handle). ``on_device`` (the optimizer step's wait): a save whose copies are all
@@ -464,33 +470,3 @@ def _exists(step: int, timeline: int, tier: Tier, why: str) -> CheckpointExists:
         "an earlier save of this step; refusing to overwrite it — save under another step, or "
         "delete the old one first (tierckpt gc)"
     )
-
-
-def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """This process's rank and the world size: the arguments, else ``torch.distributed``'s
-    when it is initialized, else 0 and 1."""
-    import torch.distributed as dist
-
-    dist_rank, dist_world = 0, 1
-    if dist.is_available() and dist.is_initialized():
-        dist_rank, dist_world = dist.get_rank(), dist.get_world_size()
-    rank = dist_rank if rank is None else rank
-    world_size = dist_world if world_size is None else world_size
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
-    return rank, world_size
-
-
-def as_step(step: object) -> int:
-    """A step as the caller gave it: an ``int``, or an integer that indexes as one (a NumPy
-    integer, a one-element integer tensor: Python's own indexing takes them, via
-    ``__index__``); never a ``bool`` or a float. Raises ``ValueError`` otherwise."""
-    try:
-        value = -1 if isinstance(step, bool) else operator.index(step)  # type: ignore[arg-type]
-    except TypeError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"step must be a non-negative int (or an integer NumPy/torch scalar), got {step!r}"
-        )
-    return value

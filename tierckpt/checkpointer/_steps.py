@@ -1,0 +1,57 @@
+"""What a caller passes as a step and a rank, checked: :func:`as_step`, :func:`resolve_rank`."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+
+import torch
+
+from tierckpt.redact import redact
+
+__all__ = ["as_step", "resolve_rank"]
+
+#: how much of a refused step's repr an error shows (a whole state would be megabytes)
+SHOWN_CHARS = 80
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and the world size: the arguments, else ``torch.distributed``'s
+    when it is initialized, else 0 and 1."""
+    import torch.distributed as dist
+
+    dist_rank, dist_world = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        dist_rank, dist_world = dist.get_rank(), dist.get_world_size()
+    rank = dist_rank if rank is None else rank
+    world_size = dist_world if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    return rank, world_size
+
+
+def as_step(step: object, call: str = "save") -> int:
+    """A step as the caller gave it: an ``int``, or an integer that indexes as one (a NumPy
+    integer, a one-element integer tensor: Python's own indexing takes them, via
+    ``__index__``); never a ``bool`` or a float. Raises ``ValueError`` otherwise, naming what
+    was given in a few words (not a whole state's repr) and, for a state where the step
+    belongs (Orbax's ``save(step, state)``, DCP's ``load(state)``), the order ``call`` takes."""
+    try:
+        value = -1 if isinstance(step, bool) else operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if value >= 0:
+        return value
+    shown = redact(repr(step))
+    if len(shown) > SHOWN_CHARS:
+        shown = shown[:SHOWN_CHARS] + "..."
+    hint = ""
+    if isinstance(step, (Mapping, list, tuple, torch.nn.Module, torch.optim.Optimizer)):
+        hint = {
+            "save": "; save(state, step) takes the state first, then the step",
+            "load": "; to load into objects you have, pass them as load(into=state)",
+        }.get(call, "")
+    raise ValueError(
+        "step must be a non-negative int (or an integer NumPy/torch scalar), got "
+        f"{type(step).__name__} {shown}{hint}"
+    )
