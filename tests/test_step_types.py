@@ -56,3 +56,14 @@ def test_a_state_given_where_the_step_goes_is_refused_in_a_few_words(tmp_path: P
     for info in (saved, loaded):
         assert len(str(info.value)) < 400, len(str(info.value))
         assert "got dict {'model'" in str(info.value)
+
+
+def test_map_location_as_torch_load_takes_it(tmp_path: Path) -> None:
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save({"w": torch.arange(4.0)}, 1).wait()
+        # a dict whose values all name one device: that device (torch.load's remap habit)
+        got = ck.load(map_location={"cuda:0": "cpu", "cuda:1": "cpu"})["w"]
+        assert got.device.type == "cpu" and torch.equal(got, torch.arange(4.0))
+        for bad in ({"cuda:0": "cpu", "cuda:1": "meta"}, lambda s, loc: s, 3):
+            with pytest.raises(TypeError, match="takes one device for every tensor"):
+                ck.load(map_location=bad)  # type: ignore[arg-type]

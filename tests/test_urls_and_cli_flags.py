@@ -159,3 +159,15 @@ def test_python_dash_m_tierckpt(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("tierckpt ")
+
+
+def test_refusals_of_tiers_say_what_to_pass_instead(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    with pytest.raises(TypeError, match=r"list\(tiers.values\(\)\)"):
+        Checkpointer({"local": LocalTier(str(tmp_path / "a"))})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tierckpt.dcp.TierWriter"):
+        Checkpointer(FileSystemWriter(str(tmp_path / "dcp")))  # type: ignore[arg-type]
+    # two plain paths are both "local": the message says how to name them
+    with pytest.raises(ValueError, match=r"tierckpt.tier\(location, name="):
+        Checkpointer([str(tmp_path / "shm"), str(tmp_path / "nvme")])

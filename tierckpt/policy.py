@@ -372,7 +372,9 @@ class TierPolicy:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(
-                f"tier names must be unique, got {names}; pass name=... to tell tiers apart"
+                f"tier names must be unique, got {names}; pass name=... to tell tiers apart "
+                "(LocalTier(path, name='nvme'); for a path or URL, "
+                "tierckpt.tier(location, name='nvme'))"
             )
         for i, t in enumerate(tiers):
             if t.source is None:

@@ -80,6 +80,17 @@ def _named(value: object) -> str:
     return f"{type(value).__name__} {shown[:80]}{'...' if len(shown) > 80 else ''}"
 
 
+def _hint(given: object) -> str:
+    if isinstance(given, Mapping):
+        return " (a dict's keys would be taken as folders: pass list(tiers.values()))"
+    if type(given).__name__ in ("FileSystemWriter", "FileSystemReader", "FsspecWriter"):
+        return (
+            " (a DCP storage writer/reader: pass its folder here, or keep DCP with "
+            "tierckpt.dcp.TierWriter / TierReader as storage_writer / storage_reader)"
+        )
+    return ""
+
+
 def as_policy(tiers: TiersLike) -> TierPolicy:
     """``tiers`` as a :class:`~tierckpt.policy.TierPolicy`: a policy as it is; a tier or a
     location (a path, ``file://``, ``s3://``, ``gs://``, ``az://``, ``memory://``: see
@@ -93,5 +104,5 @@ def as_policy(tiers: TiersLike) -> TierPolicy:
     if isinstance(tiers, (Mapping, bytes, bytearray, memoryview)) or not isinstance(
         tiers, Iterable
     ):
-        raise TypeError(f"tiers takes {_TAKES}; got {_named(tiers)}")
+        raise TypeError(f"tiers takes {_TAKES}; got {_named(tiers)}{_hint(tiers)}")
     return TierPolicy([_one(t) for t in tiers])

@@ -17,11 +17,12 @@ from tierckpt import config
 from tierckpt.catalog import steps_of
 from tierckpt.checkpointer._guarded import as_modules
 from tierckpt.checkpointer._loading import LoadContext, list_checkpoints, list_each_tier, load
+from tierckpt.checkpointer._observed import Observed
 from tierckpt.checkpointer._readpool import ReadPool
 from tierckpt.checkpointer._retention import Protectors, pin_target
 from tierckpt.checkpointer._saving import SavePath
 from tierckpt.checkpointer._stateful import has_stateful, load_stateful
-from tierckpt.checkpointer._steps import as_step, resolve_rank
+from tierckpt.checkpointer._steps import as_map_location, as_step, resolve_rank
 from tierckpt.config import resolve_writer_config
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle, TierResult
@@ -37,7 +38,7 @@ from tierckpt.pipeline import (
 )
 from tierckpt.restore_gpu import stateful_device
 from tierckpt.retention import pin_on_tiers, pinned_ids, unpin_on_tiers, with_metrics
-from tierckpt.stats import CheckpointEvent, CommitStats
+from tierckpt.stats import CheckpointEvent
 from tierckpt.urls import TiersLike, as_policy
 
 __all__ = ["Checkpointer"]
@@ -47,7 +48,7 @@ log = logging.getLogger("tierckpt")
 DEFAULT_CHUNK_BYTES = config.DEFAULT_CHUNK_BYTES
 
 
-class Checkpointer(SavePath):
+class Checkpointer(SavePath, Observed):
     """Saves training state through a list of tiers without stopping training.
 
     ``save(state, step)`` returns a :class:`SaveHandle` at once; the state is captured into
@@ -415,6 +416,7 @@ class Checkpointer(SavePath):
         ``into`` itself where it is one (``load(into=model)``), all checked first.
         """
         step = None if step is None else as_step(step, "load")
+        map_location = as_map_location(map_location)
         if tier is not None and self._peer is not None:
             self._peer.release_spare()  # a load of one tier pulls nothing from partners
 
@@ -461,7 +463,6 @@ class Checkpointer(SavePath):
         )
 
     # -- stats / lifecycle ------------------------------------------------------------
-    @in_owner_process
     def tier_counts(self) -> dict[str, dict[str, int]]:
         """Per tier, how many copies of saves this Checkpointer ``committed``, how many
         ``failed``, how many were ``skipped`` (a follower more than ``max_behind`` steps behind
@@ -471,34 +472,6 @@ class Checkpointer(SavePath):
         if pipeline is not None:
             return pipeline.counts()  # read under the lock the pipeline counts under
         return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
-
-    def stats(self, *, failures: bool = False) -> list[CommitStats]:
-        """One :class:`CommitStats` per checkpoint per tier committed so far, oldest first.
-
-        Step, tier, raw and stored bytes, seconds from ``save()`` to the commit, GB/s,
-        compression ratio and the seconds training was blocked by that save. The history is
-        bounded (``stats_history``, default the last 1000 commits). ``failures=True`` also
-        lists each copy that failed, was skipped or given up, and each skipped save
-        (``outcome``, ``error``; zero bytes), in the order they happened.
-        """
-        return self._stats.stats(failures=failures)
-
-    def add_event_callback(
-        self, fn: Callable[[CheckpointEvent], Any]
-    ) -> Callable[[CheckpointEvent], Any]:
-        """Call ``fn(event)`` for every outcome of every save on every tier (commits,
-        failures, skips, deadline give-ups; see :class:`~tierckpt.stats.CheckpointEvent`)."""
-        return self._stats.add_event_callback(fn)
-
-    def remove_event_callback(self, fn: Callable[[CheckpointEvent], Any]) -> None:
-        self._stats.remove_event_callback(fn)
-
-    def add_callback(self, fn: Callable[[TierResult], Any]) -> Callable[[TierResult], Any]:
-        """Call ``fn(result)`` on every commit on every tier (see :mod:`tierckpt.stats`)."""
-        return self._stats.add_callback(fn)
-
-    def remove_callback(self, fn: Callable[[TierResult], Any]) -> None:
-        self._stats.remove_callback(fn)
 
     def _release(self) -> None:
         if self._peer is not None:

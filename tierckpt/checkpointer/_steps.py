@@ -1,4 +1,5 @@
-"""What a caller passes as a step and a rank, checked: :func:`as_step`, :func:`resolve_rank`."""
+"""What a caller passes as a step, a rank and a load's device, checked: :func:`as_step`,
+:func:`resolve_rank`, :func:`as_map_location`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from tierckpt.redact import redact
 
-__all__ = ["as_step", "resolve_rank"]
+__all__ = ["as_map_location", "as_step", "resolve_rank"]
 
 #: how much of a refused step's repr an error shows (a whole state would be megabytes)
 SHOWN_CHARS = 80
@@ -54,4 +55,27 @@ def as_step(step: object, call: str = "save") -> int:
     raise ValueError(
         "step must be a non-negative int (or an integer NumPy/torch scalar), got "
         f"{type(step).__name__} {shown}{hint}"
+    )
+
+
+def as_map_location(given: object) -> str | torch.device | None:
+    """``load(map_location=)``: one device for every tensor (``"cpu"``, ``"cuda:1"``, a
+    ``torch.device``, or None: the CPU). Of ``torch.load``'s other forms, a dict whose values
+    all name one device (``{"cuda:0": "cpu"}``) means that device; a dict that maps devices
+    apart, a function, or anything else is refused with what it takes."""
+    if given is None or isinstance(given, (str, torch.device)):
+        return given
+    if isinstance(given, Mapping) and given:
+        try:
+            targets = {torch.device(v) for v in given.values()}
+        except (TypeError, RuntimeError):
+            targets = set()
+        if len(targets) == 1:
+            return targets.pop()
+    shown = redact(repr(given))[:SHOWN_CHARS]
+    raise TypeError(
+        "load(map_location=) takes one device for every tensor ('cpu', 'cuda:1', a "
+        f"torch.device; or a dict whose values all name one device), got {type(given).__name__} "
+        f"{shown}: a load puts every tensor on one device (the device each had at save is "
+        "recorded, not used), so torch.load's per-device maps and functions are not taken"
     )
