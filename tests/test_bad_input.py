@@ -279,3 +279,45 @@ def test_a_load_from_a_prefix_one_level_off_names_the_tier_prefix(
     with pytest.raises(CheckpointNotFound) as fresh:  # a first start: nothing near, no warning
         load(run + "-new")
     assert "tier prefix" not in str(fresh.value) and "tier prefix" not in caplog.text
+
+
+def test_a_damaged_newest_names_the_older_steps_and_the_fallback(tmp_path: Path) -> None:
+    _save(tmp_path, step=5)
+    _save(tmp_path, step=7)
+    f = tmp_path / shard_name(7, 0)
+    os.truncate(f, f.stat().st_size - 100)
+    with pytest.raises(
+        CorruptCheckpoint, match=r"Older committed steps: \[5\].*fallback='previous'"
+    ):
+        _load(tmp_path)
+    assert torch.equal(_load(tmp_path, fallback="previous")["b"], torch.ones(10))
+    alone = tmp_path / "alone"  # the only checkpoint: nothing older to advise
+    _save(alone, step=7)
+    os.truncate(alone / shard_name(7, 0), (alone / shard_name(7, 0)).stat().st_size - 100)
+    with pytest.raises(CorruptCheckpoint, match="truncated") as info:
+        _load(alone)
+    assert "Older committed steps" not in str(info.value)
+
+
+def test_a_load_right_after_save_says_the_save_is_still_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from tierckpt.backends.local import LocalBackend
+
+    release = threading.Event()
+    opened = LocalBackend.open_writer
+
+    def held(self: LocalBackend, name: str) -> object:
+        release.wait(60)  # the tier's copy cannot finish until the load has looked
+        return opened(self, name)
+
+    monkeypatch.setattr(LocalBackend, "open_writer", held)
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        ck.save({"w": torch.ones(4)}, step=3)
+        with pytest.raises(CheckpointNotFound, match=r"still saving step\(s\) \[3\].*ck.wait\(\)"):
+            ck.load()
+        release.set()
+        ck.wait()
+        assert torch.equal(ck.load()["w"], torch.ones(4))

@@ -460,7 +460,12 @@ class Checkpointer(SavePath, Observed):
             staging=self._arena_for_load,
             prepare_load=self._peer.prepare_load if self._peer is not None else None,
             protectors=self._protectors,
+            saving=self._saving_steps,
         )
+
+    def _saving_steps(self) -> list[int]:
+        pipeline = self._pipeline
+        return sorted({j.step for j in pipeline.in_flight()}) if pipeline is not None else []
 
     # -- stats / lifecycle ------------------------------------------------------------
     def tier_counts(self) -> dict[str, dict[str, int]]:

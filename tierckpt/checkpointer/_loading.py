@@ -88,6 +88,9 @@ class LoadContext:
     #: retention while they are read (a save committing beside the load would delete them),
     #: and applied when a load's copies to faster tiers commit there (:func:`retain_repopulated`)
     protectors: Protectors | None = None
+    #: the steps of this checkpointer's saves still in flight (named where a load finds
+    #: nothing: a load right after save() does not wait for it)
+    saving: Callable[[], list[int]] | None = None
 
 
 def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
@@ -182,16 +185,16 @@ def load(
                         f"rank {ctx.rank} loaded its shard, but another rank's load failed (see "
                         "its error): the load fails on every rank, so that none goes on alone"
                     )
-                raise _committed_yet_unread(ctx, error, step, timeline, tier)
+                raise _committed_yet_unread(ctx, error, step, timeline, tier, fallback)
             assert error is not None  # one rank: the outcome is its own
             if code != 1 or step is not None or last:
-                raise _committed_yet_unread(ctx, error, step, timeline, tier)
+                raise _committed_yet_unread(ctx, error, step, timeline, tier, fallback)
             try:
                 newest = max(list_checkpoints(ctx, tier), default=None)
             except TierCkptError:
                 newest = None
             if newest is None or newest == seen:  # nothing newer appeared: really unreadable
-                raise _committed_yet_unread(ctx, error, step, timeline, tier)
+                raise _committed_yet_unread(ctx, error, step, timeline, tier, fallback)
             seen = newest
             log.info("load: the chosen step vanished (retention?); listing again")
     finally:
@@ -206,13 +209,17 @@ def _committed_yet_unread(
     step: int | None,
     timeline: int | None,
     tier: str | None,
+    fallback: str = "error",
 ) -> BaseException:
     """The error a failed load raises. ``CheckpointNotFound`` says that nothing is committed
     (the ``except CheckpointNotFound: start from scratch`` idiom, whose saves on a new timeline
     then let retention delete the run's checkpoints): where the checkpoint asked for is
     committed on a tier but no rank or tier could read it whole (a shard file missing or
     damaged on one rank), :class:`CorruptCheckpoint` instead, naming the older committed
-    steps and how to load them."""
+    steps and how to load them. A :class:`CorruptCheckpoint` (every copy damaged) gets the
+    same advice where older steps are committed and ``fallback`` was not ``"previous"``."""
+    if isinstance(error, CorruptCheckpoint) and fallback != "previous":
+        return _older_ones(ctx, error, step, timeline, tier)
     if not isinstance(error, CheckpointNotFound):
         return error
     try:
@@ -234,6 +241,30 @@ def _committed_yet_unread(
             else "No older checkpoint is committed"
         )
         + "; `tierckpt verify <url> --step N` says what is damaged"
+    )
+    out.__cause__ = error
+    return out
+
+
+def _older_ones(
+    ctx: LoadContext,
+    error: CorruptCheckpoint,
+    step: int | None,
+    timeline: int | None,
+    tier: str | None,
+) -> BaseException:
+    """``error`` (a damaged checkpoint) naming the older committed steps and the fallback."""
+    try:
+        ids = [c for c in list_checkpoints(ctx, tier) if timeline is None or c.timeline == timeline]
+    except TierCkptError:
+        return error
+    below = step if step is not None else max((c.step for c in ids), default=0)
+    older = steps_of([c for c in ids if c.step < below])[-10:]
+    if not older or type(error) is not CorruptCheckpoint:  # a subclass carries more than text
+        return error
+    out = CorruptCheckpoint(
+        f"{error}. Older committed steps: {older}; load(fallback='previous') loads the newest "
+        "one that can be read; `tierckpt verify <url> --step N` says what is damaged"
     )
     out.__cause__ = error
     return out
@@ -294,6 +325,8 @@ def _load_once(
         candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
     if not all_ids:
         missing += near_tiers(tiers, listing.keys(), ctx.rank)
+    if (saving := ctx.saving() if ctx.saving else []) and (step is None or step in saving):
+        missing += f"; this Checkpointer is still saving step(s) {saving}: call ck.wait() first"
     got: LoadedShard | None = None
     try:
         # every rank must load the same checkpoint: the newest all ranks can read
