@@ -127,10 +127,14 @@ def test_s3_load_whose_guessed_file_name_misses_reads_the_named_one(
     assert_same(got, state)
     gets = [rel for k, rel in seen if k == "GET"]
     shard = [g for g in gets if g.endswith(".tck")]
-    # the guess (v2: under a hashed prefix), the named file's tail, its data
+    # the guess (v2: under a hashed prefix), the named file's tail, its data; the guess is
+    # sent beside the manifest's GET, on its own thread, so it may reach the store after the
+    # named file's tail (a busy machine once showed that order)
     assert len(shard) == 3, seen
-    assert shard[0] != shard[1] and shard[1] == shard[2], seen
-    assert shard[1].startswith("steps/"), seen  # the v1 name the manifest gives
+    named = [g for g in shard if g.startswith("steps/")]  # the v1 name the manifest gives
+    guessed = [g for g in shard if not g.startswith("steps/")]
+    assert len(named) == 2 and len(set(named)) == 1, seen
+    assert len(guessed) == 1 and guessed[0].endswith(named[0]), seen
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
 
 

@@ -6,9 +6,9 @@ leaves the read to obstore and turns the direct reads off."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
-import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
@@ -65,54 +65,43 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
     try:
-        while data := src.recv(1 << 16):
-            dst.sendall(data)
-    except OSError:
+        while data := await src.read(1 << 16):
+            dst.write(data)
+            await dst.drain()
+    except (OSError, ssl.SSLError):
         pass
     finally:
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        dst.close()
 
 
 @pytest.fixture
 def tls_front(seaweedfs_server: S3Server, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``(https endpoint, certificate)``: TLS terminated on 127.0.0.1, bytes passed on to
-    SeaweedFS as they are (the Host header, and so the signature, unchanged)."""
+    SeaweedFS as they are (the Host header, and so the signature, unchanged). One asyncio loop
+    on a thread: an SSL connection is never read and written from two threads at once (which
+    OpenSSL does not allow, and which once cut a body short under load)."""
     cert, key = _self_signed(tmp_path)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
     up = urlsplit(seaweedfs_server.endpoint_url)
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    stop = threading.Event()
+    loop = asyncio.new_event_loop()
 
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                raw, _ = listener.accept()
-            except (TimeoutError, OSError):
-                continue
-            try:
-                raw.settimeout(30)
-                conn = ctx.wrap_socket(raw, server_side=True)
-            except (ssl.SSLError, OSError):
-                raw.close()  # a client that does not trust the certificate
-                continue
-            upstream = socket.create_connection((up.hostname, up.port))
-            for a, b in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(up.hostname, up.port)
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
 
-    thread = threading.Thread(target=serve, daemon=True)
+    server = loop.run_until_complete(
+        asyncio.start_server(relay, "127.0.0.1", 0, ssl=ctx, ssl_handshake_timeout=30)
+    )
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    yield f"https://127.0.0.1:{listener.getsockname()[1]}", cert
-    stop.set()
+    yield f"https://127.0.0.1:{port}", cert
+    loop.call_soon_threadsafe(server.close)
+    loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
-    listener.close()
 
 
 def _direct(endpoint: str, bucket: str, server: S3Server) -> DirectReads:
