@@ -100,6 +100,46 @@ def test_unreachable_endpoint_gets_a_hint() -> None:
     assert "Traceback" not in p.stderr
 
 
+def test_an_endpoint_from_the_environment_is_named_by_the_hint() -> None:
+    """``STORAGE_EMULATOR_HOST`` pointing ``gs://`` at an emulator nobody answers at: the hint
+    names that variable (it said "is --endpoint-url right?" where no --endpoint-url was
+    given)."""
+    pytest.importorskip("obstore")
+    port = _closed_port()
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": f"127.0.0.1:{port}"}
+    p = _cli(["ls", "gs://bucket/prefix"], env)
+    assert p.returncode == 1, p.stderr
+    assert f"hint: is STORAGE_EMULATOR_HOST right? nothing answered at 127.0.0.1:{port}" in (
+        p.stderr
+    ), p.stderr
+    assert "--endpoint-url right" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_hint_names_where_the_endpoint_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckpt.cli._hints import hint_for
+
+    refused = ConnectionRefusedError("refused")
+    for name in ("STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "localhost:4443")
+    hint = hint_for(refused, None, ["gs://bucket/prefix"])
+    assert hint == "hint: is STORAGE_EMULATOR_HOST right? nothing answered at localhost:4443"
+    # an --endpoint-url given wins, as it does for the store
+    hint = hint_for(refused, "http://127.0.0.1:9000", ["gs://bucket/prefix"])
+    assert hint == "hint: is --endpoint-url right? nothing answered at 127.0.0.1:9000"
+    # the variable of another scheme is not the one used
+    assert "STORAGE_EMULATOR_HOST" not in hint_for(refused, None, ["s3://bucket/prefix"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
+    hint = hint_for(refused, None, ["s3://bucket/prefix", "/tmp/run"])
+    assert hint == (
+        "hint: is AWS_ENDPOINT_URL_S3 (or AWS_ENDPOINT_URL) right? nothing answered at minio:9000"
+    )
+    # none set: the cloud's own endpoint, no option or variable to blame
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    hint = hint_for(refused, None, ["s3://bucket/prefix"])
+    assert hint.startswith("hint: nothing answered at") and "right?" not in hint, hint
+
+
 def test_a_wait_prints_a_line_on_stderr(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -210,8 +250,10 @@ def test_ls_shows_which_checkpoints_are_pinned(
 def test_gc_says_which_uncommitted_saves_it_keeps_and_what_removes_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A save killed after the newest commit leaves an uncommitted step that gc keeps (it may
-    be in progress): gc said 'deleted 0 uncommitted leftover(s)' while ls listed it."""
+    """A save killed after the newest commit leaves an uncommitted step: gc said 'deleted 0
+    uncommitted leftover(s)' while ls listed it. A killed writer's temporary file (no process
+    holds its lock) goes with every gc, whatever its step: the dry run said it kept it while
+    the real run deleted it; now both name it."""
     from tierckpt import LocalTier
     from tierckpt.format import shard_name
 
@@ -221,14 +263,19 @@ def test_gc_says_which_uncommitted_saves_it_keeps_and_what_removes_them(
     dead = tmp_path / f"{shard_name(3, 0)}.0123456789ab.tmp"  # a save of 3 killed midway
     dead.parent.mkdir(parents=True)
     dead.write_bytes(b"x" * 100)
+    done = (tmp_path / shard_name(4, 0)).parent  # a save of 4 whose shard file completed
+    done.mkdir(parents=True)
+    (tmp_path / shard_name(4, 0)).write_bytes(b"x" * 100)
     rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--dry-run"], capsys)
-    assert rc == 0 and "kept 1 uncommitted save(s)" in out and ": 3 (" in out, out
-    assert "--abort-incomplete" in out
+    # no live writer's lock holds 3's temporary: the sweep removes it, as the dry run says
+    assert rc == 0 and "would delete 1 uncommitted leftover(s): 3" in out, out
+    assert "of which 3: not older than the newest checkpoint" in out, out
+    assert "kept 1 uncommitted save(s)" in out and ": 4 (shard files without a manifest" in out
+    assert dead.exists()
     rc, out, _err = _run(["gc", str(tmp_path), "--keep-last", "5", "--abort-incomplete"], capsys)
-    # no live writer's lock holds 3's temporary: the sweep removed it as a leftover
     assert rc == 0 and "aborted every unfinished write" in out, out
     assert "deleted 1 uncommitted leftover(s): 3" in out, out
-    assert not dead.exists()
+    assert not dead.exists() and (tmp_path / shard_name(4, 0)).exists()
 
 
 def test_ls_of_a_folder_a_level_off_names_the_tier_folder(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TextIO
 from urllib.parse import urlsplit
@@ -124,8 +125,11 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def hint_for(exc: BaseException, endpoint_url: str | None) -> str:
-    """A sentence naming the likely fix for ``exc``, or ``""``."""
+def hint_for(exc: BaseException, endpoint_url: str | None, urls: Sequence[str] = ()) -> str:
+    """A sentence naming the likely fix for ``exc``, or ``""``. ``endpoint_url``: the
+    command's ``--endpoint-url``; ``urls``: the locations it was given (where none was, an
+    endpoint of a ``gs://`` or ``s3://`` location comes from an environment variable, which
+    the hint then names)."""
     for e in _chain(exc):
         name = type(e).__name__
         text = str(e)
@@ -142,11 +146,37 @@ def hint_for(exc: BaseException, endpoint_url: str | None) -> str:
             "Could not connect to the endpoint URL" in text
             or (code and "error sending request" in text)  # obstore: no connection
         ):
-            where = _host_port(endpoint_url) or _host_port(
+            source, endpoint = endpoint_source(endpoint_url, urls)
+            where = _host_port(endpoint) or _host_port(
                 getattr(e, "kwargs", {}).get("endpoint_url", "")
             )
-            return f"hint: is --endpoint-url right? nothing answered at {where or 'the endpoint'}"
+            at = where or "the endpoint"
+            if source:
+                return f"hint: is {source} right? nothing answered at {at}"
+            return (
+                f"hint: nothing answered at {at}: is the network up? (a store of your own is "
+                "named with --endpoint-url)"
+            )
     return ""
+
+
+def endpoint_source(endpoint_url: str | None, urls: Sequence[str]) -> tuple[str, str | None]:
+    """Where the endpoint of a command given ``--endpoint-url endpoint_url`` (or None) and
+    the locations ``urls`` comes from, and that endpoint: ``("--endpoint-url", URL)``, an
+    environment variable the store reads where no option was given (``STORAGE_EMULATOR_HOST``
+    for ``gs://``, ``AWS_ENDPOINT_URL_S3`` else ``AWS_ENDPOINT_URL`` for ``s3://``: named
+    both, as config reads them), or ``("", None)``: the cloud's own."""
+    from tierckpt import config
+
+    if endpoint_url:
+        return "--endpoint-url", endpoint_url
+    schemes = {urlsplit(u).scheme for u in urls if "://" in u}
+    if "gs" in schemes and (host := config.gcs_emulator_host()):
+        # host:port, as Google's own clients take it, or a URL
+        return "STORAGE_EMULATOR_HOST", host if "://" in host else f"http://{host}"
+    if "s3" in schemes and (endpoint := config.s3_endpoint_url()):
+        return "AWS_ENDPOINT_URL_S3 (or AWS_ENDPOINT_URL)", endpoint
+    return "", None
 
 
 def _host_port(url: str | None) -> str:

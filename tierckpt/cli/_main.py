@@ -375,7 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         kind = "" if isinstance(exc, TierCkptError) else f"{type(exc).__name__}: "
         print(f"tierckpt {ns.command}: error: {kind}{redact(str(exc))}", file=sys.stderr)
-        hint = _hints.hint_for(exc, getattr(ns, "endpoint_url", None))
+        urls = [getattr(ns, a, None) for a in ("url", "src", "dest")]
+        hint = _hints.hint_for(
+            exc, getattr(ns, "endpoint_url", None), [u for u in urls if isinstance(u, str)]
+        )
         if hint:
             print(hint, file=sys.stderr)
         return 1

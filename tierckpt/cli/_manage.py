@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.backends.base import Backend
 from tierckpt.cli._common import (
@@ -16,6 +16,9 @@ from tierckpt.cli._common import (
     progress_bar,
 )
 from tierckpt.format import CheckpointId, manifest_name
+
+if TYPE_CHECKING:
+    from tierckpt.offline import GcPlan
 
 
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
@@ -192,12 +195,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
         f"{verb} {len(plan.leftovers)} uncommitted leftover(s)"
         + (f": {', '.join(map(id_text, plan.leftovers))}" if plan.leftovers else "")
     )
+    if plan.dead_saves:
+        print(
+            f"  of which {', '.join(map(id_text, plan.dead_saves))}: not older than the newest "
+            "checkpoint, but only unfinished writes of a killed writer (no process holds "
+            "their locks), which gc removes whatever their step"
+        )
+    if plan.dead_writes:
+        ids = ", ".join(map(id_text, plan.dead_writes))
+        print(
+            f"{'would discard' if args.dry_run else 'discarded'} the unfinished writes of a "
+            f"killed writer (no process holds their locks) in {ids}; what else is there stays"
+        )
     if plan.kept_uncommitted and not args.abort_incomplete:
         print(
             f"kept {len(plan.kept_uncommitted)} uncommitted save(s) not older than the newest "
-            f"checkpoint: {', '.join(map(id_text, plan.kept_uncommitted))} (a save in progress, "
-            "or a killed one: once no job writes here, --abort-incomplete discards their "
-            "unfinished writes)"
+            f"checkpoint: {', '.join(_kept_save(c, plan) for c in plan.kept_uncommitted)}"
         )
     if args.abort_incomplete:
         ids = ", ".join(map(id_text, plan.kept_uncommitted))
@@ -205,6 +218,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"{'would abort' if args.dry_run else 'aborted'} every unfinished write (temporary "
             "files, open multipart uploads)" + (f", those of {ids} included" if ids else "")
         )
+    if plan.refused:
+        print(f"without --dry-run gc would refuse and delete nothing: {plan.refused}")
     if not plan.damaged:
         return 0
     how = "every chunk read: --verify" if args.verify else "sizes and indexes checked"
@@ -219,6 +234,29 @@ def cmd_gc(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def _kept_save(cid: CheckpointId, plan: GcPlan) -> str:
+    """A save ``gc`` kept, with why (what gc saw of its unfinished writes before it ran)."""
+    from tierckpt.offline import id_text
+    from tierckpt.offline._unfinished import Unfinished
+
+    writes = plan.unfinished.get(cid, Unfinished())
+    if writes.live:
+        why = "a save in progress: a live process holds its unfinished writes"
+    elif writes.unknown:
+        why = (
+            "the store cannot tell whether the writer of its unfinished writes lives: once "
+            "no job writes here, --abort-incomplete discards them"
+        )
+    elif writes.dead and not plan.retained:  # gc removes nothing before the first commit
+        why = "a killed writer's unfinished writes: gc removes them once a checkpoint commits"
+    else:
+        why = (
+            "shard files without a manifest: a save in progress, or a killed one's, which gc "
+            "removes once a newer checkpoint commits"
+        )
+    return f"{id_text(cid)} ({why})"
 
 
 def _gc_dead_runs(args: argparse.Namespace) -> int:

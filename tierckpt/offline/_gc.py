@@ -1,5 +1,6 @@
 """Garbage collection of a tier: keep the newest checkpoints, remove older ones and the
-leftovers of saves that never committed (refused while a live writer holds the lease).
+leftovers of saves that never committed, and a killed writer's unfinished writes whatever
+their step (refused while a live writer holds the lease).
 
 A manifest's name commits a checkpoint, but says nothing of its bytes: before deleting, gc
 checks the checkpoints it would keep, newest first (:func:`quick_check`: the manifest parses
@@ -16,15 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tierckpt.backends.base import Backend
-from tierckpt.catalog import committed_ids, data_ids
+from tierckpt.catalog import committed_ids
 from tierckpt.errors import (
     WriterConflict,
 )
 from tierckpt.format import (
     CheckpointId,
+    parse_data_folder,
 )
 from tierckpt.layout import data_folder_part
 from tierckpt.offline._leases import LeaseInfo, leases
+from tierckpt.offline._unfinished import NONE, Unfinished, unfinished
 from tierckpt.offline._verify import verify_checkpoint
 from tierckpt.restore import read_index, read_manifest
 from tierckpt.retention import gc_tier, pinned_ids
@@ -42,9 +45,13 @@ class GcPlan:
 
     retained: list[CheckpointId]
     expired: list[CheckpointId]
+    #: older than the newest committed checkpoint (saves that never committed), and those of
+    #: ``dead_saves``
     leftovers: list[CheckpointId]
-    #: uncommitted saves gc keeps: not older than the newest committed checkpoint (a save in
-    #: progress, or a killed one; ``abort_incomplete`` discards their unfinished writes)
+    #: uncommitted saves gc keeps: not older than the newest committed checkpoint and not
+    #: ``dead_saves`` (a save in progress; the completed shard files of a killed one, which go
+    #: once a newer checkpoint commits; unfinished writes whose writer the store cannot judge,
+    #: which ``abort_incomplete`` discards)
     kept_uncommitted: list[CheckpointId] = field(default_factory=list)
     #: the retained checkpoints kept only because they are pinned (``Checkpointer.pin``)
     kept_pinned: list[CheckpointId] = field(default_factory=list)
@@ -53,6 +60,19 @@ class GcPlan:
     damaged: list[tuple[CheckpointId, str]] = field(default_factory=list)
     #: intact checkpoints kept beyond the newest ``keep_last`` because newer ones are damaged
     kept_for_damage: list[CheckpointId] = field(default_factory=list)
+    #: the leftovers not older than the newest committed checkpoint: saves of nothing but
+    #: unfinished writes of a killed writer (no process holds their locks), which gc removes
+    #: whatever their step (left, they filled the disk the retry of that step needed)
+    dead_saves: list[CheckpointId] = field(default_factory=list)
+    #: checkpoints gc keeps (committed, or uncommitted saves) whose unfinished writes of a
+    #: killed writer it removes; what else their folders hold stays
+    dead_writes: list[CheckpointId] = field(default_factory=list)
+    #: the unfinished writes of each data folder before gc ran, judged as gc judges them
+    #: (dead: a killed writer's; live: a save in progress; unknown: the store cannot tell)
+    unfinished: dict[CheckpointId, Unfinished] = field(default_factory=dict)
+    #: ``dry_run`` only: why a real run would refuse and delete nothing (a live writer holds
+    #: the location's lease; ``force`` lifts it); "" when it would not
+    refused: str = ""
 
 
 def quick_check(backend: Backend, cid: CheckpointId, *, read_whole: bool = False) -> str:
@@ -91,8 +111,14 @@ def gc(
     Newest means by timeline, then step: checkpoints of a timeline a run abandoned (it went
     back to an older step) are older than every checkpoint of the newer timeline. Leftovers are
     data folders without a manifest older than the newest committed checkpoint (saves that
-    never committed). ``abort_incomplete`` also discards unfinished writes (temporary files,
-    open multipart uploads) — only when no job is writing to this location.
+    never committed), and newer ones that hold nothing but a killed writer's unfinished writes
+    (``dead_saves``). Unfinished writes are judged as the store can: a temporary file on a
+    local file system whose ``flock`` no process holds is a killed writer's and goes, whatever
+    its step (``dead_writes``: those in folders gc keeps); one a live writer holds is never
+    touched; a dry run makes the same test without removing anything, so it names what a real
+    run removes. ``abort_incomplete`` also discards the unfinished writes whose writer the
+    store cannot judge (open multipart uploads, a network file system's temporaries) — only
+    when no job is writing to this location.
 
     Intact means that its manifest parses and validates and each rank's shard file is there
     at the size the manifest says, with its footer and index checksum (``read_whole``: every
@@ -103,34 +129,56 @@ def gc(
     the rest.
 
     While a live writer holds the location's lease this raises :class:`WriterConflict`
-    (its saves in progress look like leftovers) unless ``force``; ``dry_run`` never refuses.
+    (its saves in progress look like leftovers) unless ``force``; ``dry_run`` never refuses,
+    and says why a real run would in the plan's ``refused``.
     """
     if type(keep_last) is not int or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
     live = [info for info in leases(backend) if info.alive]
-    if live and not dry_run and not force:
-        raise WriterConflict(
-            _live_writer(backend.url, live), url=backend.url, holder=live[0].record
-        )
+    refused = _live_writer(backend.url, live) if live and not force else ""
+    if refused and not dry_run:
+        raise WriterConflict(refused, url=backend.url, holder=live[0].record)
     committed = committed_ids(backend)
     newest = committed[-1] if committed else None
     pinned = set(pinned_ids(backend))  # never removed (Checkpointer.pin)
     keep, damaged = _kept(backend, committed, keep_last, read_whole)
     expired = [c for c in committed if c not in keep and c not in pinned]
     committed_set = set(committed)
-    uncommitted = [c for c in data_ids(backend) if c not in committed_set]
+    complete, writes = _data(backend)
+    uncommitted = [c for c in sorted(complete | set(writes)) if c not in committed_set]
     leftovers = [c for c in uncommitted if newest is not None and c < newest]
-    kept = [c for c in uncommitted if c not in leftovers]
+    # gc_tier's sweep (there only when something is committed) removes every unfinished
+    # write the store proves dead, whatever its step: a save not older than the newest of
+    # nothing else goes with them (the same test as the sweep's, read only: a dry run and a
+    # real one name the same saves)
+    dead_saves = [
+        c
+        for c in uncommitted
+        if newest is not None
+        and c not in leftovers
+        and c not in complete
+        and writes.get(c, NONE).all_dead
+    ]
+    kept = [c for c in uncommitted if c not in leftovers and c not in dead_saves]
+    dead_writes = [
+        c
+        for c in [*committed, *kept]
+        if newest is not None and c not in expired and writes.get(c, NONE).dead
+    ]
     by_rule = committed[: max(len(committed) - keep_last, 0)]
     bad = {c for c, _ in damaged}
     plan = GcPlan(
         [c for c in committed if c not in expired],
         expired,
-        leftovers,
+        [*leftovers, *dead_saves],
         kept,
         [c for c in by_rule if c in pinned and c not in keep],
         damaged,
         [c for c in by_rule if c in keep and c not in bad],
+        dead_saves,
+        sorted(dead_writes),
+        writes,
+        refused,
     )
     if dry_run:
         return plan
@@ -138,19 +186,24 @@ def gc(
     # ones, and the damaged ones) goes to retention as protected: it deletes nothing else
     removed = gc_tier(backend, keep_last, protect=keep)
     gone_now = set(removed)
+    # after a real run the plan says what went (a writer may have died, or finished, since)
+    newer = [*kept, *dead_saves]  # the uncommitted saves not older than the newest
+    complete_now, writes_now = _data(backend) if newer or dead_writes else (set(), {})
+    still = complete_now | set(writes_now)
+    # a killed writer's temporaries go whatever their step (no live lock holds them)
+    gone = [c for c in sorted(newer) if c not in still and c not in gone_now]
     plan = dataclasses.replace(
         plan,
         expired=[c for c in removed if c in committed_set],
-        leftovers=[c for c in removed if c not in committed_set],
+        leftovers=[*(c for c in removed if c not in committed_set), *gone],
+        kept_uncommitted=[c for c in sorted(newer) if c in still],
+        dead_saves=gone,
+        dead_writes=[
+            c
+            for c in dead_writes
+            if c in still and writes_now.get(c, NONE).dead < writes.get(c, NONE).dead
+        ],
     )
-    if kept:  # a killed writer's temporaries go whatever their step (no live lock holds them)
-        still = set(data_ids(backend))
-        gone = [c for c in kept if c not in still and c not in gone_now]
-        plan = dataclasses.replace(
-            plan,
-            leftovers=[*plan.leftovers, *gone],
-            kept_uncommitted=[c for c in kept if c in still],
-        )
     if abort_incomplete:
         backend.cleanup_incomplete("steps/")
         backend.cleanup_incomplete("manifests/")
@@ -158,6 +211,13 @@ def gc(
             if data_folder_part(name) != name:
                 backend.cleanup_incomplete(name)
     return plan
+
+
+def _data(backend: Backend) -> tuple[set[CheckpointId], dict[CheckpointId, Unfinished]]:
+    """The checkpoints with completed files in their data folders, and the unfinished writes
+    of each data folder (as :func:`~tierckpt.catalog.data_ids`: a v1 or a v2 folder)."""
+    complete = {c for n in backend.list("") if (c := parse_data_folder(n)) is not None}
+    return complete, unfinished(backend, backend.incomplete(""))
 
 
 def _kept(

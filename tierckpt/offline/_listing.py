@@ -23,6 +23,7 @@ from tierckpt.format import (
 )
 from tierckpt.locations import local_folder
 from tierckpt.offline._leases import leases
+from tierckpt.offline._unfinished import NONE, unfinished
 from tierckpt.redact import redact
 from tierckpt.restore import read_manifest
 
@@ -179,16 +180,19 @@ def _uncommitted_note(
 
     try:
         complete = saves_in(backend.list(""))
-        partial = saves_in(backend.incomplete(""))
+        pending = backend.incomplete("")
+        partial = saves_in(pending)
         live = [w for w in leases(backend) if w.alive] if complete | partial else []
+        save = max(complete | partial) if complete | partial else None
+        # judged as gc's sweep judges them: a killed writer's go with every gc
+        writes = unfinished(backend, pending).get(save, NONE) if save in partial else NONE
     except Exception:  # the first listing worked: say what it told, not a second error
         return f". {_committed_text(ids)}" if ids or step is not None else ""
-    if not complete | partial:
+    if save is None:
         if not ids and step is None:
             return ""  # "no committed checkpoint here" said it
         nor = " and no save of it is either" if step is not None else ""
         return f"{nor}. {_committed_text(ids)}"
-    save = max(complete | partial)
     which = f"Step {id_text(save)} has" if step is None else "It has"
     files = "shard files" if save in complete else "unfinished writes only"
     gc = f"tierckpt gc {backend.url} --keep-last {max(len(ids), 1)}"
@@ -200,20 +204,49 @@ def _uncommitted_note(
             w = live[0]
             what = f"probably in flight, as a live writer holds this location (rank {w.rank}: "
             what += f"{w.describe()}); wait for it to commit"
+        elif writes.live:
+            what = "in flight, as a live process holds the locks of its unfinished writes"
         else:
             what = "abandoned, as no live writer holds this location (a killed writer left it)"
-        fix = f"Once no job writes here, `{gc} --abort-incomplete` "
-        if save in complete:
-            fix += (
-                "discards its unfinished writes, keeping every committed checkpoint; the "
-                "shard files it completed stay until a newer checkpoint commits, then gc "
+        # gc (once something is committed: it removes nothing before) removes the unfinished
+        # writes no process holds the locks of, whatever their step; --abort-incomplete those
+        # whose writer the store cannot judge (an open upload), once no job writes here
+        when = "Once no job writes here, " if live else ""
+        dead = bool(ids) and writes.dead > 0 and not writes.unknown
+        if save not in complete:
+            if dead and not writes.live:
+                fix = (
+                    f"{when}`{gc}` removes it (its writer was killed: no process holds the "
+                    "locks of its temporary files), keeping every committed checkpoint"
+                )
+            elif writes.live and not writes.unknown:
+                fix = (
+                    f"`{gc}` keeps it while its writer lives (it holds the locks of its "
+                    "temporary files) and removes it once that writer is gone, keeping every "
+                    "committed checkpoint"
+                )
+            else:
+                fix = (
+                    f"Once no job writes here, `{gc} --abort-incomplete` removes it (its "
+                    "temporary files or open uploads), keeping every committed checkpoint"
+                )
+        else:
+            stay = (
+                "the shard files it completed stay until a newer checkpoint commits, then gc "
                 "removes them as a leftover"
             )
-        else:
-            fix += (
-                "removes it (its temporary files or open uploads), keeping every committed "
-                "checkpoint"
-            )
+            if writes.unknown or (writes.dead and not ids):
+                fix = (
+                    f"Once no job writes here, `{gc} --abort-incomplete` discards its "
+                    f"unfinished writes, keeping every committed checkpoint; {stay}"
+                )
+            elif dead:
+                fix = (
+                    f"{when}`{gc}` discards its unfinished writes (their writer was killed: no "
+                    f"process holds their locks), keeping every committed checkpoint; {stay}"
+                )
+            else:
+                fix = f"Every committed checkpoint stays; {stay}"
     return f". {which} an uncommitted save here ({files}, no manifest): {what}. " + (
         f"{_committed_text(ids)}. {fix}"
     )
