@@ -159,6 +159,17 @@ def test_the_knob_parses(monkeypatch: pytest.MonkeyPatch) -> None:
         config.native_copy()
 
 
+def test_a_bad_knob_is_refused_when_the_writer_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_native: Path
+) -> None:
+    # as every other knob: a ValueError in the caller, not a traceback of the build's thread
+    # (and a save that went on as if nothing was said)
+    monkeypatch.setenv("TIERCKPT_NATIVE_COPY", "nah")
+    with pytest.raises(ValueError, match="TIERCKPT_NATIVE_COPY='nah'"):
+        Checkpointer([LocalTier(tmp_path / "ck")])
+    assert not _native._state.started
+
+
 _BUILD = """
 import sys
 from tierckpt import _native

@@ -239,7 +239,12 @@ def _run() -> None:
 
 
 def prepare() -> None:
-    """Start building (or loading) the helper on a background thread; once per process."""
+    """Start building (or loading) the helper on a background thread; once per process. A bad
+    ``TIERCKPT_NATIVE_COPY`` raises ``ValueError`` here, in the caller (the writer's
+    construction), as every other knob does, not as a traceback of that thread."""
+    if _state.started:
+        return
+    config.native_copy()
     with _state.lock:
         if _state.started:
             return

@@ -127,6 +127,9 @@ class HostArena:
                 # finalizer holds the buffer, so its memory outlives the registration)
                 self._unpin = weakref.finalize(self, _unpin, self._raw, self.buffer.data_ptr())
         self.alloc_seconds = time.perf_counter() - t0
+        #: the slots of the first allocation; those past it were added by :meth:`grow`
+        self._base = n_slots
+        self._extra: list[torch.Tensor] = []
         self._free = list(range(n_slots - 1, -1, -1))
         self._cond = threading.Condition()
         self._closed = False
@@ -136,7 +139,23 @@ class HostArena:
         return self.n_slots * self.slot_bytes
 
     def slot(self, i: int) -> torch.Tensor:
+        if i >= self._base:
+            return self._extra[i - self._base]
         return self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+
+    def grow(self) -> int:
+        """One more slot, allocated now and returned taken (the caller releases it as any
+        other): for a capture that would otherwise wait for slots a stalled tier holds. Its
+        memory is apart from the first allocation, aligned for direct I/O and not pinned (a
+        device copy into it is still correct, only synchronous)."""
+        raw = torch.empty(self.slot_bytes + ALIGN, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % ALIGN
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("host arena is closed")
+            self._extra.append(raw[skip : skip + self.slot_bytes])
+            self.n_slots += 1
+            return self.n_slots - 1
 
     def acquire(self, timeout: float | None = None) -> int:
         """Take a free slot, waiting for one to be released (backpressure)."""

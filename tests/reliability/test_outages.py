@@ -184,6 +184,50 @@ def test_follower_behind_a_blackholed_s3_keeps_local_bounded_and_recovers(
 
 
 @pytest.mark.s3
+def test_a_blackholed_s3_does_not_hold_the_local_commits_of_a_small_state(
+    tmp_path: Path, moto_server: Any, s3_bucket: Any
+) -> None:
+    """A small state (an arena of two slots, sized to it) and S3 fed from the arena, which
+    stops answering: before, S3's pending copies held both slots, capture waited for them and
+    the local disk committed nothing more until ``save_deadline`` (30 s): a kill in that
+    window lost every step saved since, though save() had returned for each. Now the arena
+    grows past a tier that made no progress for two seconds (within ``host_buffer_bytes``),
+    and every step commits locally long before the deadline."""
+    bucket = s3_bucket(moto_server)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        s3 = S3Tier(f"s3://{bucket}/run", endpoint_url=proxy.endpoint_url, codec="raw")
+        ck = Checkpointer(
+            [LocalTier(tmp_path / "nvme", keep_last=None), s3],
+            save_deadline=120,  # far past every wait below: only growth lets local go on
+            repopulate=False,
+        )
+        try:
+            for step in (1, 2):
+                ck.save(_state(step), step).wait(timeout=60)
+            proxy.set_faults(BLACKHOLE)
+            handles = [ck.save(_state(step), step) for step in range(3, 11)]
+            for h in handles:
+                h.wait("local", timeout=60)  # before: not until the deadline, 120 s
+            # the local listing does not wait for S3's retention pass, blocked in the store
+            # (before: about a minute); bounded as a listing of a silent store is
+            listed: list[list[int]] = []
+            th = threading.Thread(target=lambda: listed.append(ck.steps("local")), daemon=True)
+            th.start()
+            th.join(30)
+            assert listed == [list(range(1, 11))]
+            arena = ck._pipeline.arena  # type: ignore[union-attr]
+            assert arena is not None and arena.n_slots > 2
+            assert arena.nbytes <= ck.host_buffer_bytes
+            with Checkpointer([LocalTier(tmp_path / "nvme")], repopulate=False) as fresh:
+                for step in (3, 10):
+                    assert state_hash(fresh.load(step=step)) == state_hash(_state(step))
+            assert not any(local_leftovers(tmp_path / "nvme").values())
+        finally:
+            proxy.set_faults([])
+            ck.close(timeout=5)
+
+
+@pytest.mark.s3
 def test_a_blackholed_s3_holds_training_at_most_the_deadline(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
 ) -> None:

@@ -281,7 +281,7 @@ class Checkpointer(SavePath, Observed):
         the others holds a checkpoint this raises :class:`~tierckpt.errors.TiersUnreadable`
         (not an empty list: whether one exists is unknown), as do :meth:`steps`,
         :meth:`latest_step` and :meth:`load` (not ``CheckpointNotFound``)."""
-        self._settle_retention()
+        self._settle_retention(tier)
         return list_checkpoints(self._load_context(), tier)
 
     @in_owner_process
@@ -319,12 +319,14 @@ class Checkpointer(SavePath, Observed):
         self._settle_retention()
         return {n: steps_of(ids) for n, ids in list_each_tier(self._load_context()).items()}
 
-    def _settle_retention(self) -> None:
-        """Wait for the retention passes already started (see :meth:`wait`): this object's
-        listings never show a checkpoint that a commit reported done is about to delete."""
+    def _settle_retention(self, tier: str | None = None) -> None:
+        """Wait for the retention passes already started on ``tier`` (None: every tier; see
+        :meth:`wait`): this object's listings never show a checkpoint that a commit reported
+        done is about to delete. At most ``TIERCKPT_LEASE_WAIT_S``, as a listing waits for a
+        silent store: a pass blocked in one (an S3 outage) held ``steps("local")`` a minute."""
         pipeline = self._pipeline
         if pipeline is not None:
-            pipeline.wait_retention()
+            pipeline.wait_retention(config.lease_wait_s(), tiers=None if tier is None else {tier})
 
     # -- pins --------------------------------------------------------------------------
     @in_owner_process

@@ -31,6 +31,11 @@ from tierckpt.plan import ShardLayout, layout_plan
 log = logging.getLogger("tierckpt")
 
 
+#: seconds a tier holding arena slots makes no progress before capture grows the arena
+#: (within its budget) rather than wait for them
+GROW_AFTER_S = 2.0
+
+
 class _CaptureMixin(_StallMixin):
     #: the helpers that copy host chunks with the capture thread, made on first use and
     #: reused by every save; closed when the capture loop ends (the writer's close)
@@ -66,12 +71,36 @@ class _CaptureMixin(_StallMixin):
 
     def _acquire(self, a: HostArena) -> int:
         """A free arena slot; a tier that holds slots without progress past the deadline is
-        given up meanwhile, so this waits at most about ``save_deadline`` per stalled tier."""
+        given up meanwhile, so this waits at most about ``save_deadline`` per stalled tier.
+
+        Where a tier holding slots has made no progress for :data:`GROW_AFTER_S` (a store
+        that stopped answering, not one that is slow) and the arena is below its budget
+        (``host_buffer_bytes``: an arena sized to a small state has two slots), the arena
+        grows by a slot instead of waiting: the other tiers (the local disk) go on committing
+        at their pace while the stalled one holds what it holds, up to the budget; past it,
+        the deadline as before."""
         while True:
+            grows = a.nbytes + a.slot_bytes <= self.host_buffer_bytes
+            if grows and self._holder_stalled(GROW_AFTER_S):
+                self._give_up_stalled()  # past the deadline its copies go, as when this waited
+                try:
+                    return a.acquire(timeout=0)
+                except TimeoutError:
+                    return a.grow()
+            timeout = self._stall_timeout()
+            if grows:
+                timeout = GROW_AFTER_S if timeout is None else min(timeout, GROW_AFTER_S)
             try:
-                return a.acquire(timeout=self._stall_timeout())
+                return a.acquire(timeout=timeout)
             except TimeoutError:
                 self._give_up_stalled()
+
+    def _holder_stalled(self, seconds: float) -> bool:
+        """Whether a tier holding arena slots has made no progress for ``seconds``."""
+        now = time.monotonic()
+        with self._lock:
+            holding = {name for st in self._held_chunks for name in st.holders}
+            return any(now - self._stalled_since.get(n, now) >= seconds for n in holding)
 
     def _capture_loop(self) -> None:
         while True:

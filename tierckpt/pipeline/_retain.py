@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Collection
 
 from tierckpt.errors import BackendError
 from tierckpt.format import CheckpointId
@@ -124,15 +125,21 @@ class _RetainMixin(_PipelineBase):
                 self._retaining[tier.name] -= 1
                 self._retained.notify_all()
 
-    def wait_retention(self, timeout: float | None = None) -> bool:
+    def wait_retention(
+        self, timeout: float | None = None, *, tiers: Collection[str] | None = None
+    ) -> bool:
         """Wait until no retention pass started after a commit (or a failed local copy) is
         running or about to run; False if ``timeout`` seconds passed first. A pass started
         by a later commit is waited for too. Called on a thread that runs a pass (a callback
-        inside a commit's report or pass), that pass is not waited for."""
+        inside a commit's report or pass), that pass is not waited for. ``tiers``: only the
+        passes on these tiers (None: all)."""
         end = None if timeout is None else time.monotonic() + timeout
         own = _own_passes()[id(self)]
         with self._lock:
-            while sum(self._retaining.values()) > own:
+            while (
+                sum(n for name, n in self._retaining.items() if tiers is None or name in tiers)
+                > own
+            ):
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return False
