@@ -66,7 +66,8 @@ def _global_options(parser: argparse.ArgumentParser, *, after_command: bool) -> 
     parser.add_argument(
         "--endpoint-url",
         metavar="URL",
-        help="S3 endpoint (S3-compatible servers); default AWS_ENDPOINT_URL",
+        help="the object store's endpoint (S3-compatible servers, emulators); default "
+        "AWS_ENDPOINT_URL for s3://, STORAGE_EMULATOR_HOST for gs://",
         default=unset,
     )
     parser.add_argument(
@@ -93,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tierckpt",
         description="Look at, check, copy, clean up and export the checkpoints "
         "tierckpt stores; run its demo and benchmark.",
-        epilog="URLs: a local folder, file:///path or s3://bucket/prefix. "
+        epilog="URLs: a local folder, file:///path, s3://bucket/prefix, gs://bucket/prefix or "
+        "az://container/prefix. "
         "`tierckpt COMMAND --help` describes each command.",
     )
     p.add_argument("--version", action="version", version=f"tierckpt {__version__}")
@@ -188,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
             "when damaged, and another run's checkpoint of that step is not overwritten "
             "(exit 1).",
         )
-        sp.add_argument(a, metavar="SRC", help="s3://bucket/prefix" if name == "pull" else "DIR")
-        sp.add_argument(b, metavar="DEST", help="DIR" if name == "pull" else "s3://bucket/prefix")
+        store = "s3://, gs:// or az://bucket/prefix"
+        sp.add_argument(a, metavar="SRC", help=store if name == "pull" else "DIR")
+        sp.add_argument(b, metavar="DEST", help="DIR" if name == "pull" else store)
         g = sp.add_mutually_exclusive_group()
         g.add_argument("--step", type=_step, help="step (default: newest committed)")
         g.add_argument("--all", action="store_true", help="every committed step")

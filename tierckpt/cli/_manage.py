@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
     from tierckpt.catalog import committed_ids
     from tierckpt.codecs import codec_ids
-    from tierckpt.offline import is_s3_url, resolve_id
+    from tierckpt.offline import resolve_id
 
     codec = getattr(args, "codec", "auto") or "auto"
     if codec not in ("auto", "keep") and codec not in codec_ids():
@@ -33,7 +33,9 @@ def _copy(args: argparse.Namespace, src_url: str, dst_url: str) -> int:
             f"{', '.join(sorted(codec_ids()))}"
         )
     # the copy's manifest names the tier it is on now, not the one it was copied from
-    label = getattr(args, "tier_name", None) or ("s3" if is_s3_url(dst_url) else "local")
+    label = getattr(args, "tier_name", None) or _STORE_LABEL.get(
+        dst_url.partition("://")[0], "local"
+    )
     failed = 0
     with opened(args, src_url) as src, opened(args, dst_url, create=True) as dst:
         if args.all:
@@ -131,24 +133,29 @@ def _copy_one(
     return True
 
 
-def cmd_pull(args: argparse.Namespace) -> int:
-    from tierckpt.offline import is_s3_url
+#: an object store's scheme -> the tier name a copy's manifest gets there (as the tiers' own)
+_STORE_LABEL = {"s3": "s3", "gs": "gcs", "az": "azure"}
 
-    if not is_s3_url(args.src) or is_s3_url(args.dest):
+
+def _in_store(url: str) -> bool:
+    return url.partition("://")[0] in _STORE_LABEL and "://" in url
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    if not _in_store(args.src) or _in_store(args.dest):
         raise UsageError(
-            "pull copies s3://bucket/prefix into a local folder: "
-            "tierckpt pull s3://bucket/prefix DIR (use push for the reverse)"
+            "pull copies an object store's checkpoints (s3://, gs:// or az://bucket/prefix) "
+            "into a local folder: tierckpt pull s3://bucket/prefix DIR (push for the reverse)"
+            + ("; both locations given are local" if not _in_store(args.src) else "")
         )
     return _copy(args, args.src, args.dest)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from tierckpt.offline import is_s3_url
-
-    if is_s3_url(args.src) or not is_s3_url(args.dest):
+    if _in_store(args.src) or not _in_store(args.dest):
         raise UsageError(
-            "push copies a local folder to s3://bucket/prefix: "
-            "tierckpt push DIR s3://bucket/prefix (use pull for the reverse)"
+            "push copies a local folder's checkpoints to an object store (s3://, gs:// or "
+            "az://bucket/prefix): tierckpt push DIR s3://bucket/prefix (pull for the reverse)"
         )
     return _copy(args, args.src, args.dest)
 
@@ -212,7 +219,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"kept {len(plan.kept_uncommitted)} uncommitted save(s) not older than the newest "
             f"checkpoint: {', '.join(_kept_save(c, plan) for c in plan.kept_uncommitted)}"
         )
-    if args.abort_incomplete:
+    if args.abort_incomplete and args.url.startswith(("gs://", "az://")):
+        print(
+            "--abort-incomplete: no unfinished writes to abort on gs:// or az:// (a resumable "
+            "upload or uncommitted blocks are not listed there): a lifecycle rule removes them "
+            "(Azure drops uncommitted blocks after 7 days)"
+        )
+    elif args.abort_incomplete:
         ids = ", ".join(map(id_text, plan.kept_uncommitted))
         print(
             f"{'would abort' if args.dry_run else 'aborted'} every unfinished write (temporary "
