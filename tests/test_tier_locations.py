@@ -123,6 +123,15 @@ def test_a_new_run_saving_over_another_runs_newer_steps_is_warned_about(
         message
     )
     assert "ck.pin(2001, timeline=1)" in message and "own folder or prefix" in message
+    # its own saves going back (a per-epoch batch index as the step): said as such
+    caplog.clear()
+    epochs = Checkpointer([LocalTier(tmp_path / "epochs")])
+    with caplog.at_level("WARNING", logger="tierckpt"), epochs as ck:
+        for step in (10, 20, 0):
+            ck.save(_state(step), step).wait()
+    (own,) = [r.getMessage() for r in caplog.records if "is not after" in r.getMessage()]
+    assert "step 0 is not after step 20, which this Checkpointer saved itself" in own
+    assert "not an epoch's batch index" in own
 
 
 def test_a_folder_under_the_home_folder_is_not_a_folder_named_tilde(

@@ -418,6 +418,18 @@ class SavePath(PipelineOwner):
         checkpoints retention then removes as older (rank 0 says it, once per such save)."""
         if self.rank != 0:
             return
+        if self._last_saved is not None and self._last_saved.step >= step:
+            log.warning(  # its own saves went back: a batch index given as the step, say
+                "step %d is not after step %d, which this Checkpointer saved itself: save() "
+                "takes a step that only grows (a global step, not an epoch's batch index). It "
+                "saves on timeline %d, as a run resumed from an older step does, and retention "
+                "removes timeline %d's checkpoints as this one commits",
+                step,
+                self._last_saved.step,
+                timeline,
+                newest.timeline,
+            )
+            return
         log.warning(
             "step %d is not after the newest checkpoint on these tiers (step %d, timeline %d) "
             "and this Checkpointer loaded none: it saves on timeline %d, as a run resumed from "
