@@ -321,3 +321,24 @@ def test_a_load_right_after_save_says_the_save_is_still_in_flight(
         release.set()
         ck.wait()
         assert torch.equal(ck.load()["w"], torch.ones(4))
+
+
+def test_an_unsupported_value_is_told_how_to_convert_it(tmp_path: Path) -> None:
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Config:
+        lr: float = 0.1
+
+    pair = collections.namedtuple("pair", "a b")
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        for value, hint in (
+            (torch.Generator(), r"x\.get_state\(\)"),
+            (Config(), r"dataclasses\.asdict\(x\)"),
+            (pair(1, 2), r"x\._asdict\(\)"),
+            (object(), r"\.state_dict\(\), \.tolist\(\) or str\(\)"),
+        ):
+            with pytest.raises(UnsupportedObject, match=hint):
+                ck.save({"v": value}, 1)
+        assert ck.steps() == []

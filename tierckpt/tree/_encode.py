@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -143,8 +144,8 @@ def encode_tree(
             return {"$npscalar": payload}
         raise UnsupportedObject(
             f"cannot store {t.__module__}.{t.__qualname__} at {_path_str(path)}: tierckpt stores "
-            f"{_STORED_TYPES} without pickle; convert this value (e.g. with .state_dict(), "
-            ".tolist() or str()) before saving"
+            f"{_STORED_TYPES} without pickle; convert this value ({_convert_hint(x)}) before "
+            "saving"
         )
 
     def enc_dict(x: Any, t: type, path: tuple[object, ...], depth: int) -> JSON:
@@ -281,3 +282,14 @@ def _quantized(
     scales = on_tensor(x.q_per_channel_scales(), KeyPath((*path, "<scales>")))
     zero_points = on_tensor(x.q_per_channel_zero_points(), KeyPath((*path, "<zero_points>")))
     return [*payload, scales, zero_points, int(x.q_per_channel_axis())]
+
+
+def _convert_hint(x: Any) -> str:
+    """How to turn ``x`` into something stored, for the kinds of value users save."""
+    if isinstance(x, torch.Generator):
+        return "a torch.Generator's state: x.get_state(), restored with x.set_state(...)"
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return "a dataclass: dataclasses.asdict(x), rebuilt with its class(**d)"
+    if isinstance(x, tuple) and hasattr(x, "_asdict"):
+        return "a namedtuple: x._asdict(), rebuilt with its class(**d)"
+    return "e.g. with .state_dict(), .tolist() or str()"
