@@ -171,3 +171,31 @@ def test_refusals_of_tiers_say_what_to_pass_instead(tmp_path: Path) -> None:
     # two plain paths are both "local": the message says how to name them
     with pytest.raises(ValueError, match=r"tierckpt.tier\(location, name="):
         Checkpointer([str(tmp_path / "shm"), str(tmp_path / "nvme")])
+
+
+def test_tier_takes_a_scheme_in_any_case_and_gcs_as_gs() -> None:
+    # RFC 3986: schemes are case-insensitive; gcsfs (fsspec) users write gcs://. Before, each
+    # was refused by the tier class as not its scheme (and gcs:// was listed as handled)
+    assert tierckpt.tier("S3://bucket/run", endpoint_url="http://127.0.0.1:9").url == (  # type: ignore[attr-defined]
+        "s3://bucket/run"
+    )
+    for given in ("gcs://bucket/run", "GS://bucket/run"):
+        assert tierckpt.tier(given).url == "gs://bucket/run"  # type: ignore[attr-defined]
+    assert tierckpt.tier("AZ://box/run").url == "az://box/run"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"no tier handles azure://.*az://, gs://, s3://$"):
+        tierckpt.tier("azure://box/run")
+
+
+def test_a_missing_azure_account_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("obstore")
+    from tierckpt.backends.objstore import ObjectStoreBackend
+    from tierckpt.errors import BackendError
+
+    for name in (
+        "AZURE_STORAGE_ACCOUNT_NAME",
+        "AZURE_STORAGE_ACCOUNT",
+        "AZURE_STORAGE_ACCOUNT_KEY",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(BackendError, match="set AZURE_STORAGE_ACCOUNT_NAME"):
+        ObjectStoreBackend("az://box/run")

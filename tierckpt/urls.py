@@ -35,7 +35,7 @@ _TAKES = (
 
 #: scheme -> the name of the tier class in tierckpt.policy that handles it (classes that a
 #: build does not have are refused with a message naming the schemes it does handle)
-_SCHEMES = {"s3": "S3Tier", "gs": "GCSTier", "gcs": "GCSTier", "az": "AzureTier"}
+_SCHEMES = {"s3": "S3Tier", "gs": "GCSTier", "az": "AzureTier"}
 
 
 def tier(url: str | os.PathLike[str], **options: Any) -> TierSpec:
@@ -46,7 +46,12 @@ def tier(url: str | os.PathLike[str], **options: Any) -> TierSpec:
         raise ValueError("tier() needs a location: a folder path or a URL such as s3://bucket/run")
     if "://" not in text:
         return LocalTier(text, **options)
-    scheme = text.partition("://")[0].lower()
+    scheme, _, rest = text.partition("://")
+    scheme = scheme.lower()
+    if scheme == "gcs":  # fsspec's (gcsfs) name for gs://
+        scheme = "gs"
+    # a scheme is case-insensitive (RFC 3986): S3://bucket is s3://bucket
+    text = f"{scheme}://{rest}"
     if scheme == "file":
         return LocalTier(text, **options)
     if scheme == "memory":

@@ -182,8 +182,14 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, Dire
         raise
     except Exception as exc:  # obstore's configuration errors
         scrub_exception(exc)
+        hint = ""
+        if "Account must be specified" in str(exc):
+            hint = (
+                ": an Azure storage account is needed: set AZURE_STORAGE_ACCOUNT_NAME (and a "
+                "key, SAS or identity), or pass endpoint_url= naming the account's endpoint"
+            )
         raise ObjectStoreError(
-            f"{s.url}: cannot configure the store: {short(exc)}",
+            f"{s.url}: cannot configure the store: {short(exc)}{hint}",
             url=s.url,
             code=type(exc).__name__,
         ) from exc
