@@ -20,7 +20,7 @@ import pytest
 import torch
 from rel_util import BLACKHOLE, WAIT_S, Recorder, held_s3, ranks_through_an_outage
 
-from tierckpt import Checkpointer, LocalTier
+from tierckpt import Checkpointer, LocalTier, TiersUnreadable
 from tierckpt.testing.faultproxy import Fault, FaultProxy
 
 #: slack for a loaded 2-core machine (a held listing costs 2 x 10 s here)
@@ -213,3 +213,27 @@ def test_listing_the_steps_during_an_s3_outage_answers_after_the_wait(
         "listed again once S3 answered",
         took_s=round(took["steps"], 2),
     )
+
+
+@pytest.mark.s3
+def test_a_new_node_whose_only_store_is_silent_waits_for_one_listing_not_two(
+    tmp_path: Path, moto_server: Any, waited_bucket: str
+) -> None:
+    """An empty local disk and an S3 that holds every request: the load fails after its
+    listing's timeouts (``TiersUnreadable``). Before, it then looked around the tier's prefix
+    for the "is the location right?" hint, listing the bucket's root in the same silent
+    store: a second wait as long (a minute, with S3's defaults: two in all)."""
+    bucket = waited_bucket
+    _save("native", [held_s3(bucket, moto_server.endpoint_url)], [3])
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        proxy.set_faults(BLACKHOLE)
+        proxy.requests.clear()
+        with pytest.raises(TiersUnreadable):
+            _load(
+                "native",
+                [LocalTier(tmp_path / "nvme"), held_s3(bucket, proxy.endpoint_url, read_timeout=2)],
+            )
+        listed = [r.target for r in proxy.requests if "list-type" in r.target]
+    assert listed, "the load listed nothing"
+    # every LIST asked for the tier's own prefix: none went around it (the bucket's root)
+    assert all("prefix=run%2F" in t or "prefix=run/" in t for t in listed), listed

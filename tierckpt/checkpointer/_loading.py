@@ -324,7 +324,8 @@ def _load_once(
         )
         candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
     if not all_ids:
-        missing += near_tiers(tiers, listing.keys(), ctx.rank)
+        # not around a tier that did not answer its listing (a second wait as long)
+        missing += near_tiers(tiers, listing.keys() - set(unlisted), ctx.rank)
     if (saving := ctx.saving() if ctx.saving else []) and (step is None or step in saving):
         missing += f"; this Checkpointer is still saving step(s) {saving}: call ck.wait() first"
     got: LoadedShard | None = None
