@@ -253,21 +253,21 @@ def _older_ones(
     timeline: int | None,
     tier: str | None,
 ) -> BaseException:
-    """``error`` (a damaged checkpoint) naming the older committed steps and the fallback."""
+    """``error`` (a damaged checkpoint) naming the older committed steps and the fallback: its
+    message extended in place (its type, cause and attributes are what callers look at)."""
     try:
         ids = [c for c in list_checkpoints(ctx, tier) if timeline is None or c.timeline == timeline]
     except TierCkptError:
         return error
     below = step if step is not None else max((c.step for c in ids), default=0)
     older = steps_of([c for c in ids if c.step < below])[-10:]
-    if not older or type(error) is not CorruptCheckpoint:  # a subclass carries more than text
-        return error
-    out = CorruptCheckpoint(
-        f"{error}. Older committed steps: {older}; load(fallback='previous') loads the newest "
-        "one that can be read; `tierckpt verify <url> --step N` says what is damaged"
-    )
-    out.__cause__ = error
-    return out
+    if older and len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (
+            f"{error.args[0]}. Older committed steps: {older}; load(fallback='previous') loads "
+            "the newest one that can be read; `tierckpt verify <url> --step N` says what is "
+            "damaged",
+        )
+    return error
 
 
 def _load_once(
