@@ -425,6 +425,46 @@ FIXED += [
         ],
     ),
     (
+        "A forked child (a DataLoader worker at every epoch; multiprocessing's fork) ran the "
+        "exit drain on its copy of the training process's Checkpointer at its exit and deleted "
+        "the parent's writer lease: every later save failed ('this writer lost rank 0's "
+        "lease'), nothing durable was written from the first epoch on, and with S3 each epoch "
+        "took 10 s longer; a save on the inherited copy in the child hung",
+        "tierckpt/pipeline/_exit.py (_forget_in_child), _leases.py, _pipeline.py "
+        "(in_owner_process)",
+        [
+            "test_dataloader_workers_leave_the_parents_lease_and_saves_alone",
+            "test_a_forked_child_refuses_the_inherited_checkpointer_at_once",
+        ],
+    ),
+    (
+        "save() then optimizer.step() at once without guard() (the torch.save habit) raced "
+        "the lazy capture: committed checkpoints held values from after save(), or failed "
+        "their own checksums at load (CorruptCheckpoint for a save reported committed)",
+        "tierckpt/checkpointer/_guarded.py (watch_unguarded)",
+        ["test_save_then_step_without_guard_saves_the_state_at_save"],
+    ),
+    (
+        "A store that stopped answering held the local disk's commits up to save_deadline "
+        "(30 s): a small state's arena has two slots, which the stalled tier held, so capture "
+        "waited; a kill in that window lost every step saved since. steps('local') waited a "
+        "minute for the stalled tier's retention pass",
+        "tierckpt/pipeline/_capture.py (_acquire), arena.py (grow), pipeline/_retain.py",
+        ["test_a_blackholed_s3_does_not_hold_the_local_commits_of_a_small_state"],
+    ),
+    (
+        "A new node whose only store was silent waited two listings' timeouts before its "
+        "load failed (the location hint listed the silent store again)",
+        "tierckpt/checkpointer/_loading.py",
+        ["test_a_new_node_whose_only_store_is_silent_waits_for_one_listing_not_two"],
+    ),
+    (
+        "gc --dry-run said it kept a killed writer's uncommitted save that the real gc deleted "
+        "(and inspect/verify pointed at --abort-incomplete for it)",
+        "tierckpt/offline/_gc.py, _unfinished.py, cli/_manage.py",
+        ["test_a_dry_run_names_the_save_of_a_killed_writer_that_the_real_run_deletes"],
+    ),
+    (
         "close() from another thread during a load shut down the pool the load read with: "
         "the load failed with 'cannot schedule new futures after shutdown'",
         "tierckpt/checkpointer/_readpool.py (in_use)",
@@ -558,6 +598,9 @@ EVERYDAY_TESTS = [
     "tests/test_native_parity.py",
     "tests/test_dropped_checkpointer.py",
     "tests/test_read_pool_warm.py",
+    "tests/test_unguarded_step.py",
+    "tests/test_cli_gc_killed_writer.py",
+    "tests/test_cli_pull_push_stores.py",
 ]
 
 #: the rules operators rely on, written by hand; the report puts them first
