@@ -173,7 +173,7 @@ def test_a_new_checkpointer_in_a_forked_child_saves_and_loads(tmp_path: Path) ->
     assert got["parent_steps"] == [1, 2]
 
 
-@pytest.mark.parametrize("method", ["wait_captured", "wait", "pinned", "tier_counts"])
+@pytest.mark.parametrize("method", ["wait_captured", "wait", "pinned", "tier_steps"])
 def test_every_io_method_of_an_inherited_copy_refuses(method: str, tmp_path: Path) -> None:
     body = f"""
 ck = Checkpointer([LocalTier(folder)])
