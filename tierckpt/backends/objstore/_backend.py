@@ -218,7 +218,7 @@ class ObjectStoreBackend(RemoteBackend):
                 if attempt < self.max_attempts and transient(exc):
                     log.debug("%s: %s failed (%s); again", self.url, what, short(exc))
                     self._tell(attempt)
-                    backoff(attempt)
+                    backoff(attempt, exc)
                     continue
                 self._tell(0)
                 raise self._translate(exc, what, self._where(key)) from exc
@@ -258,7 +258,7 @@ class ObjectStoreBackend(RemoteBackend):
                     if lost + 1 < self.max_attempts and transient(exc):
                         lost += 1
                         self._tell(lost)
-                        backoff(lost)
+                        backoff(lost, exc)
                         continue
                     if "409" in statuses(exc):
                         time.sleep(0.05)  # a concurrent create is in flight; S3 says retry

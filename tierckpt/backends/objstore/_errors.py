@@ -97,8 +97,20 @@ def transient(exc: BaseException) -> bool:
     return "HTTP error" in str(exc) or body_lost(exc)
 
 
-def backoff(attempt: int) -> None:
-    """Full-jitter exponential backoff before attempt ``attempt + 1`` (at most 2 s)."""
+#: a store that says it is overloaded (S3's 503 SlowDown, GCS's and Azure's 429 / 503)
+_THROTTLED = ("429", "503")
+
+
+def backoff(attempt: int, exc: BaseException | None = None) -> None:
+    """Full-jitter exponential backoff before attempt ``attempt + 1`` (at most 2 s). After a
+    store's throttling answer (``exc`` a 429 or 503: S3's SlowDown), longer and never near
+    zero: half of 0.5 s x 2**(attempt - 1) and up to as much again, so that the default four
+    attempts span about 2-4 s; before, they spent 0.1-0.7 s and a new node's restore failed on
+    a throttling burst of under a second."""
+    if exc is not None and any(c in _THROTTLED for c in statuses(exc)):
+        cap = min(20.0, 0.5 * 2 ** (attempt - 1))
+        time.sleep(cap / 2 + random.random() * cap / 2)
+        return
     time.sleep(random.random() * min(2.0, 0.05 * 2**attempt))
 
 
