@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierckpt import AzureTier, Checkpointer, GCSTier, LocalTier
+from tierckpt import AzureTier, Checkpointer, GCSTier, LocalTier, TierSpec
 from tierckpt.cli import main
 from tierckpt.testing.emulators import Emulator
 from tierckpt.testing.gcsxml import GcsXmlFront
@@ -40,9 +40,9 @@ def test_pull_and_push_with_gcs(
 ) -> None:
     bucket = f"tierckpt-{secrets.token_hex(6)}"
     fake_gcs.create_bucket(bucket)
-    _round_trip(f"gs://{bucket}/run", gcs_xml.endpoint_url, tmp_path, capsys)
-    with Checkpointer([GCSTier(f"gs://{bucket}/run", endpoint_url=gcs_xml.endpoint_url)]) as ck:
-        assert ck.steps() == [4]
+    url = f"gs://{bucket}/run"
+    _round_trip(url, gcs_xml.endpoint_url, tmp_path, capsys)
+    _pushed_there(GCSTier(url, endpoint_url=gcs_xml.endpoint_url))
 
 
 def test_pull_and_push_with_azure(
@@ -50,8 +50,12 @@ def test_pull_and_push_with_azure(
 ) -> None:
     container = f"tierckpt-{secrets.token_hex(6)}"
     azurite.create_bucket(container)
-    _round_trip(f"az://{container}/run", azurite.endpoint_url, tmp_path, capsys)
-    with Checkpointer(
-        [AzureTier(f"az://{container}/run", endpoint_url=azurite.endpoint_url)]
-    ) as ck:
+    url = f"az://{container}/run"
+    _round_trip(url, azurite.endpoint_url, tmp_path, capsys)
+    _pushed_there(AzureTier(url, endpoint_url=azurite.endpoint_url))
+
+
+def _pushed_there(tier: TierSpec) -> None:
+    """The store's own tier sees what push wrote (committed, under the store's tier name)."""
+    with Checkpointer([tier]) as ck:
         assert ck.steps() == [4]
