@@ -185,7 +185,7 @@ def test_follower_behind_a_blackholed_s3_keeps_local_bounded_and_recovers(
 
 @pytest.mark.s3
 def test_a_blackholed_s3_does_not_hold_the_local_commits_of_a_small_state(
-    tmp_path: Path, moto_server: Any, s3_bucket: Any
+    tmp_path: Path, moto_server: Any, s3_bucket: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A small state (an arena of two slots, sized to it) and S3 fed from the arena, which
     stops answering: before, S3's pending copies held both slots, capture waited for them and
@@ -218,6 +218,7 @@ def test_a_blackholed_s3_does_not_hold_the_local_commits_of_a_small_state(
             arena = ck._pipeline.arena  # type: ignore[union-attr]
             assert arena is not None and arena.n_slots > 2
             assert arena.nbytes <= ck.host_buffer_bytes
+            assert [r for r in caplog.records if "the arena grows past" in r.getMessage()]
             with Checkpointer([LocalTier(tmp_path / "nvme")], repopulate=False) as fresh:
                 for step in (3, 10):
                     assert state_hash(fresh.load(step=step)) == state_hash(_state(step))

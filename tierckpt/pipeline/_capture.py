@@ -40,6 +40,8 @@ class _CaptureMixin(_StallMixin):
     #: the helpers that copy host chunks with the capture thread, made on first use and
     #: reused by every save; closed when the capture loop ends (the writer's close)
     _copy_team: CopyTeam | None = None
+    #: whether capture grew the arena past a stalled tier (said once)
+    _grew = False
 
     def _ensure_arena(self, plan: ShardLayout) -> HostArena:
         """The arena, grown (once, between saves) if this plan needs bigger or more slots."""
@@ -86,7 +88,19 @@ class _CaptureMixin(_StallMixin):
                 try:
                     return a.acquire(timeout=0)
                 except TimeoutError:
-                    return a.grow()
+                    slot = a.grow()
+                    if not self._grew:  # once per writer: the memory an operator sees rise
+                        self._grew = True
+                        log.warning(
+                            "a tier fed from the host arena made no progress for %.0f s: the "
+                            "arena grows past the slots it holds (%d slots, %.0f MiB, at most "
+                            "host_buffer_bytes=%.0f MiB) so the other tiers go on committing",
+                            GROW_AFTER_S,
+                            a.n_slots,
+                            a.nbytes / 2**20,
+                            self.host_buffer_bytes / 2**20,
+                        )
+                    return slot
             timeout = self._stall_timeout()
             if grows:
                 timeout = GROW_AFTER_S if timeout is None else min(timeout, GROW_AFTER_S)
