@@ -84,9 +84,12 @@ class CrashHook:
         self.mode = mode
         self.paused_file = paused_file
         self._count = itertools.count(1)
+        #: set once the restore is done: a kill inside load() (its copy of a checkpoint onto
+        #: the local tier passes the same points) would leave the parent no restore to check
+        self.armed = False
 
     def hit(self, point: str) -> None:
-        if point != self.point or next(self._count) != self.nth:
+        if not self.armed or point != self.point or next(self._count) != self.nth:
             return
         if self.mode == "pause":
             _append(self.paused_file, point)
@@ -260,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     if spec:
         point, _, nth = spec.partition(":")
         mode = os.environ.get("TIERCKPT_CRASH_MODE", "kill")
-        install(CrashHook(point, int(nth or 1), mode, args.result + ".paused"))
+        hook: CrashHook | None = CrashHook(point, int(nth or 1), mode, args.result + ".paused")
+        install(hook)
+    else:
+        hook = None
 
     model, opt = make_model()
     ck = Checkpointer(
@@ -294,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         ck.close()
         return 0
     _event(args.result, event="ready")
+    if hook is not None:
+        hook.armed = True
     ck.guard(opt)  # optimizer.step() waits for the capture of the pending save
     handle = None
     for step in range(start + 1, start + 1 + args.saves):
