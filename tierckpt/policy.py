@@ -76,6 +76,7 @@ from tierckpt.redact import (
     refuse_bad_region,
     refuse_control_characters,
     refuse_credentials,
+    shown,
 )
 from tierckpt.retention import Retention
 
@@ -366,7 +367,7 @@ class TierPolicy:
             if not isinstance(t, TierSpec):
                 raise TypeError(
                     "a TierPolicy takes tier objects (MemoryTier, LocalTier, S3Tier, ...), got "
-                    f"{type(t).__name__} {redact(repr(t))[:80]}; for a path or URL use "
+                    f"{shown(t)}; for a path or URL use "
                     "tierckpt.tier(location), or pass the locations to Checkpointer as they are"
                 )
         names = [t.name for t in tiers]

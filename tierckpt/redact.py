@@ -25,6 +25,7 @@ __all__ = [
     "refuse_control_characters",
     "refuse_credentials",
     "scrub_exception",
+    "shown",
 ]
 
 #: ``scheme://userinfo@``: everything between ``://`` and the last ``@`` of the URL token (a
@@ -44,6 +45,13 @@ def redact(text: str) -> str:
         return text  # the common case, without running the patterns
     text = _USERINFO.sub(lambda m: f"{m.group(1)}{_MASK}@", text)
     return _SIGNING.sub(lambda m: f"{m.group(1)}{m.group(2)}{_MASK}", text)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` as an error message names it: its type and its repr, redacted and cut at
+    ``limit`` characters (a state given where a step or a tier goes has a megabyte repr)."""
+    text = redact(repr(value))
+    return f"{type(value).__name__} {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def scrub_exception(exc: BaseException) -> BaseException:

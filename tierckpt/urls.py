@@ -19,7 +19,7 @@ from typing import Any, TypeAlias
 
 from tierckpt import policy
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
-from tierckpt.redact import redact
+from tierckpt.redact import redact, shown
 
 __all__ = ["TiersLike", "as_policy", "tier"]
 
@@ -77,12 +77,7 @@ def _one(item: object) -> TierSpec:
         return item
     if isinstance(item, (str, os.PathLike)):
         return tier(item)
-    raise TypeError(f"tiers takes {_TAKES}; got {_named(item)} in the list")
-
-
-def _named(value: object) -> str:
-    shown = redact(repr(value))
-    return f"{type(value).__name__} {shown[:80]}{'...' if len(shown) > 80 else ''}"
+    raise TypeError(f"tiers takes {_TAKES}; got {shown(item)} in the list")
 
 
 def _hint(given: object) -> str:
@@ -109,5 +104,5 @@ def as_policy(tiers: TiersLike) -> TierPolicy:
     if isinstance(tiers, (Mapping, bytes, bytearray, memoryview)) or not isinstance(
         tiers, Iterable
     ):
-        raise TypeError(f"tiers takes {_TAKES}; got {_named(tiers)}{_hint(tiers)}")
+        raise TypeError(f"tiers takes {_TAKES}; got {shown(tiers)}{_hint(tiers)}")
     return TierPolicy([_one(t) for t in tiers])

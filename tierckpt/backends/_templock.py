@@ -66,16 +66,26 @@ def remove_dead_temps(folder: str, target: str) -> tuple[int, int]:
     """Remove the temporaries of ``target`` (``<target>.<hex>.tmp`` in ``folder``) that no
     writer holds; returns (removed, held by a live writer). Where a lock proves nothing
     (:func:`locks_prove_liveness`), nothing is removed and nothing counted."""
-    removed = left = 0
+    removed, left, _unknown = judge_temps(folder, target, remove=True)
+    return removed, left
+
+
+def judge_temps(folder: str, target: str, *, remove: bool) -> tuple[int, int, int]:
+    """The temporaries of ``target`` in ``folder``: (no writer holds them: removed where
+    ``remove``, else only counted; held by a live writer; cannot tell, where a lock proves
+    nothing). Without ``remove`` nothing is changed: a shared lock is tried and dropped at
+    once (a writer holds an exclusive one from its creation), so ``gc --dry-run`` asks the
+    sweep's own question."""
+    dead = left = 0
     try:
         names = os.listdir(folder)
     except OSError:
-        return 0, 0
+        return 0, 0, 0
     temps = [n for n in names if n.endswith(".tmp") and n[:-4].rsplit(".", 1)[0] == target]
     if not temps:
-        return 0, 0
+        return 0, 0, 0
     if not locks_prove_liveness(folder):
-        return 0, 0  # cannot tell: left for a sweep when nothing writes there
+        return 0, 0, len(temps)  # cannot tell: left for a sweep when nothing writes there
     for name in temps:
         path = os.path.join(folder, name)
         try:
@@ -84,16 +94,19 @@ def remove_dead_temps(folder: str, target: str) -> tuple[int, int]:
             continue  # renamed into place or removed meanwhile
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_EX if remove else fcntl.LOCK_SH) | fcntl.LOCK_NB)
             except BlockingIOError:
                 left += 1  # its writer holds it: alive
+                continue
+            if not remove:
+                dead += 1
                 continue
             st, mine = os.stat(path), os.fstat(fd)
             if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                 os.unlink(path)  # while locked: a writer that opened it cannot be past its check
-                removed += 1
+                dead += 1
         except OSError:
             left += 1
         finally:
             os.close(fd)
-    return removed, left
+    return dead, left, 0

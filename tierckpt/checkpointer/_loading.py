@@ -209,7 +209,7 @@ def _committed_yet_unread(
     step: int | None,
     timeline: int | None,
     tier: str | None,
-    fallback: str = "error",
+    fallback: str,
 ) -> BaseException:
     """The error a failed load raises. ``CheckpointNotFound`` says that nothing is committed
     (the ``except CheckpointNotFound: start from scratch`` idiom, whose saves on a new timeline

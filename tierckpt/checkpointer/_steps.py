@@ -8,12 +8,9 @@ from collections.abc import Mapping
 
 import torch
 
-from tierckpt.redact import redact
+from tierckpt.redact import shown
 
 __all__ = ["as_map_location", "as_step", "resolve_rank"]
-
-#: how much of a refused step's repr an error shows (a whole state would be megabytes)
-SHOWN_CHARS = 80
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -43,9 +40,6 @@ def as_step(step: object, call: str = "save") -> int:
         value = -1
     if value >= 0:
         return value
-    shown = redact(repr(step))
-    if len(shown) > SHOWN_CHARS:
-        shown = shown[:SHOWN_CHARS] + "..."
     hint = ""
     if isinstance(step, (Mapping, list, tuple, torch.nn.Module, torch.optim.Optimizer)):
         hint = {
@@ -54,7 +48,7 @@ def as_step(step: object, call: str = "save") -> int:
         }.get(call, "")
     raise ValueError(
         "step must be a non-negative int (or an integer NumPy/torch scalar), got "
-        f"{type(step).__name__} {shown}{hint}"
+        f"{shown(step)}{hint}"
     )
 
 
@@ -72,10 +66,9 @@ def as_map_location(given: object) -> str | torch.device | None:
             targets = set()
         if len(targets) == 1:
             return targets.pop()
-    shown = redact(repr(given))[:SHOWN_CHARS]
     raise TypeError(
         "load(map_location=) takes one device for every tensor ('cpu', 'cuda:1', a "
-        f"torch.device; or a dict whose values all name one device), got {type(given).__name__} "
-        f"{shown}: a load puts every tensor on one device (the device each had at save is "
+        f"torch.device; or a dict whose values all name one device), got {shown(given)}: a "
+        "load puts every tensor on one device (the device each had at save is "
         "recorded, not used), so torch.load's per-device maps and functions are not taken"
     )

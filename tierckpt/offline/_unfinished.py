@@ -12,14 +12,12 @@ takes an exclusive one and removes the file).
 
 from __future__ import annotations
 
-import fcntl
 import inspect
 import os
 from dataclasses import dataclass
 
 from tierckpt.backends import _templock
 from tierckpt.backends.base import Backend
-from tierckpt.backends.local import TMP_SUFFIX
 from tierckpt.format import CheckpointId, parse_data_folder
 
 
@@ -74,39 +72,9 @@ def unfinished(backend: Backend, names: list[str] | None = None) -> dict[Checkpo
 
 
 def _judge(backend: Backend, name: str) -> tuple[int, int, int]:
-    """(dead, live, unknown) temporaries of ``name``: the twin of
-    :func:`~tierckpt.backends._templock.remove_dead_temps` that removes nothing."""
+    """(dead, live, unknown) temporaries of ``name``, as the sweep judges them, read only."""
     path = backend.local_path(name)
     if path is None:
         return 0, 0, 1
     folder, _, target = path.rpartition(os.sep)
-    try:
-        temps = [
-            n
-            for n in os.listdir(folder)
-            if n.endswith(TMP_SUFFIX) and n[: -len(TMP_SUFFIX)].rsplit(".", 1)[0] == target
-        ]
-    except OSError:
-        return 0, 0, 0  # gone meanwhile
-    if not temps:
-        return 0, 0, 0  # renamed into place or removed meanwhile
-    if not _templock.locks_prove_liveness(folder):  # the sweep's own test
-        return 0, 0, len(temps)  # a lock here proves nothing: the sweep leaves them
-    dead = live = 0
-    for temp in temps:
-        try:
-            fd = os.open(os.path.join(folder, temp), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue  # renamed into place or removed meanwhile
-        try:
-            # its writer holds an exclusive lock from its creation until it is renamed or
-            # removed: a shared one is refused while it lives (and dropped at once below)
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            dead += 1
-        except BlockingIOError:
-            live += 1
-        except OSError:
-            live += 1  # the sweep counts what it cannot lock as held
-        finally:
-            os.close(fd)
-    return dead, live, 0
+    return _templock.judge_temps(folder, target, remove=False)

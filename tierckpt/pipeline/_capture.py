@@ -109,13 +109,6 @@ class _CaptureMixin(_StallMixin):
             except TimeoutError:
                 self._give_up_stalled()
 
-    def _holder_stalled(self, seconds: float) -> bool:
-        """Whether a tier holding arena slots has made no progress for ``seconds``."""
-        now = time.monotonic()
-        with self._lock:
-            holding = {name for st in self._held_chunks for name in st.holders}
-            return any(now - self._stalled_since.get(n, now) >= seconds for n in holding)
-
     def _capture_loop(self) -> None:
         while True:
             job = self._capture_q.get()

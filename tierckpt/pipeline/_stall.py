@@ -22,10 +22,19 @@ class _StallMixin(_PipelineBase):
         if math.isinf(d):
             return None
         now = time.monotonic()
+        due = [since + d - now for since in self._holders_idle_since(now)]
+        return max(0.01, min(due)) if due else min(d, 1.0)
+
+    def _holder_stalled(self, seconds: float) -> bool:
+        """Whether a tier holding arena slots has made no progress for ``seconds``."""
+        now = time.monotonic()
+        return any(now - since >= seconds for since in self._holders_idle_since(now))
+
+    def _holders_idle_since(self, now: float) -> list[float]:
+        """Since when each tier holding arena slots has made no progress (``now``: it has)."""
         with self._lock:
             holding = {name for st in self._held_chunks for name in st.holders}
-            due = [self._stalled_since.get(name, now) + d - now for name in holding]
-        return max(0.01, min(due)) if due else min(d, 1.0)
+            return [self._stalled_since.get(name, now) for name in holding]
 
     def _give_up_stalled(self, *, drain: bool = False) -> None:
         """Give up the copies of the tiers that made no progress for ``save_deadline`` s.
