@@ -350,6 +350,9 @@ def test_push_pull_ls_verify_on_s3(
 
     rc, out, _ = run(["ls", url, *ep, "--json"], capsys)
     assert [c["step"] for c in json.loads(out)["checkpoints"]] == [10, 20, 30]
+    # a scheme is case-insensitive, as tier() reads it (before, the CLI refused S3://)
+    rc, upper, _ = run(["ls", f"S3://{bucket}/run1", *ep, "--json"], capsys)
+    assert rc == 0 and json.loads(upper)["checkpoints"] == json.loads(out)["checkpoints"]
     rc, out, _ = run(["verify", url, *ep], capsys)
     assert rc == 0 and out.count("ok  step") == 3
     rc, out, _ = run(["inspect", url, *ep, "--json"], capsys)

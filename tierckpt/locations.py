@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from tierckpt.redact import redact
 
 __all__ = [
+    "canonical_url",
     "refuse_unknown_store_options",
     "Located",
     "folder_location",
@@ -35,6 +36,17 @@ __all__ = [
     "refuse_shared_locations",
     "store_location",
 ]
+
+
+def canonical_url(text: str) -> str:
+    """``text`` with its scheme as tierckpt names it: lower case (a scheme is case-insensitive,
+    RFC 3986: ``S3://b`` is ``s3://b``) and gcsfs's ``gcs://`` as ``gs://``; a path (no
+    ``://``) as given. The API's ``tier()`` and the CLI read a location the same way."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    scheme = scheme.lower()
+    return f"{'gs' if scheme == 'gcs' else scheme}://{rest}"
 
 
 class Located(Protocol):

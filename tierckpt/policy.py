@@ -187,7 +187,9 @@ class TierSpec:
             best_mode=self.best_mode,
         )
 
-    def make_backend(self) -> Backend:
+    def make_backend(self, *, create: bool = True) -> Backend:
+        """This tier's storage, opened; ``create=False`` (a reader) leaves a local folder that
+        does not exist uncreated (it lists as empty)."""
         raise NotImplementedError
 
     def for_run(self, tiers: Sequence[TierSpec]) -> TierSpec:
@@ -240,7 +242,7 @@ class MemoryTier(TierSpec):
     keep_last: int | None = 1
     namespace: str = "default"
 
-    def make_backend(self) -> Backend:
+    def make_backend(self, *, create: bool = True) -> Backend:
         return MemoryBackend(self.namespace)
 
     def location(self) -> tuple[str, Hashable] | None:
@@ -269,8 +271,8 @@ class LocalTier(TierSpec):
         if not self.path:
             raise ValueError("LocalTier needs a folder path")
 
-    def make_backend(self) -> Backend:
-        return LocalBackend(self.path)
+    def make_backend(self, *, create: bool = True) -> Backend:
+        return LocalBackend(self.path, create=create)
 
     def location(self) -> tuple[str, Hashable] | None:
         return folder_location(self.path)
@@ -338,7 +340,7 @@ class S3Tier(TierSpec):
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
         return redact(f"S3Tier({shown})")
 
-    def make_backend(self) -> Backend:
+    def make_backend(self, *, create: bool = True) -> Backend:
         if self.driver == "obstore":
             from tierckpt.backends.objstore import ObjectStoreBackend
 
@@ -465,7 +467,7 @@ class _CloudTier(TierSpec):
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
         return redact(f"{type(self).__name__}({shown})")
 
-    def make_backend(self) -> Backend:
+    def make_backend(self, *, create: bool = True) -> Backend:
         from tierckpt.backends.objstore import ObjectStoreBackend
 
         return ObjectStoreBackend(self.url, **self.options)

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeAlias
 
 from tierckpt import policy
+from tierckpt.locations import canonical_url
 from tierckpt.policy import LocalTier, MemoryTier, S3Tier, TierPolicy, TierSpec
 from tierckpt.redact import redact, shown
 
@@ -46,12 +47,8 @@ def tier(url: str | os.PathLike[str], **options: Any) -> TierSpec:
         raise ValueError("tier() needs a location: a folder path or a URL such as s3://bucket/run")
     if "://" not in text:
         return LocalTier(text, **options)
-    scheme, _, rest = text.partition("://")
-    scheme = scheme.lower()
-    if scheme == "gcs":  # fsspec's (gcsfs) name for gs://
-        scheme = "gs"
-    # a scheme is case-insensitive (RFC 3986): S3://bucket is s3://bucket
-    text = f"{scheme}://{rest}"
+    text = canonical_url(text)
+    scheme = text.partition("://")[0]
     if scheme == "file":
         return LocalTier(text, **options)
     if scheme == "memory":

@@ -215,11 +215,16 @@ class _LocalWriter(ObjectWriter):
 
 
 class LocalBackend(Backend):
-    def __init__(self, root: str | os.PathLike[str], *, direct_io: bool | None = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, direct_io: bool | None = None, create: bool = True
+    ) -> None:
+        """``create=False`` (a reader): a folder that does not exist is left so (it lists as
+        empty; its first write creates it)."""
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         try:
-            os.makedirs(self.root, exist_ok=True)
+            if create or os.path.lexists(self.root):
+                os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
             raise _os_error(self.url, "", "create folder", exc) from exc
         self._lock = threading.Lock()

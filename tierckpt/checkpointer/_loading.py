@@ -44,6 +44,7 @@ from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.lease import judge_holder, lease_name, list_leases
 from tierckpt.noderam_map import read_shard_mapped
 from tierckpt.pipeline import Tier
+from tierckpt.redact import redact
 from tierckpt.restore import (
     LoadedShard,
     check_into,
@@ -303,7 +304,7 @@ def _load_once(
     all_ids = sorted({c for v in listing.values() for c in v}, reverse=True)
     if timeline is not None:
         all_ids = [c for c in all_ids if c.timeline == timeline]
-    where = ", ".join(t.name for t in tiers)
+    where = ", ".join(f"{t.name}: {redact(t.backend.url)}" for t in tiers)
     candidates: list[CheckpointId]
     if step is not None:
         holding = [c for c in all_ids if c.step == step]

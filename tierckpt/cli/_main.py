@@ -17,6 +17,7 @@ from tierckpt.cli._inspect import cmd_inspect, cmd_ls, cmd_verify
 from tierckpt.cli._manage import cmd_export, cmd_gc, cmd_pull, cmd_push, cmd_unlock
 from tierckpt.cli._tools import cmd_bench, cmd_demo
 from tierckpt.errors import TierCkptError
+from tierckpt.locations import canonical_url
 from tierckpt.redact import redact, scrub_exception
 
 
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "timeline's checkpoints are marked abandoned until retention removes them. Reads the "
         "manifests only: --check also checks each shard file; verify reads every chunk.",
     )
-    sp.add_argument("url", help="tier URL")
+    sp.add_argument("url", type=canonical_url, help="tier URL")
     sp.add_argument(
         "--check",
         action="store_true",
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Show one checkpoint's tensors, and raw vs stored bytes per tensor group "
         "(top-level key or dtype). Reads only the manifest and the shard indexes.",
     )
-    sp.add_argument("url", help="tier URL")
+    sp.add_argument("url", type=canonical_url, help="tier URL")
     sp.add_argument("--step", type=_step, help="step (default: newest committed)")
     sp.add_argument("--timeline", type=_timeline, help=_TIMELINE_HELP)
     sp.add_argument(
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Read every chunk of every rank, check its checksum and decode it. Exits 1 at "
         "the first bad chunk, naming the file and chunk.",
     )
-    sp.add_argument("url", help="tier URL")
+    sp.add_argument("url", type=canonical_url, help="tier URL")
     g = sp.add_mutually_exclusive_group()
     g.add_argument("--step", type=_step, help="only this step (default: every committed step)")
     g.add_argument("--latest", action="store_true", help="only the newest committed step")
@@ -191,8 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
             "(exit 1).",
         )
         store = "s3://, gs:// or az://bucket/prefix"
-        sp.add_argument(a, metavar="SRC", help=store if name == "pull" else "DIR")
-        sp.add_argument(b, metavar="DEST", help="DIR" if name == "pull" else store)
+        sp.add_argument(
+            a, metavar="SRC", type=canonical_url, help=store if name == "pull" else "DIR"
+        )
+        sp.add_argument(
+            b, metavar="DEST", type=canonical_url, help="DIR" if name == "pull" else store
+        )
         g = sp.add_mutually_exclusive_group()
         g.add_argument("--step", type=_step, help="step (default: newest committed)")
         g.add_argument("--all", action="store_true", help="every committed step")
@@ -230,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         "kept too (gc never deletes damage); gc then says which, and exits 1 after doing its "
         "safe work (as it does when it refuses or fails; 0: done, nothing damaged found).",
     )
-    sp.add_argument("url", help="tier URL")
+    sp.add_argument("url", type=canonical_url, help="tier URL")
     sp.add_argument(
         "--keep-last",
         type=int,
@@ -282,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sees running (its process, or a process holding its lock file) unless --force; "
         "one presumed live only by its lease's age (another machine) is unlocked.",
     )
-    sp.add_argument("url", help="tier URL")
+    sp.add_argument("url", type=canonical_url, help="tier URL")
     sp.add_argument("--rank", type=int, default=None, help="only this rank's lease (default: all)")
     sp.add_argument(
         "--force",
@@ -300,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "in safetensors files (one per top-level key, or one), non-tensor state in "
         "state.json beside them.",
     )
-    sp.add_argument("url", help="tier URL")
+    sp.add_argument("url", type=canonical_url, help="tier URL")
     sp.add_argument("out_dir", metavar="OUT_DIR", help="output folder (created)")
     sp.add_argument("--format", choices=["safetensors"], default="safetensors")
     sp.add_argument("--step", type=_step, help="step (default: newest committed)")

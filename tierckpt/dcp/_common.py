@@ -73,8 +73,8 @@ def _parse_location(checkpoint_id: object) -> tuple[str, CheckpointId] | None:
     return m.group("url").rstrip("/"), cid
 
 
-def _runtimes(policy: TierPolicy) -> list[Tier]:
-    return open_tiers(policy)
+def _runtimes(policy: TierPolicy, *, create: bool = True) -> list[Tier]:
+    return open_tiers(policy, create=create)
 
 
 #: the checkpoint this process's latest DCP load read, by tier URL (see :func:`take_loaded`)

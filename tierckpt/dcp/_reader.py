@@ -94,7 +94,7 @@ class TierReader(StorageReader):
         self.policy = as_policy(tiers)
         self.io_threads = max(1, io_threads)
         self.load_id = uuid.uuid4().hex
-        self._tiers = _runtimes(self.policy)
+        self._tiers = _runtimes(self.policy, create=False)
         #: the timeline a location names (None: the newest holding the step)
         self.step: int | None = None
         self.timeline: int | None = None
@@ -119,7 +119,7 @@ class TierReader(StorageReader):
         for k in self._PICKLED:
             setattr(self, k, state[k])
         self.load_id = uuid.uuid4().hex
-        self._tiers = _runtimes(self.policy)
+        self._tiers = _runtimes(self.policy, create=False)
         self._holders = []
         self._listed = {}
         self._unlisted = {}

@@ -21,7 +21,7 @@ from tierckpt.format import (
     Manifest,
     parse_data_folder,
 )
-from tierckpt.locations import local_folder
+from tierckpt.locations import canonical_url, local_folder
 from tierckpt.offline._leases import leases
 from tierckpt.offline._unfinished import NONE, unfinished
 from tierckpt.redact import redact
@@ -43,6 +43,7 @@ def open_backend(url: str, *, endpoint_url: str | None = None, create: bool = Fa
     servers). A local folder must exist unless ``create``. ``gs://`` and ``az://`` (and
     ``s3://`` when the S3 driver is obstore) open the object-store backend.
     """
+    url = canonical_url(url)
     if url.startswith(("gs://", "az://")) or (is_s3_url(url) and config.s3_driver() == "obstore"):
         from tierckpt.backends.objstore import ObjectStoreBackend
 

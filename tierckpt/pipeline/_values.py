@@ -92,16 +92,17 @@ class Tier:
         return shard_file(step_prefix(cid.step, timeline=cid.timeline), rank, prefixes)
 
 
-def open_tiers(specs: Iterable[TierSpec]) -> list[Tier]:
+def open_tiers(specs: Iterable[TierSpec], *, create: bool = True) -> list[Tier]:
     """Each tier's backend opened and its codec resolved, in order (``Checkpointer`` and the
-    DCP writer and reader build their tiers the same way)."""
+    DCP writer and reader build their tiers the same way; a reader passes ``create=False``, so
+    a mistyped local folder is not made)."""
     out = []
     specs = list(specs)
     for spec in specs:
         if spec.is_replica:
             continue  # copies commits of other tiers (tierckpt.peer), takes no chunks
         spec = spec.for_run(specs)
-        backend = spec.make_backend()
+        backend = spec.make_backend(create=create)
         out.append(Tier(spec, backend, resolve_codec(spec.codec, backend)))
     return out
 
