@@ -316,7 +316,7 @@ class NodeRamTier(TierSpec):
         object.__setattr__(named, "auto_namespace", False)
         return named
 
-    def make_backend(self, *, create: bool = True) -> Backend:
+    def make_backend(self) -> Backend:
         if self.stale_after_s is not None:
             try:
                 clean_dead_runs(self.path, stale_after_s=self.stale_after_s, keep=self.namespace)

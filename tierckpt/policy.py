@@ -187,10 +187,13 @@ class TierSpec:
             best_mode=self.best_mode,
         )
 
-    def make_backend(self, *, create: bool = True) -> Backend:
-        """This tier's storage, opened; ``create=False`` (a reader) leaves a local folder that
-        does not exist uncreated (it lists as empty)."""
+    def make_backend(self) -> Backend:
         raise NotImplementedError
+
+    def make_reader_backend(self) -> Backend:
+        """This tier's storage opened for a reader (which writes nothing): as
+        :meth:`make_backend`, except that a local folder that does not exist is left so."""
+        return self.make_backend()
 
     def for_run(self, tiers: Sequence[TierSpec]) -> TierSpec:
         """This tier as the job whose tiers are ``tiers`` opens it (a node-RAM tier without a
@@ -242,7 +245,7 @@ class MemoryTier(TierSpec):
     keep_last: int | None = 1
     namespace: str = "default"
 
-    def make_backend(self, *, create: bool = True) -> Backend:
+    def make_backend(self) -> Backend:
         return MemoryBackend(self.namespace)
 
     def location(self) -> tuple[str, Hashable] | None:
@@ -271,8 +274,11 @@ class LocalTier(TierSpec):
         if not self.path:
             raise ValueError("LocalTier needs a folder path")
 
-    def make_backend(self, *, create: bool = True) -> Backend:
-        return LocalBackend(self.path, create=create)
+    def make_backend(self) -> Backend:
+        return LocalBackend(self.path)
+
+    def make_reader_backend(self) -> Backend:
+        return LocalBackend(self.path, create=False)  # a mistyped folder is not made
 
     def location(self) -> tuple[str, Hashable] | None:
         return folder_location(self.path)
@@ -340,7 +346,7 @@ class S3Tier(TierSpec):
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
         return redact(f"S3Tier({shown})")
 
-    def make_backend(self, *, create: bool = True) -> Backend:
+    def make_backend(self) -> Backend:
         if self.driver == "obstore":
             from tierckpt.backends.objstore import ObjectStoreBackend
 
@@ -467,7 +473,7 @@ class _CloudTier(TierSpec):
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
         return redact(f"{type(self).__name__}({shown})")
 
-    def make_backend(self, *, create: bool = True) -> Backend:
+    def make_backend(self) -> Backend:
         from tierckpt.backends.objstore import ObjectStoreBackend
 
         return ObjectStoreBackend(self.url, **self.options)

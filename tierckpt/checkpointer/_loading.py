@@ -10,6 +10,7 @@ through pinned staging straight onto the device (:mod:`tierckpt.restore_gpu`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from tierckpt.catalog import (
     unreadable,
 )
 from tierckpt.checkpointer._auto_feedback import feed_policy
+from tierckpt.checkpointer._load_errors import committed_yet_unread
 from tierckpt.checkpointer._near import near_tiers
 from tierckpt.checkpointer._retention import Protectors
 from tierckpt.checkpointer._to_device import to_device
@@ -148,6 +150,13 @@ def load(
         hold((step,))
     try:
         seen: CheckpointId | None = None  # the newest checkpoint listed after the last failure
+        # what this writer was saving: committed during the load, it is not "unreadable"
+        in_flight = set(ctx.saving()) if ctx.saving else set()
+
+        def failed(error: BaseException) -> BaseException:
+            ids = functools.partial(list_checkpoints, ctx, tier)
+            return committed_yet_unread(error, ids, step, timeline, fallback, in_flight)
+
         ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
         for attempt in range(LOAD_ATTEMPTS):
             got: Any = None
@@ -186,89 +195,22 @@ def load(
                         f"rank {ctx.rank} loaded its shard, but another rank's load failed (see "
                         "its error): the load fails on every rank, so that none goes on alone"
                     )
-                raise _committed_yet_unread(ctx, error, step, timeline, tier, fallback)
+                raise failed(error)
             assert error is not None  # one rank: the outcome is its own
             if code != 1 or step is not None or last:
-                raise _committed_yet_unread(ctx, error, step, timeline, tier, fallback)
+                raise failed(error)
             try:
                 newest = max(list_checkpoints(ctx, tier), default=None)
             except TierCkptError:
                 newest = None
             if newest is None or newest == seen:  # nothing newer appeared: really unreadable
-                raise _committed_yet_unread(ctx, error, step, timeline, tier, fallback)
+                raise failed(error)
             seen = newest
             log.info("load: the chosen step vanished (retention?); listing again")
     finally:
         if unprotect is not None:
             unprotect()
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _committed_yet_unread(
-    ctx: LoadContext,
-    error: BaseException,
-    step: int | None,
-    timeline: int | None,
-    tier: str | None,
-    fallback: str,
-) -> BaseException:
-    """The error a failed load raises. ``CheckpointNotFound`` says that nothing is committed
-    (the ``except CheckpointNotFound: start from scratch`` idiom, whose saves on a new timeline
-    then let retention delete the run's checkpoints): where the checkpoint asked for is
-    committed on a tier but no rank or tier could read it whole (a shard file missing or
-    damaged on one rank), :class:`CorruptCheckpoint` instead, naming the older committed
-    steps and how to load them. A :class:`CorruptCheckpoint` (every copy damaged) gets the
-    same advice where older steps are committed and ``fallback`` was not ``"previous"``."""
-    if isinstance(error, CorruptCheckpoint) and fallback != "previous":
-        return _older_ones(ctx, error, step, timeline, tier)
-    if not isinstance(error, CheckpointNotFound):
-        return error
-    try:
-        ids = list_checkpoints(ctx, tier)
-    except TierCkptError:
-        return error
-    ids = [c for c in ids if timeline is None or c.timeline == timeline]
-    held = [c for c in ids if step is None or c.step == step]
-    if not held:
-        return error
-    older = steps_of([c for c in ids if c < held[-1]])[-10:]
-    out = CorruptCheckpoint(
-        f"checkpoint {held[-1]} is committed but could not be read (damaged, or deleted while "
-        f"it was read): {error}. "
-        + (
-            f"Older committed steps: {older}; load(fallback='previous') loads the newest one "
-            "every rank can read"
-            if older
-            else "No older checkpoint is committed"
-        )
-        + "; `tierckpt verify <url> --step N` says what is damaged"
-    )
-    out.__cause__ = error
-    return out
-
-
-def _older_ones(
-    ctx: LoadContext,
-    error: CorruptCheckpoint,
-    step: int | None,
-    timeline: int | None,
-    tier: str | None,
-) -> BaseException:
-    """``error`` (a damaged checkpoint) naming the older committed steps and the fallback: its
-    message extended in place (its type, cause and attributes are what callers look at)."""
-    try:
-        ids = [c for c in list_checkpoints(ctx, tier) if timeline is None or c.timeline == timeline]
-    except TierCkptError:
-        return error
-    below = step if step is not None else max((c.step for c in ids), default=0)
-    older = steps_of([c for c in ids if c.step < below])[-10:]
-    if older and len(error.args) == 1 and isinstance(error.args[0], str):
-        error.args = (
-            f"{error.args[0]}. Older committed steps: {older}; load(fallback='previous') loads "
-            "the newest one that can be read; `tierckpt verify <url> --step N` says what is "
-            "damaged",
-        )
-    return error
 
 
 def _load_once(

@@ -76,7 +76,7 @@ class PeerTier(TierSpec):
         object.__setattr__(self, "best_mode", best_mode)
         TierSpec.__post_init__(self)
 
-    def make_backend(self, *, create: bool = True) -> Backend:
+    def make_backend(self) -> Backend:
         raise TypeError(
             f"tier {self.name!r} is a PeerTier: it has no backend of its own (it copies the "
             "node-RAM tier's commits to partner nodes); only a Checkpointer can drive it"

@@ -102,7 +102,7 @@ def open_tiers(specs: Iterable[TierSpec], *, create: bool = True) -> list[Tier]:
         if spec.is_replica:
             continue  # copies commits of other tiers (tierckpt.peer), takes no chunks
         spec = spec.for_run(specs)
-        backend = spec.make_backend(create=create)
+        backend = spec.make_backend() if create else spec.make_reader_backend()
         out.append(Tier(spec, backend, resolve_codec(spec.codec, backend)))
     return out
 

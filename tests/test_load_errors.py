@@ -1,0 +1,74 @@
+"""The error a failed load raises: "nothing committed" and "committed but unreadable" are told
+apart by a listing made after the failure, and a save that committed in between is neither.
+
+Seen in a field test: ``ck.save(state, 1)`` then ``ck.load()`` at once (no ``ck.wait()``). The
+load listed nothing (step 1 still in flight), the save committed, and the second listing found
+step 1: the load raised "checkpoint step 1 is committed but could not be read (damaged, ...)",
+which sends an operator to look for damage that is not there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer
+from tierckpt.checkpointer import _loading
+from tierckpt.checkpointer._load_errors import committed_yet_unread
+from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
+from tierckpt.format import CheckpointId
+
+
+def _not_found() -> CheckpointNotFound:
+    return CheckpointNotFound("no committed checkpoint on any tier (local: /x)")
+
+
+def test_a_step_committed_while_the_load_ran_is_not_called_damaged() -> None:
+    listed = [CheckpointId(1, 0)]
+    error = _not_found()
+    assert committed_yet_unread(error, lambda: listed, None, None, "error", {1}) is error
+    # the same listing without the step in flight: committed yet unread
+    other = committed_yet_unread(_not_found(), lambda: listed, None, None, "error", set())
+    assert isinstance(other, CorruptCheckpoint)
+    assert "step 1 is committed but could not be read" in str(other)
+    # an older committed step is still named, the in-flight one is not blamed
+    listed = [CheckpointId(1, 0), CheckpointId(2, 0)]
+    got = committed_yet_unread(_not_found(), lambda: listed, None, None, "error", {2})
+    assert isinstance(got, CorruptCheckpoint) and "step 1 is committed" in str(got)
+
+
+def test_load_right_after_save_says_wait_not_damaged(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"w": torch.arange(8.0)}
+    with Checkpointer(str(tmp_path / "run")) as ck:
+        real = _loading.list_checkpoints
+        handle = None
+        calls = []
+
+        def listing_after_the_commit(ctx, tier):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            if len(calls) == 1:
+                return []  # listed before the save committed
+            assert handle is not None
+            handle.wait()  # ... and it commits before the next listing
+            return real(ctx, tier)
+
+        real_once = _loading._load_once
+
+        def load_once_before_the_commit(ctx, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise CheckpointNotFound(
+                "no committed checkpoint on any tier; this Checkpointer is still saving step(s) "
+                "[1]: call ck.wait() first"
+            )
+
+        monkeypatch.setattr(_loading, "list_checkpoints", listing_after_the_commit)
+        monkeypatch.setattr(_loading, "_load_once", load_once_before_the_commit)
+        handle = ck.save(state, 1)
+        with pytest.raises(CheckpointNotFound) as ei:
+            ck.load()
+        assert not isinstance(ei.value, CorruptCheckpoint), str(ei.value)
+        assert "call ck.wait() first" in str(ei.value)
+        monkeypatch.setattr(_loading, "_load_once", real_once)
+        monkeypatch.setattr(_loading, "list_checkpoints", real)
+        assert torch.equal(ck.load()["w"], state["w"])
