@@ -72,3 +72,33 @@ def test_load_right_after_save_says_wait_not_damaged(
         monkeypatch.setattr(_loading, "_load_once", real_once)
         monkeypatch.setattr(_loading, "list_checkpoints", real)
         assert torch.equal(ck.load()["w"], state["w"])
+
+
+def test_a_copy_removed_since_the_listing_is_read_from_the_next_tier_quietly(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a [Memory(keep_last=1), Local] writer that loads beside its saves: the memory copy the
+    # load listed is removed by the next commit's retention before it is read. The local copy
+    # is the expected path; it used to log a WARNING per load
+    from tierckpt import LocalTier, MemoryTier
+    from tierckpt.format import manifest_name
+
+    state = {"w": torch.arange(8.0)}
+    tiers = [MemoryTier(namespace="quiet-vanish"), LocalTier(str(tmp_path / "run"))]
+    with Checkpointer(tiers) as ck:
+        ck.save(state, 1).wait()
+        real = _loading.list_tiers
+
+        def listed_then_removed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            got = real(*args, **kwargs)
+            ck.backend("memory").delete(manifest_name(1))
+            return got
+
+        monkeypatch.setattr(_loading, "list_tiers", listed_then_removed)
+        with caplog.at_level("INFO", logger="tierckpt"):
+            out = ck.load()
+    assert torch.equal(out["w"], state["w"])
+    tried = [r for r in caplog.records if "trying the next" in r.getMessage()]
+    assert tried and all(r.levelname == "INFO" for r in tried), [
+        (r.levelname, r.getMessage()) for r in tried
+    ]

@@ -362,7 +362,12 @@ def _load_candidates(
                     raise
                 first_exc = first_exc or exc
                 errors.append(f"{cid} on tier {t.name!r}: {exc}")
-                log.warning("load of %s from tier %s failed, trying the next: %s", cid, t.name, exc)
+                # removed since it was listed (this writer's retention, beside its saves): the
+                # next tier's copy is the expected path, said quietly
+                level = logging.INFO if isinstance(exc, CheckpointNotFound) else logging.WARNING
+                log.log(
+                    level, "load of %s from tier %s failed, trying the next: %s", cid, t.name, exc
+                )
                 continue
             log.info(
                 "loaded %s from tier %s: %d bytes in %.3f s",
