@@ -59,9 +59,11 @@ class Recording:
     def repopulates(self) -> bool:
         return self.inner.repopulates
 
-    def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
+    def agree_on_step(
+        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+    ) -> list[CheckpointId]:
         self._note("agree_on_step", list(candidates))
-        return self.inner.agree_on_step(candidates)
+        return self.inner.agree_on_step(candidates, newest_listed=newest_listed)
 
     def agree_on_outcome(self, code: int) -> int:
         self._note("agree_on_outcome", code)

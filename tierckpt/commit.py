@@ -160,9 +160,13 @@ class CommitStrategy(Protocol):
         """Whether loads from a remote tier copy the shard onto the local durable tiers."""
         ...
 
-    def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
+    def agree_on_step(
+        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+    ) -> list[CheckpointId]:
         """The checkpoints to load, newest first, from this rank's ``candidates`` (newest
-        first; an id this rank does not hold may be among them: it tells the other ranks)."""
+        first; an id this rank does not hold may be among them: it tells the other ranks).
+        ``newest_listed``: ``candidates`` is this rank's listing, and only the newest that
+        every rank lists is loaded (no fallback to an older one)."""
         ...
 
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
@@ -234,8 +238,10 @@ class SingleRankCommit:
     def repopulates(self) -> bool:
         return self._repopulate
 
-    def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
-        return list(candidates)
+    def agree_on_step(
+        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+    ) -> list[CheckpointId]:
+        return list(candidates[:1] if newest_listed else candidates)
 
     def agree_on_outcome(self, code: int) -> int:
         return code

@@ -20,6 +20,8 @@ from pathlib import Path
 import dist_workers
 from rel_util import Recorder
 
+from tierckpt.format import manifest_name, shard_name
+
 
 def test_a_shard_vanishing_on_one_rank_is_loaded_again_by_every_rank(
     tmp_path: Path, record: Recorder
@@ -53,4 +55,67 @@ def test_load_into_writes_nothing_on_a_rank_when_another_ranks_load_failed(
         "distributed",
         "load(into=...) while another rank's shard is corrupt (2 ranks)",
         "every rank raised; no rank's into tensors were written",
+    )
+
+
+def _steps(folder: Path) -> list[int]:
+    from tierckpt.backends.local import LocalBackend
+    from tierckpt.catalog import committed_ids
+
+    return [c.step for c in committed_ids(LocalBackend(folder, create=False))]
+
+
+def test_node_private_copies_a_step_apart_load_the_newest_every_node_holds(
+    tmp_path: Path, record: Recorder
+) -> None:
+    """Node-local folders (``TIERCKPT_PRIVATE_TIERS``): each node writes the job's manifest onto
+    its own copy. Two ways left one node a step behind the other, both seen in a field test
+    (2 ranks, gloo):
+
+    - a clean finish: rank 0 hosts the process group's store (a job started from
+      ``MASTER_ADDR``), and its process exited right after ``close()``, before rank 1 had
+      fetched the last manifest (4 of 4 runs);
+    - a crash between the two nodes' manifest writes.
+
+    Then the default ``load()`` raised on every rank "checkpoint step 3 is committed but could
+    not be read (damaged ...)": each rank offered only its own newest step. Now rank 0 waits
+    (bounded) for the other nodes' copies before its commit ends, and a load without a
+    fallback takes the newest step every rank lists; a damaged one still fails the load."""
+    root = tmp_path / "run"
+    env = {"TIERCKPT_PRIVATE_TIERS": "nvme"}
+    res = dist_workers.run(
+        "node_lag_workers:w_train_then_exit", 2, root=str(root), slow_fetch_s=1.5, env=env
+    )
+    assert [r["errors"] for r in res] == [[], []], res
+    assert _steps(root / "nvme-0") == _steps(root / "nvme-1") == [1, 2, 3]
+
+    # a crash before node 1 wrote step 3's manifest: node 0 is a step ahead
+    (root / "nvme-1" / manifest_name(3)).unlink()
+    res = dist_workers.run(
+        "node_lag_workers:w_load_newest", 2, root=str(root), fallback="error", env=env
+    )
+    assert [(r.get("step"), r.get("diff"), r.get("error")) for r in res] == [
+        (2, [], None),
+        (2, [], None),
+    ], res
+
+    # the newest step every node holds is damaged on node 1: no silent older step
+    shard = root / "nvme-1" / shard_name(2, 1)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    res = dist_workers.run(
+        "node_lag_workers:w_load_newest", 2, root=str(root), fallback="error", env=env
+    )
+    assert [r.get("error") for r in res] == ["TierCkptError", "CorruptCheckpoint"], res
+    res = dist_workers.run(
+        "node_lag_workers:w_load_newest", 2, root=str(root), fallback="previous", env=env
+    )
+    assert [(r.get("step"), r.get("diff")) for r in res] == [(1, []), (1, [])], res
+    record(
+        "distributed",
+        "node-private copies a step apart: rank 0 exits at once after close(), or a crash "
+        "between the nodes' manifest writes (2 ranks)",
+        "every node holds the last step; a node a step ahead loads the newest step every node "
+        "holds; a damaged one still fails the load",
     )

@@ -158,6 +158,9 @@ def load(
             return committed_yet_unread(error, ids, step, timeline, fallback, in_flight)
 
         ctx.read_pool()  # its threads start while the tiers are listed and the ranks agree
+        # fallback="previous" with several ranks: the checkpoints agreed on whose read failed
+        # on some rank (each attempt walks back past them, every rank together)
+        walked: list[CheckpointId] | None = [] if fallback == "previous" else None
         for attempt in range(LOAD_ATTEMPTS):
             got: Any = None
             error: BaseException | None = None
@@ -172,6 +175,7 @@ def load(
                     timeline=timeline,
                     device=device,
                     hold=hold,
+                    walked=walked,
                 )
                 if into is not None:  # checked here, copied once every rank's load worked
                     check_into(into, got, strict=strict)
@@ -190,6 +194,13 @@ def load(
                 if worst == 1 and step is None and not last:
                     log.info("load: a rank's chosen step vanished (retention?); listing again")
                     continue  # the newest again, on every rank together
+                if worst == 2 and walked and not last:
+                    log.warning(
+                        "load: %s could not be read on every rank (see the failing rank's "
+                        "error); fallback='previous': the one before it, every rank together",
+                        walked[-1],
+                    )
+                    continue
                 if error is None:
                     error = (CheckpointNotFound if worst == 1 else TierCkptError)(
                         f"rank {ctx.rank} loaded its shard, but another rank's load failed (see "
@@ -224,10 +235,12 @@ def _load_once(
     timeline: int | None,
     device: torch.device | None = None,
     hold: Callable[[Iterable[int]], None] | None = None,
+    walked: list[CheckpointId] | None = None,
 ) -> Any:
     """One listing of the tiers and one load of the step chosen from it (``into`` chooses
     the device; the caller copies into it once every rank's load worked). The steps chosen
-    are passed to ``hold`` (kept from retention) before they are read."""
+    are passed to ``hold`` (kept from retention) before they are read. ``walked``: the
+    checkpoints a fallback already tried (left out), and gets the one agreed on."""
     if fallback not in ("error", "previous"):
         raise ValueError("fallback must be 'error' or 'previous'")
     ctx.forget_timeline()  # the run may have gone back: the next save decides again
@@ -265,7 +278,9 @@ def _load_once(
         missing = f"no committed checkpoint on any tier ({where})" + (
             f" of timeline {timeline}" if timeline is not None else ""
         )
-        candidates = lineage(all_ids) if fallback == "previous" else all_ids[:1]
+        # without a fallback, the newest every rank lists (a node-private tier may hold a
+        # newer step on some nodes only: not the job's); one rank: the newest
+        candidates = lineage(all_ids) if fallback == "previous" else all_ids
     if not all_ids:
         # not around a tier that did not answer its listing (a second wait as long)
         missing += near_tiers(tiers, listing.keys() - set(unlisted), ctx.rank)
@@ -274,7 +289,12 @@ def _load_once(
     got: LoadedShard | None = None
     try:
         # every rank must load the same checkpoint: the newest all ranks can read
-        candidates = ctx.strategy.agree_on_step(candidates)
+        newest_listed = step is None and fallback != "previous"
+        if walked:
+            candidates = [c for c in candidates if c not in walked]
+        candidates = ctx.strategy.agree_on_step(candidates, newest_listed=newest_listed)
+        if walked is not None and ctx.world_size != 1:
+            walked.extend(candidates[:1])
         if hold is not None:
             hold(c.step for c in candidates)
         target = target_for(into, map_location)

@@ -85,6 +85,7 @@ def agree_on_step(
     world_size: int,
     cache: ManifestCache | None = None,
     prefetch: Callable[[Sequence[CheckpointId]], None] | None = None,
+    newest_listed: bool = False,
 ) -> list[CheckpointId]:
     """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read on
     ``tiers``.
@@ -98,6 +99,13 @@ def agree_on_step(
     it, ``prefetch`` (collective on every rank, where given) may read the remaining
     candidates' manifests once per node into ``cache``. Returns a one-element list, or raises
     ``CheckpointNotFound`` on every rank when the ranks share no readable checkpoint.
+
+    ``newest_listed`` (a load of the newest without a fallback; ``candidates``: this rank's
+    whole listing): the newest checkpoint *every rank lists*, readable or not, so that a
+    damaged one fails the load instead of an older one being loaded in its place. Ranks list
+    differently where a tier is node-private: a crash (or rank 0's exit) while a commit's
+    manifest was being written onto each node's copy leaves some nodes a step ahead; that
+    step is not the job's, and the newest every node holds is loaded.
     """
     if not _group_ok(rank, world_size):
         _warn_once(
@@ -125,8 +133,11 @@ def agree_on_step(
     # the newest checkpoint of all saved by another world size: no rank loads an older one
     # in its place (the job would go on from there, and the newer run would be abandoned)
     mismatch = bool(looked) and looked[0] in sizes and bool(why[looked[0]])
+    top = checkpoint_key(looked[0]) if looked else -1  # this rank's newest listed
     one = torch.tensor(
-        [checkpoint_key(newest) if newest else -1, int(mismatch)], dtype=torch.int64, device=dev
+        [checkpoint_key(newest) if newest else -1, int(mismatch), top],
+        dtype=torch.int64,
+        device=dev,
     )
     firsts = [torch.empty_like(one) for _ in range(world_size)]
     dist.all_gather(firsts, one)
@@ -138,8 +149,11 @@ def agree_on_step(
             )
         raise WorldSizeMismatch.of(looked[0], sizes.get(looked[0]), world_size)
     keys = {int(f[0].item()) for f in firsts}
-    if len(keys) == 1 and newest is not None:
+    tops = {int(f[2].item()) for f in firsts}
+    if len(keys) == 1 and newest is not None and (not newest_listed or tops == keys):
         return [newest]  # every rank's newest readable is the same checkpoint
+    if newest_listed:
+        return [_newest_listed(looked, rank, world_size, dev)]
     if prefetch is not None:
         prefetch([c for c in looked if c not in why])
     mine = [c for c in looked if readable(c)]
@@ -173,3 +187,38 @@ def agree_on_step(
         f"checkpoint per rank: {dict(list(newest_of.items())[:16])}; ranks with none: "
         f"{_ranks(lacking)})" + (f"; this rank (rank {rank}): {detail}" if detail else "")
     )
+
+
+def _newest_listed(
+    looked: Sequence[CheckpointId], rank: int, world_size: int, dev: torch.device
+) -> CheckpointId:
+    """The newest of ``looked`` that every rank lists (one ``all_gather``)."""
+    import torch.distributed as dist
+
+    vec = torch.full((get_knobs().agree_max_candidates,), -1, dtype=torch.int64, device=dev)
+    if looked:
+        vec[: len(looked)] = torch.tensor(
+            [checkpoint_key(c) for c in looked], dtype=torch.int64, device=dev
+        )
+    gathered = [torch.empty_like(vec) for _ in range(world_size)]
+    dist.all_gather(gathered, vec)
+    sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
+    common = set.intersection(*sets)
+    if not common:
+        newest_of = {r: str(checkpoint_of_key(max(s))) if s else None for r, s in enumerate(sets)}
+        raise CheckpointNotFound(
+            "no checkpoint is committed on every rank's tiers (newest per rank: "
+            f"{dict(list(newest_of.items())[:16])})"
+        )
+    chosen = checkpoint_of_key(max(common))
+    ahead = [c for c in looked if c > chosen]
+    if ahead:
+        log.warning(
+            "rank %d: loading %s, the newest checkpoint every rank holds; this rank's tiers also "
+            "hold %s, which other ranks' do not (a node-private tier whose commit a crash or "
+            "an early exit cut short): not the job's; its next saves go on a new timeline",
+            rank,
+            chosen,
+            ", ".join(str(c) for c in ahead[:5]),
+        )
+    return chosen

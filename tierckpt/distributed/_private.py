@@ -303,8 +303,24 @@ def _commit_private(tier: Tier, job: SaveJob, nodes: NodeStores) -> None:
         ns.delete([*(f"{p}rec/{r}" for r in nodes.members), f"{p}published", m_key, done_key])
     if nodes.is_leader:
         g = nodes.global_store
+        if job.rank == 0:
+            _others_written(g, done_key, nodes.nodes - 1, time.monotonic() + grace)
         if g.add(done_key, 1) == nodes.nodes:
             g.delete([*(f"{p}node/{n}" for n in range(nodes.nodes)), m_key, done_key])
+
+
+def _others_written(g: LockedStore, done_key: str, others: int, deadline: float) -> None:
+    """Rank 0 (commit thread): wait, until ``deadline``, for the other nodes' leaders to have
+    written the manifest onto their copies. The store lives in rank 0's process where the job
+    started from ``MASTER_ADDR`` (no torchrun agent): a rank 0 whose ``close()`` returned and
+    whose process exited at once took it with it before the other nodes had fetched the
+    manifest, so their copies missed the job's last commit (a node a step behind the others
+    after a clean finish)."""
+    k = get_knobs()
+    delay = k.poll_initial
+    while g.add(done_key, 0) < others and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, _NODE_POLL_MAX_S)
 
 
 def _report_private_failure(

@@ -356,15 +356,19 @@ class MultiRankCommit:
         same answer on every rank)."""
         return self._repopulate and _group_ok(self._rank, self._world_size)
 
-    def agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
+    def agree_on_step(
+        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+    ) -> list[CheckpointId]:
         """See :func:`agree_on_step`. With a process group, manifests on shared tiers are read
         once per node (:mod:`._nodeshare`) and kept for this load's :meth:`read_manifest`: the
         newest candidate's first, the others' only where the ranks' newest readable differ.
         A rank in it for long says what it waits for (:func:`patience`)."""
         with patience(self._rank, "load()"):
-            return self._agree_on_step(candidates)
+            return self._agree_on_step(candidates, newest_listed)
 
-    def _agree_on_step(self, candidates: Sequence[CheckpointId]) -> list[CheckpointId]:
+    def _agree_on_step(
+        self, candidates: Sequence[CheckpointId], newest_listed: bool
+    ) -> list[CheckpointId]:
         self._manifests = None
         prefetch = None
         # only the shared tiers listed before any private one: where a node-local tier
@@ -391,6 +395,7 @@ class MultiRankCommit:
             world_size=self._world_size,
             cache=self._manifests,
             prefetch=prefetch,
+            newest_listed=newest_listed,
         )
 
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:

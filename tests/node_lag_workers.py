@@ -1,0 +1,69 @@
+"""Workers (run by ``dist_workers.run("node_lag_workers:...")``): two ranks on two "nodes"
+(``TIERCKPT_NODE``), each saving onto its own node-local folder, named private
+(``TIERCKPT_PRIVATE_TIERS=nvme``): the manifest of a commit travels through rank 0's store and
+every rank writes it onto its own copy."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+from dist_workers import rank_state, same
+
+import tierckpt.distributed as tdist
+from tierckpt import Checkpointer, LocalTier
+from tierckpt.distributed import _private
+from tierckpt.errors import TierCkptError
+
+
+def _tiers(root: str, rank: int) -> list[Any]:
+    return [LocalTier(os.path.join(root, f"nvme-{rank}"), name="nvme", keep_last=None)]
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    return {"x": rank_state(rank, step, numel=256), "step": step}
+
+
+def w_train_then_exit(rank: int, world: int, root: str, slow_fetch_s: float) -> dict[str, Any]:
+    """Steps 1..3, each waited for; rank 1 is slow to fetch each manifest from rank 0's store
+    (a busy node); rank 0 returns (and its process exits) right after ``close()``."""
+    os.environ["TIERCKPT_NODE"] = f"node-{rank}"
+    if rank == 1:
+        real = _private._store_wait
+
+        def slow(st: Any, keys: list[str], *args: Any, **kwargs: Any) -> None:
+            if any(k.endswith("manifest") for k in keys):
+                time.sleep(slow_fetch_s)
+            real(st, keys, *args, **kwargs)
+
+        _private._store_wait = slow  # type: ignore[assignment]
+    out: dict[str, Any] = {"errors": []}
+    with tdist.knobs(commit_timeout=30, poll_max=0.2):
+        ck = Checkpointer(_tiers(root, rank), chunk_bytes=64 << 10)
+        for s in (1, 2, 3):
+            try:
+                ck.save(_state(rank, s), s).wait(timeout=60)
+            except TierCkptError as exc:
+                out["errors"].append(f"step {s}: {type(exc).__name__}: {exc}"[:300])
+        ck.close()  # rank 0 returns here, and its process exits at once (no barrier)
+    return out
+
+
+def w_load_newest(rank: int, world: int, root: str, fallback: str) -> dict[str, Any]:
+    """``load()`` (or ``load(fallback=...)``): the step loaded and its differences from what
+    was saved, or the error's type and message."""
+    os.environ["TIERCKPT_NODE"] = f"node-{rank}"
+    with tdist.knobs(commit_timeout=30, poll_max=0.2):
+        ck = Checkpointer(_tiers(root, rank))
+        try:
+            got = ck.load(fallback=fallback)  # type: ignore[arg-type]
+        except TierCkptError as exc:
+            out: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)[:600]}
+        else:
+            step = int(got["step"])
+            out = {"step": step, "diff": same(got, _state(rank, step))}
+        ck.close()
+    dist.barrier()
+    return out
