@@ -190,11 +190,6 @@ class TierSpec:
     def make_backend(self) -> Backend:
         raise NotImplementedError
 
-    def make_reader_backend(self) -> Backend:
-        """This tier's storage opened for a reader (which writes nothing): as
-        :meth:`make_backend`, except that a local folder that does not exist is left so."""
-        return self.make_backend()
-
     def for_run(self, tiers: Sequence[TierSpec]) -> TierSpec:
         """This tier as the job whose tiers are ``tiers`` opens it (a node-RAM tier without a
         namespace takes one from the run's other tiers); itself by default."""
@@ -276,9 +271,6 @@ class LocalTier(TierSpec):
 
     def make_backend(self) -> Backend:
         return LocalBackend(self.path)
-
-    def make_reader_backend(self) -> Backend:
-        return LocalBackend(self.path, create=False)  # a mistyped folder is not made
 
     def location(self) -> tuple[str, Hashable] | None:
         return folder_location(self.path)

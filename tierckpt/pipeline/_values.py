@@ -14,12 +14,13 @@ import torch
 from tierckpt import config
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import Backend, ObjectWriter
+from tierckpt.backends.local import LocalBackend
 from tierckpt.codecs import Codec
 from tierckpt.format import CheckpointId, ShardRef, shard_name, step_prefix
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.layout import prefixes_for, shard_file
 from tierckpt.plan import ChunkPlan, CollectedState, ShardLayout
-from tierckpt.policy import TierSpec, resolve_codec
+from tierckpt.policy import LocalTier, TierSpec, resolve_codec
 
 #: seconds in-flight saves get to finish at interpreter exit before they are abandoned
 DEFAULT_EXIT_TIMEOUT_S = config.DEFAULT_EXIT_TIMEOUT_S
@@ -102,9 +103,17 @@ def open_tiers(specs: Iterable[TierSpec], *, create: bool = True) -> list[Tier]:
         if spec.is_replica:
             continue  # copies commits of other tiers (tierckpt.peer), takes no chunks
         spec = spec.for_run(specs)
-        backend = spec.make_backend() if create else spec.make_reader_backend()
+        backend = spec.make_backend() if create else _reader_backend(spec)
         out.append(Tier(spec, backend, resolve_codec(spec.codec, backend)))
     return out
+
+
+def _reader_backend(spec: TierSpec) -> Backend:
+    """``spec``'s storage for a reader (it writes nothing): a local folder that does not exist
+    is left so (it lists as empty); a user's subclass with its own ``make_backend`` as it is."""
+    if isinstance(spec, LocalTier) and type(spec).make_backend is LocalTier.make_backend:
+        return LocalBackend(spec.path, create=False)
+    return spec.make_backend()
 
 
 @dataclass(frozen=True, slots=True)
