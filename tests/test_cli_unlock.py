@@ -98,3 +98,17 @@ def test_unlock_removes_a_lease_presumed_live_by_its_age(
     assert "node-b" in out and "4242" in out, out
     assert "presumed live by its lease's age" in out, out
     assert not backend.exists(LEASE)
+
+
+def test_unlock_of_an_unreadable_lease_says_so_not_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a damaged lease file, or a newer tierckpt's: unlock removes it without --force (nobody
+    # can tell it is live), and said "that writer was live (--force)" of it
+    root = tmp_path / "run"
+    backend = LocalBackend(root)
+    backend.put_atomic(LEASE, b'{"format": "tierckpt-lease", "version": 99}')
+    rc, out, err = _run(["unlock", str(root)], capsys)
+    assert rc == 0, (out, err)
+    assert "--force" not in out and "could not be read" in out, out
+    assert not backend.exists(LEASE)

@@ -25,6 +25,7 @@ __all__ = [
     "FormatError",
     "InheritedThroughFork",
     "LeaseLost",
+    "NewerFormat",
     "RankFailed",
     "SaveDeadlineExceeded",
     "StaleTimeline",
@@ -70,6 +71,11 @@ class WorldSizeMismatch(TierCkptError, RuntimeError):
 
 class FormatError(TierCkptError, ValueError):
     """A shard file, index or manifest does not follow the format, or is hostile."""
+
+
+class NewerFormat(FormatError):
+    """A manifest of a format version newer than this tierckpt reads: written by a newer
+    release. Never damage: nothing deletes or replaces it (upgrade to read it)."""
 
 
 class CorruptCheckpoint(FormatError):

@@ -68,6 +68,7 @@ from tierckpt.retention_scan import (
     has_upload,
     scan_state,
     sweep_leftovers,
+    written_by_newer,
 )
 from tierckpt.sweep import SWEEP_LOCK, Listing, note_failed_save, sweep_state
 
@@ -412,6 +413,9 @@ def gc_tier(
             keep |= set(_pinned_in(names) if full else pinned_ids(backend))
         for cid in committed:
             if cid in keep or cid == newest or cid in protect:
+                continue
+            if written_by_newer(backend, cid):  # never deleted by an older release
+                keep.add(cid)
                 continue
             with deleting(cid) if deleting is not None else nullcontext(False) as spare:
                 if spare:

@@ -30,6 +30,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from tierckpt.backends.base import Backend
+from tierckpt.errors import NewerFormat
 from tierckpt.format import (
     MANIFEST_DIR,
     CheckpointId,
@@ -40,6 +41,7 @@ from tierckpt.format import (
     step_prefix,
 )
 from tierckpt.layout import data_folder_part
+from tierckpt.reported import report_once
 from tierckpt.sweep import Listing
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "has_upload",
     "scan_state",
     "sweep_leftovers",
+    "written_by_newer",
 ]
 
 #: objects a listing of every object may hold and still be the cheaper way to find a deleted
@@ -128,6 +131,21 @@ def checkpoint_folders(backend: Backend, cid: CheckpointId) -> list[str] | None:
         # decode_manifest checked each file is ``<folder>...`` or ``<hh>/<folder>...``
         folders.add(shard.file[: len(shard.file) - len(data_folder_part(shard.file))] + prefix)
     return sorted(folders)
+
+
+def written_by_newer(backend: Backend, cid: CheckpointId) -> bool:
+    """True where ``cid``'s manifest is of a format version newer than this tierckpt reads
+    (a newer release wrote it, and a rollback of the library runs beside it): retention keeps
+    it, said once. Any other failure to read it is False (the pass goes on as before)."""
+    name = manifest_name(cid.step, timeline=cid.timeline)
+    try:
+        decode_manifest(backend.get(name), where=f"{backend.url}/{name}")
+    except NewerFormat as exc:
+        report_once(backend, exc, "retention keeps %s: %s", cid, exc, topic="newer format")
+        return True
+    except Exception:  # gone, damaged: for the pass to judge as before
+        return False
+    return False
 
 
 def delete_in_folders(backend: Backend, cid: CheckpointId, folders: Collection[str]) -> None:

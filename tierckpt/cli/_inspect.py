@@ -151,16 +151,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for c in listed:
             m = c.manifest
             if m is None:
+                what = "newer release" if c.newer else "unreadable"  # why: on stderr
                 rows.append(
                     [
                         c.step,
-                        "unreadable",
+                        what,
                         "",
                         "",
                         "",
                         "",
                         "",
-                        c.error,
+                        "",
                         c.timeline,
                         _status(c, newest, pinned, damaged),
                     ]
@@ -222,7 +223,8 @@ def _unreadable(listed: Sequence[Any], damaged: dict[Any, str]) -> int:
 
     bad = [c for c in listed if c.manifest is None]
     for c in bad:
-        print(f"tierckpt ls: step {c.step} is unreadable: {c.error}", file=sys.stderr)
+        what = "written by a newer tierckpt" if c.newer else "unreadable"
+        print(f"tierckpt ls: step {c.step} is {what}: {c.error}", file=sys.stderr)
     for cid, why in damaged.items():
         print(f"tierckpt ls: step {id_text(cid)} is DAMAGED: {why}", file=sys.stderr)
     if damaged:

@@ -184,9 +184,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
         id_text(c)
         + (" (pinned)" if c in plan.kept_pinned else "")
         + (" (DAMAGED)" if c in bad else "")
+        + (" (newer release)" if c in plan.newer else "")
         for c in plan.retained
     ]
     print(f"{backend.url}: keeping step(s) {', '.join(kept) or 'none'}")
+    if plan.newer:
+        print(
+            f"kept {', '.join(map(id_text, plan.newer))}: written by a newer tierckpt (a "
+            "manifest version this one does not read), whatever their age; upgrade to read them"
+        )
     for cid, why in plan.damaged:
         print(f"DAMAGED {id_text(cid)}: {why}")
     if plan.kept_pinned:
@@ -301,6 +307,11 @@ def cmd_unlock(args: argparse.Namespace) -> int:
                 "  that writer was presumed live only by its lease's age (no process or lock "
                 "file on this machine to ask): if it still runs, it stops writing and deleting "
                 "here at its next lease check, and its later saves to this tier fail"
+            )
+        elif w.record is None:
+            print(
+                "  it could not be read, so nobody could tell whether a writer holds it: if one "
+                "does, it stops writing and deleting here at its next lease check"
             )
         elif w.alive:
             print(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from tierckpt import limits
 from tierckpt._types import JSON, BytesLike
 from tierckpt.backends.base import validate_name
-from tierckpt.errors import CorruptCheckpoint, FormatError
+from tierckpt.errors import CorruptCheckpoint, FormatError, NewerFormat
 from tierckpt.format._names import (
     FOOTER_SIZE,
     MANIFEST_VERSIONS,
@@ -142,6 +142,12 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
     if stored != checksum(canon.encode("utf-8")):
         raise CorruptCheckpoint(f"{where}: manifest checksum mismatch")
     version = body.get("version")
+    if type(version) is int and version > max(MANIFEST_VERSIONS):
+        raise NewerFormat(
+            f"{where}: manifest version {version}, written by a newer tierckpt; this one reads "
+            f"versions {', '.join(map(str, MANIFEST_VERSIONS))} (upgrade tierckpt to read it; "
+            "nothing here deletes or replaces it)"
+        )
     if version not in MANIFEST_VERSIONS:
         raise FormatError(
             f"{where}: unsupported manifest version {version!r}; this tierckpt reads versions "

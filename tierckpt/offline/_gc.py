@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from tierckpt.backends.base import Backend
 from tierckpt.catalog import committed_ids
 from tierckpt.errors import (
+    NewerFormat,
     WriterConflict,
 )
 from tierckpt.format import (
@@ -31,6 +32,7 @@ from tierckpt.offline._unfinished import NONE, Unfinished, unfinished
 from tierckpt.offline._verify import verify_checkpoint
 from tierckpt.restore import read_index, read_manifest
 from tierckpt.retention import gc_tier, pinned_ids
+from tierckpt.retention_scan import written_by_newer
 
 #: shard files whose tails :func:`quick_check` reads at once (one small read each: on an
 #: object store with many ranks, one after another took a round trip per rank)
@@ -73,6 +75,9 @@ class GcPlan:
     #: ``dry_run`` only: why a real run would refuse and delete nothing (a live writer holds
     #: the location's lease; ``force`` lifts it); "" when it would not
     refused: str = ""
+    #: checkpoints written by a newer tierckpt (a manifest version this one does not read):
+    #: kept whatever their age, not counted toward ``keep_last``, not damage
+    newer: list[CheckpointId] = field(default_factory=list)
 
 
 def quick_check(backend: Backend, cid: CheckpointId, *, read_whole: bool = False) -> str:
@@ -91,9 +96,14 @@ def quick_check(backend: Backend, cid: CheckpointId, *, read_whole: bool = False
             # the size, the footer, the index checksum; the first failure (in rank order) raises
             for _ in pool.map(lambda ref: read_index(backend, ref, backend.url), refs):
                 pass
+    except NewerFormat as exc:  # not damage: a newer release's (GcPlan.newer)
+        return f"{_NEWER}{exc}"
     except Exception as exc:  # damage of any kind (or unreadable): reported, never deleted
         return str(exc) or type(exc).__name__
     return ""
+
+
+_NEWER = "written by a newer tierckpt: "
 
 
 def gc(
@@ -143,6 +153,11 @@ def gc(
     pinned = set(pinned_ids(backend))  # never removed (Checkpointer.pin)
     keep, damaged = _kept(backend, committed, keep_last, read_whole)
     expired = [c for c in committed if c not in keep and c not in pinned]
+    # retention never deletes a newer release's checkpoint (written_by_newer): say so here
+    keep |= {c for c in expired if written_by_newer(backend, c)}
+    newer = sorted({c for c, why in damaged if why.startswith(_NEWER)} | (set(expired) & keep))
+    damaged = [(c, why) for c, why in damaged if c not in newer]
+    expired = [c for c in expired if c not in keep]
     committed_set = set(committed)
     complete, writes = _data(backend)
     uncommitted = [c for c in sorted(complete | set(writes)) if c not in committed_set]
@@ -174,11 +189,12 @@ def gc(
         kept,
         [c for c in by_rule if c in pinned and c not in keep],
         damaged,
-        [c for c in by_rule if c in keep and c not in bad],
+        [c for c in by_rule if c in keep and c not in bad and c not in newer],
         dead_saves,
         sorted(dead_writes),
         writes,
         refused,
+        newer,
     )
     if dry_run:
         return plan

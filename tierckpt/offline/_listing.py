@@ -14,6 +14,7 @@ from tierckpt.backends.local import LocalBackend
 from tierckpt.catalog import committed_ids, data_ids
 from tierckpt.errors import (
     CheckpointNotFound,
+    NewerFormat,
     TierCkptError,
 )
 from tierckpt.format import (
@@ -82,6 +83,8 @@ class ListedCheckpoint:
     error: str = ""
     timeline: int = 0
     abandoned: bool = False
+    #: its manifest is of a format version a newer tierckpt writes (not damage)
+    newer: bool = False
 
     @property
     def id(self) -> CheckpointId:
@@ -100,7 +103,8 @@ def list_checkpoints(backend: Backend) -> list[ListedCheckpoint]:
             m = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
             out.append(ListedCheckpoint(cid.step, m, "", cid.timeline, abandoned))
         except TierCkptError as exc:
-            out.append(ListedCheckpoint(cid.step, None, str(exc), cid.timeline, abandoned))
+            newer = isinstance(exc, NewerFormat)
+            out.append(ListedCheckpoint(cid.step, None, str(exc), cid.timeline, abandoned, newer))
     return out
 
 

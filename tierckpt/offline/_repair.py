@@ -27,7 +27,13 @@ from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import codec_from_config
-from tierckpt.errors import CheckpointNotFound, CorruptChunk, FormatError, WriterConflict
+from tierckpt.errors import (
+    CheckpointNotFound,
+    CorruptChunk,
+    FormatError,
+    NewerFormat,
+    WriterConflict,
+)
 from tierckpt.format import (
     CheckpointId,
     Manifest,
@@ -75,6 +81,8 @@ def destination_copy(
         theirs = decode_manifest(dst.get(name), where=f"{dst.url}/{name}")
     except CheckpointNotFound:
         return DestinationCopy("absent")  # removed meanwhile
+    except NewerFormat as exc:  # a newer release's checkpoint: never replaced
+        return DestinationCopy("other", str(exc))
     except FormatError as exc:
         return DestinationCopy("damaged", f"its manifest: {exc}")
     why = _manifests_differ(mine, theirs)
