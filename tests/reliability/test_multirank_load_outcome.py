@@ -15,6 +15,8 @@ shard's would.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import dist_workers
@@ -88,6 +90,19 @@ def test_node_private_copies_a_step_apart_load_the_newest_every_node_holds(
     )
     assert [r["errors"] for r in res] == [[], []], res
     assert _steps(root / "nvme-0") == _steps(root / "nvme-1") == [1, 2, 3]
+    # a node's folder holds its own ranks' files: verify and gc check those (they said every
+    # checkpoint there was damaged: the other rank's file "does not exist")
+    for node in ("nvme-0", "nvme-1"):
+        cli = [sys.executable, "-m", "tierckpt"]
+        got = subprocess.run([*cli, "verify", str(root / node)], capture_output=True, text=True)
+        assert got.returncode == 0 and got.stdout.count("a node-local copy") == 3, got
+        got = subprocess.run(
+            [*cli, "gc", "--dry-run", "--keep-last", "1", str(root / node)],
+            capture_output=True,
+            text=True,
+        )
+        assert got.returncode == 0 and "DAMAGED" not in got.stdout + got.stderr, got
+        assert "would delete 2 expired checkpoint(s): 1, 2" in got.stdout, got
 
     # a crash before node 1 wrote step 3's manifest: node 0 is a step ahead
     (root / "nvme-1" / manifest_name(3)).unlink()

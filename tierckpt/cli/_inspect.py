@@ -377,9 +377,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 return 1
             bar.close()
             dt = time.perf_counter() - t0
+            node = (
+                f" (a node-local copy: the files of rank(s) {list(rep.node_ranks)} are here, "
+                "the other ranks' on their nodes)"
+                if rep.node_ranks
+                else ""
+            )
             print(
                 f"ok  {cid}: {rep.shards} shard(s), {rep.chunks} chunks, "
                 f"{fmt_bytes(rep.stored_bytes)} stored -> {fmt_bytes(rep.raw_bytes)} raw, "
-                f"checksums and decoding ok ({dt:.2f} s)"
+                f"checksums and decoding ok ({dt:.2f} s){node}"
             )
     return 0

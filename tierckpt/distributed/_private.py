@@ -215,7 +215,7 @@ def _compose(tier: Tier, job: SaveJob, nodes: NodeStores, deadline: float) -> by
 
     _store_wait(g, keys, where, missing, deadline, f"{p}failed")
     records = _decode_items(g.multi_get(keys), keys, job, where)
-    return encode_manifest(_manifest(tier.name, job, records))
+    return encode_manifest(_manifest(tier.name, job, records, node_local=True))
 
 
 def _unpublished(nodes: NodeStores, prefix: str, ranks: tuple[int, ...]) -> list[int]:

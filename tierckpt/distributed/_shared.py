@@ -50,7 +50,9 @@ def _write_record(backend: Backend, rec: RankRecord) -> None:
     )
 
 
-def _manifest(tier_name: str, job: SaveJob, records: Sequence[RankRecord]) -> Manifest:
+def _manifest(
+    tier_name: str, job: SaveJob, records: Sequence[RankRecord], *, node_local: bool = False
+) -> Manifest:
     return Manifest(
         step=job.step,
         world_size=job.world_size,
@@ -63,6 +65,7 @@ def _manifest(tier_name: str, job: SaveJob, records: Sequence[RankRecord]) -> Ma
         codecs=tuple(sorted({r.codec for r in records})),
         metadata=job.metadata,
         timeline=job.timeline,
+        node_local=node_local,
     )
 
 

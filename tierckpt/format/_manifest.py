@@ -59,6 +59,9 @@ class Manifest:
     metadata: dict[str, JSON] | None = None
     #: the timeline of this checkpoint (0: the first; see :class:`CheckpointId`)
     timeline: int = 0
+    #: a node-local copy (a private tier of a multi-rank job): it lists every rank's shard
+    #: file, and holds only those of the ranks on its node
+    node_local: bool = False
 
     @property
     def id(self) -> CheckpointId:
@@ -92,6 +95,8 @@ def encode_manifest(m: Manifest) -> bytes:
     if m.timeline:
         # only when non-zero: a timeline-0 manifest stays byte for byte a v1 one
         body["timeline"] = _check_timeline(m.timeline)
+    if m.node_local:
+        body["node_local"] = True  # only when set, as the timeline
     canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     body["checksum"] = checksum(canon.encode("utf-8"))
     return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode("utf-8")
@@ -202,4 +207,5 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
         codecs=tuple(str(c) for c in codecs) if isinstance(codecs, list) else (),
         metadata=metadata if isinstance(metadata, dict) else {},
         timeline=timeline,
+        node_local=body.get("node_local") is True,
     )

@@ -29,7 +29,7 @@ from tierckpt.format import (
 from tierckpt.layout import data_folder_part
 from tierckpt.offline._leases import LeaseInfo, leases
 from tierckpt.offline._unfinished import NONE, Unfinished, unfinished
-from tierckpt.offline._verify import verify_checkpoint
+from tierckpt.offline._verify import held_shards, verify_checkpoint
 from tierckpt.restore import read_index, read_manifest
 from tierckpt.retention import gc_tier, pinned_ids
 from tierckpt.retention_scan import written_by_newer
@@ -91,7 +91,7 @@ def quick_check(backend: Backend, cid: CheckpointId, *, read_whole: bool = False
             verify_checkpoint(backend, cid)
             return ""
         manifest = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
-        refs = manifest.shards
+        refs = held_shards(backend, manifest)  # a node-local copy: its node's ranks
         with ThreadPoolExecutor(min(CHECK_THREADS, len(refs)) or 1, "tierckpt-check") as pool:
             # the size, the footer, the index checksum; the first failure (in rank order) raises
             for _ in pool.map(lambda ref: read_index(backend, ref, backend.url), refs):

@@ -12,12 +12,15 @@ from tierckpt.arena import total_ram
 from tierckpt.backends.base import Backend
 from tierckpt.codecs import Codec, codec_from_config
 from tierckpt.errors import (
+    CheckpointNotFound,
     CorruptChunk,
     FormatError,
 )
 from tierckpt.format import (
     CheckpointId,
     ChunkRecord,
+    Manifest,
+    ShardRef,
     checksum,
     tree_args,
 )
@@ -35,6 +38,23 @@ class VerifyReport:
     raw_bytes: int
     stored_bytes: int
     timeline: int = 0
+    #: a node-local copy (:func:`held_shards`): the ranks whose files it holds (checked)
+    node_ranks: tuple[int, ...] = ()
+
+
+def held_shards(backend: Backend, manifest: Manifest) -> tuple[ShardRef, ...]:
+    """The shard files of ``manifest`` to check on ``backend``: every one, or for a node-local
+    copy (``manifest.node_local``: a private tier of a multi-rank job, one folder per node)
+    those of its node's ranks, the files there; ``CheckpointNotFound`` where it holds none."""
+    if not manifest.node_local:
+        return manifest.shards
+    here = tuple(ref for ref in manifest.shards if backend.exists(ref.file))
+    if not here:
+        raise CheckpointNotFound(
+            f"{backend.url}: a node-local copy of {manifest.id} that holds none of its "
+            f"{manifest.world_size} ranks' shard files"
+        )
+    return here
 
 
 def verify_checkpoint(
@@ -54,7 +74,8 @@ def verify_checkpoint(
     cid = _id(backend, step, timeline)
     manifest = read_manifest(backend, cid.step, backend.url, timeline=cid.timeline)
     n_chunks = raw_total = stored_total = 0
-    for ref in manifest.shards:
+    refs = held_shards(backend, manifest)
+    for ref in refs:
         where = f"{backend.url}/{ref.file}"
         index, _blob, _footer = read_index(backend, ref, backend.url)
         codecs: list[Codec] = [codec_from_config(c) for c in index["codecs"]]
@@ -95,8 +116,9 @@ def verify_checkpoint(
         if covered != int(index["data_bytes"]):
             raise FormatError(f"{where}: chunks cover {covered} of {index['data_bytes']} bytes")
         _check_tree(index, where)
+    node_ranks = tuple(r.rank for r in refs) if manifest.node_local else ()
     return VerifyReport(
-        cid.step, len(manifest.shards), n_chunks, raw_total, stored_total, cid.timeline
+        cid.step, len(refs), n_chunks, raw_total, stored_total, cid.timeline, node_ranks
     )
 
 
