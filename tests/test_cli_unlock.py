@@ -112,3 +112,16 @@ def test_unlock_of_an_unreadable_lease_says_so_not_forced(
     assert rc == 0, (out, err)
     assert "--force" not in out and "could not be read" in out, out
     assert not backend.exists(LEASE)
+
+
+def test_a_writer_whose_lease_was_removed_is_told_to_restart(tmp_path: Path) -> None:
+    # rm -rf leases/ (or unlock --force) beside a running job: its saves fail there for good,
+    # and were told "Two jobs are pointed at one location: stop one of them" with one job
+    root = tmp_path / "run"
+    with Checkpointer([LocalTier(root)]) as ck:
+        _save(ck, 1)
+        (root / LEASE).unlink()
+        with pytest.raises(Exception) as info:
+            _save(ck, 2)
+    text = str(info.value) + str(info.value.__cause__ or "")
+    assert "restart this job" in text and "Two jobs" not in text, text

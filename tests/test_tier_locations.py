@@ -168,3 +168,50 @@ def test_node_ram_tiers_on_one_run_folder_are_refused(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=f"'noderam' and '{other.name}' both write to"):
             TierPolicy([ram, other])
     assert len(TierPolicy([ram, NodeRamTier(path=tmp_path, namespace="run2", name="b")])) == 2
+
+
+def test_the_two_paths_of_a_bind_mount_are_one_folder(tmp_path: Path) -> None:
+    # a field test's LocalTier(a) beside LocalTier(b, name="archive") where b is a bind mount
+    # of a: accepted (the paths differ), each step committed on one tier only, the run tier's
+    # keep_last deleted the archive's steps, and the other tier's shard files replaced the
+    # two left (neither loaded). The key is now the folder's device and inode
+    import subprocess
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    got = subprocess.run(["mount", "--bind", str(a), str(b)], capture_output=True)
+    if got.returncode != 0:
+        pytest.skip(f"no bind mount here: {got.stderr.decode(errors='replace').strip()}")
+    try:
+        _refused([LocalTier(a), LocalTier(b, name="archive")])
+        _refused([LocalTier(a / "run"), LocalTier(b / "run", name="archive")])  # not made yet
+    finally:
+        subprocess.run(["umount", str(b)], check=True)
+    TierPolicy([LocalTier(a), LocalTier(b, name="archive")])  # two folders again
+
+
+def test_two_names_of_one_store_are_refused_at_the_first_save(
+    moto_server, s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # localhost and 127.0.0.1: the policy sees two stores (it compares what it is given); the
+    # second tier's lease take finds the first tier's (the same writer, another tier). Before,
+    # a field test lost every checkpoint this way: half the saves failed on each tier, the run
+    # tier's keep_last deleted the archive's steps, and shard files replaced each other's
+    bucket = s3_bucket(moto_server)
+    url = f"s3://{bucket}/run"
+    other = moto_server.endpoint_url.replace("127.0.0.1", "localhost")
+    assert other != moto_server.endpoint_url
+    tiers = [
+        S3Tier(url, endpoint_url=moto_server.endpoint_url, keep_last=2, codec="raw"),
+        S3Tier(url, endpoint_url=other, name="archive", keep_last=None, codec="zstd"),
+    ]
+    ck = Checkpointer(tiers)
+    try:
+        with pytest.raises(Exception, match="another tier of this same job") as info:
+            ck.save(_state(1), 1).wait()
+        assert "Give each tier its own folder or prefix" in str(info.value)
+    finally:
+        ck.close()
+    names = [o["Key"] for o in moto_server.admin.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert not [n for n in names if "/manifests/" in n], names  # nothing committed

@@ -38,11 +38,9 @@ Losing a lease
     tier for good: every later save there fails with :class:`LeaseLost` and it never deletes
     anything there again.
 
-Where the object store has no conditional PUT, the create is a best-effort check-then-put;
-the read-back after it still catches two writers unless they interleave exactly.
-
-This module holds no threads: :mod:`tierckpt.pipeline` calls :class:`WriterLease` from its
-tier threads. ``WriterLease`` is thread-safe (one lock; its backend calls block).
+Without conditional PUT the create is a check-then-put; the read-back still catches two
+writers unless they interleave exactly. No threads here: :mod:`tierckpt.pipeline` calls the
+thread-safe :class:`WriterLease` (one lock; its backend calls block) from its tier threads.
 
 Knobs: ``TIERCKPT_LEASE_TTL`` (seconds, default 60), ``TIERCKPT_LEASE_WAIT_S`` (how long a
 save waits for the first acquisition before going on without an answer, default 10).
@@ -61,7 +59,7 @@ import uuid
 from tierckpt import config
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
-from tierckpt.lease_refusal import held_lease, unreadable_lease
+from tierckpt.lease_refusal import held_lease, lost_lease, other_tier, unreadable_lease
 from tierckpt.liveness import (
     HostIdentity,
     LeaseRecord,
@@ -197,7 +195,9 @@ def judge_holder(
             f"the store wrote it {max(age, 0.0):.0f} s ago, within its ttl of {rec.ttl:.0f} s, "
             f"though the renewal time it holds is {wall:.0f} s old by this machine's clock: "
             f"this machine's clock and the writer's disagree by about {wall - age:.0f} s, so "
-            "its age says nothing (set both clocks right: NTP)"
+            "its age says nothing (set both clocks right: NTP), or the folder was copied here "
+            "with new file times (cp -r, scp, rsync without -t: then wait out the ttl, or run "
+            "`tierckpt unlock`)"
         ),
         True,
     )
@@ -335,6 +335,8 @@ class WriterLease:
             raw, rec = got
             if rec.owner == self.owner:
                 return
+            if (refused := other_tier(self, rec)) is not None:  # another tier of this writer
+                raise refused
             alive, why, presumed = judge_holder(b, name, rec, self.owner)
             if alive and not collected and in_this_process(rec):
                 # a writer of this process dropped unclosed in a cycle: collected, it closes
@@ -417,16 +419,10 @@ class WriterLease:
         return None if got is None else got[1].owner
 
     # -- hold --------------------------------------------------------------------------
-    def _lose(self, why: str) -> LeaseLost:
+    def _lose(self, why: str, removed: bool = False) -> LeaseLost:
         self.held = False
         self._next_renewal = math.inf
-        self.lost = LeaseLost(
-            f"{self.where}: this writer lost rank {self.rank}'s lease {self.name}: {why}. It "
-            "no longer writes or deletes anything there; its later saves fail on this tier. "
-            "Two jobs are pointed at one location: stop one of them",
-            tier=self.tier,
-            url=self.backend.url,
-        )
+        self.lost = lost_lease(self, why, removed)
         log.error("%s", self.lost)
         return self.lost
 
@@ -437,7 +433,7 @@ class WriterLease:
         except FormatError as exc:
             raise self._lose(f"it was replaced by an unreadable object ({exc})") from None
         if got is None:
-            raise self._lose("it was removed (tierckpt unlock?)")
+            raise self._lose("it was removed (tierckpt unlock?)", removed=True)
         if got[1].owner != self.owner:
             raise self._lose(f"another writer took it over: {got[1].describe()}")
 

@@ -1,13 +1,20 @@
 """What a writer is told when another holds its lease (:mod:`tierckpt.lease`): the
 :class:`~tierckpt.WriterConflict` of a holder known live, of one only presumed live (its
-lease's age), and of an object at the lease's name that is no lease tierckpt can read."""
+lease's age), of an object at the lease's name that is no lease tierckpt can read, and of
+another tier of the same writer (:func:`tier_owner`)."""
 
 from __future__ import annotations
 
-from tierckpt.errors import WriterConflict
+import hashlib
+from typing import TYPE_CHECKING
+
+from tierckpt.errors import LeaseLost, WriterConflict
 from tierckpt.liveness import LeaseRecord
 
-__all__ = ["held_lease", "unreadable_lease"]
+if TYPE_CHECKING:
+    from tierckpt.lease import WriterLease
+
+__all__ = ["held_lease", "lost_lease", "other_tier", "tier_owner", "unreadable_lease"]
 
 
 def held_lease(
@@ -81,4 +88,49 @@ def unreadable_lease(
         tier=tier,
         url=url,
         presumed=True,
+    )
+
+
+def tier_owner(writer: str, tier: str) -> str:
+    """The owner id of ``writer``'s lease on its tier named ``tier``: the writer's id, a dot
+    and 8 hex digits of the name, so that two tiers of one writer that reach one location (a
+    bind mount, two names of one endpoint: the policy cannot see it) tell each other apart."""
+    return f"{writer}.{hashlib.sha256(tier.encode()).hexdigest()[:8]}"
+
+
+def other_tier(lease: WriterLease, rec: LeaseRecord) -> WriterConflict | None:
+    """The refusal of ``lease`` where ``rec``, the lease found at its name, is held by another
+    tier of the same writer (:func:`tier_owner`): two tiers of one job reach one location,
+    which the policy could not see (it compares paths and URLs); else None."""
+    mine, theirs = lease.owner.split("."), rec.owner.split(".")
+    if len(mine) != 2 or len(theirs) != 2 or mine[0] != theirs[0]:
+        return None
+    return WriterConflict(
+        f"{lease.where}: another tier of this same job already holds the lease {lease.name} "
+        "here, so two of its tiers reach this one location: a bind mount or a link, or two "
+        "names of one store (localhost and 127.0.0.1). Their shard files and manifests would "
+        "replace each other's (a committed checkpoint lost) and each one's retention would "
+        "delete what the other keeps, so this save wrote nothing. Give each tier its own "
+        "folder or prefix",
+        tier=lease.tier,
+        url=lease.backend.url,
+        holder=rec,
+    )
+
+
+def lost_lease(lease: WriterLease, why: str, removed: bool) -> LeaseLost:
+    """What ``lease``'s writer is told once it lost the lease: taken over by another writer,
+    or ``removed`` (by hand, or ``tierckpt unlock --force`` on this running job)."""
+    remedy = (
+        "If no other job is pointed here (the lease file was deleted by hand, or `tierckpt "
+        "unlock --force` was run on this running job), restart this job: it takes the lease "
+        "again at its first save and loads the newest checkpoint"
+        if removed
+        else "Two jobs are pointed at one location: stop one of them"
+    )
+    return LeaseLost(
+        f"{lease.where}: this writer lost rank {lease.rank}'s lease {lease.name}: {why}. It no "
+        f"longer writes or deletes anything there; its later saves fail on this tier. {remedy}",
+        tier=lease.tier,
+        url=lease.backend.url,
     )

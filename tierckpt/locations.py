@@ -58,9 +58,22 @@ class Located(Protocol):
 
 def folder_location(path: str) -> tuple[str, Hashable]:
     """A local folder's key: the folder with links and ``..`` resolved (``/a/run/`` and
-    ``/a/x/../run`` are one folder)."""
+    ``/a/x/../run`` are one folder), as the filesystem knows it: the device and inode of
+    its nearest existing ancestor and the path below that (the two paths of a bind mount
+    are one folder)."""
     real = os.path.realpath(path)
-    return real, ("folder", real)
+    head = real
+    below: tuple[str, ...] = ()
+    while True:
+        try:
+            st = os.stat(head)
+        except OSError:
+            parent = os.path.dirname(head)
+            if parent == head:
+                return real, ("folder", real)
+            head, below = parent, (os.path.basename(head), *below)
+            continue
+        return real, ("folder", st.st_dev, st.st_ino, below)
 
 
 def store_location(url: str, options: Mapping[str, Any]) -> tuple[str, Hashable]:

@@ -25,6 +25,7 @@ from tierckpt.lease import (
     live_lock_name,
     new_owner_id,
 )
+from tierckpt.lease_refusal import tier_owner
 from tierckpt.liveness import LiveLock
 from tierckpt.pipeline._values import SaveJob, Tier
 from tierckpt.reported import RETENTION, report_once
@@ -76,7 +77,8 @@ class Leases:
                 path = None if live else self._local_path(live_lock_name(rank))
                 if path is not None:
                     live = self._live[rank] = LiveLock(path)
-                lease = WriterLease(tier.backend, tier.name, rank, self.owner, self.ttl, live)
+                owner = tier_owner(self.owner, tier.name)
+                lease = WriterLease(tier.backend, tier.name, rank, owner, self.ttl, live)
                 self._table[(tier.name, rank)] = lease
             return lease
 
