@@ -54,3 +54,19 @@ def test_checkpointer_not_found_names_the_folder_it_looked_in(tmp_path):
         ck.load()
     assert f"local: {typo}" in str(ei.value), str(ei.value)
     assert os.path.isdir(real / "manifests")
+
+
+def test_steps_on_the_folder_above_a_run_warns_where_the_checkpoints_are(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `if ck.steps(): ck.load()` with the parent folder given: an empty list, and the job
+    # trained from step 0 without a word (the hint was only in load()'s error and the CLI)
+    run = tmp_path / "runs" / "run1"
+    with tierckpt.Checkpointer(str(run)) as ck:
+        ck.save({"w": torch.ones(3)}, 1).wait()
+    above = tierckpt.Checkpointer(str(tmp_path / "runs"))
+    with caplog.at_level("WARNING", logger="tierckpt"), above as ck:
+        assert ck.steps() == []
+        assert ck.steps() == []  # said once
+    said = [r.getMessage() for r in caplog.records if "found no checkpoint" in r.getMessage()]
+    assert len(said) == 1 and str(run) in said[0], said

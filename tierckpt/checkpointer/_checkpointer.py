@@ -282,7 +282,7 @@ class Checkpointer(SavePath, Observed):
         (not an empty list: whether one exists is unknown), as do :meth:`steps`,
         :meth:`latest_step` and :meth:`load` (not ``CheckpointNotFound``)."""
         self._settle_retention(tier)
-        return list_checkpoints(self._load_context(), tier)
+        return list_checkpoints(self._load_context(), tier, hint=True)
 
     @in_owner_process
     def steps(self, tier: str | None = None) -> list[int]:

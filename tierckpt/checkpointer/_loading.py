@@ -31,7 +31,7 @@ from tierckpt.catalog import (
 )
 from tierckpt.checkpointer._auto_feedback import feed_policy
 from tierckpt.checkpointer._load_errors import committed_yet_unread
-from tierckpt.checkpointer._near import near_tiers
+from tierckpt.checkpointer._near import first_look, near_tiers
 from tierckpt.checkpointer._retention import Protectors
 from tierckpt.checkpointer._to_device import to_device
 from tierckpt.codecs import SupportsObserveRead
@@ -96,15 +96,18 @@ class LoadContext:
     saving: Callable[[], list[int]] | None = None
 
 
-def list_checkpoints(ctx: LoadContext, tier: str | None) -> list[CheckpointId]:
+def list_checkpoints(ctx: LoadContext, tier: str | None, hint: bool = False) -> list[CheckpointId]:
     """Committed checkpoints on ``tier`` or on any tier, oldest first (see
-    :meth:`~tierckpt.Checkpointer.checkpoints`)."""
+    :meth:`~tierckpt.Checkpointer.checkpoints`); ``hint``: where none is, say once where
+    tier locations near these are (a warning)."""
     if tier is not None:
         return committed_ids(ctx.tier_named(tier).backend)
     listing, unlisted = _list_all(ctx)
     out = {c for ids in listing.values() for c in ids}
     if unlisted and not out:
         raise unreadable(unlisted, listing, "no checkpoint is committed")
+    if hint and not out and first_look(ctx.tiers):  # `if ck.steps(): load()`, a wrong place
+        near_tiers(ctx.tiers, listing.keys(), ctx.rank, "listing")  # a hint: a warning
     return sorted(out)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Collection, Sequence
 from urllib.parse import urlsplit
 
@@ -21,11 +22,29 @@ from tierckpt.redact import redact
 log = logging.getLogger("tierckpt")
 
 
-def near_tiers(tiers: Sequence[Tier], listed: Collection[str], rank: int) -> str:
-    """The hint for a load that found no checkpoint on ``tiers`` (``listed``: the names of
-    those that could be listed); empty when there is none. Object stores are looked around
-    by rank 0 only (a thousand ranks would send a thousand times the LIST requests), and
-    only those that answered the load's own listing."""
+def first_look(tiers: Sequence[Tier]) -> bool:
+    """True the first time a listing of ``tiers`` found nothing (a writer's ``steps()``, once:
+    a job that checks ``if ck.steps():`` before ``load()`` is told where checkpoints are)."""
+    key = tiers[0].backend if tiers else None
+    try:
+        if key is None or key in _LOOKED:
+            return False
+        _LOOKED.add(key)
+    except TypeError:  # a backend that cannot be weakly referenced: never looked around
+        return False
+    return True
+
+
+_LOOKED: weakref.WeakSet[Backend] = weakref.WeakSet()
+
+
+def near_tiers(
+    tiers: Sequence[Tier], listed: Collection[str], rank: int, doing: str = "load"
+) -> str:
+    """The hint for a load (or a listing: ``doing``) that found no checkpoint on ``tiers``
+    (``listed``: the names of those that could be listed); empty when there is none. Object
+    stores are looked around by rank 0 only (a thousand ranks would send a thousand times the
+    LIST requests), and only those that answered the load's own listing."""
     said = []
     for t in tiers:
         b = t.backend
@@ -50,7 +69,7 @@ def near_tiers(tiers: Sequence[Tier], listed: Collection[str], rank: int) -> str
     if not said:
         return ""
     hint = "; ".join(said) + " (is the location given to the tier the one the saves went to?)"
-    log.warning("load found no checkpoint: %s", hint)
+    log.warning("%s found no checkpoint: %s", doing, hint)
     return "; " + hint
 
 
