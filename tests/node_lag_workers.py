@@ -67,3 +67,33 @@ def w_load_newest(rank: int, world: int, root: str, fallback: str) -> dict[str, 
         ck.close()
     dist.barrier()
     return out
+
+
+def w_rank_store_fails(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A shared folder; from step 2 on, rank 1's writes there fail (its disk, its mount), its
+    failure record included: rank 0 hears of it through the process group's store, at once,
+    instead of waiting out ``commit_timeout`` (60 s here) for every such step."""
+    from tierckpt.backends.local import LocalBackend
+
+    out: dict[str, Any] = {}
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        ck = Checkpointer([LocalTier(os.path.join(root, "shared"), keep_last=None)])
+        ck.save(_state(rank, 1), 1).wait(timeout=60)
+        dist.barrier()
+        if rank == 1:
+
+            def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
+                raise OSError(5, "Input/output error (the test's broken mount)")
+
+            LocalBackend.open_writer = broken  # type: ignore[method-assign]
+            LocalBackend.put_atomic = broken  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        try:
+            ck.save(_state(rank, 2), 2).wait(timeout=120)
+            out["error"] = None
+        except TierCkptError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"[:800]
+        out["seconds"] = time.monotonic() - t0
+        ck.close(timeout=30)
+    dist.barrier()
+    return out

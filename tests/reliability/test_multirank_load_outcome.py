@@ -134,3 +134,26 @@ def test_node_private_copies_a_step_apart_load_the_newest_every_node_holds(
         "every node holds the last step; a node a step ahead loads the newest step every node "
         "holds; a damaged one still fails the load",
     )
+
+
+def test_a_rank_whose_tier_fails_whole_is_heard_of_at_once(
+    tmp_path: Path, record: Recorder
+) -> None:
+    """One rank's writes to a shared tier fail, its failure record too (a field test: one
+    rank's S3 path answering 500s): rank 0 waited out the commit timeout on every step (89 s
+    for 12 steps at a 30 s timeout). The rank now tells rank 0 through the process group's
+    store."""
+    res = dist_workers.run(
+        "node_lag_workers:w_rank_store_fails", 2, root=str(tmp_path / "run"), timeout=240
+    )
+    assert res[0]["error"] and "reported through the process group's store" in res[0]["error"]
+    assert "rank 1" in res[0]["error"], res[0]
+    assert res[0]["seconds"] < 30, res  # not the 60 s commit timeout
+    assert res[1]["error"], res[1]
+    assert _steps(tmp_path / "run" / "shared") == [1]
+    record(
+        "distributed",
+        "one rank's writes to a shared tier fail, its failure record too (2 ranks)",
+        f"rank 0 heard of it through the store in {res[0]['seconds']:.1f} s, not the "
+        "commit timeout; nothing committed",
+    )

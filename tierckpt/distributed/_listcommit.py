@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,7 @@ def wait_for_listed_records(
     prefixes: int,
     *,
     timeline: int = 0,
+    reported: Callable[[], bytes | None] | None = None,
 ) -> list[RankRecord]:
     """Poll the records' folders until every rank's record of this attempt is listed (rank 0);
     see the module docstring. :class:`CommitTimeout` after ``commit_timeout`` seconds,
@@ -175,6 +177,7 @@ def wait_for_listed_records(
                 start=start,
                 polls=f"{polls} polls ({lists} LISTs)",
                 hint=", or ranks configure different `prefixes` for this tier",
+                reported=reported,
             )
             if done is not None:
                 return done

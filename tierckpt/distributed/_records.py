@@ -8,11 +8,11 @@ import json
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierckpt.errors import CommitTimeout, FormatError
+from tierckpt.errors import CommitTimeout, FormatError, RankFailed
 from tierckpt.format import MAX_STEP, MAX_TIMELINE, ShardRef, shard_name
 from tierckpt.layout import data_folder_part
 
@@ -179,10 +179,13 @@ def all_or_timeout(
     start: float,
     polls: str,
     hint: str = "",
+    reported: Callable[[], bytes | None] | None = None,
 ) -> list[RankRecord] | None:
     """Every rank's record in rank order once ``found`` holds them all; ``None`` while some
     are missing and ``timeout`` seconds since ``start`` have not passed; then
-    :class:`CommitTimeout` naming the missing ranks (``hint``: a further likely cause)."""
+    :class:`CommitTimeout` naming the missing ranks (``hint``: a further likely cause).
+    ``reported()``: a rank's failure told through the process group's store, where its
+    failure record could not be written to the tier (:class:`RankFailed` at once)."""
     if len(found) == world_size:
         logging.getLogger("tierckpt").debug(
             "step %d tier %s: all %d records after %s, %.3f s",
@@ -193,6 +196,13 @@ def all_or_timeout(
             time.monotonic() - start,
         )
         return [found[r] for r in range(world_size)]
+    if reported is not None and (told := reported()) is not None:
+        raise RankFailed(
+            f"step {step} on tier {tier_name!r} ({url}): {told.decode('utf-8', 'replace')} "
+            "(reported through the process group's store: its failure record could not be "
+            "written to the tier); no manifest was written, so this step is not committed "
+            "there and the previous checkpoint stays the newest"
+        )
     if time.monotonic() < start + timeout:
         return None
     absent = [r for r in range(world_size) if r not in found]
@@ -204,3 +214,9 @@ def all_or_timeout(
         f"log){hint}, or a rank did not call save() for this step (every rank must save the same "
         "steps); if ranks are merely slow, raise TIERCKPT_COMMIT_TIMEOUT_S"
     )
+
+
+def shared_failure_key(tier: str, step: int, timeline: int, attempt: str) -> str:
+    """The process group's store key where a rank tells rank 0 that its part of a save on
+    a shared tier failed, when its failure record could not be written to the tier."""
+    return f"tierckpt/shared-failed/{tier}/{step}.{timeline}/{attempt}"

@@ -91,8 +91,10 @@ def wait_for_records(
     attempt: str,
     *,
     timeline: int = 0,
+    reported: Callable[[], bytes | None] | None = None,
 ) -> list[RankRecord]:
-    """Poll ``backend`` until every rank's record of this attempt is there (rank 0).
+    """Poll ``backend`` until every rank's record of this attempt is there (rank 0);
+    ``reported``: see :func:`all_or_timeout`.
 
     Few missing records are fetched by name (one GET each); many by one LIST of the step's
     folder. The pause between polls doubles from ``poll_initial`` to ``poll_max``; after
@@ -154,6 +156,7 @@ def wait_for_records(
             timeout=k.commit_timeout,
             start=start,
             polls=f"{polls} polls",
+            reported=reported,
         )
         if done is not None:
             return done

@@ -7,12 +7,13 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.distributed as dist
 
 from tierckpt import config
 from tierckpt.commit import Defer, Earlier, EarlierSave, SaveStart, being_saved
@@ -47,6 +48,7 @@ from tierckpt.distributed._records import (
     RankRecord,
     _describe,
     encode_failure,
+    shared_failure_key,
 )
 from tierckpt.distributed._repopulate import publish_repopulated
 from tierckpt.distributed._shared import _manifest, _put_manifest, _write_record, wait_for_records
@@ -98,7 +100,13 @@ def report_failure(
             if prefixes
             else rank_failure_name(job.step, job.rank, timeline=job.timeline)
         )
-        tier.backend.put_atomic(name, body, overwrite=True)
+        try:
+            tier.backend.put_atomic(name, body, overwrite=True)
+        except Exception:  # the tier that failed may fail again: tell rank 0 another way
+            if not (dist.is_available() and dist.is_initialized()):
+                raise
+            key = shared_failure_key(tier.name, job.step, job.timeline, job.attempt)
+            global_store().set(key, f"rank {job.rank}: {_describe(error)}".encode())
     except Exception as exc:  # never mask the save's own error
         log.warning(
             "step %d tier %s: could not report rank %d's failure to the other ranks (%s); "
@@ -108,6 +116,15 @@ def report_failure(
             job.rank,
             exc,
         )
+
+
+def _told_through_store(tier: Tier, job: SaveJob) -> Callable[[], bytes | None] | None:
+    """Rank 0's look at the process group's store for a rank's failure on a shared ``tier``
+    that could not be written there (:func:`report_failure`); None without a group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    key = shared_failure_key(tier.name, job.step, job.timeline, job.attempt)
+    return lambda: global_store().failure(key)
 
 
 class MultiRankCommit:
@@ -311,6 +328,8 @@ class MultiRankCommit:
         if job.rank != 0:
             return None
 
+        told = _told_through_store(tier, job)
+
         def wait_and_commit() -> None:
             if prefixes:
                 records = wait_for_listed_records(
@@ -321,6 +340,7 @@ class MultiRankCommit:
                     job.attempt,
                     prefixes,
                     timeline=job.timeline,
+                    reported=told,
                 )
             else:
                 records = wait_for_records(
@@ -330,6 +350,7 @@ class MultiRankCommit:
                     job.world_size,
                     job.attempt,
                     timeline=job.timeline,
+                    reported=told,
                 )
             _put_manifest(tier.backend, _manifest(tier.name, job, records))
 
