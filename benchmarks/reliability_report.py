@@ -555,6 +555,46 @@ FIXED += [
         "tierckpt/plan.py, restore/_index.py (index field requires_grad)",
         ["test_plain_tensors_that_require_grad_come_back_so"],
     ),
+    (
+        "Node-local tiers of a multi-rank job ended a step apart: rank 0 (the store's host) "
+        "exited right after close() before another node fetched the last manifest (4 of 4 "
+        "runs), or a crash fell between two nodes' manifest writes; the default load() then "
+        "raised 'committed but could not be read (damaged)' on every rank; verify and gc "
+        "called every checkpoint of a node's folder damaged",
+        "tierckpt/distributed/_private.py (_others_written), _agree.py (newest_listed), "
+        "checkpointer/_loading.py, offline/_verify.py (held_shards), format (node_local)",
+        ["test_node_private_copies_a_step_apart_load_the_newest_every_node_holds"],
+    ),
+    (
+        "One rank's writes to a shared tier failed, its failure record too: rank 0 waited "
+        "out the commit timeout on every step",
+        "tierckpt/distributed/_strategy.py (report_failure), _records.py (all_or_timeout)",
+        ["test_a_rank_whose_tier_fails_whole_is_heard_of_at_once"],
+    ),
+    (
+        "A library rolled back beside a newer release's checkpoints: its retention deleted a "
+        "checkpoint of a newer manifest version; tierckpt pull replaced such a copy as "
+        "'damaged'; gc and ls called it damage",
+        "tierckpt/format/_manifest.py (NewerFormat), retention_scan.py (written_by_newer), "
+        "offline/_repair.py, _gc.py",
+        [
+            "test_retention_keeps_a_newer_release_checkpoint",
+            "test_pull_does_not_replace_a_newer_release_copy",
+            "test_gc_and_ls_say_newer_release_not_damaged",
+        ],
+    ),
+    (
+        "Two tiers of one job reaching one location through an alias (a bind mount; "
+        "localhost and 127.0.0.1 for one S3 endpoint) were accepted: the shard files replaced "
+        "each other's and the run tier's retention deleted the archive's steps (every "
+        "checkpoint lost in a field test)",
+        "tierckpt/locations.py (folder_location: device and inode), lease_refusal.py "
+        "(tier_owner, other_tier)",
+        [
+            "test_the_two_paths_of_a_bind_mount_are_one_folder",
+            "test_two_names_of_one_store_are_refused_at_the_first_save",
+        ],
+    ),
 ]
 
 #: the test module behind each area; its docstring says how the area is tested
@@ -601,6 +641,9 @@ EVERYDAY_TESTS = [
     "tests/test_unguarded_step.py",
     "tests/test_cli_gc_killed_writer.py",
     "tests/test_cli_pull_push_stores.py",
+    "tests/test_newer_format.py",
+    "tests/test_mistyped_location.py",
+    "tests/test_load_errors.py",
 ]
 
 #: the rules operators rely on, written by hand; the report puts them first
