@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from dist_workers import rank_state, same
 
@@ -95,5 +96,59 @@ def w_rank_store_fails(rank: int, world: int, root: str) -> dict[str, Any]:
             out["error"] = f"{type(exc).__name__}: {exc}"[:800]
         out["seconds"] = time.monotonic() - t0
         ck.close(timeout=30)
+    dist.barrier()
+    return out
+
+
+def w_racing_listing(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
+    """A shared folder with steps 1..3. ``load``: rank 1's first listing misses step 3 (it
+    raced the commit, or its store left it out): every rank must still load step 3 (listing
+    again), not step 2. ``mismatch``: rank 1's ``into`` does not fit, with
+    ``fallback="previous"``: the load fails at once on every rank, walking back to no older
+    checkpoint (a state mismatch is not the data's fault)."""
+    from tierckpt import catalog
+    from tierckpt.checkpointer import _loading
+
+    folder = os.path.join(root, "shared")
+    out: dict[str, Any] = {}
+    with tdist.knobs(commit_timeout=60, poll_max=0.2):
+        if phase == "save":
+            with Checkpointer([LocalTier(folder, keep_last=None)]) as ck:
+                for s in (1, 2, 3):
+                    ck.save(_state(rank, s), s).wait(timeout=60)
+            dist.barrier()
+            return out
+        ck = Checkpointer([LocalTier(folder, keep_last=None)])
+        calls = []
+        real_once = _loading._load_once
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return real_once(*args, **kwargs)
+
+        _loading._load_once = counted  # type: ignore[assignment]
+        if phase == "load":
+            real = catalog.committed_ids
+            first = [rank == 1]
+
+            def late(backend: Any) -> Any:
+                got = real(backend)
+                if first[0]:
+                    first[0] = False
+                    return [c for c in got if c.step != 3]
+                return got
+
+            catalog.committed_ids = late  # type: ignore[assignment]
+            got = ck.load()
+            out = {"step": int(got["step"]), "diff": same(got, _state(rank, int(got["step"])))}
+        else:
+            into = {"x": {"w": torch.zeros(3)}, "step": 0} if rank == 1 else None
+            try:
+                ck.load(into=into, fallback="previous")
+                out = {"error": None}
+            except BaseException as exc:
+                out = {"error": type(exc).__name__}
+        out["load_once_calls"] = len(calls)
+        ck.close()
     dist.barrier()
     return out

@@ -60,14 +60,21 @@ class Recording:
         return self.inner.repopulates
 
     def agree_on_step(
-        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+        self,
+        candidates: Sequence[CheckpointId],
+        *,
+        newest_listed: bool = False,
+        listing: Any = None,
     ) -> list[CheckpointId]:
         self._note("agree_on_step", list(candidates))
-        return self.inner.agree_on_step(candidates, newest_listed=newest_listed)
+        return self.inner.agree_on_step(candidates, newest_listed=newest_listed, listing=listing)
 
     def agree_on_outcome(self, code: int) -> int:
         self._note("agree_on_outcome", code)
         return self.inner.agree_on_outcome(code)
+
+    def settle(self) -> None:
+        self.inner.settle()
 
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
         self._note("publish_repopulated", None if loaded is None else loaded.manifest.id)

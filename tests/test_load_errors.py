@@ -102,3 +102,26 @@ def test_a_copy_removed_since_the_listing_is_read_from_the_next_tier_quietly(
     assert tried and all(r.levelname == "INFO" for r in tried), [
         (r.levelname, r.getMessage()) for r in tried
     ]
+
+
+def test_a_shard_file_missing_under_its_manifest_is_still_a_warning(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # damage on a fast tier (its manifest is there, a shard file is not): every load then
+    # reads the slower tier, and the user must hear of it
+    from tierckpt import LocalTier
+    from tierckpt.format import shard_name
+
+    state = {"w": torch.arange(8.0)}
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    tiers = [LocalTier(fast, name="fast"), LocalTier(slow, name="slow")]
+    with Checkpointer(tiers) as ck:
+        ck.save(state, 1).wait()
+    (fast / shard_name(1, 0)).unlink()
+    with caplog.at_level("INFO", logger="tierckpt"), Checkpointer(tiers) as ck:
+        out = ck.load()
+    assert torch.equal(out["w"], state["w"])
+    tried = [r for r in caplog.records if "trying the next" in r.getMessage()]
+    assert tried and all(r.levelname == "WARNING" for r in tried), [
+        (r.levelname, r.getMessage()) for r in tried
+    ]

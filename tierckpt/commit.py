@@ -161,16 +161,25 @@ class CommitStrategy(Protocol):
         ...
 
     def agree_on_step(
-        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+        self,
+        candidates: Sequence[CheckpointId],
+        *,
+        newest_listed: bool = False,
+        listing: Mapping[str, Sequence[CheckpointId]] | None = None,
     ) -> list[CheckpointId]:
         """The checkpoints to load, newest first, from this rank's ``candidates`` (newest
         first; an id this rank does not hold may be among them: it tells the other ranks).
-        ``newest_listed``: ``candidates`` is this rank's listing, and only the newest that
-        every rank lists is loaded (no fallback to an older one)."""
+        ``newest_listed``: ``candidates`` is this rank's listing (``listing``: by tier), and
+        only the newest that every rank lists is loaded (no fallback to an older one)."""
         ...
 
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
         """Commit the copies of ``loaded`` (``loaded.repopulated``) on faster tiers."""
+        ...
+
+    def settle(self) -> None:
+        """At ``close()``, after the pipeline: what the job's other ranks still need of this
+        rank (rank 0 of a multi-rank job: its store, for its latest private commits)."""
         ...
 
     def agree_on_outcome(self, code: int) -> int:
@@ -239,12 +248,19 @@ class SingleRankCommit:
         return self._repopulate
 
     def agree_on_step(
-        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+        self,
+        candidates: Sequence[CheckpointId],
+        *,
+        newest_listed: bool = False,
+        listing: Mapping[str, Sequence[CheckpointId]] | None = None,
     ) -> list[CheckpointId]:
         return list(candidates[:1] if newest_listed else candidates)
 
     def agree_on_outcome(self, code: int) -> int:
         return code
+
+    def settle(self) -> None:
+        pass
 
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
         return read_manifest(tier.backend, cid.step, tier.name, timeline=cid.timeline)

@@ -127,6 +127,14 @@ def test_node_private_copies_a_step_apart_load_the_newest_every_node_holds(
         "node_lag_workers:w_load_newest", 2, root=str(root), fallback="previous", env=env
     )
     assert [(r.get("step"), r.get("diff")) for r in res] == [(1, []), (1, [])], res
+    # the node's only rank's file gone: damage, not another node's rank
+    (root / "nvme-1" / shard_name(1, 1)).unlink()
+    got = subprocess.run(
+        [sys.executable, "-m", "tierckpt", "verify", str(root / "nvme-1"), "--step", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert got.returncode == 1 and "holds none of its 2 ranks' shard files" in got.stderr, got
     record(
         "distributed",
         "node-private copies a step apart: rank 0 exits at once after close(), or a crash "
@@ -157,3 +165,22 @@ def test_a_rank_whose_tier_fails_whole_is_heard_of_at_once(
         f"rank 0 heard of it through the store in {res[0]['seconds']:.1f} s, not the "
         "commit timeout; nothing committed",
     )
+
+
+def test_a_rank_whose_listing_missed_the_newest_shared_step_lists_again(tmp_path: Path) -> None:
+    """Ranks list a shared tier differently only by a race or a listing that failed: the
+    ranks list again rather than load the newest every rank happened to list (an older
+    step, on which the job would go on a new timeline)."""
+    root = str(tmp_path / "run")
+    dist_workers.run("node_lag_workers:w_racing_listing", 2, root=root, phase="save")
+    res = dist_workers.run("node_lag_workers:w_racing_listing", 2, root=root, phase="load")
+    assert [(r["step"], r["diff"]) for r in res] == [(3, []), (3, [])], res
+    assert [r["load_once_calls"] for r in res] == [2, 2], res  # listed again, together
+
+
+def test_a_state_mismatch_on_one_rank_walks_back_to_no_older_checkpoint(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    dist_workers.run("node_lag_workers:w_racing_listing", 2, root=root, phase="save")
+    res = dist_workers.run("node_lag_workers:w_racing_listing", 2, root=root, phase="mismatch")
+    assert [r["error"] for r in res] == ["TierCkptError", "StateMismatch"], res
+    assert [r["load_once_calls"] for r in res] == [1, 1], res

@@ -481,6 +481,7 @@ class Checkpointer(SavePath, Observed):
         return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
 
     def _release(self) -> None:
+        self._strategy.settle()  # rank 0: the other nodes' copies of its last commits
         if self._peer is not None:
             self._peer.close()
         self._read_pool.release()

@@ -185,8 +185,8 @@ def load(
                 code = 0
             except CheckpointNotFound as exc:
                 error, code = exc, 1
-            except BaseException as exc:
-                error, code = exc, 2
+            except BaseException as exc:  # 3: not the data's (Ctrl-C, a state mismatch)
+                error, code = exc, 2 if is_recoverable(exc) else 3
             # every rank ends the load alike: none goes on with a state while another raised
             # (retention deleted its shard after the ranks agreed on the step, say)
             worst = ctx.strategy.agree_on_outcome(code)
@@ -295,7 +295,9 @@ def _load_once(
         newest_listed = step is None and fallback != "previous"
         if walked:
             candidates = [c for c in candidates if c not in walked]
-        candidates = ctx.strategy.agree_on_step(candidates, newest_listed=newest_listed)
+        candidates = ctx.strategy.agree_on_step(
+            candidates, newest_listed=newest_listed, listing=listing
+        )
         if walked is not None and ctx.world_size != 1:
             walked.extend(candidates[:1])
         if hold is not None:
@@ -386,8 +388,10 @@ def _load_candidates(
                 first_exc = first_exc or exc
                 errors.append(f"{cid} on tier {t.name!r}: {exc}")
                 # removed since it was listed (this writer's retention, beside its saves): the
-                # next tier's copy is the expected path, said quietly
-                level = logging.INFO if isinstance(exc, CheckpointNotFound) else logging.WARNING
+                # next tier's copy is the expected path, said quietly; a file missing under a
+                # manifest still there is damage, said aloud
+                gone = isinstance(exc, CheckpointNotFound) and not _still_listed(t, cid)
+                level = logging.INFO if gone else logging.WARNING
                 log.log(
                     level, "load of %s from tier %s failed, trying the next: %s", cid, t.name, exc
                 )
@@ -467,3 +471,11 @@ def _load_from(
         # (and, where the load was compressed, what a raw one would take: _auto_feedback)
         feed_policy(tier, loaded, ctx.rank, ctx.read_pool())
     return loaded
+
+
+def _still_listed(tier: Tier, cid: CheckpointId) -> bool:
+    """Whether ``cid``'s manifest is still on ``tier`` (after a read of it failed)."""
+    try:
+        return tier.backend.exists(manifest_name(cid.step, timeline=cid.timeline))
+    except Exception:  # cannot tell: said aloud
+        return True

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,6 +86,7 @@ def agree_on_step(
     cache: ManifestCache | None = None,
     prefetch: Callable[[Sequence[CheckpointId]], None] | None = None,
     newest_listed: bool = False,
+    shared: Set[CheckpointId] = frozenset(),
 ) -> list[CheckpointId]:
     """The checkpoint every rank loads: the newest of ``candidates`` all ranks can read on
     ``tiers``.
@@ -105,7 +106,10 @@ def agree_on_step(
     damaged one fails the load instead of an older one being loaded in its place. Ranks list
     differently where a tier is node-private: a crash (or rank 0's exit) while a commit's
     manifest was being written onto each node's copy leaves some nodes a step ahead; that
-    step is not the job's, and the newest every node holds is loaded.
+    step is not the job's, and the newest every node holds is loaded. Not so where a rank
+    holds a newer one on a tier every rank shares (``shared``: the candidates listed on
+    such tiers): a listing that failed or raced a commit on some rank, so
+    ``CheckpointNotFound`` (the load lists again, every rank together).
     """
     if not _group_ok(rank, world_size):
         _warn_once(
@@ -115,7 +119,7 @@ def agree_on_step(
         )
         if not candidates:
             raise CheckpointNotFound(f"rank {rank}: no committed checkpoint on any tier")
-        return list(candidates)
+        return list(candidates[:1] if newest_listed else candidates)  # no silent fallback
     import torch.distributed as dist
 
     k = get_knobs()
@@ -153,18 +157,11 @@ def agree_on_step(
     if len(keys) == 1 and newest is not None and (not newest_listed or tops == keys):
         return [newest]  # every rank's newest readable is the same checkpoint
     if newest_listed:
-        return [_newest_listed(looked, rank, world_size, dev)]
+        return [_newest_listed(looked, rank, world_size, dev, shared)]
     if prefetch is not None:
         prefetch([c for c in looked if c not in why])
     mine = [c for c in looked if readable(c)]
-    vec = torch.full((k.agree_max_candidates,), -1, dtype=torch.int64, device=dev)
-    if mine:
-        vec[: len(mine)] = torch.tensor(
-            [checkpoint_key(c) for c in mine], dtype=torch.int64, device=dev
-        )
-    gathered = [torch.empty_like(vec) for _ in range(world_size)]
-    dist.all_gather(gathered, vec)
-    sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
+    sets = _gathered(mine, world_size, dev)
     common = set.intersection(*sets)
     if common:
         chosen = checkpoint_of_key(max(common))
@@ -190,19 +187,16 @@ def agree_on_step(
 
 
 def _newest_listed(
-    looked: Sequence[CheckpointId], rank: int, world_size: int, dev: torch.device
+    looked: Sequence[CheckpointId],
+    rank: int,
+    world_size: int,
+    dev: torch.device,
+    shared: Set[CheckpointId],
 ) -> CheckpointId:
-    """The newest of ``looked`` that every rank lists (one ``all_gather``)."""
+    """The newest of ``looked`` that every rank lists (one ``all_gather``, one all-reduce)."""
     import torch.distributed as dist
 
-    vec = torch.full((get_knobs().agree_max_candidates,), -1, dtype=torch.int64, device=dev)
-    if looked:
-        vec[: len(looked)] = torch.tensor(
-            [checkpoint_key(c) for c in looked], dtype=torch.int64, device=dev
-        )
-    gathered = [torch.empty_like(vec) for _ in range(world_size)]
-    dist.all_gather(gathered, vec)
-    sets = [{int(v) for v in g.tolist() if v >= 0} for g in gathered]
+    sets = _gathered(looked, world_size, dev)
     common = set.intersection(*sets)
     if not common:
         newest_of = {r: str(checkpoint_of_key(max(s))) if s else None for r, s in enumerate(sets)}
@@ -212,6 +206,14 @@ def _newest_listed(
         )
     chosen = checkpoint_of_key(max(common))
     ahead = [c for c in looked if c > chosen]
+    seen = torch.tensor([int(any(c in shared for c in ahead))], dtype=torch.int64, device=dev)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if int(seen.item()):
+        raise CheckpointNotFound(
+            "the ranks list different checkpoints on a tier they share (a listing that failed "
+            "or raced a commit on some rank); newest per rank: "
+            f"{ {r: str(checkpoint_of_key(max(s))) if s else None for r, s in enumerate(sets)} }"
+        )
     if ahead:
         log.warning(
             "rank %d: loading %s, the newest checkpoint every rank holds; this rank's tiers also "
@@ -222,3 +224,18 @@ def _newest_listed(
             ", ".join(str(c) for c in ahead[:5]),
         )
     return chosen
+
+
+def _gathered(ids: Sequence[CheckpointId], world_size: int, dev: torch.device) -> list[set[int]]:
+    """Every rank's ``ids`` (at most ``agree_max_candidates``), as checkpoint keys: one
+    ``all_gather`` of a fixed-size vector."""
+    import torch.distributed as dist
+
+    vec = torch.full((get_knobs().agree_max_candidates,), -1, dtype=torch.int64, device=dev)
+    if ids:
+        vec[: len(ids)] = torch.tensor(
+            [checkpoint_key(c) for c in ids], dtype=torch.int64, device=dev
+        )
+    gathered = [torch.empty_like(vec) for _ in range(world_size)]
+    dist.all_gather(gathered, vec)
+    return [{int(v) for v in g.tolist() if v >= 0} for g in gathered]

@@ -23,6 +23,7 @@ its own node: its record is one item in rank 0's store.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,9 @@ from tierckpt.format import decode_manifest, encode_manifest
 if TYPE_CHECKING:
     from tierckpt.pipeline import SaveJob, Tier
 
-__all__ = ["is_private_tier"]
+__all__ = ["is_private_tier", "settle_private_commits"]
+
+log = logging.getLogger("tierckpt")
 
 #: the longest pause between two polls of the node's store (a store on the node: polling it
 #: costs rank 0's host nothing, and a rank hears of its node's manifest soon after its leader)
@@ -303,24 +306,43 @@ def _commit_private(tier: Tier, job: SaveJob, nodes: NodeStores) -> None:
         ns.delete([*(f"{p}rec/{r}" for r in nodes.members), f"{p}published", m_key, done_key])
     if nodes.is_leader:
         g = nodes.global_store
-        if job.rank == 0:
-            _others_written(g, done_key, nodes.nodes - 1, time.monotonic() + grace)
         if g.add(done_key, 1) == nodes.nodes:
             g.delete([*(f"{p}node/{n}" for n in range(nodes.nodes)), m_key, done_key])
+        elif job.rank == 0:  # the last leader to write its copy deletes done_key
+            _unwritten(g, done_key)
 
 
-def _others_written(g: LockedStore, done_key: str, others: int, deadline: float) -> None:
-    """Rank 0 (commit thread): wait, until ``deadline``, for the other nodes' leaders to have
-    written the manifest onto their copies. The store lives in rank 0's process where the job
-    started from ``MASTER_ADDR`` (no torchrun agent): a rank 0 whose ``close()`` returned and
-    whose process exited at once took it with it before the other nodes had fetched the
-    manifest, so their copies missed the job's last commit (a node a step behind the others
-    after a clean finish)."""
-    k = get_knobs()
-    delay = k.poll_initial
-    while g.add(done_key, 0) < others and time.monotonic() < deadline:
-        time.sleep(delay)
-        delay = min(delay * 2, _NODE_POLL_MAX_S)
+#: rank 0's private commits whose manifest not every node has written yet: (its store, the
+#: commit's done key, when it was made), for :func:`settle_private_commits`
+_UNWRITTEN: list[tuple[LockedStore, str, float]] = []
+_UNWRITTEN_LOCK = threading.Lock()
+
+
+def _unwritten(g: LockedStore, done_key: str) -> None:
+    now = time.monotonic()
+    with _UNWRITTEN_LOCK:  # only the commits of the last minute can still be waited for
+        _UNWRITTEN[:] = [u for u in _UNWRITTEN if now - u[2] < 60.0]
+        _UNWRITTEN.append((g, done_key, now))
+
+
+def settle_private_commits() -> None:
+    """Rank 0, at ``close()``: wait (a few seconds at most) until every node has written the
+    manifests of rank 0's recent private commits onto its copy. The process group's store
+    lives in rank 0's process where a job started from ``MASTER_ADDR`` (no torchrun agent): a
+    rank 0 that exited right after ``close()`` took it away before the other nodes fetched the
+    last manifest, and their copies missed the job's last commit (a node a step behind)."""
+    with _UNWRITTEN_LOCK:
+        pending, _UNWRITTEN[:] = list(_UNWRITTEN), []
+    deadline = time.monotonic() + max(_VERDICT_GRACE_S, 2 * get_knobs().poll_max)
+    delay = get_knobs().poll_initial
+    for g, key, _made in pending:
+        try:
+            while g.check([key]) and time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, _NODE_POLL_MAX_S)
+        except Exception as exc:  # a store gone: nothing left to wait for
+            log.debug("close: %s: %s", key, exc)
+            return
 
 
 def _report_private_failure(

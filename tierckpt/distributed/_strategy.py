@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Literal
@@ -43,6 +43,7 @@ from tierckpt.distributed._private import (
     _report_private_failure,
     global_store,
     is_private_tier,
+    settle_private_commits,
 )
 from tierckpt.distributed._records import (
     RankRecord,
@@ -124,7 +125,14 @@ def _told_through_store(tier: Tier, job: SaveJob) -> Callable[[], bytes | None] 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     key = shared_failure_key(tier.name, job.step, job.timeline, job.attempt)
-    return lambda: global_store().failure(key)
+
+    def told() -> bytes | None:
+        try:
+            return global_store().failure(key)
+        except Exception:  # the group or its store gone: the records on the tier decide
+            return None
+
+    return told
 
 
 class MultiRankCommit:
@@ -362,6 +370,12 @@ class MultiRankCommit:
             return self._nodes
         return NodeStores.singleton(job.rank, job.world_size, global_store)
 
+    def settle(self) -> None:
+        """At ``close()``: rank 0 waits briefly for the other nodes' copies of its latest
+        private commits (:func:`settle_private_commits`)."""
+        if self._rank == 0:
+            settle_private_commits()
+
     def retains(self, tier: Tier, job: SaveJob) -> bool:
         """Rank 0 applies retention to a tier all ranks share; every rank to its own copy of
         a private tier."""
@@ -378,17 +392,24 @@ class MultiRankCommit:
         return self._repopulate and _group_ok(self._rank, self._world_size)
 
     def agree_on_step(
-        self, candidates: Sequence[CheckpointId], *, newest_listed: bool = False
+        self,
+        candidates: Sequence[CheckpointId],
+        *,
+        newest_listed: bool = False,
+        listing: Mapping[str, Sequence[CheckpointId]] | None = None,
     ) -> list[CheckpointId]:
         """See :func:`agree_on_step`. With a process group, manifests on shared tiers are read
         once per node (:mod:`._nodeshare`) and kept for this load's :meth:`read_manifest`: the
         newest candidate's first, the others' only where the ranks' newest readable differ.
         A rank in it for long says what it waits for (:func:`patience`)."""
         with patience(self._rank, "load()"):
-            return self._agree_on_step(candidates, newest_listed)
+            return self._agree_on_step(candidates, newest_listed, listing or {})
 
     def _agree_on_step(
-        self, candidates: Sequence[CheckpointId], newest_listed: bool
+        self,
+        candidates: Sequence[CheckpointId],
+        newest_listed: bool,
+        listing: Mapping[str, Sequence[CheckpointId]],
     ) -> list[CheckpointId]:
         self._manifests = None
         prefetch = None
@@ -409,6 +430,7 @@ class MultiRankCommit:
                 cache.update(read_manifests_per_node(node, reads))
 
             prefetch(candidates[:1])
+        shared_tiers = [t for t in self._tiers if not is_private_tier(t)]
         return agree_on_step(
             candidates,
             tiers=self._tiers,
@@ -417,6 +439,7 @@ class MultiRankCommit:
             cache=self._manifests,
             prefetch=prefetch,
             newest_listed=newest_listed,
+            shared={c for t in shared_tiers for c in listing.get(t.name, ())},
         )
 
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:

@@ -139,6 +139,15 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
     )
     if not isinstance(body, dict) or body.get("format") != "tierckpt-manifest":
         raise FormatError(f"{where}: not a tierckpt manifest")
+    version = body.get("version")
+    # before the checksum: a newer release may sum another way, and its manifest is never
+    # taken for damage (which retention and gc may delete)
+    if type(version) is int and version > max(MANIFEST_VERSIONS):
+        raise NewerFormat(
+            f"{where}: manifest version {version}, written by a newer tierckpt; this one reads "
+            f"versions {', '.join(map(str, MANIFEST_VERSIONS))} (upgrade tierckpt to read it; "
+            "nothing here deletes or replaces it)"
+        )
     stored = body.pop("checksum", None)
     try:
         canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -146,13 +155,6 @@ def decode_manifest(data: BytesLike, *, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest holds values JSON cannot carry ({exc})") from None
     if stored != checksum(canon.encode("utf-8")):
         raise CorruptCheckpoint(f"{where}: manifest checksum mismatch")
-    version = body.get("version")
-    if type(version) is int and version > max(MANIFEST_VERSIONS):
-        raise NewerFormat(
-            f"{where}: manifest version {version}, written by a newer tierckpt; this one reads "
-            f"versions {', '.join(map(str, MANIFEST_VERSIONS))} (upgrade tierckpt to read it; "
-            "nothing here deletes or replaces it)"
-        )
     if version not in MANIFEST_VERSIONS:
         raise FormatError(
             f"{where}: unsupported manifest version {version!r}; this tierckpt reads versions "

@@ -3,6 +3,7 @@ object tree."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,20 @@ def held_shards(backend: Backend, manifest: Manifest) -> tuple[ShardRef, ...]:
             f"{backend.url}: a node-local copy of {manifest.id} that holds none of its "
             f"{manifest.world_size} ranks' shard files"
         )
+    if len(here) < len(manifest.shards):
+        # a rank of this node (its files are in this folder for other steps) whose file is
+        # missing here is damage, not another node's rank
+        mine = {int(m.group(1)) for n in backend.list("") if (m := _RANK_FILE.search(n))}
+        lost = [r.rank for r in manifest.shards if r not in here and r.rank in mine]
+        if lost:
+            raise CheckpointNotFound(
+                f"{backend.url}: the node-local copy of {manifest.id} misses the shard files "
+                f"of rank(s) {lost}, whose files this folder holds for other steps"
+            )
     return here
+
+
+_RANK_FILE = re.compile(r"/rank-(\d+)\.tck$")
 
 
 def verify_checkpoint(
