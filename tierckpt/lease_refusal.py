@@ -6,13 +6,29 @@ another tier of the same writer (:func:`tier_owner`)."""
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from tierckpt.backends.base import Backend
 from tierckpt.errors import LeaseLost, WriterConflict
 from tierckpt.liveness import LeaseRecord
 
-if TYPE_CHECKING:
-    from tierckpt.lease import WriterLease
+
+class WriterLease(Protocol):
+    """What these refusals read of a :class:`tierckpt.lease.WriterLease`."""
+
+    @property
+    def owner(self) -> str: ...
+    @property
+    def where(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def backend(self) -> Backend: ...
+
 
 __all__ = ["held_lease", "lost_lease", "other_tier", "tier_owner", "unreadable_lease"]
 
