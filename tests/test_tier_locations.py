@@ -215,3 +215,22 @@ def test_two_names_of_one_store_are_refused_at_the_first_save(
         ck.close()
     names = [o["Key"] for o in moto_server.admin.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert not [n for n in names if "/manifests/" in n], names  # nothing committed
+
+
+def test_a_lease_lost_to_this_jobs_other_tier_says_so(tmp_path: Path) -> None:
+    # on a store without conditional PUT two aliased tiers can both take the lease; the one
+    # that reads back the other's is told of the aliasing, not of "two jobs"
+    import dataclasses
+
+    from tierckpt.backends.local import LocalBackend
+    from tierckpt.lease import WriterLease
+    from tierckpt.lease_refusal import lost_lease, tier_owner
+    from tierckpt.liveness import LeaseRecord
+
+    writer = "a" * 32
+    lease = WriterLease(LocalBackend(tmp_path), "run", 0, tier_owner(writer, "run"), 60.0)
+    other = dataclasses.replace(LeaseRecord.mine(writer, 60.0), owner=tier_owner(writer, "archive"))
+    text = str(lost_lease(lease, "another writer took it over", False, other))
+    assert "Another tier of this same job took it" in text and "Two jobs" not in text, text
+    stranger = dataclasses.replace(other, owner=tier_owner("b" * 32, "run"))
+    assert "Two jobs" in str(lost_lease(lease, "another writer took it over", False, stranger))

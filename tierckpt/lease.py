@@ -419,10 +419,12 @@ class WriterLease:
         return None if got is None else got[1].owner
 
     # -- hold --------------------------------------------------------------------------
-    def _lose(self, why: str, removed: bool = False) -> LeaseLost:
+    def _lose(
+        self, why: str, removed: bool = False, holder: LeaseRecord | None = None
+    ) -> LeaseLost:
         self.held = False
         self._next_renewal = math.inf
-        self.lost = lost_lease(self, why, removed)
+        self.lost = lost_lease(self, why, removed, holder)
         log.error("%s", self.lost)
         return self.lost
 
@@ -435,7 +437,7 @@ class WriterLease:
         if got is None:
             raise self._lose("it was removed (tierckpt unlock?)", removed=True)
         if got[1].owner != self.owner:
-            raise self._lose(f"another writer took it over: {got[1].describe()}")
+            raise self._lose(f"another writer took it over: {got[1].describe()}", holder=got[1])
 
     def verify(self) -> None:
         """Check that the stored lease is still ours; raise :class:`LeaseLost` if not (and

@@ -107,6 +107,15 @@ def unreadable_lease(
     )
 
 
+#: what two tiers of one writer on one location do (the policy compares paths and URLs only)
+_ALIAS = (
+    "two of its tiers reach this one location: a bind mount or a link, or two names of one "
+    "store (localhost and 127.0.0.1). Their shard files and manifests would replace each "
+    "other's (a committed checkpoint lost) and each one's retention would delete what the "
+    "other keeps"
+)
+
+
 def tier_owner(writer: str, tier: str) -> str:
     """The owner id of ``writer``'s lease on its tier named ``tier``: the writer's id, a dot
     and 8 hex digits of the name, so that two tiers of one writer that reach one location (a
@@ -123,27 +132,30 @@ def other_tier(lease: WriterLease, rec: LeaseRecord) -> WriterConflict | None:
         return None
     return WriterConflict(
         f"{lease.where}: another tier of this same job already holds the lease {lease.name} "
-        "here, so two of its tiers reach this one location: a bind mount or a link, or two "
-        "names of one store (localhost and 127.0.0.1). Their shard files and manifests would "
-        "replace each other's (a committed checkpoint lost) and each one's retention would "
-        "delete what the other keeps, so this save wrote nothing. Give each tier its own "
-        "folder or prefix",
+        f"here, so {_ALIAS}; this save wrote nothing. Give each tier its own folder or prefix",
         tier=lease.tier,
         url=lease.backend.url,
         holder=rec,
     )
 
 
-def lost_lease(lease: WriterLease, why: str, removed: bool) -> LeaseLost:
-    """What ``lease``'s writer is told once it lost the lease: taken over by another writer,
-    or ``removed`` (by hand, or ``tierckpt unlock --force`` on this running job)."""
-    remedy = (
-        "If no other job is pointed here (the lease file was deleted by hand, or `tierckpt "
-        "unlock --force` was run on this running job), restart this job: it takes the lease "
-        "again at its first save and loads the newest checkpoint"
-        if removed
-        else "Two jobs are pointed at one location: stop one of them"
-    )
+def lost_lease(
+    lease: WriterLease, why: str, removed: bool, holder: LeaseRecord | None = None
+) -> LeaseLost:
+    """What ``lease``'s writer is told once it lost the lease: taken over by another writer
+    (``holder``: its lease), or ``removed`` (by hand, or ``tierckpt unlock --force`` on this
+    running job)."""
+    if removed:
+        remedy = (
+            "If no other job is pointed here (the lease file was deleted by hand, or `tierckpt "
+            "unlock --force` was run on this running job), restart this job: it takes the "
+            "lease again at its first save and loads the newest checkpoint"
+        )
+    elif holder is not None and other_tier(lease, holder) is not None:
+        # a store without conditional PUT let two tiers of this job take it
+        remedy = f"Another tier of this same job took it: {_ALIAS}. Give each its own location"
+    else:
+        remedy = "Two jobs are pointed at one location: stop one of them"
     return LeaseLost(
         f"{lease.where}: this writer lost rank {lease.rank}'s lease {lease.name}: {why}. It no "
         f"longer writes or deletes anything there; its later saves fail on this tier. {remedy}",

@@ -133,15 +133,27 @@ def checkpoint_folders(backend: Backend, cid: CheckpointId) -> list[str] | None:
     return sorted(folders)
 
 
+#: per backend, the checkpoints :func:`written_by_newer` found of a newer release (a manifest is
+#: never rewritten in place: the answer stands while the checkpoint does)
+_NEWER: weakref.WeakKeyDictionary[Backend, set[CheckpointId]] = weakref.WeakKeyDictionary()
+_NEWER_LOCK = threading.Lock()
+
+
 def written_by_newer(backend: Backend, cid: CheckpointId) -> bool:
     """True where ``cid``'s manifest is of a format version newer than this tierckpt reads
     (a newer release wrote it, and a rollback of the library runs beside it): retention keeps
-    it, said once. Any other failure to read it is False (the pass goes on as before)."""
+    it, said once; not read again by this process). Any other failure to read it is False (the
+    pass goes on as before)."""
+    with _NEWER_LOCK:
+        if cid in _NEWER.get(backend, ()):
+            return True
     name = manifest_name(cid.step, timeline=cid.timeline)
     try:
         decode_manifest(backend.get(name), where=f"{backend.url}/{name}")
     except NewerFormat as exc:
         report_once(backend, exc, "retention keeps %s: %s", cid, exc, topic="newer format")
+        with _NEWER_LOCK:
+            _NEWER.setdefault(backend, set()).add(cid)
         return True
     except Exception:  # gone, damaged: for the pass to judge as before
         return False
