@@ -60,14 +60,10 @@ class Recording:
         return self.inner.repopulates
 
     def agree_on_step(
-        self,
-        candidates: Sequence[CheckpointId],
-        *,
-        newest_listed: bool = False,
-        listing: Any = None,
+        self, candidates: Sequence[CheckpointId], *, listed: Any = None
     ) -> list[CheckpointId]:
         self._note("agree_on_step", list(candidates))
-        return self.inner.agree_on_step(candidates, newest_listed=newest_listed, listing=listing)
+        return self.inner.agree_on_step(candidates, listed=listed)
 
     def agree_on_outcome(self, code: int) -> int:
         self._note("agree_on_outcome", code)

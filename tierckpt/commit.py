@@ -27,11 +27,15 @@ if TYPE_CHECKING:
     from tierckpt.pipeline import SaveJob, Tier
     from tierckpt.restore import LoadedShard
 
+#: a rank's committed checkpoints by tier name (a load's listing)
+Listed = Mapping[str, Sequence[CheckpointId]]
+
 __all__ = [
     "CommitStrategy",
     "Defer",
     "Earlier",
     "EarlierSave",
+    "Listed",
     "SaveStart",
     "SingleRankCommit",
     "being_saved",
@@ -161,16 +165,13 @@ class CommitStrategy(Protocol):
         ...
 
     def agree_on_step(
-        self,
-        candidates: Sequence[CheckpointId],
-        *,
-        newest_listed: bool = False,
-        listing: Mapping[str, Sequence[CheckpointId]] | None = None,
+        self, candidates: Sequence[CheckpointId], *, listed: Listed | None = None
     ) -> list[CheckpointId]:
         """The checkpoints to load, newest first, from this rank's ``candidates`` (newest
         first; an id this rank does not hold may be among them: it tells the other ranks).
-        ``newest_listed``: ``candidates`` is this rank's listing (``listing``: by tier), and
-        only the newest that every rank lists is loaded (no fallback to an older one)."""
+        ``listed`` (a load of the newest without a fallback): ``candidates`` is this rank's
+        listing, ``listed`` the same by tier, and only the newest that every rank lists is
+        loaded (no fallback to an older one)."""
         ...
 
     def publish_repopulated(self, loaded: LoadedShard | None) -> None:
@@ -248,13 +249,9 @@ class SingleRankCommit:
         return self._repopulate
 
     def agree_on_step(
-        self,
-        candidates: Sequence[CheckpointId],
-        *,
-        newest_listed: bool = False,
-        listing: Mapping[str, Sequence[CheckpointId]] | None = None,
+        self, candidates: Sequence[CheckpointId], *, listed: Listed | None = None
     ) -> list[CheckpointId]:
-        return list(candidates[:1] if newest_listed else candidates)
+        return list(candidates if listed is None else candidates[:1])
 
     def agree_on_outcome(self, code: int) -> int:
         return code

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from tierckpt.backends.base import Backend
 from tierckpt.catalog import manifest_ids
-from tierckpt.errors import BackendError
+from tierckpt.errors import BackendError, NewerFormat
 from tierckpt.format import (
     MANIFEST_DIR,
     CheckpointId,
@@ -66,9 +66,9 @@ from tierckpt.retention_scan import (
     delete_in_folders,
     delete_listed,
     has_upload,
+    manifest_to_delete,
     scan_state,
     sweep_leftovers,
-    written_by_newer,
 )
 from tierckpt.sweep import SWEEP_LOCK, Listing, note_failed_save, sweep_state
 
@@ -414,7 +414,9 @@ def gc_tier(
         for cid in committed:
             if cid in keep or cid == newest or cid in protect:
                 continue
-            if written_by_newer(backend, cid):  # never deleted by an older release
+            try:
+                manifest = manifest_to_delete(backend, cid)
+            except NewerFormat:  # never deleted by an older release
                 keep.add(cid)
                 continue
             with deleting(cid) if deleting is not None else nullcontext(False) as spare:
@@ -422,7 +424,7 @@ def gc_tier(
                     keep.add(cid)
                     continue
                 up = sweep or cid in state.stale
-                folders = None if full or up else checkpoint_folders(backend, cid)
+                folders = None if full or up else checkpoint_folders(manifest)
                 if folders is not None and not scan.scoped_pays(len(folders), backend.is_remote):
                     folders = None  # fewer requests in the listing of every object
                 if folders is None:

@@ -34,6 +34,7 @@ from tierckpt.errors import NewerFormat
 from tierckpt.format import (
     MANIFEST_DIR,
     CheckpointId,
+    Manifest,
     decode_manifest,
     manifest_name,
     parse_data_folder,
@@ -53,6 +54,7 @@ __all__ = [
     "delete_in_folders",
     "delete_listed",
     "has_upload",
+    "manifest_to_delete",
     "scan_state",
     "sweep_leftovers",
     "written_by_newer",
@@ -115,17 +117,14 @@ def scan_state(backend: Backend) -> ScanState:
         return state
 
 
-def checkpoint_folders(backend: Backend, cid: CheckpointId) -> list[str] | None:
-    """The folders holding ``cid``'s files, from its manifest: ``steps/<step>/`` and the
-    ``<hh>/steps/<step>/`` of each of its format v2 shard files. None when the manifest
-    cannot be read (gone, unreadable, not valid): then only a listing of every object can
+def checkpoint_folders(manifest: Manifest | None) -> list[str] | None:
+    """The folders holding the files of ``manifest``'s checkpoint: ``steps/<step>/`` and the
+    ``<hh>/steps/<step>/`` of each of its format v2 shard files. None without a manifest
+    (:func:`manifest_to_delete` could not read it): then only a listing of every object can
     tell."""
-    name = manifest_name(cid.step, timeline=cid.timeline)
-    try:
-        manifest = decode_manifest(backend.get(name), where=f"{backend.url}/{name}")
-    except Exception:  # the caller lists every object instead: never guesses
+    if manifest is None:  # the caller lists every object instead: never guesses
         return None
-    prefix = step_prefix(cid.step, timeline=cid.timeline)
+    prefix = step_prefix(manifest.step, timeline=manifest.timeline)
     folders = {prefix}
     for shard in manifest.shards:
         # decode_manifest checked each file is ``<folder>...`` or ``<hh>/<folder>...``
@@ -139,24 +138,32 @@ _NEWER: weakref.WeakKeyDictionary[Backend, set[CheckpointId]] = weakref.WeakKeyD
 _NEWER_LOCK = threading.Lock()
 
 
-def written_by_newer(backend: Backend, cid: CheckpointId) -> bool:
-    """True where ``cid``'s manifest is of a format version newer than this tierckpt reads
-    (a newer release wrote it, and a rollback of the library runs beside it): retention keeps
-    it, said once; not read again by this process). Any other failure to read it is False (the
-    pass goes on as before)."""
+def manifest_to_delete(backend: Backend, cid: CheckpointId) -> Manifest | None:
+    """``cid``'s manifest, read once before retention deletes ``cid`` (None: gone, damaged,
+    unreadable; the pass goes on as before). Raises :class:`NewerFormat` where a newer
+    release wrote it (a rollback of the library runs beside it): retention keeps it, said
+    once, and this process does not read it again."""
     with _NEWER_LOCK:
         if cid in _NEWER.get(backend, ()):
-            return True
+            raise NewerFormat(f"{backend.url}: {cid} was written by a newer tierckpt")
     name = manifest_name(cid.step, timeline=cid.timeline)
     try:
-        decode_manifest(backend.get(name), where=f"{backend.url}/{name}")
+        return decode_manifest(backend.get(name), where=f"{backend.url}/{name}")
     except NewerFormat as exc:
         report_once(backend, exc, "retention keeps %s: %s", cid, exc, topic="newer format")
         with _NEWER_LOCK:
             _NEWER.setdefault(backend, set()).add(cid)
+        raise
+    except Exception:
+        return None
+
+
+def written_by_newer(backend: Backend, cid: CheckpointId) -> bool:
+    """Whether a newer release wrote ``cid``'s manifest (:func:`manifest_to_delete`)."""
+    try:
+        manifest_to_delete(backend, cid)
+    except NewerFormat:
         return True
-    except Exception:  # gone, damaged: for the pass to judge as before
-        return False
     return False
 
 

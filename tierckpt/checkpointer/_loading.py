@@ -292,11 +292,11 @@ def _load_once(
     got: LoadedShard | None = None
     try:
         # every rank must load the same checkpoint: the newest all ranks can read
-        newest_listed = step is None and fallback != "previous"
         if walked:
             candidates = [c for c in candidates if c not in walked]
+        newest_listed = step is None and fallback != "previous"  # then by tier: see commit.py
         candidates = ctx.strategy.agree_on_step(
-            candidates, newest_listed=newest_listed, listing=listing
+            candidates, listed=listing if newest_listed else None
         )
         if walked is not None and ctx.world_size != 1:
             walked.extend(candidates[:1])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Literal
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt import config
-from tierckpt.commit import Defer, Earlier, EarlierSave, SaveStart, being_saved
+from tierckpt.commit import Defer, Earlier, EarlierSave, Listed, SaveStart, being_saved
 from tierckpt.distributed._agree import agree_on_step
 from tierckpt.distributed._collectives import (
     _group_ok,
@@ -392,24 +392,17 @@ class MultiRankCommit:
         return self._repopulate and _group_ok(self._rank, self._world_size)
 
     def agree_on_step(
-        self,
-        candidates: Sequence[CheckpointId],
-        *,
-        newest_listed: bool = False,
-        listing: Mapping[str, Sequence[CheckpointId]] | None = None,
+        self, candidates: Sequence[CheckpointId], *, listed: Listed | None = None
     ) -> list[CheckpointId]:
         """See :func:`agree_on_step`. With a process group, manifests on shared tiers are read
         once per node (:mod:`._nodeshare`) and kept for this load's :meth:`read_manifest`: the
         newest candidate's first, the others' only where the ranks' newest readable differ.
         A rank in it for long says what it waits for (:func:`patience`)."""
         with patience(self._rank, "load()"):
-            return self._agree_on_step(candidates, newest_listed, listing or {})
+            return self._agree_on_step(candidates, listed)
 
     def _agree_on_step(
-        self,
-        candidates: Sequence[CheckpointId],
-        newest_listed: bool,
-        listing: Mapping[str, Sequence[CheckpointId]],
+        self, candidates: Sequence[CheckpointId], listed: Listed | None
     ) -> list[CheckpointId]:
         self._manifests = None
         prefetch = None
@@ -430,6 +423,7 @@ class MultiRankCommit:
                 cache.update(read_manifests_per_node(node, reads))
 
             prefetch(candidates[:1])
+        by_tier = listed or {}
         shared_tiers = [t for t in self._tiers if not is_private_tier(t)]
         return agree_on_step(
             candidates,
@@ -438,8 +432,8 @@ class MultiRankCommit:
             world_size=self._world_size,
             cache=self._manifests,
             prefetch=prefetch,
-            newest_listed=newest_listed,
-            shared={c for t in shared_tiers for c in listing.get(t.name, ())},
+            newest_listed=listed is not None,
+            shared={c for t in shared_tiers for c in by_tier.get(t.name, ())},
         )
 
     def read_manifest(self, tier: Tier, cid: CheckpointId) -> Manifest:
