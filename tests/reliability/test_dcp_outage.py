@@ -17,6 +17,7 @@ commits, the save returns, and once S3 answers a later save commits there again.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from rel_util import BLACKHOLE, WAIT_S, Recorder, committed, held_s3, ranks_through_an_outage
 
 from tierckpt import LocalTier
-from tierckpt.testing.faultproxy import FaultProxy
+from tierckpt.testing.faultproxy import Fault, FaultProxy
 
 #: the writer's save_deadline: a stalled tier's copy is given up after this (or the grace)
 DEADLINE_S = 3.0
@@ -172,5 +173,68 @@ def test_a_restarted_dcp_job_s_first_save_during_an_s3_outage_waits_the_lease_on
         "request (listing and lease waits of 1 s; the lease take's timeouts 2 x 10 s)",
         f"dcp.save returned after {took:.1f} s, committed locally, S3's copy given up; step "
         f"{step} committed on S3 once it answered and loads back",
+        took_s=round(took, 2),
+    )
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("stalled", ["manifests/", "dcp-metadata"])
+def test_a_dcp_save_whose_s3_commit_stalls_returns_at_the_deadline(
+    tmp_path: Path, moto_server: Any, waited_bucket: str, record: Recorder, stalled: str
+) -> None:
+    """The shards reach S3, then S3 holds the commit's write (DCP's metadata or the manifest):
+    before, the coordinator committed its tiers one after another without a deadline, so
+    ``dcp.save`` (and every rank waiting for it) was held for that request's timeouts and
+    retries (60 s with S3's defaults). Now each tier commits on a thread of its own and the
+    save waits for them at most ``save_deadline``: the local copy commits, the save returns,
+    and a commit given up before its manifest never writes it."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.dcp import TierWriter
+
+    bucket = waited_bucket
+    s3 = held_s3(bucket, moto_server.endpoint_url)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        w = TierWriter(
+            [LocalTier(tmp_path / "nvme", keep_last=50), held_s3(bucket, proxy.endpoint_url)], 1
+        )
+        w.save_deadline = DEADLINE_S
+        with w:
+            dcp.save({"w": _w(1)}, storage_writer=w, no_dist=True)
+            assert committed(s3) == [(1, 0)]
+            proxy.set_faults([Fault("stall", method="PUT", path_contains=stalled, seconds=600)])
+            w.reset("2")
+            t0 = time.monotonic()
+            dcp.save({"w": _w(2)}, storage_writer=w, no_dist=True)  # must not raise
+            took = time.monotonic() - t0
+            assert took <= DEADLINE_S + SLACK_S, took
+            assert (2, 0) in committed(LocalTier(tmp_path / "nvme"))
+            assert (2, 0) not in committed(s3)
+            assert proxy.fired["stall"] >= 1
+            proxy.set_faults([])  # S3 answers again; the held request ends with its timeouts
+            step, end = 3, time.monotonic() + 120
+            while (step - 1, 0) not in committed(s3):
+                assert time.monotonic() < end, "S3 never took a save again"
+                if step > 3:
+                    time.sleep(2)
+                w.reset(str(step))
+                dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)
+                step += 1
+            last = step - 1
+        # the given-up commit's thread is done once its held request timed out (2 x 10 s)
+        for th in threading.enumerate():
+            if th.name.startswith("tierckpt-dcp-commit"):
+                th.join(60)
+    on_s3 = committed(s3)
+    if stalled == "dcp-metadata":  # given up before its manifest: never committed there
+        assert (2, 0) not in on_s3, on_s3
+    assert torch.equal(_load(s3, last), _w(last))
+    assert torch.equal(_load(LocalTier(tmp_path / "nvme"), 2), _w(2))
+    record(
+        "outages",
+        f"tierckpt.dcp: S3 holds the commit's PUT of {stalled!r} after the shards reached it "
+        f"(local + S3 writer, save_deadline {DEADLINE_S:.0f} s)",
+        f"dcp.save returned after {took:.1f} s with step 2 committed locally; S3 committed "
+        f"step {last} once it answered, and it loads back",
         took_s=round(took, 2),
     )

@@ -5,8 +5,11 @@ durable, DCP's metadata file and, last, the tier's manifest (see :mod:`tierckpt.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -28,7 +31,7 @@ from tierckpt.errors import (
     BackendError,
     CheckpointExists,
     CheckpointFailed,
-    FormatError,
+    SaveDeadlineExceeded,
     TierCkptError,
 )
 from tierckpt.format import (
@@ -174,14 +177,19 @@ def commit_all(
     retain: RetainFn,
     unconfirmed: frozenset[str] = frozenset(),
     on_confirm: ConfirmFn | None = None,
+    deadline: float = math.inf,
 ) -> None:
     """Commit ``cid`` on every tier where all ``world`` ranks' shards are durable; a tier
     where some ranks failed is left uncommitted (logged), and so is a tier of
     ``unconfirmed`` (not listed when the timeline was chosen) that :func:`confirm_timeline`
-    refuses, checked right before its commit (the tiers before it commit first). Raises
-    :class:`CheckpointFailed` when no tier took the checkpoint."""
+    refuses, checked right before its commit. The tiers commit side by side, each on a
+    thread of its own, and the save waits for them at most ``deadline`` seconds (the
+    writer's ``save_deadline``): a tier still writing then is given up (logged, as a tier
+    whose copy stalled is, so a store that stopped answering holds every rank's save no
+    longer than that). Raises :class:`CheckpointFailed` when no tier took the checkpoint."""
     committed: list[str] = []
     failed: dict[str, BaseException] = {}
+    ready: list[Tier] = []
     for t in tiers:
         missing = [r for r in range(world) if t.name not in shards[r].tiers]
         if len(missing) == world:
@@ -194,28 +202,43 @@ def commit_all(
             failed[t.name] = CheckpointFailed(f"ranks {missing[:10]} failed there: {why}")
             log.error("step %d not committed on tier %s: %s", cid.step, t.name, failed[t.name])
             continue
-        if t.name in unconfirmed:
-            refused = confirm_timeline(t, cid)
-            if on_confirm is not None:
-                on_confirm(t.name, refused)
-            if refused is not None:
-                failed[t.name] = refused
-                log.error(
-                    "step %d not committed on tier %s: %s: %s",
-                    cid.step,
-                    t.name,
-                    type(refused).__name__,
-                    refused,
-                )
-                continue
-        try:
-            commit_tier(t, cid, world, [shards[r].tiers[t.name] for r in range(world)], blob)
-            committed.append(t.name)
-        except (BackendError, OSError, FormatError) as exc:
-            failed[t.name] = exc
-            log.error("step %d: commit on tier %s failed: %s", cid.step, t.name, exc)
+        ready.append(t)
+    runs = [
+        _TierCommit(t, t.name in unconfirmed, [shards[r].tiers[t.name] for r in range(world)])
+        for t in ready
+    ]
+    for c in runs:
+        c.start(cid, world, blob)
+    end = time.monotonic() + deadline
+    for c in runs:
+        c.thread.join(None if math.isinf(end) else max(0.0, end - time.monotonic()))
+        if c.thread.is_alive():
+            c.given_up.set()  # it writes no manifest from now on
+            failed[c.tier.name] = late = SaveDeadlineExceeded(
+                f"DCP step {cid.step}: tier {c.tier.name!r} ({c.tier.backend.url}) did not "
+                f"finish its commit within save_deadline ({deadline:g} s); given up there so "
+                "the save goes on (a manifest write already sent may still land: the step is "
+                "then committed there as well)"
+            )
+            log.error("%s", late)
             continue
-        retain(t)
+        if c.checked and on_confirm is not None:
+            on_confirm(c.tier.name, c.refused)
+        exc: BaseException | None = c.refused or c.error
+        if exc is None:
+            committed.append(c.tier.name)
+            retain(c.tier)
+            continue
+        if not isinstance(exc, (BackendError, OSError, TierCkptError)):
+            raise exc
+        failed[c.tier.name] = exc
+        log.error(
+            "step %d not committed on tier %s: %s: %s",
+            cid.step,
+            c.tier.name,
+            type(exc).__name__,
+            exc,
+        )
     if not committed:
         causes = "; ".join(f"{name}: {exc}" for name, exc in failed.items())
         raise CheckpointFailed(
@@ -224,14 +247,57 @@ def commit_all(
         )
 
 
+@dataclass(eq=False)
+class _TierCommit:
+    """One tier's commit of a DCP save, on a thread of its own (see :func:`commit_all`)."""
+
+    tier: Tier
+    #: check the tier's newest checkpoint first (:func:`confirm_timeline`)
+    check: bool
+    refs: list[_ShardOnTier]
+    given_up: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread = field(init=False)
+    checked: bool = False
+    refused: BaseException | None = None
+    error: BaseException | None = None
+
+    def start(self, cid: CheckpointId, world: int, blob: bytes) -> None:
+        self.thread = threading.Thread(
+            target=self._run,
+            args=(cid, world, blob),
+            name=f"tierckpt-dcp-commit-{self.tier.name}",
+            daemon=True,  # a store that never answers must not hold the interpreter's exit
+        )
+        self.thread.start()
+
+    def _run(self, cid: CheckpointId, world: int, blob: bytes) -> None:
+        try:
+            if self.check:
+                self.refused = confirm_timeline(self.tier, cid)
+                self.checked = True
+                if self.refused is not None:
+                    return
+            commit_tier(self.tier, cid, world, self.refs, blob, self.given_up)
+        except BaseException as exc:  # handed to the save's thread
+            self.error = exc
+
+
 def commit_tier(
-    t: Tier, cid: CheckpointId, world: int, shards: list[_ShardOnTier], blob: bytes
+    t: Tier,
+    cid: CheckpointId,
+    world: int,
+    shards: list[_ShardOnTier],
+    blob: bytes,
+    given_up: threading.Event | None = None,
 ) -> None:
     """Write DCP's metadata ``blob`` on ``t``, then the manifest listing every rank's shard
-    (the commit: a tier without the manifest holds no checkpoint)."""
+    (the commit: a tier without the manifest holds no checkpoint); none once ``given_up``
+    is set."""
     step = cid.step
     name = dcp_metadata_name(step, timeline=cid.timeline)
     t.backend.put_atomic(name, blob, overwrite=True)
+    if given_up is not None and given_up.is_set():
+        raise SaveDeadlineExceeded(f"DCP step {step}: commit on tier {t.name!r} given up")
     m = Manifest(
         step=step,
         world_size=world,

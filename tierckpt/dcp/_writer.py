@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tierckpt import config
 from tierckpt.config import resolve_writer_config
 from tierckpt.dcp._commit import choose_timeline, commit_all, gather_reports
 from tierckpt.dcp._common import _DCP_VERSION, TiersArg, _parse_step, _runtimes, take_loaded
@@ -341,6 +342,7 @@ class TierWriter(ShardSaving, StorageWriter):
             functools.partial(self._retain, job=s.job),
             self._unconfirmed,
             self._confirmed,
+            config.save_deadline_s(self.save_deadline),
         )
 
     def _save_ended(self, s: SaveState) -> None:
