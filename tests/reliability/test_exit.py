@@ -169,6 +169,14 @@ if mode == "check":  # a fresh process: which steps load, bit-exact
     print(exact)
     sys.exit(0)
 writer = TierWriter([LocalTier(root, keep_last=None)])
+if mode == "idle":  # what a Ctrl-C inside DCP's submit leaves: its executor never shut down
+    from concurrent.futures import ThreadPoolExecutor
+
+    dcp.async_save(state(1), storage_writer=writer, checkpoint_id=1).result()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="AsyncCheckpointExecutor")
+    pool.submit(lambda: None).result()
+    print("idle executor left", flush=True)
+    sys.exit(0)
 if mode == "second":  # a first save waited for, then one the script does not wait for
     dcp.async_save(state(1), storage_writer=writer, checkpoint_id=1).result()
 fut = dcp.async_save(state(2), storage_writer=writer, checkpoint_id=2)
@@ -202,3 +210,44 @@ def test_a_script_ending_with_a_dcp_async_save_in_flight_commits_it(
     )
     assert loaded == want, p.stderr[-3000:]
     assert "waiting up to" in p.stderr and "AsyncCheckpointExecutor" in p.stderr, p.stderr
+
+
+@pytest.mark.distributed
+def test_exit_does_not_wait_for_an_idle_dcp_executor_thread(tmp_path: Path) -> None:
+    """A Ctrl-C inside ``dcp.async_save``'s submit leaves DCP's executor thread waiting for
+    work that never comes (the executor is shut down only by a submitted save's end). Exit
+    waited the whole exit timeout (60 s) for that thread, calling it a running save; an idle
+    executor thread is no longer waited for, while one running a save still is (the test
+    above)."""
+    root = tmp_path / "ck"
+    p = _child("idle", str(root), script=DCP_CHILD, TIERCKPT_EXIT_TIMEOUT_S="30")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "idle executor left" in p.stdout
+    assert "waiting up to" not in p.stderr, p.stderr[-3000:]
+
+
+def test_an_executor_thread_running_a_task_is_waited_for_and_an_idle_one_is_not(
+    tmp_path: Path,
+) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierckpt import LocalTier
+    from tierckpt.dcp import TierWriter
+    from tierckpt.dcp._writer import _async_save_threads
+
+    gate = threading.Event()
+    busy = ThreadPoolExecutor(max_workers=1, thread_name_prefix="AsyncCheckpointExecutor-b")
+    idle = ThreadPoolExecutor(max_workers=1, thread_name_prefix="AsyncCheckpointExecutor-i")
+    with TierWriter([LocalTier(tmp_path)]):
+        try:
+            idle.submit(lambda: None).result()
+            running = busy.submit(gate.wait)
+            names = {th.name for th in _async_save_threads()}
+            assert any(n.startswith("AsyncCheckpointExecutor-b") for n in names), names
+            assert not any(n.startswith("AsyncCheckpointExecutor-i") for n in names), names
+        finally:
+            gate.set()
+            running.result(10)
+            busy.shutdown()
+            idle.shutdown()

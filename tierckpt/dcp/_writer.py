@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import threading
 import uuid
 import weakref
@@ -431,7 +432,27 @@ def _async_save_threads() -> list[threading.Thread]:
     while concurrent.futures' exit waits for the thread)."""
     if not any(not w._closed for w in list(_WRITERS)):
         return []
-    return [th for th in threading.enumerate() if th.name.startswith(_DCP_ASYNC_THREAD)]
+    return [
+        th
+        for th in threading.enumerate()
+        if th.name.startswith(_DCP_ASYNC_THREAD) and not _idle_worker(th)
+    ]
+
+
+def _idle_worker(th: threading.Thread) -> bool:
+    """Whether ``th`` is an executor's worker waiting for work with none queued: DCP shuts
+    each async_save's executor down once its save is done, but a Ctrl-C inside the submit
+    leaves the worker waiting until concurrent.futures' own exit (after this library's), so
+    exit waited the whole exit timeout for a thread that saves nothing. Unsure: not idle."""
+    frame = sys._current_frames().get(th.ident or -1)
+    if frame is None or frame.f_code.co_name != "_worker":
+        return False
+    if not frame.f_code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py")):
+        return False
+    names = frame.f_locals  # blocked in work_queue.get(): no work item taken
+    queue = names.get("work_queue")
+    empty = getattr(queue, "empty", None)
+    return "work_item" not in names and callable(empty) and bool(empty())
 
 
 def _dist_rank() -> int:
