@@ -326,3 +326,35 @@ def test_a_train_whose_last_checkpoint_committed_nowhere_fails_at_its_end(
         assert cb.checkpointer.checkpoints()[-1].step == 8
     finally:
         cb.close()
+
+
+def _flip_chunk(tier: Path, step: int) -> None:
+    """A flipped byte in the first chunk of ``step``'s shard on the local tier ``tier``."""
+    from tierckpt.format import shard_name
+
+    p = tier / shard_name(step, 0)
+    raw = bytearray(p.read_bytes())
+    raw[10] ^= 0xFF
+    p.write_bytes(bytes(raw))
+
+
+def test_a_damaged_newest_checkpoint_names_the_trainers_way_back(tmp_path: Path) -> None:
+    """resume_from_checkpoint=True prepares the newest checkpoint when the Trainer is built:
+    where its data is damaged the Trainer cannot be built, and the error named
+    ``load(fallback='previous')``, a call a Trainer's user does not make. It now names the
+    callback's way (``resume_folder=False`` and ``materialize(output_dir, step=...)``), and
+    that way resumes from the older step."""
+    cb = _callback(tmp_path / "tier")
+    _trainer(tmp_path / "out", cb, save_strategy="steps", save_steps=2, max_steps=6).train()
+    cb.close()
+    _flip_chunk(tmp_path / "tier", 6)
+    with pytest.raises(tierckpt.CorruptCheckpoint) as err:
+        _trainer(tmp_path / "out", _callback(tmp_path / "tier"), max_steps=8)
+    said = str(err.value)
+    assert "resume_folder=False" in said and "materialize(" in said, said
+    assert "[2, 4]" in said, said  # the older steps
+    cb = _callback(tmp_path / "tier", resume_folder=False)
+    trainer = _trainer(tmp_path / "out", cb, save_strategy="steps", save_steps=2, max_steps=8)
+    trainer.train(resume_from_checkpoint=cb.materialize(str(tmp_path / "out"), step=4))
+    cb.close()
+    assert trainer.state.global_step == 8

@@ -242,3 +242,29 @@ def test_a_fit_whose_last_checkpoint_committed_nowhere_fails_at_its_end(
         assert [c.step for c in io.checkpointer.checkpoints()][-1] == 12
     finally:
         io.close()
+
+
+def test_a_damaged_checkpoint_names_the_older_pointer_file(tmp_path: Path) -> None:
+    """``fit(ckpt_path=...)`` of a checkpoint whose data is damaged raised the core's advice,
+    ``load(fallback='previous')``, which a Lightning user does not call: it now names the
+    pointer file of the newest older checkpoint beside it, and resuming from that works."""
+    from tierckpt.format import shard_name
+
+    MC = L.pytorch.callbacks.ModelCheckpoint
+    every = MC(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    first = _io(tmp_path)
+    _fit(tmp_path, first, 6, [every])
+    first.close()
+    p = tmp_path / "tier" / shard_name(6, 0)
+    raw = bytearray(p.read_bytes())
+    raw[10] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    newest = tmp_path / "ckpts" / "epoch=0-step=6.ckpt"
+    io = _io(tmp_path)
+    with pytest.raises(tierckpt.CorruptCheckpoint) as err:
+        _fit(tmp_path, io, 8, [], ckpt_path=str(newest))
+    io.close()  # the failed fit's traceback holds it
+    older = str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")
+    assert f"ckpt_path={older!r}" in str(err.value), str(err.value)
+    trainer, _ = _fit(tmp_path, _io(tmp_path), 8, [], ckpt_path=older)
+    assert trainer.global_step == 8

@@ -59,7 +59,13 @@ import uuid
 from tierckpt import config
 from tierckpt.backends.base import Backend
 from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
-from tierckpt.lease_refusal import held_lease, lost_lease, other_tier, unreadable_lease
+from tierckpt.lease_refusal import (
+    held_lease,
+    lost_lease,
+    other_tier,
+    unlock_hint,
+    unreadable_lease,
+)
 from tierckpt.liveness import (
     HostIdentity,
     LeaseRecord,
@@ -220,24 +226,6 @@ def list_leases(backend: Backend) -> list[tuple[int, LeaseRecord | None, str]]:
     return out
 
 
-def _unlock_hint(backend: Backend) -> str:
-    if not backend.is_durable:
-        return (
-            "close() the other Checkpointer (or TierWriter) of this process first, or give "
-            "this one another namespace"
-        )
-    if backend.is_node_local:  # node RAM: the folder is named by the namespace
-        folder = getattr(backend, "root", backend.url)
-        return (
-            "give this job another NodeRamTier(namespace=...), or stop the other job; if that "
-            f"job is dead, wait for its lease to expire (ttl) or run `tierckpt unlock {folder}`"
-        )
-    return (
-        "point this job at another folder or prefix, or stop the other job; if that job is "
-        f"dead, wait for its lease to expire (ttl) or run `tierckpt unlock {backend.url}`"
-    )
-
-
 class WriterLease:
     """This writer's lease on one tier location for one rank (see the module docstring).
 
@@ -360,7 +348,7 @@ class WriterLease:
                 return
         raise WriterConflict(
             f"{self.where}: rank {self.rank}'s lease {name} kept changing while this writer "
-            f"tried to take it: another writer is starting here. {_unlock_hint(b)}",
+            f"tried to take it: another writer is starting here. {unlock_hint(b)}",
             tier=self.tier,
             url=b.url,
         )
@@ -391,7 +379,7 @@ class WriterLease:
             )
             return True
         raise unreadable_lease(
-            self.where, name, exc, age, self.ttl, changed, self.tier, b.url, _unlock_hint(b)
+            self.where, name, exc, age, self.ttl, changed, self.tier, b.url, unlock_hint(b)
         )
 
     def _conflict(self, rec: LeaseRecord, why: str, presumed: bool) -> WriterConflict:
@@ -406,8 +394,9 @@ class WriterLease:
             elif seen is None or seen[0] != rec.owner:
                 self._watching = (rec.owner, rec.renewed)
         b = self.backend
+        hint = unlock_hint(b, same_process="in this process" in why)
         return held_lease(
-            self.where, self.rank, self.name, rec, why, presumed, self.tier, b.url, _unlock_hint(b)
+            self.where, self.rank, self.name, rec, why, presumed, self.tier, b.url, hint
         )
 
     def _owner_now(self) -> str | None:

@@ -30,7 +30,14 @@ class WriterLease(Protocol):
     def backend(self) -> Backend: ...
 
 
-__all__ = ["held_lease", "lost_lease", "other_tier", "tier_owner", "unreadable_lease"]
+__all__ = [
+    "held_lease",
+    "lost_lease",
+    "other_tier",
+    "tier_owner",
+    "unlock_hint",
+    "unreadable_lease",
+]
 
 
 def held_lease(
@@ -161,4 +168,34 @@ def lost_lease(
         f"longer writes or deletes anything there; its later saves fail on this tier. {remedy}",
         tier=lease.tier,
         url=lease.backend.url,
+    )
+
+
+#: what to do about a writer of this very process on the location (a notebook's second fit)
+_SAME_PROCESS = (
+    "close() that writer first (a Checkpointer, dcp.TierWriter, or an integration's "
+    "TierCkptIO / TierCkptCallback made earlier in this process, which something still "
+    "refers to), or use it again instead of a new one"
+)
+
+
+def unlock_hint(backend: Backend, *, same_process: bool = False) -> str:
+    """What an operator does about a live holder of a lease on ``backend``'s location
+    (``same_process``: a writer of this very process holds it)."""
+    if same_process:
+        return _SAME_PROCESS
+    if not backend.is_durable:
+        return (
+            "close() the other Checkpointer (or TierWriter) of this process first, or give "
+            "this one another namespace"
+        )
+    if backend.is_node_local:  # node RAM: the folder is named by the namespace
+        folder = getattr(backend, "root", backend.url)
+        return (
+            "give this job another NodeRamTier(namespace=...), or stop the other job; if that "
+            f"job is dead, wait for its lease to expire (ttl) or run `tierckpt unlock {folder}`"
+        )
+    return (
+        "point this job at another folder or prefix, or stop the other job; if that job is "
+        f"dead, wait for its lease to expire (ttl) or run `tierckpt unlock {backend.url}`"
     )

@@ -546,8 +546,11 @@ def test_two_checkpointers_in_one_process_on_the_default_memory_tier(record: Rec
     first = Checkpointer([MemoryTier(keep_last=None)], chunk_bytes=256 << 10)
     first.save(_state(1, "A"), 1).wait(timeout=60)
     second = Checkpointer([MemoryTier()], chunk_bytes=256 << 10)
-    with pytest.raises(WriterConflict, match="this process"):
+    with pytest.raises(WriterConflict, match="this process") as refused:
         second.save(_state(1, "B"), 1)
+    # what to do: close the earlier writer (not "stop the other job" or `tierckpt unlock`)
+    assert "close() that writer first" in str(refused.value), refused.value
+    assert "unlock" not in str(refused.value), refused.value
     with pytest.raises(WriterConflict):
         second.save(_state(2, "B"), 2)
     first.save(_state(2, "A"), 2).wait(timeout=60)

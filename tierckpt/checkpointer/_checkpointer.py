@@ -396,7 +396,8 @@ class Checkpointer(SavePath, Observed):
         must match; a tensor of another floating-point dtype is cast, as ``load_state_dict``
         does) and return it (NumPy arrays too, of the same dtype; a tuple is rebuilt with the
         checkpoint's values); ``strict=False``: restore only the keys both hold (the others
-        stay as they are), as ``load_state_dict(strict=False)`` does. ``nn.Parameter`` values
+        stay as they are, logged), as ``load_state_dict(strict=False)`` does; a target that
+        shares no key with the checkpoint is refused either way. ``nn.Parameter`` values
         come back as Parameters with their ``requires_grad``, as with ``torch.load``.
         ``fallback="previous"``: if every tier's copy is unreadable, try older checkpoints of
         the same history (older steps of its timeline, then the steps of older timelines
@@ -415,7 +416,9 @@ class Checkpointer(SavePath, Observed):
         A top-level value of ``into`` with ``state_dict()`` / ``load_state_dict()`` (DCP's
         ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
         through ``load_state_dict()``, as ``save()`` took it through ``state_dict()``; so does
-        ``into`` itself where it is one (``load(into=model)``), all checked first.
+        ``into`` itself where it is one (``load(into=model)``), all checked first (an
+        optimizer's part, which only its ``load_state_dict()`` checks, is handed over first:
+        where it refuses, every part is put back and a ``StateMismatch`` names it).
         """
         step = None if step is None else as_step(step, "load")
         map_location = as_map_location(map_location)

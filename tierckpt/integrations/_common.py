@@ -25,6 +25,7 @@ from tierckpt.tree import numpy_storable
 __all__ = [
     "checkpoint_identity",
     "closure_guard_hook",
+    "with_hint",
     "folder_holds",
     "rng_states",
     "sanitize_state",
@@ -266,3 +267,12 @@ def lost_save(newest: SaveHandle | None, ck: Checkpointer, run: str) -> Checkpoi
         "Fix the tiers (each failure was logged at its save) and save again",
         newest.errors,
     )
+
+
+def with_hint(exc: BaseException, hint: str) -> BaseException:
+    """``exc`` (a load's error) with ``hint``, the framework's way out, added to its message
+    in place: its type, cause and attributes stay what callers look at. The core's advice
+    (``load(fallback=...)``) is a call these frameworks' users do not make."""
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}. {hint}",)
+    return exc

@@ -58,7 +58,6 @@ import logging
 import os
 import re
 import signal
-import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -66,7 +65,7 @@ from typing import Any, Literal
 import torch
 
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from tierckpt.handle import SaveHandle
 from tierckpt.integrations._common import (
     checkpoint_identity,
@@ -75,11 +74,10 @@ from tierckpt.integrations._common import (
     rng_states,
     sanitize_state,
     set_rng_states,
+    with_hint,
     write_checkpoint,
 )
-from tierckpt.integrations.sinks import OutcomeCounts, event_metrics
 from tierckpt.preemption import Preemption
-from tierckpt.stats import CheckpointEvent
 from tierckpt.urls import TiersLike
 
 try:
@@ -88,6 +86,8 @@ except ImportError as exc:  # pragma: no cover - the transformers extra is optio
     raise ImportError(
         "tierckpt.integrations.hf needs Hugging Face transformers: pip install transformers"
     ) from exc
+
+from tierckpt.integrations._hf_log import TrainerLogSink
 
 __all__ = ["TierCkptCallback", "TrainerLogSink", "rng_states", "set_rng_states"]
 
@@ -430,7 +430,16 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             log.warning("%s is not from the tiers: resume_from_checkpoint=True takes it", target)
             return
         loaded = self.checkpointer._has_loaded  # nothing is resumed yet: a later save that
-        write_checkpoint(self.checkpointer, target, ident)  # goes back is still warned about
+        try:  # goes back is still warned about
+            write_checkpoint(self.checkpointer, target, ident)
+        except CorruptCheckpoint as exc:
+            with_hint(
+                exc,
+                "With the Trainer: build it with TierCkptCallback(..., resume_folder=False), "
+                "then resume from an older step with trainer.train(resume_from_checkpoint="
+                f"callback.materialize({output_dir!r}, step=<an older step>))",
+            )
+            raise
         self.checkpointer._has_loaded = loaded
 
     def close(self) -> None:
@@ -439,61 +448,3 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
             self._hook.remove()
             self._hook = None
         self.checkpointer.close()
-
-
-class TrainerLogSink(TrainerCallback):  # type: ignore[misc]
-    """Checkpoint events into a ``Trainer``'s log: ``TrainerLogSink.attach(trainer, ck)``
-    (metric names as in :mod:`tierckpt.integrations.sinks`).
-
-    As an event callback it queues each event's metrics (from a background thread); as a
-    ``TrainerCallback`` it writes the queue with ``trainer.log`` from the training thread at
-    the next step end, epoch end or end of training, so TensorBoard, W&B, MLflow (whatever
-    ``report_to`` names) receive them with the Trainer's own figures.
-    """
-
-    def __init__(self, trainer: Any, prefix: str = "tierckpt") -> None:
-        self.trainer = trainer
-        self.prefix = prefix
-        self._lock = threading.Lock()
-        self._queue: list[dict[str, float]] = []
-        self._counts = OutcomeCounts()
-
-    @classmethod
-    def attach(
-        cls, trainer: Any, checkpointer: Checkpointer, prefix: str = "tierckpt"
-    ) -> TrainerLogSink:
-        """A sink registered with both ``trainer`` (a callback) and ``checkpointer`` (an
-        event callback); returns it."""
-        sink = cls(trainer, prefix=prefix)
-        trainer.add_callback(sink)
-        checkpointer.add_event_callback(sink)
-        return sink
-
-    def __call__(self, event: CheckpointEvent) -> None:
-        count = None if event.ok else self._counts.bump(event.tier, event.kind)
-        metrics = event_metrics(event, self.prefix, count)
-        metrics[f"{self.prefix}/step"] = float(event.step)
-        with self._lock:
-            self._queue.append(metrics)
-
-    def flush(self) -> None:
-        """Write the queued events with ``trainer.log`` (call from the training thread)."""
-        with self._lock:
-            queued, self._queue = self._queue, []
-        for metrics in queued:
-            self.trainer.log(metrics)
-
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self.flush()
-
-    def on_epoch_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self.flush()
-
-    def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self.flush()

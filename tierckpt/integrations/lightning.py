@@ -70,10 +70,15 @@ import torch
 
 from tierckpt.catalog import lineage
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle
-from tierckpt.integrations._common import closure_guard_hook, lost_save, sanitize_state
+from tierckpt.integrations._common import (
+    closure_guard_hook,
+    lost_save,
+    sanitize_state,
+    with_hint,
+)
 from tierckpt.integrations._same_step import Described, describe, restore
 from tierckpt.urls import TiersLike
 
@@ -114,6 +119,26 @@ def read_pointer(path: Any) -> dict[str, Any] | None:
     if type(doc.get("step")) is not int:
         return None
     return doc
+
+
+def _older_pointer(path: Any, step: int) -> str | None:
+    """The pointer file beside ``path`` of the newest step before ``step`` (None: none)."""
+    parent = _parent(path)
+    best: tuple[int, str] | None = None
+    try:
+        names = get_filesystem(parent).ls(parent, detail=False)
+    except Exception:  # a folder that cannot be listed: no hint, the error stands
+        return None
+    for name in names:
+        if not str(name).endswith(".ckpt"):
+            continue
+        try:
+            doc = read_pointer(name)
+        except Exception:
+            continue
+        if doc is not None and doc["step"] < step and (best is None or doc["step"] > best[0]):
+            best = (doc["step"], str(name))
+    return None if best is None else best[1]
 
 
 def _parent(path: Any) -> str:
@@ -247,6 +272,16 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
             )
         except CheckpointNotFound:
             state = self._load_before(path, step, timeline, device)
+        except CorruptCheckpoint as exc:
+            older = _older_pointer(path, step)
+            with_hint(
+                exc,
+                f"With Lightning, resume from an older checkpoint by its file: "
+                f"trainer.fit(model, ckpt_path={older!r})"
+                if older is not None
+                else f"No older checkpoint file of tierckpt is in {_parent(path)}",
+            )
+            raise
         else:
             for key, value in (pointer.get("values") or {}).items():
                 state[key] = restore(value)

@@ -27,7 +27,14 @@ from tierckpt.restore._index import (
     rebuild_tensor,
     start_tail,
 )
-from tierckpt.restore._into import RECOVERABLE, check_into, is_recoverable, restore_into
+from tierckpt.restore._into import (
+    RECOVERABLE,
+    check_into,
+    is_recoverable,
+    key_hint,
+    log_skipped,
+    restore_into,
+)
 from tierckpt.restore._layout import SpanLayout, ThreadBuffers
 from tierckpt.restore._repopulate import Repopulation
 from tierckpt.restore._shard import LoadedShard, finish_shard, read_shard, refuse_dcp
@@ -45,6 +52,8 @@ __all__ = [
     "TensorRecord",
     "as_parameters",
     "check_into",
+    "key_hint",
+    "log_skipped",
     "finish_shard",
     "is_recoverable",
     "parse_tensor_entry",

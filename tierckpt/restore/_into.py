@@ -18,7 +18,14 @@ from tierckpt.errors import (
     UnknownCodec,
 )
 
-__all__ = ["RECOVERABLE", "is_recoverable", "restore_into"]
+__all__ = [
+    "RECOVERABLE",
+    "check_into",
+    "is_recoverable",
+    "key_hint",
+    "log_skipped",
+    "restore_into",
+]
 
 log = logging.getLogger("tierckpt")
 #: errors that make the reader try the next tier (or step)
@@ -36,28 +43,39 @@ def restore_into(target: Any, loaded: Any, path: str = "<root>", *, strict: bool
     does: float32 into bfloat16 rounds); any other dtype difference is refused. A NumPy array
     loads into a writable array of the same dtype and shape in place, as a tensor does; a
     tuple is rebuilt (it cannot change in place), so its scalars are the checkpoint's too."""
+    log_skipped(check_into(target, loaded, path, strict))
+    return _copy_into(target, loaded)
+
+
+def check_into(target: Any, loaded: Any, path: str = "<root>", strict: bool = True) -> list[str]:
+    """:func:`restore_into`'s checks alone: raise :class:`StateMismatch` where ``loaded`` could
+    not be restored into ``target``; nothing is copied. Returns the paths ``strict=False``
+    leaves as they are (held by one side only)."""
     skipped: list[str] = []
     _check_into(target, loaded, path, strict, skipped)
+    return skipped
+
+
+def log_skipped(skipped: list[str]) -> None:
+    """Say which keys a ``strict=False`` load left as they were."""
     if skipped:
         log.info(
             "load(strict=False): %d keys not restored (in only one side): %s",
             len(skipped),
             ", ".join(skipped[:10]) + (", ..." if len(skipped) > 10 else ""),
         )
-    return _copy_into(target, loaded)
-
-
-def check_into(target: Any, loaded: Any, path: str = "<root>", strict: bool = True) -> None:
-    """:func:`restore_into`'s checks alone: raise :class:`StateMismatch` where ``loaded`` could
-    not be restored into ``target``; nothing is copied."""
-    _check_into(target, loaded, path, strict, [])
 
 
 def _castable(a: torch.dtype, b: torch.dtype) -> bool:
     return a == b or (a.is_floating_point and b.is_floating_point)
 
 
-def _check_into(target: Any, loaded: Any, path: str, strict: bool, skipped: list[str]) -> None:
+def _check_into(
+    target: Any, loaded: Any, path: str, strict: bool, skipped: list[str], whole: bool = True
+) -> None:
+    """``whole``: ``target`` is the whole state of the call (not a part within it), where a
+    dict that shares no key with the checkpoint's is refused even with ``strict=False`` (it
+    would restore nothing, and say so only in a log)."""
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
             raise StateMismatch(
@@ -105,24 +123,85 @@ def _check_into(target: Any, loaded: Any, path: str, strict: bool, skipped: list
     if isinstance(target, dict):
         if not isinstance(loaded, dict):
             raise StateMismatch(f"{path}: target is a dict, checkpoint a {type(loaded).__name__}")
+        _stateless_optimizer(target, loaded, path)
         missing = [k for k in target if k not in loaded]
         extra = [k for k in loaded if k not in target]
-        if (missing or extra) and strict:
+        shared = len(missing) < len(target)
+        if (missing or extra) and (strict or (whole and not shared and target and loaded)):
             raise StateMismatch(
                 f"{path}: keys differ — missing from checkpoint: {missing[:10]}, "
-                f"not in target: {extra[:10]} (load(..., strict=False) restores the keys both "
-                "hold)"
+                f"not in target: {extra[:10]}" + key_hint(list(target), list(loaded), shared)
             )
         skipped.extend(f"{path}[{k!r}]" for k in missing + extra)
         for k in target:
             if k in loaded:
-                _check_into(target[k], loaded[k], f"{path}[{k!r}]", strict, skipped)
+                _check_into(target[k], loaded[k], f"{path}[{k!r}]", strict, skipped, False)
         return
     if isinstance(target, (list, tuple)):
         if not isinstance(loaded, (list, tuple)) or len(loaded) != len(target):
             raise StateMismatch(f"{path}: sequence length or type differs")
         for i, (a, b) in enumerate(zip(target, loaded, strict=True)):
-            _check_into(a, b, f"{path}[{i}]", strict, skipped)
+            _check_into(a, b, f"{path}[{i}]", strict, skipped, False)
+
+
+def key_hint(target: list[Any], loaded: list[Any], shared: bool) -> str:
+    """What to do about a target's keys that differ from the checkpoint's (a message's end)."""
+    moved = _prefix_moved(target, loaded)
+    if moved is not None:
+        return f" — {moved}"
+    if shared:
+        return " (load(..., strict=False) restores the keys both hold)"
+    return (
+        " — no key in common, so strict=False would restore nothing: the checkpoint is laid "
+        "out otherwise (load() without into= and take its part, e.g. load()['model'], or pass "
+        "into= a dict laid out as it is: into={'model': model, 'optimizer': optimizer, ...})"
+    )
+
+
+def _prefix_moved(target: list[Any], loaded: list[Any]) -> str | None:
+    """Where one side's keys are the other's with a prefix (``_orig_mod.`` of a
+    ``torch.compile``d model, ``module.`` of DDP), what to do about it; else None."""
+    for longer, shorter, holder in ((loaded, target, "checkpoint"), (target, loaded, "target")):
+        names = [k for k in shorter if isinstance(k, str)]
+        if not names or not all(isinstance(k, str) for k in longer):
+            continue
+        first = names[0]
+        for k in longer:
+            if len(k) > len(first) and k.endswith(first):
+                prefix = k[: -len(first)]
+                rest = {k[len(prefix) :] for k in longer if k.startswith(prefix)}
+                if len(rest & set(names)) * 2 >= len(names):
+                    break
+        else:
+            continue
+        if holder == "checkpoint":
+            return (
+                f"the checkpoint's keys carry the prefix {prefix!r} that the target's do not "
+                "(saved from a wrapped model: torch.compile, DDP): load() without into= and "
+                f"strip it ({{k.removeprefix({prefix!r}): v for k, v in state.items()}}), or "
+                "load into the wrapped model"
+            )
+        return (
+            f"the target's keys carry the prefix {prefix!r} that the checkpoint's do not (a "
+            "model wrapped since the save: torch.compile, DDP): load into the model inside "
+            "(model._orig_mod, model.module)"
+        )
+    return None
+
+
+def _stateless_optimizer(target: dict[Any, Any], loaded: dict[Any, Any], path: str) -> None:
+    """Refuse an optimizer's ``state_dict()`` without state as the target of a checkpoint's
+    optimizer state: nothing of it could be restored in place (strict=False: silently)."""
+    if set(target) != {"state", "param_groups"} or target["state"]:
+        return
+    held = loaded.get("state")
+    if isinstance(held, dict) and held:
+        raise StateMismatch(
+            f"{path}: the target is an optimizer's state_dict() that holds no state yet (a "
+            f"fresh optimizer's), which cannot take the checkpoint's state of {len(held)} "
+            "parameters in place: pass the optimizer itself (into={..., 'optimizer': "
+            "optimizer}), whose load_state_dict() takes it in"
+        )
 
 
 def _copy_into(target: Any, loaded: Any) -> Any:
