@@ -58,7 +58,13 @@ import uuid
 
 from tierckpt import config
 from tierckpt.backends.base import Backend
-from tierckpt.errors import CheckpointNotFound, FormatError, LeaseLost, WriterConflict
+from tierckpt.errors import (
+    BackendError,
+    CheckpointNotFound,
+    FormatError,
+    LeaseLost,
+    WriterConflict,
+)
 from tierckpt.lease_refusal import (
     held_lease,
     lost_lease,
@@ -421,8 +427,14 @@ class WriterLease:
         """Raise (and mark the lease lost) when the stored lease is not ours."""
         try:
             got = read_lease(self.backend, self.rank)
-        except FormatError as exc:
-            raise self._lose(f"it was replaced by an unreadable object ({exc})") from None
+        except FormatError as exc:  # not lost for one bad answer (a proxy, a portal): this
+            # writer writes nothing there until the lease reads as its own again
+            raise BackendError(
+                f"{self.where}: rank {self.rank}'s lease {self.name} could not be read "
+                f"({exc}); nothing is written there until it reads as this writer's again (an "
+                "answer not from the store: a proxy or portal in the way? or another "
+                "release's lease: `tierckpt ls` the location)"
+            ) from None
         if got is None:
             raise self._lose("it was removed (tierckpt unlock?)", removed=True)
         if got[1].owner != self.owner:

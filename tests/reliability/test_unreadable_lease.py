@@ -129,3 +129,35 @@ def test_an_unreadable_lease_that_keeps_changing_is_refused(
             ck.save(_state(2), 2)
         assert not info.value.presumed and "changed while this writer watched" in str(info.value)
     assert path.read_bytes() == b"{not json"  # never overwritten
+
+
+def test_one_unreadable_answer_for_a_held_lease_does_not_lose_the_tier(
+    tmp_path: Path, record: Recorder
+) -> None:
+    """A writer's own lease read back as something unreadable (a proxy's HTML page in the
+    field test; here the file's bytes replaced for one save): before, the writer called the
+    lease lost for good ("Two jobs are pointed at one location") and never wrote that tier
+    again, though its lease was back the next moment. Now that save's copy fails there (the
+    other tiers commit), and once the lease reads as its own again the tier saves again."""
+    local, other = tmp_path / "local", tmp_path / "other"
+    with Checkpointer([LocalTier(local), LocalTier(other, name="other")]) as ck:
+        ck.save(_state(1), 1).wait(timeout=60)
+        path = local / LEASE
+        mine = path.read_bytes()
+        path.write_bytes(b"<html><body>Log in to use this network</body></html>")
+        h = ck.save(_state(2), 2)
+        with pytest.raises(CheckpointFailed, match="could not be read"):
+            h.wait(timeout=60)
+        assert h.committed("other") and not h.committed("local")
+        path.write_bytes(mine)  # the store answers again
+        ck.save(_state(3), 3).wait(timeout=60)
+        assert ck.tier_steps() == {"local": [1, 3], "other": [1, 2, 3]}
+    with Checkpointer([LocalTier(local)]) as ck:
+        assert ck.steps() == [1, 3]
+        assert torch.equal(ck.load()["w"], _state(3)["w"])
+    record(
+        "one_writer",
+        "a writer's own lease read back once as an HTML page (local + other tier)",
+        "that save's copy failed on the tier (committed on the other); the lease back, the "
+        "next save committed on both",
+    )
