@@ -154,9 +154,10 @@ def lost_lease(
     running job)."""
     if removed:
         remedy = (
-            "If no other job is pointed here (the lease file was deleted by hand, or `tierckpt "
-            "unlock --force` was run on this running job), restart this job: it takes the "
-            "lease again at its first save and loads the newest checkpoint"
+            "If no other job is pointed here (the lease file was deleted by hand, `tierckpt "
+            "unlock --force` was run on this running job, or the folder or bucket was deleted "
+            "and made again), restart this job: it takes the lease again at its first save "
+            "and loads the newest checkpoint"
         )
     elif holder is not None and other_tier(lease, holder) is not None:
         # a store without conditional PUT let two tiers of this job take it
