@@ -9,6 +9,8 @@ which sends an operator to look for damage that is not there.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -125,3 +127,26 @@ def test_a_shard_file_missing_under_its_manifest_is_still_a_warning(
     assert tried and all(r.levelname == "WARNING" for r in tried), [
         (r.levelname, r.getMessage()) for r in tried
     ]
+
+
+def test_a_fallback_to_an_older_checkpoint_is_said_aloud(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``load(fallback="previous")`` returns only the state: where the newest could not be
+    read and an older one was loaded, a WARNING names both (it was INFO, so a state without a
+    step key of its own did not tell which step training resumed from)."""
+    from tierckpt import LocalTier
+    from tierckpt.format import shard_name
+
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        for step in (1, 2):
+            ck.save({"w": torch.full((64,), float(step))}, step).wait()
+    p = tmp_path / shard_name(2, 0)
+    raw = bytearray(p.read_bytes())
+    raw[10] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    with Checkpointer([LocalTier(tmp_path)]) as ck, caplog.at_level("WARNING", "tierckpt"):
+        got = ck.load(fallback="previous")
+    assert torch.equal(got["w"], torch.full((64,), 1.0))
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("loaded the older" in m and "1" in m for m in said), said

@@ -312,6 +312,12 @@ def _load_once(
             # once every rank's file is in: a collective, reached by every rank whether its
             # load worked or not
             ctx.strategy.publish_repopulated(got)
+        if got is not None and candidates and got.manifest.id != candidates[0]:
+            log.warning(  # a state without a step key of its own would not tell
+                "load(fallback='previous'): %s could not be read; loaded the older %s",
+                candidates[0],
+                got.manifest.id,
+            )
         if got is not None and got.repopulated:
             retain_repopulated(ctx, got)
     except CheckpointNotFound as exc:
