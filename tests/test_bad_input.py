@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from pathlib import Path
@@ -323,9 +324,18 @@ def test_a_load_right_after_save_says_the_save_is_still_in_flight(
         assert torch.equal(ck.load()["w"], torch.ones(4))
 
 
+class _Phase(enum.Enum):
+    TRAIN = "train"
+
+
 def test_an_unsupported_value_is_told_how_to_convert_it(tmp_path: Path) -> None:
+    import argparse
     import collections
     import dataclasses
+    import datetime
+    import pathlib
+
+    import numpy as np
 
     @dataclasses.dataclass
     class Config:
@@ -338,6 +348,15 @@ def test_an_unsupported_value_is_told_how_to_convert_it(tmp_path: Path) -> None:
             (Config(), r"dataclasses\.asdict\(x\)"),
             (pair(1, 2), r"x\._asdict\(\)"),
             (object(), r"\.state_dict\(\), \.tolist\(\) or str\(\)"),
+            # the values a training script keeps, each told its own way (a field test found
+            # them all told "e.g. with .state_dict(), .tolist() or str()")
+            (argparse.Namespace(lr=0.1), r"vars\(x\)"),
+            (pathlib.Path("/data"), r"str\(x\), rebuilt with pathlib\.Path"),
+            ({1, 2}, r"sorted\(x\)"),
+            (_Phase.TRAIN, r"x\.value"),
+            (datetime.datetime(2026, 1, 1), r"x\.isoformat\(\)"),
+            (collections.defaultdict(int), r"dict\(x\)"),
+            (np.str_("adam"), r"x\.item\(\)"),
         ):
             with pytest.raises(UnsupportedObject, match=hint):
                 ck.save({"v": value}, 1)

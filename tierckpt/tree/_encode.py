@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
+import datetime
+import decimal
+import enum
+import fractions
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from json.encoder import encode_basestring_ascii
@@ -292,4 +298,29 @@ def _convert_hint(x: Any) -> str:
         return "a dataclass: dataclasses.asdict(x), rebuilt with its class(**d)"
     if isinstance(x, tuple) and hasattr(x, "_asdict"):
         return "a namedtuple: x._asdict(), rebuilt with its class(**d)"
+    for kinds, hint in _KIND_HINTS:
+        if isinstance(x, kinds):
+            return hint
+    if hasattr(x, "__dict__") and type(x).__name__ == "Namespace":
+        return "an argparse Namespace: vars(x), rebuilt with argparse.Namespace(**d)"
     return "e.g. with .state_dict(), .tolist() or str()"
+
+
+#: how to store values of the kinds training scripts keep in their state, where a generic
+#: "convert it" leaves the user to guess
+_KIND_HINTS: tuple[tuple[type | tuple[type, ...], str], ...] = (
+    (enum.Enum, "an Enum member: x.value (or x.name), rebuilt with its class(value)"),
+    ((set, frozenset), "a set: sorted(x) (or list(x)), rebuilt with set(...)"),
+    (collections.defaultdict, "a defaultdict: dict(x) (its default factory is not stored)"),
+    (os.PathLike, "a path: str(x), rebuilt with pathlib.Path(s)"),
+    (
+        (datetime.datetime, datetime.date, datetime.time),
+        "a date or time: x.isoformat(), rebuilt with its class.fromisoformat(s)",
+    ),
+    (datetime.timedelta, "a timedelta: x.total_seconds(), rebuilt with timedelta(seconds=s)"),
+    (complex, "a complex number: [x.real, x.imag] (or a complex tensor)"),
+    (
+        (fractions.Fraction, decimal.Decimal),
+        "a Fraction or Decimal: str(x), rebuilt with its class(s)",
+    ),
+)

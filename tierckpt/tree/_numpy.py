@@ -65,6 +65,8 @@ def _dtype_name(dtype: np.dtype[Any], what: str, path: tuple[object, ...]) -> st
     name = dtype.name
     if name not in NUMPY_DTYPES or dtype.fields is not None:
         hint = _HINTS.get(dtype.kind, "convert it to one of these")
+        if what.startswith("NumPy scalar") and dtype.kind in "OUS":
+            hint = "store x.item() (a Python value)"
         raise UnsupportedObject(
             f"{what} at {_path_str(path)} has dtype {dtype.str!r} ({name}); tierckpt stores "
             f"NumPy values of {_STORED} without pickle: {hint}"
