@@ -1,7 +1,8 @@
 """What the CLI adds around a command: a line on stderr while it waits (an unreachable
 endpoint is retried for seconds), a hint naming the likely fix when it fails for missing
-credentials or an endpoint nobody answers at, the tier folder (or object-store prefix) meant
-when ``ls`` was given one a level off, and the codecs a checkpoint really stores."""
+credentials, an endpoint nobody answers at or an https:// one answering in plain HTTP, the
+tier folder (or object-store prefix) meant when ``ls`` was given one a level off, and the
+codecs a checkpoint really stores."""
 
 from __future__ import annotations
 
@@ -142,6 +143,16 @@ def hint_for(exc: BaseException, endpoint_url: str | None, urls: Sequence[str] =
                 "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or run where an instance role "
                 "applies"
             )
+        if "not with TLS" in text or "WRONG_VERSION_NUMBER" in text:
+            # obstore's (see its backend's hint) or botocore's SSLError: a server answered
+            source, endpoint = endpoint_source(endpoint_url, urls)
+            at = _host_port(endpoint)
+            if source and at:
+                return (
+                    f"hint: {source} names https:// but the server at {at} speaks plain "
+                    f"HTTP (no TLS): use http://{at}"
+                )
+            return "hint: the endpoint is https:// but its server speaks plain HTTP (no TLS)"
         if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionRefusedError") or (
             "Could not connect to the endpoint URL" in text
             or (code and "error sending request" in text)  # obstore: no connection

@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Collection
 
+from tierckpt.backends.base import Backend
 from tierckpt.errors import BackendError
 from tierckpt.format import CheckpointId
 from tierckpt.handle import TierResult
@@ -34,6 +36,32 @@ log = logging.getLogger("tierckpt")
 #: inside the report (``on_commit``) or the pass (``protect_steps``) that lists the
 #: checkpoints must not wait for the pass its own thread runs next (or is running)
 _own = threading.local()
+
+
+#: a tier whose retention keeps failing is warned about at its first failed pass (once per
+#: cause: :func:`report_once`) and again at every this many failed passes in a row, each of
+#: which left behind what it should have deleted: the storage grows, and one WARNING at the
+#: start of dozens of saves is easy to miss
+RETENTION_WARN_EVERY = 10
+#: per backend, the retention passes that failed in a row (forgotten when one completes)
+_failed_passes: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
+_failed_lock = threading.Lock()
+
+
+def _count_failed_pass(backend: Backend, failed: bool) -> int:
+    """Count a retention pass on ``backend`` that ``failed`` (else reset the count); the
+    failed passes in a row, this one included (0: it worked, or ``backend`` cannot be
+    remembered: a test double without hash or weak reference)."""
+    with _failed_lock:
+        try:
+            n = _failed_passes.get(backend, 0) + 1 if failed else 0
+            if n:
+                _failed_passes[backend] = n
+            else:
+                _failed_passes.pop(backend, None)
+        except TypeError:
+            return 0
+    return n
 
 
 def _own_passes() -> Counter[int]:
@@ -83,8 +111,19 @@ class _RetainMixin(_PipelineBase):
                 exc,
                 topic=RETENTION,
             )
+            failed = _count_failed_pass(tier.backend, True)
+            if failed % RETENTION_WARN_EVERY == 0:  # and, while it lasts, now and then
+                log.warning(
+                    "retention on tier %s has failed %d passes in a row: what each of them "
+                    "should have deleted is still there (the storage grows past the tier's "
+                    "rules); last error: %s",
+                    tier.name,
+                    failed,
+                    exc,
+                )
         else:
             forget_causes(tier.backend, topic=RETENTION)  # a failure coming back is news
+            _count_failed_pass(tier.backend, False)
 
     def _finish_then_retain(
         self,

@@ -81,11 +81,11 @@ from __future__ import annotations
 
 from tierckpt.backends.objstore._backend import (
     MIN_PART_SIZE,
-    PROBE_PREFIX,
     REQUEST_TIMEOUT_S,
     ObjectStoreBackend,
 )
 from tierckpt.backends.objstore._errors import ObjectStoreError
+from tierckpt.backends.objstore._listing import PROBE_PREFIX
 from tierckpt.backends.objstore._store import SCHEMES, parse_url
 
 __all__ = [

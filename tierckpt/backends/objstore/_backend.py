@@ -29,6 +29,7 @@ from tierckpt.backends.objstore._errors import (
     transient,
     translate,
 )
+from tierckpt.backends.objstore._listing import PROBE_PREFIX, listed
 from tierckpt.backends.objstore._reads import fetch, get_bounded, read_tail
 from tierckpt.backends.objstore._slots import Slots
 from tierckpt.backends.objstore._spread import _Spread
@@ -47,8 +48,6 @@ log = logging.getLogger("tierckpt.backends.objstore")  # one logger for the whol
 MiB = 2**20
 #: S3's (and GCS's XML API's) smallest part but the last
 MIN_PART_SIZE = 5 * MiB
-#: names of the objects used to probe conditional-put support; hidden from ``list``
-PROBE_PREFIX = ".tierckpt-probe-"
 #: a request that keeps moving bytes is cut off only after this long
 REQUEST_TIMEOUT_S = 600.0
 
@@ -150,6 +149,8 @@ class ObjectStoreBackend(RemoteBackend):
         self._s3_admin: S3Backend | None = None
         self._admin_lock = threading.Lock()
         self._closed = False
+        #: an empty listing was seen to come from a store (see _listing.check_endpoint)
+        self._answers_as_store = False
         if store is None:
             settings = StoreSettings(
                 scheme=self.scheme,
@@ -218,7 +219,7 @@ class ObjectStoreBackend(RemoteBackend):
                 if attempt < self.max_attempts and transient(exc):
                     log.debug("%s: %s failed (%s); again", self.url, what, short(exc))
                     self._tell(attempt)
-                    backoff(attempt, exc)
+                    backoff(attempt, exc, self.url)
                     continue
                 self._tell(0)
                 raise self._translate(exc, what, self._where(key)) from exc
@@ -258,7 +259,7 @@ class ObjectStoreBackend(RemoteBackend):
                     if lost + 1 < self.max_attempts and transient(exc):
                         lost += 1
                         self._tell(lost)
-                        backoff(lost, exc)
+                        backoff(lost, exc, self.url)
                         continue
                     if "409" in statuses(exc):
                         time.sleep(0.05)  # a concurrent create is in flight; S3 says retry
@@ -415,34 +416,7 @@ class ObjectStoreBackend(RemoteBackend):
         return self._listed(prefix, "", limit)
 
     def _listed(self, prefix: str, start_after: str, limit: int | None) -> builtins.list[str]:
-        import obstore
-
-        def pages(store: Any) -> builtins.list[Any]:
-            out: builtins.list[Any] = []
-            for page in obstore.list(store, folder or None, chunk_size=1000, **offset):
-                out += page
-                if limit is not None and len(out) >= limit:
-                    break  # the store's order: what a hint needs, not every name
-            return out
-
-        full = self._root + prefix
-        offset = {"offset": self._root + start_after} if start_after else {}
-        # object_store lists whole path segments: list the folder, keep the names that match
-        folder = full if full.endswith("/") or not full else full.rpartition("/")[0]
-        cut = len(self._root)
-        names = []
-        for meta in self._call("list", full, pages):
-            path = str(meta["path"])
-            if not path.startswith(full):
-                continue
-            rel = path[cut:]
-            if rel.startswith(PROBE_PREFIX) or (start_after and rel <= start_after):
-                continue
-            try:
-                names.append(validate_name(rel))
-            except FormatError:
-                log.debug("%s: skipping key %r (not a valid object name)", self.url, rel)
-        return sorted(names)[:limit]
+        return listed(self, prefix, start_after, limit)
 
     def delete(self, name: str) -> None:
         import obstore

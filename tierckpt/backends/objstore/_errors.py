@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from tierckpt.backends._denied import AUTH_CODES, delete_denied_hint
+from tierckpt.backends._throttle import throttled
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
 from tierckpt.redact import redact, scrub_exception
 
@@ -101,13 +103,27 @@ def transient(exc: BaseException) -> bool:
 _THROTTLED = ("429", "503")
 
 
-def backoff(attempt: int, exc: BaseException | None = None) -> None:
+def throttling(exc: BaseException) -> str:
+    """The throttling answer ``exc`` names (``"503 SlowDown"``), or ``""``."""
+    status = next((c for c in statuses(exc) if c in _THROTTLED), "")
+    if not status:
+        return ""
+    cm = _CODE.search(str(exc))
+    code = (cm.group(1) or cm.group(2) or "").replace(" ", "") if cm else ""
+    return f"{status} {code}".strip()
+
+
+def backoff(attempt: int, exc: BaseException | None = None, url: str = "") -> None:
     """Full-jitter exponential backoff before attempt ``attempt + 1`` (at most 2 s). After a
     store's throttling answer (``exc`` a 429 or 503: S3's SlowDown), longer and never near
     zero: half of 0.5 s x 2**(attempt - 1) and up to as much again, so that the default four
     attempts span about 2-4 s; before, they spent 0.1-0.7 s and a new node's restore failed on
-    a throttling burst of under a second."""
-    if exc is not None and any(c in _THROTTLED for c in statuses(exc)):
+    a throttling burst of under a second. ``url``: the backend's, told of the throttling
+    (:func:`tierckpt.backends._throttle.throttled`: a WARNING now and then)."""
+    answer = throttling(exc) if exc is not None else ""
+    if answer:
+        if url:
+            throttled(url, answer)
         cap = min(20.0, 0.5 * 2 ** (attempt - 1))
         time.sleep(cap / 2 + random.random() * cap / 2)
         return
@@ -149,10 +165,16 @@ def translate(
         return FormatError(f"{where}: {what}: range not satisfiable (read past the end)")
     hint = ""
     kind = type(exc).__name__
-    if status in (401, 403) or kind in ("PermissionDeniedError", "UnauthenticatedError"):
+    if status in (429, 503):  # throttled to the last attempt (retried by object_store)
+        throttled(url, f"{status} {code}".strip())
+    denied = status == 403 or (not status and kind == "PermissionDeniedError")
+    if denied and what == "delete" and code not in AUTH_CODES:
+        # the credentials work (a 401 or an auth code would say otherwise): a permission
+        hint = f" ({delete_denied_hint(scheme, url)})"
+    elif status in (401, 403) or kind in ("PermissionDeniedError", "UnauthenticatedError"):
         hint = f" ({_CREDENTIAL_HINTS[scheme]})"
     elif not status:
-        hint = " (after retries: check that the endpoint is reachable)"
+        hint = _unanswered_hint(exc, text)
     return ObjectStoreError(
         f"{where}: {what} failed: {code or status or kind}: {text}{hint}",
         url=url,
@@ -160,6 +182,33 @@ def translate(
         code=code or kind,
         status=status,
     )
+
+
+#: rustls's errors (in obstore's debug text) when what answered a TLS handshake was no TLS:
+#: an https:// endpoint whose server speaks plain HTTP
+_NOT_TLS = ("InvalidContentType", "CorruptMessage", "InvalidMessage")
+#: what obstore says where no answer came (no connection, a timeout, a connection dropped)
+_NO_ANSWER = ("error sending request", "HTTP error", "timed out", "connection", "Connect")
+
+
+def _unanswered_hint(exc: BaseException, text: str) -> str:
+    """The hint for an error without an HTTP status: what the failure says about the
+    endpoint (the suffix "check that the endpoint is reachable" only where nothing answered)."""
+    full = str(exc)  # with obstore's debug text, where the TLS error's kind is named
+    if "https://" in text and any(k in full for k in _NOT_TLS):
+        return (
+            " (a server answered, but not with TLS: the endpoint is https:// and the server "
+            "there speaks plain HTTP; name it http://host:port, or enable TLS on the server)"
+        )
+    if "non-partial response" in text:
+        return (
+            " (the endpoint answered a ranged GET with the whole object: the server, or a "
+            "proxy or gateway on the way to it, ignores the Range header; ranged reads need "
+            "one that honours it)"
+        )
+    if any(k in text for k in _NO_ANSWER):
+        return " (after retries: check that the endpoint is reachable)"
+    return ""
 
 
 def is_panic(exc: BaseException) -> bool:

@@ -71,7 +71,7 @@ def fetch(backend: Any, key: str, pieces: list[Range]) -> None:
             if attempt == 1:
                 _check_end(backend, obstore, key, starts[-1] + lengths[-1], err)
             log.debug("%s: ranged read failed (%s); again", where, short(exc))
-            backoff(attempt, exc)
+            backoff(attempt, exc)  # translate above told of a throttling answer
             continue
         for (start, view), part in zip(pieces, got, strict=True):
             n = len(part)

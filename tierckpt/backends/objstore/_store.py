@@ -94,10 +94,16 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, Dire
         "retry_timeout": timedelta(
             seconds=max(180.0, s.max_attempts * (s.connect_timeout + s.read_timeout) * 2)
         ),
+        # this store's retries are object_store's, on uploads (parts, the completion, the
+        # abort), where a failed answer is most often a store's throttling (S3's 503
+        # SlowDown) and object_store cannot tell one from another: the throttling backoff
+        # (object_store waits 0.25 s, then 0.25 s to three times its last wait, at most 2 s:
+        # the defaults' four attempts span 0.75-3 s). From 50 ms doubling, the four attempts of
+        # a CompleteMultipartUpload fell within 0.2 s of a throttling burst and the save failed.
         "backoff": {
-            "init_backoff": timedelta(milliseconds=50),
+            "init_backoff": timedelta(milliseconds=250),
             "max_backoff": timedelta(seconds=2),
-            "base": 2,
+            "base": 3,
         },
     }
     once = {**retry, "max_retries": 0}

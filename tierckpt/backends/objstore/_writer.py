@@ -25,6 +25,7 @@ and the host budget (:mod:`tierckpt.backends.sizing`), as the boto3 backend's wr
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import traceback
 import weakref
@@ -48,6 +49,8 @@ log = logging.getLogger("tierckpt.backends.objstore")  # one logger for the whol
 
 #: the most blocks of one Azure blob (S3 and GCS's XML API: sizing.MAX_PARTS parts)
 AZURE_MAX_BLOCKS = 50_000
+#: an error of the abort object_store sends when a multipart completion fails (S3, GCS)
+_ABORT = re.compile(r"Error performing DELETE \S*[?&]uploadId=")
 
 
 class WriterHost(Protocol):
@@ -284,7 +287,7 @@ class _Writer(ObjectWriter):
                 self._close()
             except BaseException as exc:
                 self._abort_locked()
-                raise self._b._translate(exc, "commit", self._where) from exc
+                raise self._commit_error(exc) from exc
             self._closed = True
             log.debug("%s: committed %d bytes", self._where, self.size)
 
@@ -303,6 +306,28 @@ class _Writer(ObjectWriter):
             log.debug("%s: the PUT lost its answer (%s); again", self._where, short(exc))
             body = b"".join(self._held)
             self._b._call("put", self._key, obstore.put, self._key, body, use_multipart=False)
+
+    def _commit_error(self, exc: BaseException) -> BaseException:
+        """The error family's exception for a failed commit. Where the completion of a
+        multipart upload failed, object_store aborts the upload, and where that abort fails too
+        it raises the abort's error alone: the message then says that the completion failed
+        (its own error is lost) and gives the abort's as a note."""
+        err = self._b._translate(exc, "commit", self._where)
+        if not isinstance(exc, Exception) or not _ABORT.search(str(exc)):
+            return err
+        code, status = getattr(err, "code", ""), getattr(err, "status", 0)
+        return ObjectStoreError(
+            f"{self._where}: commit failed: completing the multipart upload "
+            f"(CompleteMultipartUpload) failed after {self._b.max_attempts} attempts "
+            "(object_store does not keep its error), and the abort that followed failed too, "
+            f"so its parts stay stored until `tierckpt gc {self._b.url} --keep-last N "
+            "--abort-incomplete` or a lifecycle rule removes them; the abort's error: "
+            f"{short(exc)}",
+            url=self._b.url,
+            key=self._key,
+            code=code if isinstance(code, str) else "",
+            status=status if isinstance(status, int) else 0,
+        )
 
     def abort(self) -> None:
         with self._lock:

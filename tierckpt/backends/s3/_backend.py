@@ -295,6 +295,19 @@ class S3Backend(S3Connection, RemoteBackend):
             total = int(total_s) if total_s.isdigit() else -1
         elif first != 0:
             raise FormatError(f"s3://{self.bucket}/{key}: server ignored the Range header")
+        if 0 < length < want and total > last:
+            # fewer bytes than asked of a range inside the object (a server or proxy cut the
+            # answer short, its headers consistent): read them; the rest is asked again
+            log.debug(
+                "s3://%s/%s: asked for bytes %d-%d, the answer holds %d (%s)",
+                self.bucket,
+                key,
+                first,
+                last,
+                length,
+                content_range,
+            )
+            return
         if length < want:
             end = total if total >= 0 else first + max(length, 0)
             raise FormatError(
@@ -365,6 +378,7 @@ class S3Backend(S3Connection, RemoteBackend):
                 Bucket=self.bucket, Prefix=self._root + prefix, StartAfter=self._root + start_after
             )
             for page in pages:
+                self._check_listing(page, "list_objects_v2")
                 for obj in page.get("Contents", []):
                     rel = str(obj["Key"])[cut:]
                     try:

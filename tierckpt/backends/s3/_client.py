@@ -22,6 +22,8 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 
+from tierckpt.backends._denied import AUTH_CODES, delete_denied_hint
+from tierckpt.backends._throttle import throttled
 from tierckpt.backends.base import validate_name
 from tierckpt.backends.s3._errors import _AUTH_CODES, _NOT_FOUND_CODES, S3Error, _error_info
 from tierckpt.backends.sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
@@ -30,6 +32,11 @@ from tierckpt.redact import redact, refuse_control_characters, refuse_credential
 
 log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole backend
 
+#: S3's codes for a request refused to slow its sender down (with 503 or 429)
+_THROTTLING_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
+)
+
 MiB = 2**20
 #: S3's smallest part (all parts but the last) and largest part
 MIN_PART_SIZE = 5 * MiB
@@ -37,6 +44,11 @@ MAX_PART_SIZE = 5 * 2**30
 MAX_PARTS = 10_000
 #: names of the objects used to probe conditional-put support; hidden from ``list``
 PROBE_PREFIX = ".tierckpt-probe-"
+#: fields of which every store's answer to a listing has at least one
+_LISTING_FIELDS = {
+    "list_objects_v2": ("KeyCount", "Name", "IsTruncated", "MaxKeys"),
+    "list_multipart_uploads": ("Bucket", "IsTruncated", "MaxUploads"),
+}
 
 
 def _parse_location(url_or_bucket: str, prefix: str) -> tuple[str, str]:
@@ -84,6 +96,24 @@ class _PartBuffers:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+
+
+def _watch_throttling(client: Any, url: str) -> None:
+    """Tell :func:`~tierckpt.backends._throttle.throttled` of each throttling answer to
+    ``client``'s requests: botocore retries them itself (its ``standard`` mode), unseen."""
+
+    def on_needs_retry(response: object = None, **_: object) -> None:
+        if not isinstance(response, tuple) or len(response) < 2:
+            return  # no answer (a connection error): not throttling
+        status = int(getattr(response[0], "status_code", 0) or 0)
+        parsed = response[1] if isinstance(response[1], dict) else {}
+        code = str(parsed.get("Error", {}).get("Code", ""))
+        if status in (429, 503) or code in _THROTTLING_CODES:
+            throttled(url, f"{status} {code}".strip())
+
+    events = getattr(getattr(client, "meta", None), "events", None)
+    if events is not None:  # returns None: botocore's own handler still decides the retry
+        events.register("needs-retry.s3", on_needs_retry, unique_id=f"tierckpt-throttle {url}")
 
 
 class S3Connection:
@@ -151,6 +181,7 @@ class S3Connection:
             except ValueError as exc:  # botocore's "Invalid endpoint: <the URL>"
                 raise FormatError(f"S3 client for {self.url}: {redact(str(exc))}") from None
         self._client: Any = client
+        _watch_throttling(client, self.url)
         # mirror s3transfer: CRC32 part checksums when the client computes them by default
         self._checksum_args: dict[str, str] = (
             {"ChecksumAlgorithm": "CRC32"}
@@ -199,7 +230,10 @@ class S3Connection:
             if code == "InvalidRange" or status == 416:
                 return FormatError(f"{where}: {what}: range not satisfiable (read past the end)")
             hint = ""
-            if code in _AUTH_CODES or status == 403:
+            if status == 403 and what.startswith("delete_object") and code not in AUTH_CODES:
+                # the credentials work (an auth code would say otherwise): a permission
+                hint = f" ({delete_denied_hint('s3', self.url)})"
+            elif code in _AUTH_CODES or status == 403:
                 hint = " (check the credentials boto3 found: env, profile or instance role)"
             return S3Error(
                 f"{where}: {what} failed: {code or status} ({status}): {redact(message)}{hint}",
@@ -235,9 +269,25 @@ class S3Connection:
                 Bucket=self.bucket, Prefix=prefix, PaginationConfig=config
             )
             for page in pages:
+                self._check_listing(page, op)
                 yield from page.get(item, [])
         except (ClientError, BotoCoreError) as exc:
             raise self._translate(exc, op, prefix) from exc
+
+    def _check_listing(self, page: dict[str, Any], op: str) -> None:
+        """Raise :class:`BackendError` where a listing's answer has none of the fields every
+        store's has: botocore reads an HTML page answered with status 200 (a captive portal,
+        a web server or a proxy at the endpoint) as a listing of no objects, so a new node
+        found "nothing saved" and trained from step 0 beside the run's checkpoints."""
+        if any(k in page for k in _LISTING_FIELDS.get(op, ("IsTruncated",))):
+            return
+        raise BackendError(
+            f"s3://{self.bucket}: the endpoint's answer to a listing ({op}) is not an S3 "
+            "listing (it has no KeyCount, Name or IsTruncated): something other than the "
+            "object store answered (a web server, captive portal or proxy in the way?). "
+            "Check the endpoint URL (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, endpoint_url=) "
+            "and HTTP(S)_PROXY"
+        )
 
     def _abort_other_uploads(self, key: str, keep: str) -> None:
         for upload in self._paginate("list_multipart_uploads", key, "Uploads"):
