@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +116,41 @@ def test_a_collection_inside_one_of_its_own_threads_closes_it_from_another(
     assert not list((tmp_path / "leases").iterdir())  # given back
     with Checkpointer([LocalTier(tmp_path)]) as again:
         assert again.steps() == [1, 2]  # the save it was called from committed
+
+
+def test_a_guarded_checkpointer_dropped_unclosed_is_collected(
+    tmp_path: Path, no_automatic_gc: None
+) -> None:
+    """``guard(optimizer)``'s step hook held the Checkpointer strongly, for as long as the
+    optimizer lived: one dropped without ``close()`` kept its threads and leases, and the next
+    Checkpointer of its folder raised ``WriterConflict`` into the training loop at its first
+    save (found by a soak test of a job making a new Checkpointer per phase)."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for phase in range(3):
+        ck = Checkpointer([LocalTier(tmp_path)])
+        ck.guard(opt, model)
+        model(torch.ones(2, 8)).sum().backward()
+        ck.save({"model": model.state_dict(), "phase": phase}, step=phase + 1).wait(timeout=60)
+        opt.step()  # the hook of every earlier Checkpointer runs too: dead ones do nothing
+        gone = weakref.ref(ck)
+        del ck
+        gc.collect()
+        assert gone() is None, gc.get_referrers(gone())
+    with Checkpointer([LocalTier(tmp_path)]) as ck:
+        assert ck.steps() == [1, 2, 3]
+
+
+def test_close_removes_guard_s_hook(tmp_path: Path) -> None:
+    """A job that closes a Checkpointer and makes another per phase (as frameworks do around
+    each fit) left one step hook per closed Checkpointer on the optimizer, each holding it
+    (and its backends' entries in the library's caches): 150 cycles, 150 hooks."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for phase in range(3):
+        with Checkpointer([LocalTier(tmp_path)]) as ck:
+            ck.guard(opt, model)
+            assert len(opt._optimizer_step_pre_hooks) == 1
+            ck.save({"model": model.state_dict()}, step=phase + 1).wait(timeout=60)
+        assert len(opt._optimizer_step_pre_hooks) == 0
+    opt.step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -233,11 +234,16 @@ class Checkpointer(SavePath, Observed):
                 f"guard() needs a torch.optim.Optimizer, got {type(optimizer).__qualname__}"
             )
         self._guarded.learn(optimizer, modules)
+        me = weakref.ref(self)  # the optimizer must not keep this alive (its leases, threads)
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self._wait_captures(None, on_device=True)
+            ck = me()
+            if ck is not None:
+                ck._wait_captures(None, on_device=True)
 
-        return optimizer.register_step_pre_hook(hook)
+        handle = optimizer.register_step_pre_hook(hook)
+        self._guard_hooks.append(handle)  # removed by close()
+        return handle
 
     def _learn(
         self, optimizer: torch.optim.Optimizer | None, modules: Sequence[torch.nn.Module] = ()
@@ -484,6 +490,8 @@ class Checkpointer(SavePath, Observed):
         return {name: {k: c[k] for k in OUTCOMES} for name, c in self._counts.items()}
 
     def _release(self) -> None:
+        for handle in self._guard_hooks:
+            handle.remove()
         self._strategy.settle()  # rank 0: the other nodes' copies of its last commits
         if self._peer is not None:
             self._peer.close()

@@ -73,6 +73,8 @@ class SavePath(PipelineOwner):
     _writers_agreed: bool
     #: what guard() named: its tensors are captured lazily, the rest copied at save()
     _guarded: GuardedSources
+    #: the step pre-hooks guard() registered (removed at close)
+    _guard_hooks: list[Any]
 
     def _init_save_path(self, stats_history: int) -> None:
         """Set this part's fields; ``Checkpointer.__init__`` calls it once the tiers are open
@@ -106,6 +108,7 @@ class SavePath(PipelineOwner):
         self._writers_agreed = self.world_size == 1
         self._last_saved = None
         self._guarded = GuardedSources()
+        self._guard_hooks = []
 
     # -- what the pipeline calls back --------------------------------------------------
     def _pipeline_hooks(self) -> PipelineHooks:
