@@ -129,18 +129,33 @@ class HostArena:
         self.alloc_seconds = time.perf_counter() - t0
         #: the slots of the first allocation; those past it were added by :meth:`grow`
         self._base = n_slots
-        self._extra: list[torch.Tensor] = []
+        self._extra: list[torch.Tensor | None] = []
+        #: slots grow() added whose memory was given back (retire_free_extra): reused first
+        self._retired: list[int] = []
         self._free = list(range(n_slots - 1, -1, -1))
         self._cond = threading.Condition()
         self._closed = False
 
     @property
+    def live_slots(self) -> int:
+        """The slots with memory (``n_slots`` counts the retired ones too)."""
+        return self.n_slots - len(self._retired)
+
+    @property
+    def extra_slots(self) -> int:
+        """The slots with memory that :meth:`grow` added."""
+        return self.live_slots - self._base
+
+    @property
     def nbytes(self) -> int:
-        return self.n_slots * self.slot_bytes
+        return self.live_slots * self.slot_bytes
 
     def slot(self, i: int) -> torch.Tensor:
         if i >= self._base:
-            return self._extra[i - self._base]
+            extra = self._extra[i - self._base]
+            if extra is None:
+                raise RuntimeError(f"arena slot {i} was retired")
+            return extra
         return self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes]
 
     def grow(self) -> int:
@@ -153,9 +168,25 @@ class HostArena:
         with self._cond:
             if self._closed:
                 raise RuntimeError("host arena is closed")
-            self._extra.append(raw[skip : skip + self.slot_bytes])
+            view = raw[skip : skip + self.slot_bytes]
+            if self._retired:
+                i = self._retired.pop()
+                self._extra[i - self._base] = view
+                return i
+            self._extra.append(view)
             self.n_slots += 1
             return self.n_slots - 1
+
+    def retire_free_extra(self) -> int:
+        """Give back the memory of every free slot :meth:`grow` added (the arena shrinks back
+        towards its first allocation once the stall it grew past is over); how many."""
+        with self._cond:
+            idle = [i for i in self._free if i >= self._base]
+            for i in idle:
+                self._free.remove(i)
+                self._extra[i - self._base] = None
+                self._retired.append(i)
+            return len(idle)
 
     def acquire(self, timeout: float | None = None) -> int:
         """Take a free slot, waiting for one to be released (backpressure)."""
@@ -172,7 +203,7 @@ class HostArena:
 
     def release(self, i: int) -> None:
         with self._cond:
-            if i in self._free or not 0 <= i < self.n_slots:
+            if i in self._free or i in self._retired or not 0 <= i < self.n_slots:
                 raise RuntimeError(f"arena slot {i} released twice or out of range")
             self._free.append(i)
             self._cond.notify_all()  # acquirers and wait_idle() share the condition
@@ -182,7 +213,7 @@ class HostArena:
         if ``timeout`` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while len(self._free) < self.n_slots and not self._closed:
+            while len(self._free) < self.live_slots and not self._closed:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False

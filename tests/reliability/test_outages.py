@@ -229,6 +229,67 @@ def test_a_blackholed_s3_does_not_hold_the_local_commits_of_a_small_state(
 
 
 @pytest.mark.s3
+def test_the_arena_grows_only_past_what_a_stalled_tier_holds_and_shrinks_after(
+    tmp_path: Path, moto_server: Any, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 (every 5th step) stops answering while saves come faster than a slow local disk
+    commits them. Before, once S3 had stalled for two seconds every capture that found no
+    free slot grew the arena, though S3 held two slots and the rest were the local disk's
+    backlog: a soak test's arena went from 2 slots to 492 (1.5 GB of RSS), never shrank, and
+    the disk stayed ~100 saves behind after S3 came back. Now the arena grows by at most the
+    slots stalled tiers hold, and gives the grown slots back once nothing is stalled."""
+    real_commit = LocalBackend.open_writer
+
+    def slow_writer(self: LocalBackend, name: str) -> Any:
+        w = real_commit(self, name)
+        commit = w.commit
+
+        def slow_commit() -> None:
+            time.sleep(0.02)  # a disk slower than the training loop's saves
+            commit()
+
+        w.commit = slow_commit  # type: ignore[method-assign]
+        return w
+
+    monkeypatch.setattr(LocalBackend, "open_writer", slow_writer)
+    bucket = s3_bucket(moto_server)
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        s3 = S3Tier(
+            f"s3://{bucket}/run",
+            endpoint_url=proxy.endpoint_url,
+            codec="raw",
+            every=10,
+            read_timeout=2,
+            connect_timeout=1,
+            max_attempts=2,
+        )
+        ck = Checkpointer(
+            [LocalTier(tmp_path / "nvme", keep_last=3), s3], save_deadline=60, repopulate=False
+        )
+        try:
+            ck.save(_state(1, 1 << 12), 1).wait(timeout=60)
+            arena = ck._pipeline.arena  # type: ignore[union-attr]
+            assert arena is not None
+            base = arena.live_slots
+            proxy.set_faults(BLACKHOLE)
+            most = 0
+            for step in range(2, 302):
+                ck.save(_state(step, 1 << 12), step)
+                most = max(most, arena.extra_slots)
+            # S3's 30 copies of the stall hold a slot each: the arena grows past those, not
+            # past the local disk's backlog (before: by every slot capture found taken)
+            assert most <= 30 + 2, most
+            proxy.set_faults([])
+            ck.wait(timeout=120)
+            for step in range(302, 312):  # nothing stalled now: the grown slots go back
+                ck.save(_state(step, 1 << 12), step).wait("local", timeout=60)
+            assert arena.extra_slots == 0 and arena.live_slots == base
+        finally:
+            proxy.set_faults([])
+            ck.close(timeout=5)
+
+
+@pytest.mark.s3
 def test_a_blackholed_s3_holds_training_at_most_the_deadline(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, record: Recorder
 ) -> None:

@@ -213,7 +213,7 @@ class Tierckpt(Contender):
             "host_buffer_bytes": self.ck.host_buffer_bytes,
             "chunk_bytes": self.ck.chunk_bytes,
             "arena_bytes": arena.nbytes if arena is not None else None,
-            "arena_slots": arena.n_slots if arena is not None else None,
+            "arena_slots": arena.live_slots if arena is not None else None,
             "arena_alloc_s": arena.alloc_seconds if arena is not None else None,
         }
 

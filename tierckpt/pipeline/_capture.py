@@ -54,8 +54,8 @@ class _CaptureMixin(_StallMixin):
         if a is not None:
             slot = max(slot, a.slot_bytes)
         cap = max(2, self.host_buffer_bytes // slot)
-        want = min(max(2, len(plan.chunks), a.n_slots if a else 0), cap)
-        if a is not None and a.slot_bytes >= slot and a.n_slots >= want:
+        want = min(max(2, len(plan.chunks), a.live_slots if a else 0), cap)
+        if a is not None and a.slot_bytes >= slot and a.live_slots >= want:
             return a
         if a is not None:
             # a bigger state than any before: grow once, between saves
@@ -82,8 +82,14 @@ class _CaptureMixin(_StallMixin):
         at their pace while the stalled one holds what it holds, up to the budget; past it,
         the deadline as before."""
         while True:
-            grows = a.nbytes + a.slot_bytes <= self.host_buffer_bytes
-            if grows and self._holder_stalled(GROW_AFTER_S):
+            # grown past what stalled tiers hold at most (a slow healthy tier gets no more
+            # slots: it grew to the budget and stayed there, the disk ~100 saves behind), and
+            # shrunk back once nothing is stalled
+            held = self._slots_held_stalled(GROW_AFTER_S)
+            if not held and a.extra_slots and a.retire_free_extra():
+                log.debug("host arena: back to %d slots", a.live_slots)
+            budget = a.nbytes + a.slot_bytes <= self.host_buffer_bytes
+            if budget and a.extra_slots < held:
                 self._give_up_stalled()  # past the deadline its copies go, as when this waited
                 try:
                     return a.acquire(timeout=0)
@@ -96,13 +102,13 @@ class _CaptureMixin(_StallMixin):
                             "arena grows past the slots it holds (%d slots, %.0f MiB, at most "
                             "host_buffer_bytes=%.0f MiB) so the other tiers go on committing",
                             GROW_AFTER_S,
-                            a.n_slots,
+                            a.live_slots,
                             a.nbytes / 2**20,
                             self.host_buffer_bytes / 2**20,
                         )
                     return slot
             timeout = self._stall_timeout()
-            if grows:
+            if budget:
                 timeout = GROW_AFTER_S if timeout is None else min(timeout, GROW_AFTER_S)
             try:
                 return a.acquire(timeout=timeout)
@@ -173,7 +179,7 @@ class _CaptureMixin(_StallMixin):
         gate = threading.Event()
         if cuda:
             gate.set()  # device copies leave the host's cores free
-        low_water = max(1, a.n_slots // 4)
+        low_water = max(1, a.live_slots // 4)
         with _opens_at_exit(gate):
             for chunk in plan.chunks:
                 with self._lock:

@@ -25,10 +25,12 @@ class _StallMixin(_PipelineBase):
         due = [since + d - now for since in self._holders_idle_since(now)]
         return max(0.01, min(due)) if due else min(d, 1.0)
 
-    def _holder_stalled(self, seconds: float) -> bool:
-        """Whether a tier holding arena slots has made no progress for ``seconds``."""
+    def _slots_held_stalled(self, seconds: float) -> int:
+        """How many arena slots tiers without progress for ``seconds`` hold."""
         now = time.monotonic()
-        return any(now - since >= seconds for since in self._holders_idle_since(now))
+        with self._lock:
+            late = {n for n, t in self._stalled_since.items() if now - t >= seconds}
+            return sum(1 for st in self._held_chunks if late & st.holders) if late else 0
 
     def _holders_idle_since(self, now: float) -> list[float]:
         """Since when each tier holding arena slots has made no progress (``now``: it has)."""
