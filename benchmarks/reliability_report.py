@@ -601,6 +601,63 @@ FIXED += [
     ),
 ]
 
+FIXED += [
+    (
+        "A store holding a DCP save's commit (its metadata or manifest PUT) held every rank's "
+        "dcp.save for the requests' timeouts and retries (20 s in the test, 60 s with S3's "
+        "defaults), past save_deadline",
+        "tierckpt/dcp/_commit.py (commit_all, deadline)",
+        ["test_a_dcp_save_whose_s3_commit_stalls_returns_at_the_deadline"],
+    ),
+    (
+        "Exit waited its whole timeout (60 s) for an idle dcp.async_save executor thread left "
+        "by a Ctrl-C, as for a running save",
+        "tierckpt/dcp/_writer.py (_idle_worker)",
+        [
+            "test_exit_does_not_wait_for_an_idle_dcp_executor_thread",
+            "test_an_executor_thread_running_a_task_is_waited_for_and_an_idle_one_is_not",
+        ],
+    ),
+    (
+        "load(into=) after the training code changed overwrote the model, then raised torch's "
+        "error for the optimizer: a resume that caught it trained on with the checkpoint's "
+        "weights and a fresh or half-loaded optimizer",
+        "tierckpt/checkpointer/_stateful.py (_hand_over), restore/_into.py",
+        [
+            "test_an_optimizer_built_otherwise_refuses_and_nothing_changes",
+            "test_a_part_refused_after_the_optimizer_took_its_own_puts_the_optimizer_back",
+        ],
+    ),
+    (
+        "One unreadable answer for a writer's own lease (a proxy's HTML page) stopped every "
+        "later save on that S3 tier with 'Two jobs are pointed at one location'",
+        "tierckpt/lease.py (_check_ours)",
+        ["test_one_unreadable_answer_for_a_held_lease_does_not_lose_the_tier"],
+    ),
+    (
+        "An endpoint answering listings with an HTML page (a portal, a web server) read as an "
+        "empty store: a new node trained from step 0 beside the run's checkpoints",
+        "tierckpt/backends/objstore/_listing.py (check_endpoint), backends/s3/_client.py "
+        "(_check_listing)",
+        ["test_a_portal_at_the_endpoint_is_unreadable_not_empty"],
+    ),
+    (
+        "A guarded Checkpointer dropped without close() was never collected (the optimizer's "
+        "hook held it): the next Checkpointer of its folder raised WriterConflict",
+        "tierckpt/checkpointer/_checkpointer.py (guard, _release)",
+        [
+            "test_a_guarded_checkpointer_dropped_unclosed_is_collected",
+            "test_close_removes_guard_s_hook",
+        ],
+    ),
+    (
+        "During an S3 outage behind a slow local disk the host arena grew by every slot capture "
+        "found taken (2 slots to 492, 1.5 GB in a soak) and never shrank",
+        "tierckpt/arena.py (retire_free_extra), pipeline/_capture.py (_acquire), _stall.py",
+        ["test_the_arena_grows_only_past_what_a_stalled_tier_holds_and_shrinks_after"],
+    ),
+]
+
 #: the test module behind each area; its docstring says how the area is tested
 MODULES = {
     "crash": "test_crash_consistency.py",
@@ -649,6 +706,9 @@ EVERYDAY_TESTS = [
     "tests/test_mistyped_location.py",
     "tests/test_load_errors.py",
     "tests/test_node_local_copies.py",
+    "tests/test_restore_changed_code.py",
+    "tests/test_endpoint_not_a_store.py",
+    "tests/test_objstore_field_messages.py",
 ]
 
 #: the rules operators rely on, written by hand; the report puts them first
