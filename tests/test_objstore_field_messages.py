@@ -62,6 +62,13 @@ def proxy(moto_server: Any) -> Iterator[FaultProxy]:
         yield p
 
 
+def _backend(driver: str, url: str, proxy: FaultProxy) -> ObjectStoreBackend | S3Backend:
+    """The backend of ``driver`` for ``url``, through ``proxy``."""
+    if driver == "obstore":
+        return ObjectStoreBackend(url, endpoint_url=proxy.endpoint_url)
+    return S3Backend(url, endpoint_url=proxy.endpoint_url)
+
+
 # -- A: a delete refused by the policy ----------------------------------------------------
 
 
@@ -71,11 +78,7 @@ def test_a_refused_delete_names_the_permission(
 ) -> None:
     bucket = s3_bucket(moto_server)
     url = f"s3://{bucket}/run"
-    backend: ObjectStoreBackend | S3Backend
-    if driver == "obstore":
-        backend = ObjectStoreBackend(url, endpoint_url=proxy.endpoint_url)
-    else:
-        backend = S3Backend(url, endpoint_url=proxy.endpoint_url)
+    backend = _backend(driver, url, proxy)
     try:
         backend.put_atomic("a", b"x")
         proxy.set_faults(_deletes_denied(denied_action))
@@ -225,11 +228,7 @@ def test_b_throttling_is_logged_once_naming_the_knob(
 ) -> None:
     bucket = s3_bucket(moto_server)
     url = f"s3://{bucket}/run"
-    backend: ObjectStoreBackend | S3Backend
-    if driver == "obstore":
-        backend = ObjectStoreBackend(url, endpoint_url=proxy.endpoint_url)
-    else:
-        backend = S3Backend(url, endpoint_url=proxy.endpoint_url)
+    backend = _backend(driver, url, proxy)
     caplog.set_level(logging.WARNING)
     try:
         backend.put_atomic("a", b"x")

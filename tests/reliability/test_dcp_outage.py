@@ -49,6 +49,23 @@ def _load(tier: Any, step: int | None = None) -> torch.Tensor:
     return got["w"]
 
 
+def _save_until_s3_takes_one(w: Any, s3: Any, first: int) -> int:
+    """``dcp.save`` steps ``first``, ``first + 1``, ... through ``w`` (2 s apart) until one
+    is committed on ``s3`` (the held requests of an outage end with their timeouts first);
+    that step."""
+    import torch.distributed.checkpoint as dcp
+
+    step, end = first, time.monotonic() + 120
+    while (step - 1, 0) not in committed(s3):
+        assert time.monotonic() < end, "S3 never took a save again"
+        if step > first:
+            time.sleep(2)
+        w.reset(str(step))
+        dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)
+        step += 1
+    return step - 1
+
+
 @pytest.mark.s3
 def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
     tmp_path: Path,
@@ -80,15 +97,7 @@ def test_a_dcp_save_during_an_s3_outage_commits_locally_and_returns(
             proxy.set_faults([])  # S3 answers again
             # the held requests of the outage end with their timeouts; a save after that
             # commits on S3 again (the ones before it are given up at once)
-            step, end = 4, time.monotonic() + 120
-            while (step - 1, 0) not in committed(held_s3(bucket, moto_server.endpoint_url)):
-                assert time.monotonic() < end, "S3 never took a save again"
-                if step > 4:
-                    time.sleep(2)
-                w.reset(str(step))
-                dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)
-                step += 1
-            last = step - 1
+            last = _save_until_s3_takes_one(w, held_s3(bucket, moto_server.endpoint_url), 4)
     on_s3 = committed(held_s3(bucket, moto_server.endpoint_url))
     assert (2, 0) not in on_s3 and (3, 0) not in on_s3, on_s3  # given up: never committed
     assert torch.equal(_load(held_s3(bucket, moto_server.endpoint_url)), _w(last))
@@ -212,15 +221,7 @@ def test_a_dcp_save_whose_s3_commit_stalls_returns_at_the_deadline(
             assert (2, 0) not in committed(s3)
             assert proxy.fired["stall"] >= 1
             proxy.set_faults([])  # S3 answers again; the held request ends with its timeouts
-            step, end = 3, time.monotonic() + 120
-            while (step - 1, 0) not in committed(s3):
-                assert time.monotonic() < end, "S3 never took a save again"
-                if step > 3:
-                    time.sleep(2)
-                w.reset(str(step))
-                dcp.save({"w": _w(step)}, storage_writer=w, no_dist=True)
-                step += 1
-            last = step - 1
+            last = _save_until_s3_takes_one(w, s3, 3)
         # the given-up commit's thread is done once its held request timed out (2 x 10 s)
         for th in threading.enumerate():
             if th.name.startswith("tierckpt-dcp-commit"):

@@ -232,7 +232,7 @@ def test_a_blackholed_s3_does_not_hold_the_local_commits_of_a_small_state(
 def test_the_arena_grows_only_past_what_a_stalled_tier_holds_and_shrinks_after(
     tmp_path: Path, moto_server: Any, s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """S3 (every 5th step) stops answering while saves come faster than a slow local disk
+    """S3 (every 10th step) stops answering while saves come faster than a slow local disk
     commits them. Before, once S3 had stalled for two seconds every capture that found no
     free slot grew the arena, though S3 held two slots and the rest were the local disk's
     backlog: a soak test's arena went from 2 slots to 492 (1.5 GB of RSS), never shrank, and
