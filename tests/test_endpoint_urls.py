@@ -8,6 +8,7 @@ through ``AWS_ENDPOINT_URL``."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -105,3 +106,41 @@ def test_a_gcs_emulator_endpoint_is_checked_like_the_others(endpoint: str, why: 
             ObjectStoreBackend("gs://bucket/run")
     finally:
         mp.undo()
+
+
+@pytest.mark.parametrize("driver", ["obstore", "boto3"])
+def test_an_endpoint_ending_with_the_bucket_s_name_is_warned_about(
+    driver: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by trying it: ``endpoint_url="http://host:9000/ckpts"`` beside ``s3://ckpts/run``
+    (the bucket written into both) sent listings to ``/ckpts/ckpts`` ("manifests/ does not
+    exist", "NoSuchKey") while the object_store driver's lease and probe PUTs landed under
+    ``ckpts/run/`` inside the bucket; nothing was committed and nothing said why. A warning
+    names the endpoint meant (a gateway may serve S3 under such a path: not refused)."""
+    from tierckpt.backends.objstore import ObjectStoreBackend
+    from tierckpt.backends.s3 import S3Backend
+
+    def make(url: str, endpoint: str | None) -> None:
+        cls = ObjectStoreBackend if driver == "obstore" else S3Backend
+        cls(url, endpoint_url=endpoint).close()
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    caplog.set_level(logging.WARNING, logger="tierckpt")
+    make("s3://ckpts/run", "http://127.0.0.1:9/ckpts/")
+    said = [r.getMessage() for r in caplog.records if "bucket's name" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "'http://127.0.0.1:9'" in said[0] and "s3://ckpts" in said[0], said
+    caplog.clear()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://gw.example:8443/s3/ckpts")  # the same, set
+    make("s3://ckpts/run", None)
+    said = [r.getMessage() for r in caplog.records if "bucket's name" in r.getMessage()]
+    assert len(said) == 1 and "'https://gw.example:8443/s3'" in said[0], said
+    caplog.clear()
+    for url, endpoint in (  # a path of another name, a bucket named like the host: quiet
+        ("s3://ckpts/run", "https://gw.example/s3"),
+        ("s3://minio/run", "http://minio:9000"),
+        ("s3://ckpts/ckpts", "http://127.0.0.1:9"),
+    ):
+        make(url, endpoint)
+    assert not [r for r in caplog.records if "bucket's name" in r.getMessage()]

@@ -13,13 +13,15 @@ that points at the environment or a profile.
 
 from __future__ import annotations
 
+import logging
 import re
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from tierckpt.errors import FormatError, chained
 
 __all__ = [
     "redact",
+    "warn_bucket_in_endpoint",
     "refuse_bad_endpoint",
     "refuse_bad_region",
     "refuse_control_characters",
@@ -136,6 +138,34 @@ def refuse_bad_endpoint(endpoint: str, who: str = "endpoint_url") -> None:
     raise FormatError(
         f"{who} {redact(endpoint)!r} is not an http:// or https:// URL with a host; write "
         f"{fix} for a server without TLS)"
+    )
+
+
+def warn_bucket_in_endpoint(endpoint: str | None, bucket: str, url: str) -> None:
+    """Warn where the path of ``endpoint`` ends with ``bucket`` (``http://host:9000/bucket``
+    beside ``s3://bucket/run``): the client puts the bucket into every request's path again,
+    so listings asked for another bucket or key ("manifests/ does not exist", "NoSuchKey")
+    and some writes landed under ``bucket/run/`` inside the bucket; nothing was committed.
+    A warning, not a refusal: a gateway may serve S3 under a path of the bucket's name."""
+    if not endpoint:
+        return
+    try:
+        parts = urlsplit(endpoint)
+    except ValueError:
+        return
+    segments = [p for p in parts.path.split("/") if p]
+    if not segments or segments[-1] != bucket:
+        return
+    meant = urlunsplit((parts.scheme, parts.netloc, "/".join(segments[:-1]), "", ""))
+    logging.getLogger("tierckpt").warning(
+        "%s: the endpoint %r ends with the bucket's name %r; the bucket belongs in the URL "
+        "alone (the client adds it to each request's path again, so the requests miss the "
+        "tier's objects): use endpoint_url=%r (or AWS_ENDPOINT_URL) unless your server serves "
+        "S3 under that path",
+        redact(url),
+        redact(endpoint),
+        bucket,
+        redact(meant),
     )
 
 

@@ -20,6 +20,7 @@ from tierckpt.redact import (
     refuse_control_characters,
     refuse_credentials,
     scrub_exception,
+    warn_bucket_in_endpoint,
 )
 
 #: the URL schemes this backend serves
@@ -116,6 +117,7 @@ def make_stores(s: StoreSettings, extra: dict[str, Any]) -> tuple[Any, Any, Dire
                 refuse_bad_endpoint(
                     endpoint, "endpoint_url" if s.endpoint_url else "AWS_ENDPOINT_URL"
                 )
+                warn_bucket_in_endpoint(endpoint, s.bucket, f"s3://{s.bucket}")
                 cfg["endpoint"] = endpoint
                 client["allow_http"] = endpoint.startswith("http://")
             cfg["conditional_put"] = "etag"

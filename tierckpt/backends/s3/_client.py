@@ -27,8 +27,15 @@ from tierckpt.backends._throttle import throttled
 from tierckpt.backends.base import validate_name
 from tierckpt.backends.s3._errors import _AUTH_CODES, _NOT_FOUND_CODES, S3Error, _error_info
 from tierckpt.backends.sizing import AUTO_CONCURRENCY, AUTO_PART_SIZE
+from tierckpt.config import s3_endpoint_url
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError
-from tierckpt.redact import redact, refuse_control_characters, refuse_credentials, scrub_exception
+from tierckpt.redact import (
+    redact,
+    refuse_control_characters,
+    refuse_credentials,
+    scrub_exception,
+    warn_bucket_in_endpoint,
+)
 
 log = logging.getLogger("tierckpt.backends.s3")  # one logger for the whole backend
 
@@ -158,6 +165,7 @@ class S3Connection:
         self.max_attempts = max_attempts
         self._owns_client = client is None
         if client is None:
+            warn_bucket_in_endpoint(s3_endpoint_url(endpoint_url), self.bucket, self.url)
             config = Config(
                 retries={"total_max_attempts": max_attempts, "mode": "standard"},
                 connect_timeout=connect_timeout,
