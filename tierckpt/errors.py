@@ -29,6 +29,7 @@ __all__ = [
     "RankFailed",
     "SaveDeadlineExceeded",
     "StaleTimeline",
+    "StateChanged",
     "StateMismatch",
     "TierCkptError",
     "TiersUnreadable",
@@ -222,6 +223,15 @@ class StaleTimeline(TierCkptError, RuntimeError):
     there (that tier's retention would remove it as the older one, and a load from there
     would give the other checkpoint). The save commits on the other tiers; the next save
     chooses its timeline again, with that tier in view."""
+
+
+class StateChanged(TierCkptError, RuntimeError):
+    """Tensors that a guarded save captures lazily (parameters, optimizer state) were changed
+    in place after ``save()`` and before they were captured (an EMA or averaged-weights swap
+    for evaluation, ``load_state_dict()``, ``clamp_()``, an unguarded optimizer's step): the
+    checkpoint would mix values from before and after, so that save is not committed anywhere.
+    Call ``ck.wait_captured()`` before such a change. Seen through the tensors' version
+    counters: a change made through ``.data`` is not seen."""
 
 
 def chained(exc: BaseException) -> Iterator[BaseException]:

@@ -245,6 +245,8 @@ class CollectedState:
     #: indices of the tensors that are copies taken by the walk itself (NumPy arrays): a
     #: snapshot already, which ``snapshot_eager`` need not copy again
     copies: list[int] = field(default_factory=list)
+    #: each tensor's key path (formatted only when shown: an error naming it)
+    paths: list[object] = field(default_factory=list)
 
 
 def collect_state(state: Any) -> CollectedState:
@@ -252,9 +254,11 @@ def collect_state(state: Any) -> CollectedState:
     devices: set[str] = set()
     parameters: list[int] = []
     requires_grad: list[int] = []
+    paths: list[object] = []
 
     def on_tensor(t: torch.Tensor, path: object) -> int:
         tensors.append(_check_tensor(t, path))
+        paths.append(path)
         if not t.is_cpu:  # is_cpu: a flag; t.device builds a device object per tensor
             devices.add(str(t.device))
         if isinstance(t, torch.nn.Parameter):
@@ -265,7 +269,7 @@ def collect_state(state: Any) -> CollectedState:
 
     copies: list[int] = []
     tree = encode_tree(state, on_tensor, copies=copies)
-    return CollectedState(tree, tensors, devices, parameters, requires_grad, copies)
+    return CollectedState(tree, tensors, devices, parameters, requires_grad, copies, paths)
 
 
 def build_plan(state: Any, chunk_bytes: int) -> ShardLayout:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parameter import is_lazy
 
-from tierckpt.plan import _extent
+from tierckpt.errors import StateChanged
+from tierckpt.plan import ChunkPlan, ShardLayout, _extent
 
 __all__ = [
     "EAGER_WARN_BYTES",
@@ -191,3 +192,55 @@ def snapshot_eager(
         eager_bytes += end - start
         eager_n += len(members)
     return Snapshot(out, eager_bytes, eager_n)
+
+
+@dataclass(slots=True)
+class Watched:
+    """A guarded save's tensors (lazy ones and the eager copies) with their version counters
+    at ``save()``. The capture checks each chunk's tensors once that chunk is copied (on CUDA:
+    queued) (:meth:`changed`): the guard holds the optimizer step until the whole capture is
+    done, so a change seen was made by something else between ``save()`` and the copy, and
+    the checkpoint would mix two states. A change made after a tensor's copy is harmless and
+    not looked for; one still running when its chunk is checked is not seen (the counter
+    moves when an operation ends), nor one made through ``.data``."""
+
+    tensors: list[torch.Tensor]
+    versions: list[int]
+    paths: list[object]
+    #: span index -> the tensors viewing it (made at the first check, from the layout)
+    by_span: dict[int, list[int]] | None = None
+
+    def changed(self, plan: ShardLayout, chunk: ChunkPlan, step: int) -> StateChanged | None:
+        """The error for the tensors of ``chunk`` changed in place since ``save()``, or
+        None."""
+        if self.by_span is None:
+            self.by_span = {}
+            for i, e in enumerate(plan.tensors):
+                self.by_span.setdefault(e.storage, []).append(i)
+        seen = [i for p in chunk.pieces for i in self.by_span.get(p.span, ())]
+        now = _versions([self.tensors[i] for i in seen])
+        changed = [i for i, v in zip(seen, now, strict=True) if v != self.versions[i]]
+        if not changed:
+            return None
+        named = ", ".join(str(self.paths[i]) for i in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return StateChanged(
+            f"step {step}: tensors of the state were changed in place after save() and "
+            f"before they were captured ({named}{more}): parameters and optimizer state are "
+            "copied lazily, so this checkpoint would mix values from before and after the "
+            "change and is not committed anywhere. Call ck.wait_captured() (or "
+            "h.wait_captured()) before changing them outside the guarded optimizer's step(): "
+            "an EMA or averaged-weights swap for evaluation, load_state_dict(), clamp_(); and "
+            "guard every optimizer that steps them (ck.guard(opt))"
+        )
+
+
+def watch(tensors: list[torch.Tensor], paths: list[object]) -> Watched:
+    return Watched(tensors, _versions(tensors), paths)
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int]:
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # an inference tensor has no version counter: not watched
+        return [-1 if t.is_inference() else t._version for t in tensors]

@@ -35,6 +35,7 @@ from tierckpt.format import CheckpointId, manifest_name
 from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.pipeline import Pipeline, PipelineHooks, PipelineOwner, SaveJob, Tier, weakly
 from tierckpt.plan import collect_state
+from tierckpt.snapshot import watch
 from tierckpt.stats import StatsRecorder, outcome_of
 from tierckpt.tree import encode_metadata
 
@@ -221,10 +222,13 @@ class SavePath(PipelineOwner):
             )
             if not self._guarded.guarded:
                 watch_unguarded(self)  # any optimizer's step waits for this lazy capture
+            # guarded: what changes the lazy tensors before their copy is seen (StateChanged)
+            watched = watch(collected.tensors, collected.paths) if self._guarded.guarded else None
             job = SaveJob(
                 step=step,
                 plan=None,
                 collected=collected,
+                watched=watched,
                 chunk_bytes=self.chunk_bytes,
                 tiers=tiers,
                 handle=handle,

@@ -180,6 +180,9 @@ class _CaptureMixin(_StallMixin):
         if cuda:
             gate.set()  # device copies leave the host's cores free
         low_water = max(1, a.live_slots // 4)
+        # a guarded save: its tensors changed since save() before their copy (StateChanged)
+        watched, job.watched = job.watched, None
+        changed = None
         with _opens_at_exit(gate):
             for chunk in plan.chunks:
                 with self._lock:
@@ -222,6 +225,13 @@ class _CaptureMixin(_StallMixin):
                 if emit is not None:
                     emit("arena_wait", chunk.raw_size, t1 - t0)
                     emit("capture", chunk.raw_size, time.perf_counter() - t1)
+                if watched is not None:
+                    changed = watched.changed(plan, chunk, job.step)
+                    if changed is not None:  # nothing more of it is copied or written
+                        if event is not None:
+                            event.synchronize()
+                        a.release(slot)
+                        break
                 if event is not None:
                     events.append(event)
                 view = memoryview(slot_t[: chunk.raw_size].numpy())  # type: ignore[arg-type]
@@ -250,12 +260,14 @@ class _CaptureMixin(_StallMixin):
                     break
                 for t in takers:
                     self._tier_q[t.name].put(("chunk", job, state))
-        if len(cuda) == 1:
-            # every copy is queued: the optimizer's step hook may now make the training stream
-            # wait for these events on the GPU instead of waiting on the host
+        if len(cuda) == 1 and changed is None:
+            # the optimizer's step hook may now make the training stream wait for these
+            # events on the GPU instead of waiting on the host
             job.queued_events = (cuda[0], list(events))
         for ev in events:
             ev.synchronize()  # blocking events: this thread sleeps until the copy is done
+        if changed is not None:
+            raise changed  # after the copies: no slot is handed back while one writes it
         # the copies are done: the save holds no device storage from here (not until the
         # slowest tier commits); the arena slots hold the bytes
         plan.sources.clear()

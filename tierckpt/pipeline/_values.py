@@ -21,6 +21,7 @@ from tierckpt.handle import SaveHandle, TierResult
 from tierckpt.layout import prefixes_for, shard_file
 from tierckpt.plan import ChunkPlan, CollectedState, ShardLayout
 from tierckpt.policy import LocalTier, TierSpec, resolve_codec
+from tierckpt.snapshot import Watched
 
 #: seconds in-flight saves get to finish at interpreter exit before they are abandoned
 DEFAULT_EXIT_TIMEOUT_S = config.DEFAULT_EXIT_TIMEOUT_S
@@ -158,6 +159,8 @@ class SaveJob:
     #: what save() collected (tree + tensor references), laid out by the capture thread
     collected: CollectedState | None = None
     chunk_bytes: int = 0
+    #: a guarded save's tensors and their versions at save(), checked by the capture
+    watched: Watched | None = None
 
     @property
     def laid_out(self) -> ShardLayout:
