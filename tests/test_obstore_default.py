@@ -219,7 +219,7 @@ def test_the_wait_line_shows_the_attempt_while_obstore_retries(
     from tierckpt.cli import _hints, main
 
     monkeypatch.setenv("TIERCKPT_S3_DRIVER", "obstore")
-    monkeypatch.setattr(_backend, "backoff", lambda attempt, exc=None: time.sleep(0.3))
+    monkeypatch.setattr(_backend, "backoff", lambda attempt, exc=None, url="": time.sleep(0.3))
     monkeypatch.setattr(_hints, "WAIT_NOTICE_S", 0.0)
     monkeypatch.setattr(_hints, "WAIT_REPEAT_S", 0.02)
     port = _closed_port()
