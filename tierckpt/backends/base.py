@@ -77,6 +77,9 @@ __all__ = [
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
 MAX_NAME_LENGTH = 512
+#: names of the objects an object-store backend writes to probe the store (conditional puts,
+#: an endpoint that is not a store); every driver hides them from ``list``
+PROBE_PREFIX = ".tierckpt-probe-"
 
 
 def validate_name(name: str) -> str:

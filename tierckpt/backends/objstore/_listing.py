@@ -15,7 +15,7 @@ import logging
 import secrets
 from typing import Any, Protocol
 
-from tierckpt.backends.base import validate_name
+from tierckpt.backends.base import PROBE_PREFIX, validate_name
 from tierckpt.errors import BackendError, CheckpointNotFound, FormatError, TierCkptError
 
 
@@ -33,9 +33,6 @@ class ObjectStoreBackend(Protocol):
 __all__ = ["PROBE_PREFIX", "listed"]
 
 log = logging.getLogger("tierckpt.backends.objstore")
-
-#: names of the objects used to probe conditional-put support; hidden from ``list``
-PROBE_PREFIX = ".tierckpt-probe-"
 
 
 def listed(

@@ -58,8 +58,8 @@ from tierckpt.backends.s3._client import (
     MAX_PARTS as MAX_PARTS,
     MAX_PART_SIZE as MAX_PART_SIZE,
     MiB as MiB,
-    PROBE_PREFIX as PROBE_PREFIX,
 )
+from tierckpt.backends.base import PROBE_PREFIX as PROBE_PREFIX
 from tierckpt.backends.s3._errors import (
     _client_lacks_if_none_match as _client_lacks_if_none_match,
 )

@@ -19,6 +19,7 @@ from botocore.exceptions import (
 
 from tierckpt._types import BytesLike
 from tierckpt.backends.base import (
+    PROBE_PREFIX,
     ObjectWriter,
     Range,
     RemoteBackend,
@@ -27,7 +28,7 @@ from tierckpt.backends.base import (
     read_new,
     validate_name,
 )
-from tierckpt.backends.s3._client import PROBE_PREFIX, S3Connection
+from tierckpt.backends.s3._client import S3Connection
 from tierckpt.backends.s3._errors import (
     _BODY_ERRORS,
     _CONDITIONAL_REJECTED_CODES,

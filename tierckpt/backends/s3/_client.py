@@ -49,8 +49,6 @@ MiB = 2**20
 MIN_PART_SIZE = 5 * MiB
 MAX_PART_SIZE = 5 * 2**30
 MAX_PARTS = 10_000
-#: names of the objects used to probe conditional-put support; hidden from ``list``
-PROBE_PREFIX = ".tierckpt-probe-"
 #: fields of which every store's answer to a listing has at least one
 _LISTING_FIELDS = {
     "list_objects_v2": ("KeyCount", "Name", "IsTruncated", "MaxKeys"),
