@@ -39,11 +39,11 @@ Losing a lease
     anything there again.
 
 Without conditional PUT the create is a check-then-put; the read-back still catches two
-writers unless they interleave exactly. No threads here: :mod:`tierckpt.pipeline` calls the
-thread-safe :class:`WriterLease` (one lock; its backend calls block) from its tier threads.
-
-Knobs: ``TIERCKPT_LEASE_TTL`` (seconds, default 60), ``TIERCKPT_LEASE_WAIT_S`` (how long a
-save waits for the first acquisition before going on without an answer, default 10).
+writers unless they interleave exactly. A closed writer's lease its release could not delete
+(the store hung) is taken over by the next writer of this process at once (liveness._closed).
+No threads here: :mod:`tierckpt.pipeline` calls the thread-safe :class:`WriterLease` (one
+lock; its backend calls block) from its tier threads. Knobs: ``TIERCKPT_LEASE_TTL`` (seconds,
+default 60), ``TIERCKPT_LEASE_WAIT_S`` (a save's wait for the first acquisition, default 10).
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ from tierckpt.liveness import (
     owner_status,
     owner_verdict,
     process_start,
+    releasing,
+    reopened,
 )
 from tierckpt.reported import Outage
 
@@ -179,17 +181,14 @@ def judge_holder(
     """(alive, why, presumed) for the holder of lease ``name`` (``rec``), as a writer about to
     take it over and ``tierckpt ls`` / ``gc`` / ``unlock`` judge it: by its process or lock
     file where this machine can ask (:func:`~tierckpt.liveness.owner_verdict`), else by its
-    age; ``presumed``: a live verdict that rests on the age alone (dead or not, it counts as
-    live until its ttl has passed).
+    age; ``presumed``: a live verdict resting on the age alone (live until its ttl has passed).
 
-    Its age is its holder's clock (the renewal time it wrote) against this machine's, so a
-    clock running ahead of the holder's by more than the ttl makes a live writer look dead:
-    a second job would take its location, ``tierckpt gc`` would clean beside it. So a lease
-    its age says is dead is judged again by the store's clock, the same for both: where the
-    store wrote it within its ttl (:func:`store_age`), its holder renews it and lives, whatever
-    the clocks say. Where the store keeps no times or the probe fails (read-only
-    credentials), the age stands. ``owner``: names the probe object (a fresh id where None)."""
-    alive, why, by_age = owner_verdict(rec)
+    The age is the holder's clock against this machine's: one ahead by more than the ttl makes
+    a live writer look dead. So a lease its age says is dead is judged again by the store's
+    clock (:func:`store_age`): written within its ttl, its holder lives. Where the store keeps
+    no times or the probe fails (read-only credentials), the age stands. ``owner``: names the
+    probe object (a fresh id where None)."""
+    alive, why, by_age = owner_verdict(rec, where=f"{backend.url}/{name}")
     if alive or not by_age:
         return alive, why, alive and by_age
     probe = clock_probe_name(owner or new_owner_id())
@@ -299,6 +298,7 @@ class WriterLease:
                 raise
             self.last_error = None
             self.held = True
+            reopened(self.owner, f"{self.backend.url}/{self.name}")
             self._next_renewal = time.monotonic() + self.ttl / 4
 
     def _acquire(self) -> None:
@@ -493,7 +493,8 @@ class WriterLease:
             self.attempted = False  # a later save waits for its acquisition again
             self._next_renewal = math.inf
             try:
-                if self._owner_now() == self.owner:
-                    self.backend.delete(self.name)
+                with releasing(self.owner, f"{self.backend.url}/{self.name}"):
+                    if self._owner_now() == self.owner:
+                        self.backend.delete(self.name)
             except Exception as exc:
                 log.warning("%s: could not release this writer's lease: %s", self.where, exc)

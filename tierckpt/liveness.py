@@ -22,6 +22,7 @@ descriptor at once, so that it does not keep a dead writer's lock alive.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -33,6 +34,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -369,9 +371,58 @@ def in_this_process(rec: LeaseRecord) -> bool:
     return _pids_comparable(rec, HostIdentity.current()) and rec.pid == os.getpid()
 
 
-def owner_verdict(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str, bool]:
+#: the leases this process's closed writers could not delete, by (owner, location):
+#: "releasing" while the release is in flight (it may still delete the lease), "released"
+#: once it failed (the lease stays until its ttl: the store did not answer)
+_closed: dict[tuple[str, str], str] = {}
+_closed_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def releasing(owner: str, where: str) -> Iterator[None]:
+    """Around a writer's release of its lease at ``where`` (backend url / lease name): a later
+    writer of this process judges it by :data:`_closed`, not as a live writer of this process
+    (a close() while the store hung left the lease; the next Checkpointer was refused)."""
+    key = (owner, where)
+    with _closed_lock:
+        _closed[key] = "releasing"
+    try:
+        yield
+    except BaseException:
+        with _closed_lock:
+            _closed[key] = "released"
+        raise
+    with _closed_lock:
+        _closed.pop(key, None)
+
+
+def reopened(owner: str, where: str) -> None:
+    """``owner`` holds its lease at ``where`` again (taken after a release that failed)."""
+    with _closed_lock:
+        _closed.pop((owner, where), None)
+
+
+def _closed_verdict(rec: LeaseRecord, where: str) -> tuple[bool, str, bool] | None:
+    with _closed_lock:
+        state = _closed.get((rec.owner, where))
+    if state == "released":
+        why = "it is a writer of this process closed while the store did not answer"
+        return False, why + " (its lease could not be deleted then)", False
+    if state == "releasing":
+        why = (
+            "it is a writer of this process being closed: its lease is still being given back "
+            "(the store is slow to answer); the next save asks again"
+        )
+        return True, why, True
+    return None
+
+
+def owner_verdict(
+    rec: LeaseRecord, now: float | None = None, where: str = ""
+) -> tuple[bool, str, bool]:
     """:func:`owner_status` and whether the lease's age decided it (its holder's clock
-    against this machine's: no process or lock file here could answer)."""
+    against this machine's: no process or lock file here could answer). ``where``: the
+    lease's location (backend url / name), to know this process's closed writers' leases."""
     now = time.time() if now is None else now
     me = HostIdentity.current()
     if _pids_comparable(rec, me):
@@ -382,7 +433,8 @@ def owner_verdict(rec: LeaseRecord, now: float | None = None) -> tuple[bool, str
             why = f"its process {rec.pid} ended (the pid now belongs to another process)"
             return False, why, False
         if rec.pid == os.getpid():
-            return True, "it is another writer in this process", False
+            closed = _closed_verdict(rec, where)
+            return closed or (True, "it is another writer in this process", False)
         return True, "its process runs on this host", False
     if rec.boot_id and rec.boot_id == me.boot_id and rec.live is not None:
         held = probe(rec.live)  # another PID namespace on this kernel: a restarted container

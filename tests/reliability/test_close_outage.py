@@ -18,6 +18,7 @@ bounds the whole wait.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,91 @@ def test_close_does_not_wait_for_a_retention_pass_blocked_in_a_held_store(
         "left on S3 for a later pass",
         took_s=round(took, 2),
     )
+
+
+def _release_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tierckpt-release"]
+
+
+@pytest.mark.s3
+def test_a_new_writer_of_the_process_takes_the_s3_lease_a_close_during_an_outage_left(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """close() while S3 held every request could not delete the writer's S3 lease. The next
+    Checkpointer of the same process (a training script that closes and reopens, a notebook)
+    took that lease for another live writer of this process: its save() raised
+    WriterConflict into the loop for the lease's ttl. Now, while the closed writer's release
+    is still in flight, the S3 copy waits (the save goes on with the local tier, nothing
+    raised); once the release ended, the lease is taken over at once."""
+    monkeypatch.setattr(close_module, "RELEASE_WAIT_S", RELEASE_S)
+    bucket = str(s3_bucket(moto_server))
+    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 1}
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+
+        def tiers() -> list[Any]:
+            s3 = held_s3(bucket, proxy.endpoint_url, read_timeout=3)
+            return [LocalTier(tmp_path / "nvme"), s3]
+
+        ck = Checkpointer(tiers())
+        ck.save(state, 1).wait(timeout=60)
+        ck.wait(retention=True)
+        proxy.set_faults(BLACKHOLE)
+        _close_timed(ck, caplog)
+        assert _release_threads(), "the release is expected to be still held"
+        proxy.set_faults([])  # S3 answers again; the held release waits for its timeout
+        with Checkpointer(tiers()) as nxt:
+            h = nxt.save({**state, "step": 2}, 2)  # raised WriterConflict before
+            h.wait(tier="local", timeout=60)
+            deadline = time.monotonic() + 60
+            while not h.done():
+                assert time.monotonic() < deadline, "step 2's S3 copy never ended"
+                time.sleep(0.1)
+            s3_err = h.errors.get("s3")
+            assert s3_err is None or (isinstance(s3_err, WriterConflict) and s3_err.presumed)
+            deadline = time.monotonic() + 30
+            while _release_threads():
+                assert time.monotonic() < deadline, "the release never ended"
+                time.sleep(0.1)
+            nxt.save({**state, "step": 3}, 3).wait(timeout=60)  # both tiers
+            assert nxt.steps("local") == [1, 2, 3]
+            assert 3 in nxt.steps("s3"), nxt.steps("s3")
+
+
+@pytest.mark.s3
+def test_a_lease_a_closed_writer_could_not_delete_is_taken_over_at_once(
+    tmp_path: Path,
+    moto_server: Any,
+    s3_bucket: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The release failed (S3 held it through all its attempts): the lease stays for its
+    ttl (60 s), but no writer holds it; the next writer of this process saves on S3 at once,
+    warning that it took the lease over from a closed writer."""
+    monkeypatch.setattr(close_module, "RELEASE_WAIT_S", RELEASE_S)
+    bucket = str(s3_bucket(moto_server))
+    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 1}
+    with FaultProxy(moto_server.endpoint_url, timeout=30) as proxy:
+        s3 = held_s3(bucket, proxy.endpoint_url, read_timeout=1)
+        ck = Checkpointer([s3])
+        ck.save(state, 1).wait(timeout=60)
+        ck.wait(retention=True)
+        proxy.set_faults(BLACKHOLE)
+        _close_timed(ck, caplog)
+        deadline = time.monotonic() + 30
+        while _release_threads():
+            assert time.monotonic() < deadline, "the release never ended"
+            time.sleep(0.1)
+        proxy.set_faults([])
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING, logger="tierckpt"),
+            Checkpointer([held_s3(bucket, proxy.endpoint_url)]) as nxt,
+        ):
+            nxt.save({**state, "step": 2}, 2).wait(timeout=60)  # raised WriterConflict before
+            assert nxt.steps() == [1, 2]
+        assert "closed while the store did not answer" in caplog.text, caplog.text
