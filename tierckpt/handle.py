@@ -75,9 +75,12 @@ class SaveHandle:
         #: forward pass may write (parameters and optimizer state are captured lazily)
         self.eager_bytes = 0
         self._captured = threading.Event()
-        #: set once someone waits for this save (``wait_captured``, ``wait``): its capture
-        #: then leaves each chunk's checksum until after the copy, as training waits for it
+        #: set once someone waits for this save's capture (``wait_captured``, the guarded
+        #: optimizer step): each chunk's checksum then comes after the copy, as training waits
         self.capture_awaited = threading.Event()
+        #: set once someone waits for a commit (``wait``, ``result``): checksums and writes
+        #: then start as soon as each chunk is copied (the commit is what is waited for)
+        self.commit_awaited = threading.Event()
         self._capture_error: BaseException | None = None
         self._tier_events = {t: threading.Event() for t in tiers}
         self._results: dict[str, TierResult] = {}
@@ -172,7 +175,7 @@ class SaveHandle:
                 "still flushing, so nothing of it was written (check h.skipped, or use "
                 "on_busy='block' to wait for arena space instead)"
             )
-        self.capture_awaited.set()
+        self.commit_awaited.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -175,13 +175,15 @@ class _CaptureMixin(_StallMixin):
         # the copy, which training waits for, has the cores and memory bandwidth to itself;
         # they start when the capture ends, or earlier when the arena runs low on free
         # slots and the rest of the save does not fit (the copy would otherwise wait for
-        # them: backpressure)
+        # them: backpressure), or once the save's commit is awaited and not its capture (a
+        # blocking save: copy, checksum and write then overlap, and it commits sooner)
         gate = threading.Event()
         if cuda:
             gate.set()  # device copies leave the host's cores free
         low_water = max(1, a.live_slots // 4)
         # a guarded save: its tensors changed since save() before their copy (StateChanged)
         watched, job.watched = job.watched, None
+        h = job.handle
         changed = None
         with _opens_at_exit(gate):
             for chunk in plan.chunks:
@@ -194,6 +196,8 @@ class _CaptureMixin(_StallMixin):
                     free = a.free_slots
                     if free <= low_water and free < len(plan.chunks) - chunk.seq:
                         gate.set()  # the rest of the save does not fit: slots must come back
+                    elif h.commit_awaited.is_set() and not h.capture_awaited.is_set():
+                        gate.set()  # a blocking save(...).wait(): its commit is awaited
                 slot = self._acquire(a)
                 with self._lock:
                     codecs = {t.codec for t in direct if t.name not in job.given_up}
