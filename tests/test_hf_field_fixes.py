@@ -358,3 +358,24 @@ def test_a_damaged_newest_checkpoint_names_the_trainers_way_back(tmp_path: Path)
     trainer.train(resume_from_checkpoint=cb.materialize(str(tmp_path / "out"), step=4))
     cb.close()
     assert trainer.state.global_step == 8
+
+
+def test_a_second_callback_of_the_process_saves_where_the_first_trained(tmp_path: Path) -> None:
+    """A script that trains, then builds a new callback and Trainer on the same tiers (a second
+    stage) while the first is still referenced: the first gives its leases back at the end of
+    train(), so the second saves (it was refused as another writer of this process); and the
+    first, used again, takes them back."""
+    first_cb = _callback(tmp_path / "tier")
+    first = _trainer(tmp_path / "r1", first_cb, seed=1)
+    first.train()
+    second_cb = _callback(tmp_path / "tier")
+    second = _trainer(tmp_path / "r2", second_cb, seed=2)
+    second.train()  # raised WriterConflict before
+    ck = second_cb.checkpointer
+    assert [c.timeline for c in ck.checkpoints()] == [0] * 4 + [1] * 4
+    assert torch.equal(ck.load()["model"]["lin.weight"], _weights(second))
+    again = _trainer(tmp_path / "r3", first_cb, seed=3)
+    again.train()
+    assert torch.equal(ck.load()["model"]["lin.weight"], _weights(again))
+    first_cb.close()
+    second_cb.close()

@@ -268,3 +268,43 @@ def test_a_damaged_checkpoint_names_the_older_pointer_file(tmp_path: Path) -> No
     assert f"ckpt_path={older!r}" in str(err.value), str(err.value)
     trainer, _ = _fit(tmp_path, _io(tmp_path), 8, [], ckpt_path=older)
     assert trainer.global_step == 8
+
+
+def test_a_second_trainer_of_the_process_saves_where_the_first_fit_saved(tmp_path: Path) -> None:
+    """Two stages in one script, each with its own Trainer and TierCkptIO on the same tiers,
+    the first trainer still referenced: the first IO gives its leases back at the end of its
+    fit, so the second resumes from ``last.ckpt`` and saves (its first save raised
+    WriterConflict: "another writer in this process"). Also a fit that failed: its IO,
+    held by the traceback, does not refuse the retry's IO."""
+    MC = L.pytorch.callbacks.ModelCheckpoint
+    io1 = _io(tmp_path)
+    first, _ = _fit(tmp_path, io1, 8, [MC(dirpath=tmp_path / "c", every_n_train_steps=4)])
+    second, model = _fit(
+        tmp_path,
+        _io(tmp_path),
+        16,
+        [MC(dirpath=tmp_path / "c", every_n_train_steps=4, save_top_k=-1)],
+        ckpt_path=next(str(p) for p in (tmp_path / "c").iterdir() if "step=8" in p.name),
+    )
+    assert (first.global_step, second.global_step) == (8, 16)  # the first still referenced
+    with tierckpt.Checkpointer([tierckpt.LocalTier(tmp_path / "tier")]) as ck:
+        assert ck.steps() == [4, 8, 12, 16]
+        assert (
+            _sha(model)
+            == hashlib.sha256(
+                b"".join(v.numpy().tobytes() for v in ck.load()["state_dict"].values())
+            ).hexdigest()
+        )
+
+    class _Fails(L.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step == 6:
+                raise RuntimeError("out of memory (simulated)")
+
+    io3 = _io(tmp_path)
+    with pytest.raises(RuntimeError, match="simulated"):
+        _fit(tmp_path / "f", io3, 8, [MC(dirpath=tmp_path / "f", every_n_train_steps=4), _Fails()])
+    retry_cb = [MC(dirpath=tmp_path / "f", every_n_train_steps=4)]
+    retry, _ = _fit(tmp_path / "f", _io(tmp_path), 8, retry_cb)  # refused before
+    assert retry.global_step == 8
+    assert io1 is not None and io3 is not None  # both still referenced

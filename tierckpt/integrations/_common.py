@@ -27,6 +27,7 @@ __all__ = [
     "closure_guard_hook",
     "with_hint",
     "folder_holds",
+    "give_back_leases",
     "rng_states",
     "sanitize_state",
     "set_rng_states",
@@ -248,6 +249,28 @@ def write_checkpoint(ck: Checkpointer, folder: str, ident: dict[str, Any]) -> No
         )
         shutil.rmtree(folder)
     write_trainer_folder(folder, ckpt, ident)
+
+
+#: how long the end of a fit waits for the retention passes after its last commits before it
+#: gives the writer's leases back (a pass still running keeps them: given back at close())
+SETTLE_RETENTION_S = 10.0
+
+
+def give_back_leases(ck: Checkpointer) -> None:
+    """The end of a fit or ``train()``, every save committed: give back the writer's leases
+    (its next save takes them again), so that another writer of the same tiers made in this
+    process is not refused while this one is still referenced: a second ``Trainer`` (a
+    fine-tuning stage, a resumed fit) or a retry after a failed fit, whose traceback holds the
+    first. Only once the retention passes after the last commits ended (they delete under
+    the lease); a pass held by a store that does not answer keeps the leases."""
+    if ck._pipeline is None:
+        return
+    try:
+        ck.wait(SETTLE_RETENTION_S, retention=True)
+    except TimeoutError:
+        log.info("the leases stay with this writer: a retention pass is still running")
+        return
+    ck._pipeline.give_back_leases()
 
 
 def lost_save(newest: SaveHandle | None, ck: Checkpointer, run: str) -> CheckpointFailed | None:

@@ -70,6 +70,7 @@ from tierckpt.handle import SaveHandle
 from tierckpt.integrations._common import (
     checkpoint_identity,
     folder_holds,
+    give_back_leases,
     lost_save,
     rng_states,
     sanitize_state,
@@ -287,6 +288,7 @@ class TierCkptCallback(TrainerCallback):  # type: ignore[misc]
                 best = self.checkpointer.load(int(best_step))
                 model.load_state_dict(best["model"], strict=False)
         self._best_ready = False
+        give_back_leases(self.checkpointer)  # a new Trainer of this process saves there at once
         newest, self._newest = self._newest, None
         lost = lost_save(newest, self.checkpointer, "train()")  # as a failed torch.save would
         if lost is not None:

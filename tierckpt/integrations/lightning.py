@@ -75,6 +75,7 @@ from tierckpt.format import CheckpointId
 from tierckpt.handle import SaveHandle
 from tierckpt.integrations._common import (
     closure_guard_hook,
+    give_back_leases,
     lost_save,
     sanitize_state,
     with_hint,
@@ -347,7 +348,10 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         return steps
 
     def teardown(self) -> None:
-        """End of a fit: wait until every checkpoint is committed on every tier.
+        """End of a fit: wait until every checkpoint is committed on every tier, then give
+        the writer's leases back (the next save takes them again), so that another
+        ``TierCkptIO`` of this process on the same tiers (a second ``Trainer``, the retry of a
+        failed fit) saves there while this one is still referenced.
 
         Raises :class:`~tierckpt.errors.CheckpointFailed` where the fit's newest checkpoint
         was committed on no tier (every tier failed it, as when every save of the run
@@ -356,6 +360,7 @@ class TierCkptIO(CheckpointIO):  # type: ignore[misc]
         own error goes on; this one is logged)."""
         self.checkpointer.wait()
         self._remove_guard()
+        give_back_leases(self.checkpointer)  # a new IO of this process saves there at once
         newest, self._newest = self._newest, None
         lost = lost_save(newest, self.checkpointer, "fit")
         if lost is not None and sys.exc_info()[1] is not None:
