@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,9 +135,10 @@ def snapshot_eager(
 ) -> Snapshot:
     """Copy every tensor whose storage is not in ``lazy``; keep the others by reference.
 
-    ``nn.Parameter`` objects put in the state directly are parameters, hence lazy too. The
-    tensors at ``copies`` are private copies already (of NumPy arrays, taken by the walk):
-    kept as they are.
+    An ``nn.Parameter`` put in the state directly (``state_dict(keep_vars=True)``) is lazy only
+    where its storage is (a guarded module's or optimizer's): another module's, an EMA's
+    updated right after ``save()``, is copied. The tensors at ``copies`` are private copies
+    already (of NumPy arrays, taken by the walk): kept as they are.
     """
     out = list(tensors)
     groups: dict[_Key, list[int]] = {}
@@ -145,7 +146,7 @@ def snapshot_eager(
     eager_n = 0
     own = frozenset(copies or ())
     for i, t in enumerate(tensors):
-        if type(t) is torch.nn.Parameter or t.numel() == 0 or i in own:
+        if t.numel() == 0 or i in own:
             continue
         k = _key(t)
         if k in lazy:
@@ -200,9 +201,11 @@ class Watched:
     at ``save()``. The capture checks each chunk's tensors once that chunk is copied (on CUDA:
     queued) (:meth:`changed`): the guard holds the optimizer step until the whole capture is
     done, so a change seen was made by something else between ``save()`` and the copy, and
-    the checkpoint would mix two states. A change made after a tensor's copy is harmless and
-    not looked for; one still running when its chunk is checked is not seen (the counter
-    moves when an operation ends), nor one made through ``.data``."""
+    the checkpoint would mix two states. The counter moves when an operation ends, so one
+    still running when its chunk is checked is not seen then: the capture looks at every
+    tensor again once its copies are done (:meth:`changed_any`), after the training thread
+    waits for it or a moment passes, and a change before then fails the save, even one
+    made after its own chunk was copied. Changes made through ``.data`` are never seen."""
 
     tensors: list[torch.Tensor]
     versions: list[int]
@@ -217,7 +220,14 @@ class Watched:
             self.by_span = {}
             for i, e in enumerate(plan.tensors):
                 self.by_span.setdefault(e.storage, []).append(i)
-        seen = [i for p in chunk.pieces for i in self.by_span.get(p.span, ())]
+        return self._error([i for p in chunk.pieces for i in self.by_span.get(p.span, ())], step)
+
+    def changed_any(self, step: int) -> StateChanged | None:
+        """The error for any of the save's tensors changed in place since ``save()``, or
+        None: once the capture's copies are done, before it says so (see the capture)."""
+        return self._error(range(len(self.tensors)), step)
+
+    def _error(self, seen: Sequence[int], step: int) -> StateChanged | None:
         now = _versions([self.tensors[i] for i in seen])
         changed = [i for i, v in zip(seen, now, strict=True) if v != self.versions[i]]
         if not changed:

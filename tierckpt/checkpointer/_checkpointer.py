@@ -414,10 +414,9 @@ class Checkpointer(SavePath, Observed):
         The next ``save()`` after a load chooses its timeline again: a step after the newest
         committed one continues its timeline; an older or equal one starts a new timeline.
 
-        This Checkpointer's own saves keep the checkpoint a load reads until it is read. Beside
-        another process's writer (an evaluator by a trainer with a small ``keep_last``): when its
-        retention removes the chosen checkpoint mid-read, the tiers are listed again and the
-        newest is loaded instead (up to ``LOAD_ATTEMPTS`` times; all ranks together).
+        This Checkpointer's own saves keep the checkpoint a load reads until it is read (and
+        ``into`` waits for their captures). Beside another process's writer: when its retention
+        removes the chosen checkpoint mid-read, the newest is loaded instead (``LOAD_ATTEMPTS``).
 
         A top-level value of ``into`` with ``state_dict()`` / ``load_state_dict()`` (DCP's
         ``Stateful``: a module, an optimizer, a user class) gets its part of the checkpoint
@@ -428,6 +427,8 @@ class Checkpointer(SavePath, Observed):
         """
         step = None if step is None else as_step(step, "load")
         map_location = as_map_location(map_location)
+        if into is not None:  # this writer's saves in flight still copy what it overwrites
+            self._wait_captures(None, on_device=False)
         if tier is not None and self._peer is not None:
             self._peer.release_spare()  # a load of one tier pulls nothing from partners
 

@@ -272,6 +272,17 @@ class _CaptureMixin(_StallMixin):
             ev.synchronize()  # blocking events: this thread sleeps until the copy is done
         if changed is not None:
             raise changed  # after the copies: no slot is handed back while one writes it
+        if watched is not None and not cuda:
+            # an in-place change still running while its chunk was copied moved its counter
+            # only when it ended (a torn or unreadable chunk, checked clean): every tensor is
+            # looked at again once the training thread waits for this capture (its own
+            # operations have ended then) or SETTLE_S passed. (CUDA: the step hook lets the
+            # optimizer queue its step once the copies are queued: not looked at again)
+            if not (h.capture_awaited.is_set() or h.commit_awaited.is_set()):
+                h.capture_awaited.wait(SETTLE_S)
+            changed = watched.changed_any(job.step)
+            if changed is not None:
+                raise changed
         # the copies are done: the save holds no device storage from here (not until the
         # slowest tier commits); the arena slots hold the bytes
         plan.sources.clear()
@@ -287,6 +298,11 @@ class _CaptureMixin(_StallMixin):
         return self._copy_team
 
     # -- tiers -----------------------------------------------------------------------
+
+
+#: how long a guarded CPU capture nobody waits for waits before its last look at the state's
+#: version counters: an in-place operation running while a chunk was copied ends by then
+SETTLE_S = 0.1
 
 
 def _encode(
