@@ -275,11 +275,15 @@ class _CaptureMixin(_StallMixin):
         if watched is not None and not cuda:
             # an in-place change still running while its chunk was copied moved its counter
             # only when it ended (a torn or unreadable chunk, checked clean): every tensor is
-            # looked at again once the training thread waits for this capture (its own
-            # operations have ended then) or SETTLE_S passed. (CUDA: the step hook lets the
+            # looked at again once the training thread waits for this save (its own
+            # operations have ended then: wait_captured, the step hook, wait) or SETTLE_S
+            # passed. (CUDA: the step hook lets the
             # optimizer queue its step once the copies are queued: not looked at again)
-            if not (h.capture_awaited.is_set() or h.commit_awaited.is_set()):
-                h.capture_awaited.wait(SETTLE_S)
+            settled = time.monotonic() + SETTLE_S
+            while not (h.capture_awaited.is_set() or h.commit_awaited.is_set()):
+                if time.monotonic() >= settled:
+                    break
+                h.capture_awaited.wait(0.005)
             changed = watched.changed_any(job.step)
             if changed is not None:
                 raise changed

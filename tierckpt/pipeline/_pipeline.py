@@ -232,6 +232,8 @@ class Pipeline(_CloseMixin, _TiersMixin, _CaptureMixin, _ExitMixin):
             jobs = self.in_flight()
             if not jobs:
                 return True
+            for job in jobs:  # a guarded capture's last look need not wait (_capture)
+                job.handle.commit_awaited.set()
             now = time.monotonic()
             if end is not None and now >= end:
                 return False
