@@ -1,5 +1,7 @@
-"""While a save's host chunks are copied, their checksums (and so the writes) wait, so the copy
-that training waits for has the cores to itself; they start when the capture ends, or earlier
+"""While a save's host chunks are copied and training waits for that copy (``wait_captured()``,
+the guarded optimizer step), their checksums (and so the writes) wait, so the copy has the
+cores to itself (a save whose commit is waited for instead overlaps them:
+tests/test_every_step_cpu.py); they start when the capture ends, or earlier
 when the arena runs low (never a deadlock behind backpressure). Every stored chunk is still
 checksummed, and verified when loaded."""
 
@@ -35,29 +37,47 @@ class _Order:
             self.stages.append(event.stage)
 
 
-def _slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each chunk copy takes a while: a checksum that did not wait would surely run then."""
+def _slow_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Each chunk copy takes a while: a checksum that did not wait would surely run then. The
+    first waits for the returned event."""
     import tierckpt.pipeline._capture as pipeline_mod
 
     real = pipeline_mod.copy_chunk
+    go = threading.Event()
 
     def slow(*args: Any, **kwargs: Any) -> Any:
+        assert go.wait(30), "the test never let the copies go"
         time.sleep(0.02)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pipeline_mod, "copy_chunk", slow)
+    return go
+
+
+def _save_training_waits_for(ck: Checkpointer, state: Any, go: threading.Event) -> None:
+    """Save ``state`` as training does: its capture waited for (``wait_captured()``, as the
+    guarded optimizer step does) from before the first copy, then its commit."""
+    h = ck.save(state, step=1)
+    waiter = threading.Thread(target=h.wait_captured, kwargs={"timeout": 60})
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not h.capture_awaited.is_set() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    go.set()
+    waiter.join(60)
+    h.wait(timeout=60)
 
 
 def test_checksums_wait_until_every_chunk_is_copied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _slow_copies(monkeypatch)
+    go = _slow_copies(monkeypatch)
     state = _state(12)
     # an arena with room for every chunk: nothing forces a checksum before the copy ends
     with Checkpointer([LocalTier(tmp_path)], chunk_bytes=64 << 10, host_buffer_bytes=4 << 20) as ck:
         order = _Order()
         ck._get_pipeline().subscribe(order)
-        ck.save(state, step=1).wait()
+        _save_training_waits_for(ck, state, go)
         captures = [i for i, s in enumerate(order.stages) if s == "capture"]
         checksums = [i for i, s in enumerate(order.stages) if s == "checksum"]
         assert len(captures) == 12 and len(checksums) == 12
@@ -70,14 +90,14 @@ def test_a_save_bigger_than_the_arena_starts_its_checksums_before_its_copy_ends(
 ) -> None:
     """4 slots for 12 chunks: the checksums (and writes) must free slots while the capture
     runs, or it would wait forever."""
-    _slow_copies(monkeypatch)
+    go = _slow_copies(monkeypatch)
     state = _state(12)
     with Checkpointer(
         [LocalTier(tmp_path)], chunk_bytes=64 << 10, host_buffer_bytes=256 << 10
     ) as ck:
         order = _Order()
         ck._get_pipeline().subscribe(order)
-        ck.save(state, step=1).wait(timeout=60)
+        _save_training_waits_for(ck, state, go)
         assert ck._pipeline.arena.n_slots == 4  # type: ignore[union-attr]
         captures = [i for i, s in enumerate(order.stages) if s == "capture"]
         checksums = [i for i, s in enumerate(order.stages) if s == "checksum"]
