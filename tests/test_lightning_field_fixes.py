@@ -279,9 +279,10 @@ def test_a_second_trainer_of_the_process_saves_where_the_first_fit_saved(tmp_pat
     MC = L.pytorch.callbacks.ModelCheckpoint
     io1 = _io(tmp_path)
     first, _ = _fit(tmp_path, io1, 8, [MC(dirpath=tmp_path / "c", every_n_train_steps=4)])
+    io2 = _io(tmp_path)
     second, model = _fit(
         tmp_path,
-        _io(tmp_path),
+        io2,
         16,
         [MC(dirpath=tmp_path / "c", every_n_train_steps=4, save_top_k=-1)],
         ckpt_path=next(str(p) for p in (tmp_path / "c").iterdir() if "step=8" in p.name),
@@ -305,6 +306,8 @@ def test_a_second_trainer_of_the_process_saves_where_the_first_fit_saved(tmp_pat
     with pytest.raises(RuntimeError, match="simulated"):
         _fit(tmp_path / "f", io3, 8, [MC(dirpath=tmp_path / "f", every_n_train_steps=4), _Fails()])
     retry_cb = [MC(dirpath=tmp_path / "f", every_n_train_steps=4)]
-    retry, _ = _fit(tmp_path / "f", _io(tmp_path), 8, retry_cb)  # refused before
+    io4 = _io(tmp_path)
+    retry, _ = _fit(tmp_path / "f", io4, 8, retry_cb)  # refused before
     assert retry.global_step == 8
-    assert io1 is not None and io3 is not None  # both still referenced
+    for io in (io1, io2, io3, io4):  # all still referenced until here
+        io.close()
