@@ -6,6 +6,8 @@ import importlib.util
 import mmap
 import os
 import sys
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,3 +166,16 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules.setdefault(name, mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+def wait_in_a_thread(wait: Any, flag: threading.Event, then: threading.Event) -> None:
+    """Call ``wait`` on a thread; once it raised ``flag`` (a save handle's
+    ``capture_awaited`` or ``commit_awaited``), set ``then`` (which lets held copies go on)
+    and join it."""
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while not flag.is_set() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    then.set()
+    waiter.join(60)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, wait_in_a_thread
 
 from tierckpt import Checkpointer, LocalTier
 from tierckpt.pipeline import StageEvent
@@ -58,13 +58,7 @@ def _save_training_waits_for(ck: Checkpointer, state: Any, go: threading.Event) 
     """Save ``state`` as training does: its capture waited for (``wait_captured()``, as the
     guarded optimizer step does) from before the first copy, then its commit."""
     h = ck.save(state, step=1)
-    waiter = threading.Thread(target=h.wait_captured, kwargs={"timeout": 60})
-    waiter.start()
-    deadline = time.monotonic() + 30
-    while not h.capture_awaited.is_set() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    go.set()
-    waiter.join(60)
+    wait_in_a_thread(h.wait_captured, h.capture_awaited, go)
     h.wait(timeout=60)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from helpers import assert_same
+from helpers import assert_same, wait_in_a_thread
 
 from tierckpt import Checkpointer, LocalTier
 from tierckpt import capture as capture_mod
@@ -200,18 +200,6 @@ def _counting_checksum(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
-def _wait_in_a_thread(wait: Any, flag: threading.Event, then: threading.Event) -> None:
-    """Call ``wait`` on a thread; once it raised ``flag``, set ``then`` (which lets the held
-    copies go on) and join it."""
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    deadline = time.monotonic() + 60
-    while not flag.is_set() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    then.set()
-    waiter.join(60)
-
-
 def test_lazy_save_takes_checksums_while_copying_and_loads_verified(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,7 +238,7 @@ def test_blocking_save_leaves_checksums_until_after_the_copy(
     state = {"w": torch.randn(300_000), "b": torch.randn(7)}
     with Checkpointer([LocalTier(tmp_path)], chunk_bytes=256 << 10) as ck:
         h = ck.save(state, step=1)
-        _wait_in_a_thread(h.wait_captured, h.capture_awaited, waiting)
+        wait_in_a_thread(h.wait_captured, h.capture_awaited, waiting)
         h.wait()
         n_chunks = -(-(300_000 * 4 + 7 * 4) // (256 << 10))
         assert len(sums) == n_chunks  # each chunk hashed once, after its copy
@@ -289,7 +277,7 @@ def test_a_save_whose_commit_is_awaited_hashes_and_writes_while_it_copies(
     state = {"w": torch.randn(300_000), "b": torch.randn(7)}
     with Checkpointer([LocalTier(tmp_path)], chunk_bytes=256 << 10) as ck:
         h = ck.save(state, step=1)
-        _wait_in_a_thread(h.wait, h.commit_awaited, waited)
+        wait_in_a_thread(h.wait, h.commit_awaited, waited)
         h.wait()
         assert not h.capture_awaited.is_set()
         assert order == ["last copy waits"]  # a chunk was done before the last copy
